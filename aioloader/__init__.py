@@ -1,0 +1,52 @@
+"""aioloader: an asyncio-native data loader for PyTorch.
+
+Import everything from here; the ``_modules`` behind it are private.
+"""
+
+from ._collate import PadCollate as PadCollate
+from ._collate import PaddedBatch as PaddedBatch
+from ._collate import default_collate as default_collate
+from ._collate import default_convert as default_convert
+from ._collate import pad_collate as pad_collate
+from ._dataset import AsyncDataset as AsyncDataset
+from ._dataset import AsyncIterableDataset as AsyncIterableDataset
+from ._exceptions import AioLoaderError as AioLoaderError
+from ._exceptions import LoaderStateError as LoaderStateError
+from ._exceptions import LoaderTimeout as LoaderTimeout
+from ._exceptions import TransientError as TransientError
+from ._loader import DataLoader as DataLoader
+from ._retry import RetryPolicy as RetryPolicy
+from ._sampler import BatchSampler as BatchSampler
+from ._sampler import DistributedSampler as DistributedSampler
+from ._sampler import RandomSampler as RandomSampler
+from ._sampler import SequentialSampler as SequentialSampler
+from ._stats import ConsumerStatistics as ConsumerStatistics
+from ._stats import LatencySummary as LatencySummary
+from ._stats import LoaderStatistics as LoaderStatistics
+from ._stats import StageStatistics as StageStatistics
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AioLoaderError",
+    "AsyncDataset",
+    "AsyncIterableDataset",
+    "BatchSampler",
+    "ConsumerStatistics",
+    "DataLoader",
+    "DistributedSampler",
+    "LatencySummary",
+    "LoaderStateError",
+    "LoaderStatistics",
+    "LoaderTimeout",
+    "PadCollate",
+    "PaddedBatch",
+    "RandomSampler",
+    "RetryPolicy",
+    "SequentialSampler",
+    "StageStatistics",
+    "TransientError",
+    "default_collate",
+    "default_convert",
+    "pad_collate",
+]

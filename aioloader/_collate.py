@@ -1,0 +1,662 @@
+"""Turning lists of samples into batches.
+
+Owns: the collate functions — :func:`default_collate` (torch-compatible, plus dataclasses),
+:func:`default_convert` (the ``batch_size=None`` path) and :class:`PadCollate` /
+:data:`pad_collate` for variable-length sequences. Never: touches an event loop, does I/O or
+keeps global state. Everything here is a pure function of its arguments (or a picklable,
+immutable callable), so it runs unchanged in the loop thread, an offload thread or a worker
+process.
+
+Errors say *where* in the sample they happened, as a path such as ``sample['image'][1]``:
+the root is ``sample``, ``[key]`` indexes a mapping, ``[i]`` a position in a sequence and
+``.name`` a field of a named tuple or dataclass. Errors raised by torch itself while building a
+tensor keep their type and message and get the path attached as a note (PEP 678).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import (
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    Sequence,
+)
+from typing import Any, NamedTuple, overload
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+__all__ = [
+    "PadCollate",
+    "PaddedBatch",
+    "default_collate",
+    "default_convert",
+    "pad_collate",
+]
+
+# NumPy dtype kinds torch cannot hold: byte strings (S, a), unicode strings (U), objects (O).
+# Same pattern as torch's, matched against ``dtype.str`` (e.g. "<U5", "|S3", "|O").
+_NP_STR_OBJ_DTYPE = re.compile(r"[SaUO]")
+
+# NumPy scalar types that default_collate turns into tensors (string scalars are str/bytes
+# subclasses and are left alone, like torch does).
+_NP_SCALAR_TYPES = (np.bool_, np.number, np.object_)
+
+_SPARSE_LAYOUTS = frozenset(
+    {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
+)
+
+_ROOT = "sample"
+
+
+# --------------------------------------------------------------------------------------------
+# default_collate
+# --------------------------------------------------------------------------------------------
+
+
+def default_collate(batch: Sequence[Any]) -> Any:
+    """Collate a list of samples into a batch, exactly like ``torch.utils.data.default_collate``.
+
+    The type of the first sample decides how the batch is collated; the rules (checked in this
+    order) are torch's:
+
+    * :class:`torch.Tensor` -> ``torch.stack`` along a new first dimension (same dtype).
+    * NumPy array -> converted with ``torch.as_tensor``, then stacked. Arrays of strings or
+      objects raise :class:`TypeError`.
+    * NumPy scalar (``np.bool_``, numbers) -> ``torch.as_tensor(batch)``.
+    * ``float`` -> float64 tensor.
+    * ``int`` (``bool`` included) -> ``torch.tensor(batch)``: int64 for ints, ``torch.bool``
+      for bools. As in torch, the *first* element picks the rule, so ``[1, 2.5]`` gives a
+      tensor of the default float dtype (float32) while ``[2.5, 1]`` gives float64.
+    * ``str`` / ``bytes`` -> the batch itself, unchanged. Note that strings nested in a tuple,
+      list or named tuple come back as a *tuple* of strings, and strings in a mapping as a
+      *list* — that is what torch does.
+    * mapping -> collated per key (the first sample's keys), returned as the same mapping
+      type: mutable mappings are copied and updated (so ``defaultdict`` keeps its factory,
+      ``OrderedDict`` its type), immutable ones are rebuilt from a dict; a type that supports
+      neither gives a plain ``dict``.
+    * named tuple -> the same named tuple type, field by field.
+    * other sequence -> transposed, each position collated. Samples of unequal length raise
+      :class:`RuntimeError`. A ``tuple`` gives a ``list``; a ``list`` (or other mutable
+      sequence) gives a copy of the same type; another sequence type is rebuilt from a list if
+      it can be, else a ``list`` is returned.
+
+    Extension beyond torch: a dataclass instance (frozen or not) is collated field by field
+    into an instance of the same dataclass. The instance is built without calling ``__init__``
+    or ``__post_init__`` (each field, ``init=False`` ones included, holds the collated values
+    of that field), so validation written for a single sample does not run on the batch.
+    Torch raises :class:`TypeError` for dataclasses.
+
+    Args:
+        batch: The samples, all of the same structure.
+
+    Returns:
+        The batch: a tensor, or the samples' container structure with collated leaves.
+
+    Raises:
+        ValueError: If ``batch`` is empty.
+        TypeError: If an element of the samples has a type that cannot be collated (the message
+            names the type and the path to it), or samples disagree in type where that matters.
+        RuntimeError: If sequences in the samples have unequal lengths, or tensors at the same
+            position have different shapes (the message names the path and both shapes).
+        KeyError: If a mapping in a later sample lacks a key of the first sample's mapping.
+    """
+    return _collate(_as_batch(batch), _ROOT)
+
+
+def _as_batch(batch: Any) -> Sequence[Any]:
+    """Check that ``batch`` is a non-empty sequence of samples (any iterable is listed)."""
+    if isinstance(batch, str | bytes | Mapping):
+        raise TypeError(f"batch must be a sequence of samples, not {type(batch)!r}")
+    samples: Sequence[Any]
+    if isinstance(batch, Sequence):
+        samples = batch
+    elif isinstance(batch, Iterable):
+        samples = list(batch)
+    else:
+        raise TypeError(f"batch must be a sequence of samples, not {type(batch)!r}")
+    if len(samples) == 0:
+        raise ValueError("cannot collate an empty batch")
+    return samples
+
+
+def _collate(batch: Sequence[Any], path: str) -> Any:
+    """Collate ``batch`` (non-empty), whose elements all sit at ``path`` in their samples."""
+    elem = batch[0]
+    if isinstance(elem, torch.Tensor):
+        return _collate_tensors(batch, path)
+    if isinstance(elem, np.ndarray):
+        return _collate_tensors(_arrays_to_tensors(batch, path), path)
+    if isinstance(elem, _NP_SCALAR_TYPES):
+        return _build_tensor(torch.as_tensor, batch, path)
+    if isinstance(elem, float):
+        return _build_tensor(lambda b: torch.tensor(b, dtype=torch.float64), batch, path)
+    if isinstance(elem, int):
+        return _build_tensor(torch.tensor, batch, path)
+    if isinstance(elem, str | bytes):
+        return batch
+    if isinstance(elem, Mapping):
+        return _collate_mapping(batch, path)
+    if isinstance(elem, tuple) and hasattr(elem, "_fields"):
+        return _collate_namedtuple(batch, path)
+    if isinstance(elem, Sequence):
+        return _collate_sequence(batch, path)
+    if dataclasses.is_dataclass(elem) and not isinstance(elem, type):
+        return _collate_dataclass(batch, path)
+    raise TypeError(f"{path}: cannot collate {type(elem)!r}")
+
+
+def _collate_tensors(batch: Sequence[Any], path: str) -> torch.Tensor:
+    """Stack same-shaped tensors along a new first dimension."""
+    tensors: list[torch.Tensor] = []
+    for i, item in enumerate(batch):
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(
+                f"{path}: expected a tensor in every sample (as in sample 0), "
+                f"but sample {i} has {type(item)!r}"
+            )
+        tensors.append(item)
+    elem = tensors[0]
+    if elem.is_nested:
+        raise RuntimeError(
+            f"{path}: batches of nested tensors are not supported by default_collate; "
+            "pass a custom collate function"
+        )
+    if elem.layout in _SPARSE_LAYOUTS:
+        raise RuntimeError(
+            f"{path}: batches of sparse tensors are not supported by default_collate; "
+            "pass a custom collate function"
+        )
+    shape = elem.shape
+    for i, item in enumerate(tensors):
+        if item.shape != shape:
+            raise RuntimeError(
+                f"{path}: cannot stack tensors of different shapes: sample 0 has shape "
+                f"{tuple(shape)} but sample {i} has shape {tuple(item.shape)}"
+            )
+    out = _alloc_like(elem, len(tensors)) if _can_preallocate(tensors) else None
+    try:
+        return torch.stack(tensors, 0, out=out)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        exc.add_note(f"while collating {path}")
+        raise
+
+
+def _can_preallocate(batch: Sequence[torch.Tensor]) -> bool:
+    """Whether ``torch.stack(batch, out=_alloc_like(...))`` gives what a plain stack would.
+
+    Not when dtypes differ (a plain stack promotes them), for tensor subclasses (a plain stack
+    keeps the subclass), for quantized tensors, or when autograd would need to record the stack
+    (``out=`` does not support autograd).
+    """
+    elem = batch[0]
+    if elem.is_quantized:
+        return False
+    grad = torch.is_grad_enabled()
+    for item in batch:
+        if type(item) is not torch.Tensor or item.dtype != elem.dtype:
+            return False
+        if grad and item.requires_grad:
+            return False
+    return True
+
+
+def _alloc_like(elem: torch.Tensor, n: int) -> torch.Tensor:
+    """Allocate the (uninitialised) output of stacking ``n`` tensors shaped like ``elem``.
+
+    This is the one place batch memory is allocated: a later change can allocate it in shared
+    memory here (when running in a worker process) to save a copy on the way to the parent.
+    """
+    return torch.empty((n, *elem.shape), dtype=elem.dtype, device=elem.device)
+
+
+def _arrays_to_tensors(batch: Sequence[Any], path: str) -> list[torch.Tensor]:
+    """Convert the NumPy arrays of a batch to tensors (no copy where NumPy allows)."""
+    dtype = batch[0].dtype
+    if _NP_STR_OBJ_DTYPE.search(dtype.str) is not None:
+        raise TypeError(f"{path}: cannot collate NumPy arrays of dtype {dtype}")
+    return [_build_tensor(torch.as_tensor, item, path) for item in batch]
+
+
+def _build_tensor(make: Callable[[Any], torch.Tensor], data: Any, path: str) -> torch.Tensor:
+    """``make(data)``, with ``path`` noted on torch's error if it fails."""
+    try:
+        result: torch.Tensor = make(data)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        exc.add_note(f"while collating {path}")
+        raise
+    return result
+
+
+def _collate_mapping(batch: Sequence[Any], path: str) -> Mapping[Any, Any]:
+    elem = batch[0]
+    values: dict[Any, Any] = {}
+    for key in elem:
+        column = _column(batch, key, path)
+        values[key] = _collate(column, f"{path}[{key!r}]")
+    return _rebuild_mapping(elem, values)
+
+
+def _column(batch: Sequence[Any], key: Any, path: str) -> list[Any]:
+    """``[sample[key] for sample in batch]`` for mapping samples, with errors naming the path."""
+    column = []
+    for i, item in enumerate(batch):
+        if not isinstance(item, Mapping):
+            raise TypeError(
+                f"{path}: expected a mapping in every sample (as in sample 0), "
+                f"but sample {i} has {type(item)!r}"
+            )
+        try:
+            column.append(item[key])
+        except KeyError:
+            raise KeyError(f"{path}: sample {i} has no key {key!r} (sample 0 has)") from None
+    return column
+
+
+def _rebuild_mapping(elem: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
+    """Return ``values`` in a mapping of ``elem``'s type where possible, else as a dict.
+
+    Mirrors torch: a mutable mapping is shallow-copied and updated (its type may carry extra
+    state, such as a ``defaultdict``'s factory), an immutable one is built from a dict, and a
+    type that supports neither (raises :class:`TypeError`) gives a plain ``dict``.
+    """
+    try:
+        if isinstance(elem, MutableMapping):
+            clone = copy.copy(elem)
+            clone.update(values)
+            return clone
+        rebuilt: Mapping[Any, Any] = type(elem)(values)  # type: ignore[call-arg]
+    except TypeError:
+        return values
+    return rebuilt
+
+
+def _collate_namedtuple(batch: Sequence[Any], path: str) -> Any:
+    elem = batch[0]
+    fields: tuple[str, ...] = elem._fields
+    # Like torch: fields are zipped, so each position is collated from a tuple.
+    return type(elem)(
+        *(
+            _collate(column, f"{path}.{name}")
+            for name, column in zip(fields, zip(*batch, strict=False), strict=False)
+        )
+    )
+
+
+def _collate_sequence(batch: Sequence[Any], path: str) -> Any:
+    elem = batch[0]
+    size = len(elem)
+    for i, item in enumerate(batch):
+        try:
+            item_size = len(item)
+        except TypeError as exc:
+            exc.add_note(f"while collating {path} (sample {i})")
+            raise
+        if item_size != size:
+            raise RuntimeError(
+                f"{path}: each element in list of batch should be of equal size "
+                f"(sample 0 has length {size}, sample {i} has length {item_size})"
+            )
+    # Like torch: positions are zipped, so each position is collated from a tuple.
+    collated = [
+        _collate(column, f"{path}[{i}]") for i, column in enumerate(zip(*batch, strict=False))
+    ]
+    if isinstance(elem, tuple):
+        return collated  # a list, as torch returns for tuples (backwards compatibility)
+    try:
+        if isinstance(elem, MutableSequence):
+            clone = copy.copy(elem)
+            for i, value in enumerate(collated):
+                clone[i] = value
+            return clone
+        return type(elem)(collated)
+    except TypeError:
+        # The type supports neither copy-and-assign nor construction from a list (e.g. range).
+        return collated
+
+
+def _collate_dataclass(batch: Sequence[Any], path: str) -> Any:
+    elem = batch[0]
+    cls = type(elem)
+    for i, item in enumerate(batch):
+        if type(item) is not cls:
+            raise TypeError(
+                f"{path}: expected {cls!r} in every sample (as in sample 0), "
+                f"but sample {i} has {type(item)!r}"
+            )
+    values = {
+        field.name: _collate([getattr(item, field.name) for item in batch], f"{path}.{field.name}")
+        for field in dataclasses.fields(elem)
+    }
+    # Bypass __init__/__post_init__ (and frozen=True's __setattr__): every field is set to
+    # the collated values of that field, nothing is recomputed or validated.
+    out = object.__new__(cls)
+    for name, value in values.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# default_convert
+# --------------------------------------------------------------------------------------------
+
+
+def default_convert(data: Any) -> Any:
+    """Convert the NumPy arrays and scalars in ``data`` to tensors, like torch's default_convert.
+
+    Used instead of collation when a loader yields single samples (``batch_size=None``).
+    Tensors are returned as they are; NumPy arrays and scalars become tensors with
+    ``torch.as_tensor`` (arrays of strings or objects, and NumPy string scalars, are left
+    unchanged); mappings, named tuples and sequences are converted element by element and
+    rebuilt the way :func:`default_collate` rebuilds them (so a ``tuple`` becomes a ``list``,
+    as in torch); anything else is returned unchanged.
+
+    As in torch, only objects whose type is one of NumPy's own (``type(x).__module__ ==
+    "numpy"``) are converted, so masked arrays and record arrays pass through unchanged. One
+    deliberate difference: torch (with NumPy 2) fails on ``np.bytes_`` scalars; here they are
+    left unchanged, like ``np.str_``.
+
+    Args:
+        data: One sample.
+
+    Returns:
+        The sample with NumPy arrays and scalars replaced by tensors.
+
+    Raises:
+        TypeError: If a NumPy array or scalar has a dtype torch does not support (such as
+            ``datetime64``), as torch does.
+    """
+    if isinstance(data, torch.Tensor):
+        return data
+    if type(data).__module__ == "numpy" and not isinstance(data, str | bytes):
+        if isinstance(data, np.ndarray) and _NP_STR_OBJ_DTYPE.search(data.dtype.str) is not None:
+            return data
+        return torch.as_tensor(data)
+    if isinstance(data, Mapping):
+        return _rebuild_mapping(data, {key: default_convert(data[key]) for key in data})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(default_convert(item) for item in data))
+    if isinstance(data, tuple):
+        return [default_convert(item) for item in data]
+    if isinstance(data, Sequence) and not isinstance(data, str | bytes):
+        converted = [default_convert(item) for item in data]
+        try:
+            if isinstance(data, MutableSequence):
+                clone = copy.copy(data)
+                for i, value in enumerate(converted):
+                    clone[i] = value
+                return clone
+            return type(data)(converted)  # type: ignore[call-arg]
+        except TypeError:
+            return converted
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# Padding
+# --------------------------------------------------------------------------------------------
+
+
+class PaddedBatch(NamedTuple):
+    """A batch of variable-length sequences, padded to the longest one.
+
+    Attributes:
+        values: ``(B, L_max, *rest)``, the samples' dtype; positions past a sample's length
+            hold the padding value.
+        lengths: ``(B,)`` int64, each sample's length ``L_i``.
+        mask: ``(B, L_max)`` bool, True where ``values`` holds real data; None if the
+            collate function was asked not to build it.
+    """
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    mask: torch.Tensor | None
+
+
+class PadCollate:
+    """Collate variable-length sequences by padding them to the longest in the batch.
+
+    A plain, immutable class (not a closure), so instances pickle and can be sent to worker
+    processes. Call it on a list of samples:
+
+    * If the samples are sequences — tensors or NumPy arrays of shape ``(L_i, *rest)`` with
+      ``*rest`` equal across the batch, or lists of Python ints (token ids, converted to int64)
+      — the result is a :class:`PaddedBatch`.
+    * If the samples are mappings, the keys to pad (``keys``, or by default every key whose
+      value in the first sample is a numeric tensor or NumPy array with at least one
+      dimension) become :class:`PaddedBatch` values, and every other key is collated with
+      :func:`default_collate`. The result is a mapping built like :func:`default_collate`
+      builds one. Lists of token ids are only padded when their key is named in ``keys``.
+
+    All tensors of the result are on the samples' device.
+
+    Args:
+        padding_value: The value past each sample's end. For an integer or bool dtype it must
+            be a whole number.
+        keys: For mapping samples, the keys to pad; None (the default) picks them as above.
+        mask: Whether to build :attr:`PaddedBatch.mask`.
+
+    Raises:
+        TypeError: If ``padding_value`` is not a number, ``keys`` is a single string or holds
+            anything but strings, or ``mask`` is not a bool.
+
+    Example:
+        >>> collate = PadCollate(padding_value=-1)
+        >>> batch = collate([torch.tensor([1, 2, 3]), torch.tensor([4])])
+        >>> batch.values
+        tensor([[ 1,  2,  3],
+                [ 4, -1, -1]])
+        >>> batch.lengths
+        tensor([3, 1])
+    """
+
+    __slots__ = ("_keys", "_mask", "_padding_value")
+
+    def __init__(
+        self,
+        *,
+        padding_value: float | int = 0,
+        keys: Collection[str] | None = None,
+        mask: bool = True,
+    ) -> None:
+        if isinstance(padding_value, bool) or not isinstance(padding_value, int | float):
+            raise TypeError(f"padding_value must be an int or float, not {padding_value!r}")
+        if not isinstance(mask, bool):
+            raise TypeError(f"mask must be a bool, not {mask!r}")
+        frozen_keys: frozenset[str] | None = None
+        if keys is not None:
+            if isinstance(keys, str | bytes) or not isinstance(keys, Collection):
+                raise TypeError(
+                    f"keys must be a collection of key names (e.g. [{keys!r}]), not {keys!r}"
+                )
+            for key in keys:
+                if not isinstance(key, str):
+                    raise TypeError(f"keys must hold strings, but holds {key!r}")
+            frozen_keys = frozenset(keys)
+        self._padding_value = padding_value
+        self._keys = frozen_keys
+        self._mask = mask
+
+    @property
+    def padding_value(self) -> float | int:
+        """The value past each sample's end."""
+        return self._padding_value
+
+    @property
+    def keys(self) -> frozenset[str] | None:
+        """The keys padded in mapping samples; None to pick them from the first sample."""
+        return self._keys
+
+    @property
+    def mask(self) -> bool:
+        """Whether :attr:`PaddedBatch.mask` is built."""
+        return self._mask
+
+    def __repr__(self) -> str:
+        keys = None if self._keys is None else sorted(self._keys)
+        return (
+            f"{type(self).__name__}(padding_value={self._padding_value!r}, keys={keys!r}, "
+            f"mask={self._mask!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PadCollate):
+            return NotImplemented
+        return self._state() == other._state()
+
+    def __hash__(self) -> int:
+        return hash(self._state())
+
+    def _state(self) -> tuple[float | int, frozenset[str] | None, bool]:
+        return (self._padding_value, self._keys, self._mask)
+
+    def __getstate__(self) -> tuple[float | int, frozenset[str] | None, bool]:
+        return self._state()
+
+    def __setstate__(self, state: tuple[float | int, frozenset[str] | None, bool]) -> None:
+        self._padding_value, self._keys, self._mask = state
+
+    @overload
+    def __call__(
+        self, batch: Sequence[torch.Tensor | npt.NDArray[Any] | Sequence[int]]
+    ) -> PaddedBatch: ...
+
+    @overload
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]: ...
+
+    @overload
+    def __call__(self, batch: Sequence[Any]) -> Any: ...
+
+    def __call__(self, batch: Sequence[Any]) -> Any:
+        """Collate ``batch``, padding its sequences.
+
+        Args:
+            batch: The samples: all sequences (tensors, arrays, lists of ints) or all mappings.
+
+        Returns:
+            A :class:`PaddedBatch` for sequence samples; for mapping samples, a mapping of the
+            first sample's keys to a :class:`PaddedBatch` (padded keys) or the
+            :func:`default_collate` result (other keys).
+
+        Raises:
+            ValueError: If ``batch`` is empty, a padded sample is 0-d, or padded samples
+                disagree in their trailing shape (the message names the sample positions).
+            TypeError: If padded samples disagree in dtype, a padded value is not a tensor,
+                array or list of ints, samples mix mappings and sequences, or ``keys`` is set
+                but the samples are not mappings.
+            KeyError: If a key named in ``keys`` is missing from a sample.
+        """
+        batch = _as_batch(batch)
+        elem = batch[0]
+        if not isinstance(elem, Mapping):
+            if self._keys is not None:
+                raise TypeError(
+                    f"{self!r}: keys are given, but sample 0 is {type(elem)!r}, not a mapping"
+                )
+            return self._pad(batch, _ROOT)
+        pad_keys = self._keys if self._keys is not None else _auto_pad_keys(elem)
+        for i, item in enumerate(batch):
+            if not isinstance(item, Mapping):
+                raise TypeError(
+                    f"expected a mapping in every sample (as in sample 0), "
+                    f"but sample {i} has {type(item)!r}"
+                )
+            for key in pad_keys:
+                if key not in item:
+                    raise KeyError(f"sample {i} has no key {key!r} (named in keys)")
+        values: dict[Any, Any] = {}
+        for key in elem:
+            path = f"{_ROOT}[{key!r}]"
+            column = _column(batch, key, _ROOT)
+            values[key] = self._pad(column, path) if key in pad_keys else _collate(column, path)
+        return _rebuild_mapping(elem, values)
+
+    def _pad(self, batch: Sequence[Any], path: str) -> PaddedBatch:
+        """Pad the sequences of ``batch`` (all at ``path`` in their samples)."""
+        tensors = [_to_padable(item, i, path) for i, item in enumerate(batch)]
+        elem = tensors[0]
+        rest = elem.shape[1:]
+        for i, tensor in enumerate(tensors):
+            if tensor.dtype != elem.dtype:
+                raise TypeError(
+                    f"{path}: padded samples must share a dtype, but sample 0 has "
+                    f"{elem.dtype} and sample {i} has {tensor.dtype}"
+                )
+            if tensor.shape[1:] != rest:
+                raise ValueError(
+                    f"{path}: padded samples must agree in all but their first dimension, "
+                    f"but sample 0 has shape {tuple(elem.shape)} and sample {i} has shape "
+                    f"{tuple(tensor.shape)}"
+                )
+        dtype = elem.dtype
+        if (
+            not (dtype.is_floating_point or dtype.is_complex)
+            and isinstance(self._padding_value, float)
+            and not self._padding_value.is_integer()
+        ):
+            raise ValueError(
+                f"{path}: padding_value={self._padding_value!r} cannot be stored in {dtype}"
+            )
+        device = elem.device
+        sizes = [t.shape[0] for t in tensors]
+        max_len = max(sizes)
+        lengths = torch.tensor(sizes, dtype=torch.int64, device=device)
+        values = torch.full(
+            (len(tensors), max_len, *rest), self._padding_value, dtype=dtype, device=device
+        )
+        for i, tensor in enumerate(tensors):
+            values[i, : tensor.shape[0]] = tensor
+        mask = None
+        if self._mask:
+            mask = torch.arange(max_len, device=device) < lengths.unsqueeze(1)
+        return PaddedBatch(values=values, lengths=lengths, mask=mask)
+
+
+def _auto_pad_keys(elem: Mapping[Any, Any]) -> frozenset[Any]:
+    """The keys of ``elem`` whose values are numeric tensors or arrays with ``ndim >= 1``."""
+    return frozenset(key for key, value in elem.items() if _is_padable_array(value))
+
+
+def _is_padable_array(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.ndim >= 1
+    if isinstance(value, np.ndarray):
+        return value.ndim >= 1 and _NP_STR_OBJ_DTYPE.search(value.dtype.str) is None
+    return False
+
+
+def _to_padable(item: Any, index: int, path: str) -> torch.Tensor:
+    """Convert one sample's sequence to a tensor of at least one dimension."""
+    if isinstance(item, torch.Tensor):
+        tensor = item
+    elif isinstance(item, np.ndarray):
+        if _NP_STR_OBJ_DTYPE.search(item.dtype.str) is not None:
+            raise TypeError(
+                f"{path}: cannot pad NumPy arrays of dtype {item.dtype} (sample {index})"
+            )
+        tensor = _build_tensor(torch.as_tensor, item, path)
+    elif (
+        isinstance(item, Sequence)
+        and not isinstance(item, str | bytes)
+        and all(isinstance(token, int) for token in item)
+    ):
+        tensor = torch.tensor(list(item), dtype=torch.int64)
+    else:
+        raise TypeError(
+            f"{path}: cannot pad {type(item)!r} (sample {index}); expected a tensor, a NumPy "
+            "array or a sequence of ints"
+        )
+    if tensor.ndim == 0:
+        raise ValueError(f"{path}: cannot pad a 0-d tensor (sample {index})")
+    return tensor
+
+
+pad_collate = PadCollate()
+"""A :class:`PadCollate` with the defaults: pad with 0, pick the keys to pad, build the mask."""

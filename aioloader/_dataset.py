@@ -1,0 +1,79 @@
+"""The dataset types users subclass: async map-style and async iterable.
+
+Owns: the two public abstract base classes and their contracts. Never: schedules, retries or
+batches anything; that is the loader's job. Ordinary torch datasets need no subclassing: the loader
+adapts them (see ``_source.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Generic, TypeVar
+
+__all__ = ["AsyncDataset", "AsyncIterableDataset"]
+
+T_Sample = TypeVar("T_Sample")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class AsyncDataset(ABC, Generic[T_Sample]):
+    """A map-style dataset whose items are fetched with ``await``.
+
+    Subclasses implement ``__len__`` and :meth:`get`. A source that can fetch many items in one
+    request (a batched API, a multi-range read, a whole batch of local files in one thread call)
+    also overrides :meth:`get_many`; the loader then asks for a whole batch at once.
+
+    Example::
+
+        class Blobs(aioloader.AsyncDataset[bytes]):
+            def __init__(self, keys): self.keys = keys
+            def __len__(self): return len(self.keys)
+            async def get(self, index): return await store.get(self.keys[index])
+    """
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """The number of items."""
+
+    @abstractmethod
+    async def get(self, index: int) -> T_Sample:
+        """Fetch item ``index``.
+
+        Raises:
+            Exception: Whatever the source raises; the loader adds a note naming the index and
+                retries it if the retry policy marks it transient.
+
+        Cancellation: the loader cancels a pending ``get`` when the epoch ends early or the
+        loader's scope exits; the implementation must release what it holds (``async with``).
+        """
+
+    async def get_many(self, indices: Sequence[int]) -> list[T_Sample]:
+        """Fetch several items in one call; the result is in the order of ``indices``.
+
+        The default calls :meth:`get` for each index in turn; the loader only calls this method
+        when a subclass overrides it (otherwise it fetches items concurrently with :meth:`get`).
+
+        Raises:
+            Exception: Whatever the source raises; all of ``indices`` count as failed.
+
+        Cancellation: as for :meth:`get`.
+        """
+        return [await self.get(i) for i in indices]
+
+
+class AsyncIterableDataset(ABC, Generic[T_co]):
+    """A stream of samples (records, keys, decoded shard members) iterated with ``async for``.
+
+    Each epoch calls :meth:`__aiter__` once, in the loader's event loop, so every sample is read
+    exactly once whatever ``num_workers`` is; only distributed ranks split the stream (the loader
+    does that). An optional ``__len__`` gives ``len(loader)`` and equal per-rank counts.
+    """
+
+    @abstractmethod
+    def __aiter__(self) -> AsyncIterator[T_co]:
+        """Return a fresh iterator over the samples of one epoch.
+
+        Cancellation: when an epoch ends early the loader closes the iterator (``aclose`` for an
+        async generator), so ``finally`` blocks and ``async with`` in it run.
+        """

@@ -1,0 +1,85 @@
+"""The exceptions aioloader raises, and the notes it attaches to the ones it passes on.
+
+Owns: the exception hierarchy and the helper that annotates a failure with the stage, epoch,
+batch and sample it came from. Never: wraps a user's exception in another type. A failure in a
+dataset, transform or collate function propagates with its original type and traceback; the
+loader only adds notes (PEP 678), so ``except KeyError`` in user code keeps working.
+
+Hierarchy::
+
+    Exception
+     ├── TransientError               raised (or subclassed) by user code: "retry me"
+     └── AioLoaderError               everything aioloader raises on its own account
+          ├── LoaderStateError        (also RuntimeError) the loader is used outside its scope
+          └── LoaderTimeout           (also TimeoutError, RuntimeError) no batch within `timeout`
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AioLoaderError",
+    "LoaderStateError",
+    "LoaderTimeout",
+    "TransientError",
+]
+
+
+class TransientError(Exception):
+    """An error worth retrying: raise it (or a subclass) from a dataset to mark a failure transient.
+
+    The default :class:`~aioloader.RetryPolicy` retries ``TransientError``, ``TimeoutError`` and
+    ``ConnectionError``; any other type can be marked transient through ``RetryPolicy.retry_on``.
+    """
+
+
+class AioLoaderError(Exception):
+    """Base class of the errors aioloader raises on its own account."""
+
+
+class LoaderStateError(AioLoaderError, RuntimeError):
+    """The loader was used in a way its lifetime does not allow (e.g. ``async for`` outside
+    ``async with loader:``, or a blocking ``for`` on the loader's own event loop thread)."""
+
+
+class LoaderTimeout(AioLoaderError, TimeoutError, RuntimeError):
+    """No batch arrived within the loader's ``timeout`` (torch's ``timeout`` argument).
+
+    It is a ``RuntimeError`` as torch's DataLoader raises, and a ``TimeoutError`` as Python code
+    expects.
+    """
+
+
+def annotate(
+    exc: BaseException,
+    stage: str,
+    *,
+    epoch: int | None = None,
+    batch: int | None = None,
+    index: object = None,
+    detail: str = "",
+) -> BaseException:
+    """Attach a note naming where ``exc`` happened, and return ``exc`` itself.
+
+    Args:
+        exc: The exception to annotate; its type and traceback are left as they are.
+        stage: The pipeline stage (``"fetch"``, ``"transform"``, ``"collate"``, ``"source"``).
+        epoch: The epoch it happened in, if known.
+        batch: The batch's position in the epoch, if known.
+        index: The dataset index or key of the sample, if known.
+        detail: Extra words appended to the note.
+
+    Returns:
+        The same exception object, for ``raise annotate(exc, ...)``.
+    """
+    where = [f"stage {stage!r}"]
+    if index is not None:
+        where.append(f"sample {index!r}")
+    if batch is not None:
+        where.append(f"batch {batch}")
+    if epoch is not None:
+        where.append(f"epoch {epoch}")
+    note = "aioloader: failed in " + ", ".join(where)
+    if detail:
+        note += f" ({detail})"
+    exc.add_note(note)
+    return exc

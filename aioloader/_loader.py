@@ -1,0 +1,634 @@
+"""``aioloader.DataLoader``: torch's DataLoader arguments, an asyncio pipeline underneath.
+
+Owns: validating arguments (at construction, naming the argument), building the epoch's batches
+of indices, the loader's scope (``async with`` / ``with``: task group, worker threads), starting
+and stopping epochs, the consumer side of iteration (``async for`` and a plain ``for``), and
+statistics. Never: runs pipeline stages itself (``_pipeline.py``) or decides order
+(``_sampler.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+import anyio
+import torch
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from ._collate import default_collate, default_convert
+from ._exceptions import LoaderStateError, LoaderTimeout
+from ._offload import ThreadOffload
+from ._pipeline import Epoch, PipelineConfig, Recorders
+from ._retry import RetryPolicy
+from ._sampler import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    resolve_rank,
+)
+from ._source import classify, dataset_length, open_source
+from ._stats import LoaderStatistics
+
+__all__ = ["DataLoader"]
+
+T_Batch = TypeVar("T_Batch")
+
+_DEFAULT_PREFETCH = 2
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _callable_or_none(name: str, value: object) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable or None, got {type(value).__qualname__}")
+
+
+def _portal_options() -> dict[str, Any]:
+    """The background loop of a plain ``for``: uvloop when installed, set as that loop's factory
+    only (never as the application's event loop policy)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+        return {}
+    return {"loop_factory": uvloop.new_event_loop}
+
+
+class _Scope:
+    """What one ``async with loader:`` owns: the task group, the threads, the running epoch."""
+
+    def __init__(self, loader: DataLoader[Any], stack: contextlib.AsyncExitStack) -> None:
+        self.loader = loader
+        self.stack = stack
+        self.thread = threading.get_ident()
+        self.task_group: anyio.abc.TaskGroup | None = None
+        self.work = ThreadOffload(
+            max(1, loader.num_workers), "worker", worker_init_fn=loader.worker_init_fn
+        )
+        self.io: ThreadOffload | None = None
+        self.epoch: Epoch | None = None
+
+    def offload(self) -> ThreadOffload:
+        if self.io is None:
+            self.io = ThreadOffload(self.loader.io_threads, "io")
+        return self.io
+
+    def close_threads(self) -> None:
+        self.work.close()
+        if self.io is not None:
+            self.io.close()
+
+
+class DataLoader(Generic[T_Batch]):
+    """Batches from an async or ordinary dataset, fetched concurrently, yielded by ``async for``.
+
+    The positional arguments and their meanings are those of ``torch.utils.data.DataLoader``, so a
+    torch user switches by changing the import; the keyword-only ones are aioloader's own.
+
+    Args:
+        dataset: An :class:`~aioloader.AsyncDataset`, an async iterable (an
+            :class:`~aioloader.AsyncIterableDataset`, any object with ``__aiter__``, or an async
+            generator function, called once per epoch), a torch ``Dataset`` or ``IterableDataset``,
+            or a sequence. Blocking datasets are read on the loader's I/O threads.
+        batch_size: Samples per batch; None disables batching (each sample is converted with
+            :func:`default_convert` or ``collate_fn`` and yielded alone).
+        shuffle: Reshuffle every epoch (map-style datasets only).
+        sampler: Yields the indices of an epoch (mutually exclusive with ``shuffle``).
+        batch_sampler: Yields lists of indices (mutually exclusive with ``batch_size``,
+            ``shuffle``, ``sampler`` and ``drop_last``).
+        num_workers: Workers that run ``transform`` and ``collate_fn``; 0 runs them on one
+            thread off the event loop.
+        collate_fn: Turns a list of samples into a batch (default: :func:`default_collate`).
+        pin_memory: Copy batches into page-locked memory (only with an accelerator; warns once
+            and goes on unpinned without one).
+        drop_last: Drop the last incomplete batch.
+        timeout: Seconds to wait for a batch before raising :class:`~aioloader.LoaderTimeout`
+            (0: wait for ever).
+        worker_init_fn: Called once in each worker as it starts, with the worker's id.
+        multiprocessing_context: Accepted for torch compatibility (needs ``num_workers > 0``).
+        generator: A ``torch.Generator`` the random sampler draws its base seed from.
+        prefetch_factor: Torch's name for ready batches per worker; sets ``prefetch`` to
+            ``prefetch_factor * num_workers`` when ``prefetch`` is not given.
+        persistent_workers: Accepted for torch compatibility (needs ``num_workers > 0``);
+            workers live as long as the loader's scope in any case.
+        pin_memory_device: Accepted for torch compatibility.
+        in_order: Yield batches in sampler order (through a reorder buffer); False yields each
+            batch as soon as it is complete.
+        transform: Applied to every sample off the event loop, before collation.
+        max_inflight: Most sample fetches running at once (a batched source counts its whole
+            batch).
+        prefetch: Most finished batches waiting for the consumer.
+        max_inflight_bytes: Soft bound on fetched bytes held in unfinished batches: new fetches
+            wait while it is exceeded (the oldest batch may always finish).
+        seed: Base seed of the shuffle order: the same seed and epoch give the same order
+            whatever the concurrency. None draws one from torch's default generator.
+        retry: Retry policy for fetches (None: no retries).
+        sample_timeout: Seconds one fetch attempt may take (None: no limit); a timeout is
+            retried when the policy retries ``TimeoutError``.
+        max_failures: Failed samples an epoch may skip (counted, logged and reported in
+            :meth:`statistics`) before the next failure ends the epoch. 0: the first ends it.
+        distributed: Shard the data across ranks: a ``DistributedSampler`` for map-style
+            datasets, round-robin positions for iterables.
+        rank: This process's rank (default: ``torch.distributed`` when initialised, else 0).
+        world_size: The number of ranks (default: ``torch.distributed``, else 1).
+        io_threads: Threads for blocking (torch) datasets.
+
+    Raises:
+        TypeError: ``dataset`` or a callable argument has the wrong type.
+        ValueError: An argument is out of range or conflicts with another; the message names it.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Iterable[int] | None = None,
+        batch_sampler: Iterable[Sequence[int]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], object] | None = None,
+        multiprocessing_context: object = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        transform: Callable[[Any], Any] | None = None,
+        max_inflight: int = 64,
+        prefetch: int | None = None,
+        max_inflight_bytes: int | None = None,
+        seed: int | None = None,
+        retry: RetryPolicy | None = None,
+        sample_timeout: float | None = None,
+        max_failures: int = 0,
+        distributed: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        io_threads: int = 8,
+    ) -> None:
+        kind = classify(dataset)
+        if batch_size is not None:
+            _positive_int("batch_size", batch_size)
+        num_workers = _non_negative_int("num_workers", num_workers)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+            raise ValueError(f"timeout must be a non-negative number, got {timeout!r}")
+        for name, fn in (
+            ("collate_fn", collate_fn),
+            ("worker_init_fn", worker_init_fn),
+            ("transform", transform),
+        ):
+            _callable_or_none(name, fn)
+        if shuffle not in (None, True, False):
+            raise TypeError(f"shuffle must be a bool or None, got {shuffle!r}")
+        if not isinstance(drop_last, bool):
+            raise TypeError(f"drop_last must be a bool, got {drop_last!r}")
+        if not isinstance(in_order, bool):
+            raise TypeError(f"in_order must be a bool, got {in_order!r}")
+        if num_workers == 0:
+            if prefetch_factor is not None:
+                raise ValueError(
+                    "prefetch_factor needs num_workers > 0 (torch's rule); use prefetch= to "
+                    "bound ready batches with num_workers=0"
+                )
+            if persistent_workers:
+                raise ValueError("persistent_workers needs num_workers > 0")
+            if multiprocessing_context is not None:
+                raise ValueError(
+                    "multiprocessing_context can only be used with num_workers > 0, "
+                    f"got num_workers={num_workers}"
+                )
+        if prefetch_factor is not None:
+            _positive_int("prefetch_factor", prefetch_factor)
+        _positive_int("max_inflight", max_inflight)
+        if prefetch is None:
+            prefetch = (
+                _DEFAULT_PREFETCH if prefetch_factor is None else prefetch_factor * num_workers
+            )
+        _non_negative_int("prefetch", prefetch)
+        if max_inflight_bytes is not None:
+            _positive_int("max_inflight_bytes", max_inflight_bytes)
+        _non_negative_int("max_failures", max_failures)
+        _positive_int("io_threads", io_threads)
+        if sample_timeout is not None and not sample_timeout > 0:
+            raise ValueError(
+                f"sample_timeout must be a positive number or None, got {sample_timeout!r}"
+            )
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be an aioloader.RetryPolicy or None, got {retry!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        if seed is not None and generator is not None:
+            raise ValueError("pass seed or generator, not both: both set the shuffle order")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator, got {type(generator).__qualname__}"
+            )
+
+        if not kind.is_map:
+            if shuffle:
+                raise ValueError(
+                    f"shuffle=True needs a map-style dataset; {type(dataset).__qualname__} is "
+                    "iterable (shuffle it in the source, e.g. a shuffle buffer)"
+                )
+            if sampler is not None:
+                raise ValueError("sampler needs a map-style dataset; the dataset is iterable")
+            if batch_sampler is not None:
+                raise ValueError("batch_sampler needs a map-style dataset; the dataset is iterable")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError(
+                    "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
+                    "drop_last"
+                )
+            batch_size = None  # torch's convention: batching is the batch_sampler's
+        elif batch_size is None and drop_last:
+            raise ValueError(
+                "batch_size=None disables batching and is mutually exclusive with drop_last"
+            )
+        if sampler is not None and shuffle:
+            raise ValueError("sampler is mutually exclusive with shuffle")
+        if sampler is not None and distributed:
+            raise ValueError("sampler is mutually exclusive with distributed")
+
+        self.rank, self.world_size = resolve_rank(rank, world_size) if distributed else (0, 1)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.timeout = float(timeout)
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.in_order = in_order
+        self.transform = transform
+        self.max_inflight = max_inflight
+        self.prefetch = prefetch
+        self.io_threads = io_threads
+        self._kind = kind
+        self._length = dataset_length(dataset)
+
+        self.sampler: Iterable[int] | None = None
+        self.batch_sampler: Iterable[Sequence[int]] | None = batch_sampler
+        if kind.is_map and batch_sampler is None:
+            n = len(dataset)
+            if sampler is None:
+                if distributed:
+                    sampler = DistributedSampler(
+                        n,
+                        rank=self.rank,
+                        world_size=self.world_size,
+                        shuffle=bool(shuffle),
+                        seed=0 if seed is None else seed,
+                    )
+                elif shuffle:
+                    sampler = RandomSampler(n, seed=seed, generator=generator)
+                else:
+                    sampler = SequentialSampler(n)
+            self.sampler = sampler
+            if batch_size is not None:
+                self.batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        self.collate_fn: Callable[[Any], Any] = collate_fn or (
+            default_convert
+            if self.batch_size is None and batch_sampler is None
+            else default_collate
+        )
+
+        pin = bool(pin_memory)
+        if pin and not torch.cuda.is_available():
+            warnings.warn(
+                "pin_memory=True but no accelerator is available: batches stay unpinned",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            pin = False
+        self._config = PipelineConfig(
+            batch_size=batch_size if batch_sampler is None else 0,
+            drop_last=drop_last,
+            max_inflight=max_inflight,
+            prefetch=prefetch,
+            in_order=in_order,
+            transform=transform,
+            collate_fn=self.collate_fn,
+            retry=retry,
+            sample_timeout=sample_timeout,
+            max_failures=max_failures,
+            max_inflight_bytes=max_inflight_bytes,
+            pin=pin,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self._source = open_source(dataset, kind, self._offload)
+        self._scope: _Scope | None = None
+        self._portal_stack: contextlib.ExitStack | None = None
+        self._portal: BlockingPortal | None = None
+        self._next_epoch = 0
+        self._stats = Recorders(
+            max_inflight=max_inflight, workers=max(1, num_workers), prefetch=prefetch
+        )
+        self._stopped_at: float | None = 0.0
+
+    # -- torch's surface -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch (torch's rule: for an iterable, from ``len(dataset)``).
+
+        Raises:
+            TypeError: The dataset is iterable and has no length.
+        """
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)  # type: ignore[arg-type]  # torch's: may raise TypeError
+        if self.sampler is not None:
+            return len(self.sampler)  # type: ignore[arg-type]
+        if self._length is None:
+            raise TypeError(f"object of type {type(self.dataset).__qualname__!r} has no len()")
+        n = self._length
+        if self.world_size > 1:
+            n //= self.world_size
+        if self.batch_size is None:
+            return n
+        if self.drop_last:
+            return n // self.batch_size
+        return -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next iteration runs (it seeds the shuffle order). Without it,
+        each iteration runs the epoch after the previous one, starting at 0."""
+        self._next_epoch = _non_negative_int("epoch", epoch)
+
+    def statistics(self) -> LoaderStatistics:
+        """A frozen snapshot of the counters of the current (or last) scope."""
+        s = self._stats
+        end = self._stopped_at if self._scope is None else None
+        elapsed = (end if end else time.perf_counter()) - s.started
+        return LoaderStatistics(
+            epochs=s.epochs,
+            elapsed_s=elapsed if s.epochs else 0.0,
+            stages=tuple(r.snapshot() for r in s.stages),
+            consumer=s.consumer.snapshot(),
+            skipped_samples=tuple(s.skipped),
+        )
+
+    # -- the scope -----------------------------------------------------------------------------
+
+    def _offload(self) -> ThreadOffload:
+        if self._scope is None:
+            raise LoaderStateError("the loader's scope is closed")
+        return self._scope.offload()
+
+    async def __aenter__(self) -> DataLoader[T_Batch]:
+        """Open the loader's scope: its task group and worker threads.
+
+        Raises:
+            LoaderStateError: The scope is already open.
+        """
+        if self._scope is not None:
+            raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
+        stack = contextlib.AsyncExitStack()
+        scope = _Scope(self, stack)
+        stack.callback(scope.close_threads)
+        scope.task_group = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(scope.task_group.cancel_scope.cancel)
+        self._stats = Recorders(
+            max_inflight=self.max_inflight, workers=scope.work.threads, prefetch=self.prefetch
+        )
+        self._scope = scope
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        """Close the scope: cancel the running epoch, wait for every task and thread.
+
+        Cancellation: the task group waits for its tasks even when the caller is cancelled, and
+        the threads are joined after it, so a cancelled caller still leaves nothing behind.
+        """
+        scope, self._scope = self._scope, None
+        if scope is None:
+            return None
+        self._stopped_at = time.perf_counter()
+        return await scope.stack.__aexit__(exc_type, exc, tb)
+
+    def __enter__(self) -> DataLoader[T_Batch]:
+        """Open the scope for plain ``for`` loops: one background event loop (and one set of
+        workers) serves every epoch until ``__exit__``."""
+        if self._portal is not None or self._scope is not None:
+            raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
+        stack = contextlib.ExitStack()
+        portal = stack.enter_context(start_blocking_portal("asyncio", _portal_options()))
+        try:
+            stack.enter_context(portal.wrap_async_context_manager(self))
+        except BaseException:
+            stack.close()
+            raise
+        self._portal_stack, self._portal = stack, portal
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        stack, self._portal_stack, self._portal = self._portal_stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def close(self) -> None:
+        """Close a scope opened by ``with loader:`` (no-op otherwise)."""
+        self.__exit__(None, None, None)
+
+    # -- iteration -------------------------------------------------------------------------------
+
+    def __aiter__(self) -> _EpochIterator[T_Batch]:
+        """Start iterating one epoch (the next one, or the one given to :meth:`set_epoch`).
+
+        Raises:
+            LoaderStateError: The loader's scope is not open (use ``async with loader:``).
+        """
+        if self._scope is None:
+            raise LoaderStateError(
+                "iterate the loader inside its scope: `async with loader: async for batch in "
+                "loader: ...` (or use a plain `for` loop, which runs its own scope)"
+            )
+        number, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        return _EpochIterator(self, self._scope, number)
+
+    def __iter__(self) -> Iterator[T_Batch]:
+        """Iterate one epoch from synchronous code: the pipeline runs on an event loop in a
+        background thread. Leaving the loop (``break``, an exception) stops it; without an open
+        ``with loader:`` scope, the scope (and its workers) lives for this epoch only.
+
+        Raises:
+            LoaderStateError: The loader's ``async with`` scope is open on this thread (the
+                loop would block the event loop that runs the pipeline).
+        """
+        if self._scope is not None and self._portal is None:
+            if self._scope.thread == threading.get_ident():
+                raise LoaderStateError(
+                    "a plain `for` inside `async with loader:` would block the event loop; "
+                    "use `async for`"
+                )
+            raise LoaderStateError("the loader's scope is open in another thread")
+        if self._portal is not None:
+            return self._iterate(self._portal)
+        return self._iterate_once()
+
+    def _iterate_once(self) -> Iterator[T_Batch]:
+        with (
+            start_blocking_portal("asyncio", _portal_options()) as portal,
+            portal.wrap_async_context_manager(self),
+        ):
+            yield from self._iterate(portal)
+
+    def _iterate(self, portal: BlockingPortal) -> Iterator[T_Batch]:
+        iterator = portal.call(self.__aiter__)
+        try:
+            while True:
+                try:
+                    batch = portal.call(iterator.__anext__)
+                except StopAsyncIteration:
+                    return
+                yield batch
+        finally:
+            portal.call(iterator.aclose)
+
+    def __repr__(self) -> str:
+        return (
+            f"aioloader.DataLoader({type(self.dataset).__qualname__}, "
+            f"batch_size={self.batch_size}, num_workers={self.num_workers}, "
+            f"max_inflight={self.max_inflight}, prefetch={self.prefetch}, "
+            f"in_order={self.in_order})"
+        )
+
+
+class _EpochIterator(Generic[T_Batch]):
+    """The consumer's end of one epoch. Created by ``DataLoader.__aiter__``; the epoch's tasks
+    start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
+
+    def __init__(self, loader: DataLoader[T_Batch], scope: _Scope, number: int) -> None:
+        self._loader = loader
+        self._scope = scope
+        self._number = number
+        self._epoch: Epoch | None = None
+        self._recv: MemoryObjectReceiveStream[Any] | None = None
+        self._last_yield: float | None = None
+        self._closed = False
+
+    def __aiter__(self) -> _EpochIterator[T_Batch]:
+        return self
+
+    async def _start(self) -> MemoryObjectReceiveStream[Any]:
+        scope, loader = self._scope, self._loader
+        if scope is not loader._scope or scope.task_group is None:
+            raise LoaderStateError("the loader's scope this iteration began in has closed")
+        previous = scope.epoch
+        if previous is not None and not previous.finished.is_set():
+            previous.cancel_scope.cancel()
+            await previous.finished.wait()
+        batches: Iterable[Sequence[int]] | None = None
+        if loader._kind.is_map:
+            for obj in (loader.sampler, loader.batch_sampler):
+                set_epoch = getattr(obj, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(self._number)
+            if loader.batch_sampler is not None:
+                batches = loader.batch_sampler
+            else:
+                sampler = loader.sampler
+                if sampler is None:  # impossible for a map-style loader; keeps mypy honest
+                    raise LoaderStateError("map-style loader without a sampler")
+                batches = ([i] for i in sampler)
+        config = loader._config
+        send, recv = anyio.create_memory_object_stream[Any](config.prefetch)
+        epoch = Epoch(self._number, config, loader._source, batches, scope.work, loader._stats)
+        scope.epoch = epoch
+        loader._stats.epochs += 1
+        scope.task_group.start_soon(epoch.run, send, name=f"aioloader-epoch-{self._number}")
+        self._epoch, self._recv = epoch, recv
+        return recv
+
+    async def __anext__(self) -> T_Batch:
+        """The next batch of the epoch.
+
+        Raises:
+            StopAsyncIteration: The epoch ended.
+            LoaderTimeout: No batch within the loader's ``timeout``.
+            Exception: A stage failed: the original exception, with notes naming the stage,
+                the sample and the batch. The epoch is over after it.
+
+        Cancellation: safe; no batch is lost (the next call returns the batch this one would
+        have returned).
+        """
+        if self._closed:
+            raise StopAsyncIteration
+        recv = self._recv if self._recv is not None else await self._start()
+        stats = self._loader._stats.consumer
+        now = time.perf_counter()
+        if self._last_yield is not None:
+            stats.busy_s += now - self._last_yield
+        timeout = self._loader.timeout
+        item: Any = None
+        try:
+            with anyio.fail_after(timeout if timeout > 0 else None):
+                item = await recv.receive()
+        except anyio.EndOfStream:
+            pass
+        except TimeoutError:
+            raise LoaderTimeout(f"DataLoader timed out after {timeout} seconds") from None
+        finally:
+            waited = time.perf_counter() - now
+            stats.waited(waited)
+        self._loader._stats.output.set_queued(recv.statistics().current_buffer_used)
+        if item is None:
+            self._closed = True
+            recv.close()
+            error = self._epoch.error if self._epoch is not None else None
+            if error is not None:
+                raise error
+            raise StopAsyncIteration
+        batch, size = item
+        stats.batches += 1
+        stats.samples += size
+        self._last_yield = time.perf_counter()
+        return batch  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        """Stop the epoch early and wait until its tasks are gone.
+
+        Cancellation: the wait is shielded.
+        """
+        self._closed = True
+        if self._recv is not None:
+            self._recv.close()
+        epoch = self._epoch
+        if epoch is not None and not epoch.finished.is_set():
+            epoch.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await epoch.finished.wait()
+
+    def __aiter_epoch__(self) -> AsyncIterator[T_Batch]:  # pragma: no cover - typing aid
+        return self

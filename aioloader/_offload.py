@@ -1,0 +1,83 @@
+"""Running blocking calls off the event loop, on threads the loader owns.
+
+Owns: a thread pool with a lifetime (created when the loader's scope opens, joined when it
+closes) and the one awaitable way into it. Never: uses the event loop's default executor or
+anyio's global worker threads, whose idle threads outlive the loader.
+
+Cancellation policy: a call that has not started is withdrawn; a call that is running cannot be
+interrupted (Python threads can't be), so the cancelled caller waits for it, shielded, before
+the cancellation goes on. That keeps the guarantee that when the loader's scope exits, no thread
+of ours is still running user code. The wait is bounded by one call of the user's function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import anyio
+
+__all__ = ["ThreadOffload"]
+
+R = TypeVar("R")
+
+
+class ThreadOffload:
+    """A bounded pool of named threads for blocking work.
+
+    Args:
+        threads: Number of threads (they start lazily, on first use).
+        name: Prefix of the threads' names (``aioloader-<name>_<n>``).
+        worker_init_fn: Called once in each thread as it starts, with the thread's 0-based id.
+
+    Raises:
+        ValueError: ``threads`` is less than 1.
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        name: str,
+        *,
+        worker_init_fn: Callable[[int], object] | None = None,
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+        ids = itertools.count()  # next() on a count is atomic under the GIL
+
+        def init() -> None:
+            if worker_init_fn is not None:
+                worker_init_fn(next(ids))
+
+        self._pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix=f"aioloader-{name}", initializer=init
+        )
+
+    async def run(self, fn: Callable[..., R], *args: object) -> R:
+        """Run ``fn(*args)`` on a pool thread and return its result.
+
+        Raises:
+            Exception: Whatever ``fn`` raises, with its original type and traceback.
+
+        Cancellation: a call not yet started is withdrawn; a running one is waited for
+        (shielded) and its result dropped; then ``CancelledError`` goes on.
+        """
+        future = self._pool.submit(fn, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.cancel():
+                waiter = asyncio.wrap_future(future)
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await waiter
+            raise
+
+    def close(self) -> None:
+        """Join the pool's threads. Calls still queued are cancelled; none should be running,
+        since every caller waits for its own call (see the module's cancellation policy)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,569 @@
+"""One epoch of the data path: schedule → fetch → transform+collate → reorder → output.
+
+Owns: the stages of one epoch as tasks in one task group, joined by bounded memory object
+streams, and the bounds that make backpressure work:
+
+* at most ``window`` batches exist between being scheduled and being handed to the output
+  stream (a semaphore slot per batch, released when the batch enters the output stream);
+* at most ``max_inflight`` sample fetches run at once (that many fetch workers pull jobs from
+  an unbuffered stream; a batched source counts a whole batch against the bound);
+* at most ``prefetch`` finished batches wait for the consumer (the output stream's buffer);
+* optionally, fetched bytes held in unfinished batches stay near ``max_inflight_bytes``.
+
+A slow consumer fills the output stream, the emitter blocks, slots stop coming back, the
+scheduler stops, and fetching stops. End of data is the closing of a stream, never a value in
+it; a failure is recorded on the :class:`Epoch` and the output stream is closed after it, so the
+consumer sees every good batch before it and then the failure with its original type.
+
+Never: decides order or sharding itself (``_sampler.py``, ``_reorder.py`` do), or lets a task
+outlive the epoch's task group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._exceptions import annotate
+from ._job import JobResult, collate_only, run_batch
+from ._offload import ThreadOffload
+from ._reorder import BatchAssembler, ReorderBuffer
+from ._retry import RetryPolicy
+from ._source import MapSource, StreamSource
+from ._stats import ConsumerRecorder, StageRecorder
+
+__all__ = ["Epoch", "PipelineConfig", "Recorders"]
+
+logger = logging.getLogger("aioloader")
+
+_MAX_SKIPPED_KEPT = 1000  # skipped sample ids remembered for the statistics
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """The settings an epoch runs with (validated by the loader)."""
+
+    batch_size: int | None
+    drop_last: bool
+    max_inflight: int
+    prefetch: int
+    in_order: bool
+    transform: Callable[[Any], Any] | None
+    collate_fn: Callable[[Any], Any]
+    retry: RetryPolicy | None
+    sample_timeout: float | None
+    max_failures: int
+    max_inflight_bytes: int | None
+    pin: bool
+    rank: int
+    world_size: int
+
+    @property
+    def per_batch(self) -> int:
+        return 1 if self.batch_size is None else self.batch_size
+
+    def fetch_workers(self, batched_source: bool) -> int:
+        """Concurrent fetch calls: one per sample in flight, or, for a source that fetches whole
+        batches, as many batches as fit in ``max_inflight`` samples (at least one)."""
+        if batched_source:
+            return max(1, self.max_inflight // self.per_batch)
+        return self.max_inflight
+
+    def window(self, batched_source: bool, workers: int) -> int:
+        """Batches in progress at once: enough to keep every fetch and every transform worker
+        busy, plus one so the next batch can start while one is handed out."""
+        if batched_source:
+            fetching = self.fetch_workers(True)
+        else:
+            fetching = math.ceil(self.max_inflight / self.per_batch)
+        return fetching + workers + 1
+
+
+class Recorders:
+    """The loader's statistics recorders, shared by its epochs (cumulative over its scope)."""
+
+    def __init__(self, *, max_inflight: int, workers: int, prefetch: int) -> None:
+        self.started = time.perf_counter()
+        self.epochs = 0
+        self.window = StageRecorder("window", limit=None, queue_capacity=None)
+        self.fetch = StageRecorder("fetch", limit=max_inflight, queue_capacity=None)
+        self.transform = StageRecorder("transform", limit=workers, queue_capacity=None)
+        self.output = StageRecorder("output", limit=None, queue_capacity=prefetch)
+        self.consumer = ConsumerRecorder()
+        self.skipped: list[object] = []
+
+    @property
+    def stages(self) -> tuple[StageRecorder, ...]:
+        return (self.window, self.fetch, self.transform, self.output)
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    seq: int  # position in the epoch
+    ids: list[Any]  # dataset indices (map-style) or stream positions (iterable)
+    samples: list[Any]
+    pending: int = 0  # fetches not yet finished
+    failed: set[int] = field(default_factory=set)  # positions skipped under max_failures
+    nbytes: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Done:
+    batch: _Batch
+    value: Any
+    size: int  # samples in the collated batch; 0: nothing left, the batch is skipped
+
+
+def nbytes_of(sample: Any) -> int:
+    """Bytes held by a fetched sample, for the ``max_inflight_bytes`` bound: buffers, arrays and
+    tensors count their data; containers count their members; anything else counts 0."""
+    if isinstance(sample, (bytes, bytearray, memoryview)):
+        return len(sample)
+    nbytes = getattr(sample, "nbytes", None)  # numpy arrays, torch tensors
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(sample, str):
+        return len(sample)
+    if isinstance(sample, dict):
+        return sum(nbytes_of(v) for v in sample.values())
+    if isinstance(sample, (list, tuple)):
+        return sum(nbytes_of(v) for v in sample)
+    return 0
+
+
+class _ByteBudget:
+    """Holds new fetches while the bytes of unfinished batches exceed the limit. The oldest
+    unfinished batch may always fetch: it is what frees bytes, so waiting on it would deadlock."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.held = 0
+        self.active: set[int] = set()
+        self._room = anyio.Event()
+
+    async def wait_room(self, seq: int) -> None:
+        while self.limit is not None and self.held >= self.limit and seq != min(self.active):
+            await self._room.wait()
+
+    def charge(self, n: int) -> None:
+        self.held += n
+
+    def release(self, seq: int, n: int) -> None:
+        self.active.discard(seq)
+        self.held -= n
+        self._room.set()
+        self._room = anyio.Event()
+
+
+class Epoch:
+    """One pass over the data. Create it, run :meth:`run` in a task group, read the output.
+
+    Args:
+        number: The epoch number (for notes and seeds).
+        config: The pipeline settings.
+        source: Where samples come from.
+        batches: For a map-style source, the epoch's batches of indices (each index alone when
+            ``batch_size`` is None); None for a stream.
+        work: Runs transform + collate jobs.
+        stats: The loader's recorders.
+    """
+
+    def __init__(
+        self,
+        number: int,
+        config: PipelineConfig,
+        source: MapSource | StreamSource,
+        batches: Iterable[Sequence[int]] | None,
+        work: ThreadOffload,
+        stats: Recorders,
+    ) -> None:
+        self.number = number
+        self.config = config
+        self.source = source
+        self.batches = batches
+        self.work = work
+        self.stats = stats
+        self.error: BaseException | None = None
+        self.finished = anyio.Event()
+        self.cancel_scope = anyio.CancelScope()
+        batched = isinstance(source, MapSource) and source.batched
+        self._fetch_workers = config.fetch_workers(batched)
+        self.window = config.window(batched, work.threads)
+        self._slots = anyio.Semaphore(self.window)
+        self._bytes = _ByteBudget(config.max_inflight_bytes)
+        self._skips_left = config.max_failures
+        self._rng = random.Random()  # retry jitter only: never affects which data is produced
+        stats.window.limit = self.window
+        stats.fetch.limit = max(config.max_inflight, config.per_batch if batched else 1)
+        stats.fetch.queue_capacity = self.window
+        stats.transform.queue_capacity = self.window
+
+    # -- the task ------------------------------------------------------------------------------
+
+    async def run(
+        self,
+        out: MemoryObjectSendStream[Any],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the epoch's stages until the data ends, a stage fails, or it is cancelled.
+
+        A failure is stored in :attr:`error`; ``out`` is closed afterwards in every case, so the
+        consumer sees the end of the stream only once the outcome is known.
+
+        Cancellation: every stage is cancelled and waited for; running transform calls finish
+        first (see ``_offload.py``); nothing is left running.
+        """
+        task_status.started()
+        try:
+            with self.cancel_scope:
+                await self._stages(out)
+        except Exception as exc:  # a stage failed: hand the original exception to the consumer
+            self.error = _first_leaf(exc)
+        finally:
+            out.close()
+            self.finished.set()
+
+    async def _stages(self, out: MemoryObjectSendStream[Any]) -> None:
+        window = self.window
+        ready_send, ready_recv = anyio.create_memory_object_stream[_Batch](window)
+        done_send, done_recv = anyio.create_memory_object_stream[_Done](window)
+        async with anyio.create_task_group() as tg:
+            if isinstance(self.source, MapSource):
+                if self.batches is None:
+                    raise TypeError("a map-style epoch needs its batches of indices")
+                jobs_send, jobs_recv = anyio.create_memory_object_stream[tuple[_Batch, int]](0)
+                tg.start_soon(self._schedule_map, self.source, self.batches, jobs_send)
+                for _ in range(self._fetch_workers):
+                    tg.start_soon(
+                        self._fetch_worker, self.source, jobs_recv.clone(), ready_send.clone()
+                    )
+                jobs_recv.close()
+            else:
+                tg.start_soon(self._schedule_stream, self.source, ready_send.clone())
+            ready_send.close()
+            for _ in range(self.work.threads):
+                tg.start_soon(self._transform_worker, ready_recv.clone(), done_send.clone())
+            ready_recv.close()
+            done_send.close()
+            tg.start_soon(self._emit, done_recv, out)
+
+    # -- schedule -------------------------------------------------------------------------------
+
+    async def _admit(self, batch: _Batch) -> None:
+        with _blocked(self.stats.window, "put"):
+            await self._slots.acquire()
+        self.stats.window.start()
+        self._bytes.active.add(batch.seq)
+
+    async def _schedule_map(
+        self,
+        source: MapSource,
+        batches: Iterable[Sequence[int]],
+        jobs: MemoryObjectSendStream[tuple[_Batch, int]],
+    ) -> None:
+        async with jobs:
+            for seq, indices in enumerate(batches):
+                ids = list(indices)
+                batch = _Batch(seq, ids, [None] * len(ids), pending=len(ids))
+                await self._admit(batch)
+                if source.batched:
+                    await jobs.send((batch, -1))
+                else:
+                    for position in range(len(ids)):
+                        await jobs.send((batch, position))
+
+    async def _schedule_stream(
+        self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]
+    ) -> None:
+        cfg = self.config
+        per_batch = 1 if cfg.batch_size is None else cfg.batch_size
+        assembler: BatchAssembler[tuple[int, Any]] = BatchAssembler(per_batch)
+        seq = 0
+
+        async def ship(items: list[tuple[int, Any]]) -> None:
+            nonlocal seq
+            batch = _Batch(seq, [p for p, _ in items], [s for _, s in items])
+            seq += 1
+            await self._admit(batch)
+            await _put(ready, batch, self.stats.fetch)
+
+        async with ready, source.open() as iterator:
+            position = -1
+            while True:
+                position += 1
+                started = time.perf_counter()
+                self.stats.fetch.start()
+                try:
+                    sample = await anext(iterator)
+                except StopAsyncIteration:
+                    self.stats.fetch.in_flight -= 1
+                    break
+                except Exception as exc:
+                    self.stats.fetch.finish(time.perf_counter() - started, ok=False)
+                    self.stats.fetch.failed += 1
+                    raise annotate(exc, "source", epoch=self.number, index=position) from None
+                self.stats.fetch.finish(time.perf_counter() - started)
+                if position % cfg.world_size != cfg.rank:
+                    continue
+                full = assembler.add((position, sample))
+                if full is not None:
+                    await ship(full)
+            tail = assembler.flush(cfg.drop_last)
+            if tail is not None:
+                await ship(tail)
+
+    # -- fetch ----------------------------------------------------------------------------------
+
+    async def _fetch_worker(
+        self,
+        source: MapSource,
+        jobs: MemoryObjectReceiveStream[tuple[_Batch, int]],
+        ready: MemoryObjectSendStream[_Batch],
+    ) -> None:
+        async with jobs, ready:
+            while (job := await _get(jobs, self.stats.fetch)) is not None:
+                batch, position = job
+                await self._bytes.wait_room(batch.seq)
+                if position < 0:
+                    await self._fetch_batch(source, batch)
+                else:
+                    await self._fetch_one(source, batch, position)
+                if batch.pending == 0:
+                    await _put(ready, batch, self.stats.fetch)
+
+    async def _fetch_one(self, source: MapSource, batch: _Batch, position: int) -> None:
+        index = batch.ids[position]
+        try:
+            sample = await self._attempt(lambda: source.get(index), index, batch.seq)
+        except Exception as exc:
+            self._skip_or_raise(exc, "fetch", batch, index)
+            batch.failed.add(position)
+        else:
+            batch.samples[position] = sample
+            self._charge(batch, sample)
+        batch.pending -= 1
+
+    async def _fetch_batch(self, source: MapSource, batch: _Batch) -> None:
+        try:
+            samples = await self._attempt(
+                lambda: source.get_many(batch.ids), batch.ids, batch.seq, count=len(batch.ids)
+            )
+        except Exception as exc:
+            if self._skips_left == 0:
+                raise annotate(exc, "fetch", epoch=self.number, batch=batch.seq) from None
+            # Some of the batch may be fine: fetch it item by item so only bad samples go.
+            for position in range(len(batch.ids)):
+                await self._fetch_one(source, batch, position)
+            return
+        batch.samples = samples
+        batch.pending = 0
+        for sample in samples:
+            self._charge(batch, sample)
+
+    def _charge(self, batch: _Batch, sample: Any) -> None:
+        if self.config.max_inflight_bytes is not None:
+            n = nbytes_of(sample)
+            batch.nbytes += n
+            self._bytes.charge(n)
+
+    async def _attempt(
+        self, call: Callable[[], Awaitable[Any]], key: object, seq: int, *, count: int = 1
+    ) -> Any:
+        """Run one fetch with the per-sample timeout and the retry policy."""
+        cfg, rec = self.config, self.stats.fetch
+        failures = 0
+        while True:
+            started = time.perf_counter()
+            for _ in range(count):
+                rec.start()
+            try:
+                if cfg.sample_timeout is None:
+                    result = await call()
+                else:
+                    with anyio.fail_after(cfg.sample_timeout):
+                        result = await call()
+            except Exception as exc:
+                for _ in range(count):
+                    rec.finish(time.perf_counter() - started, ok=False)
+                failures += 1
+                if isinstance(exc, TimeoutError) and cfg.sample_timeout is not None:
+                    exc.add_note(f"aioloader: sample_timeout={cfg.sample_timeout}s exceeded")
+                if cfg.retry is None or not cfg.retry.should_retry(exc, failures):
+                    rec.failed += count
+                    if failures > 1:
+                        exc.add_note(f"aioloader: gave up after {failures} attempts")
+                    raise annotate(exc, "fetch", epoch=self.number, batch=seq, index=key) from None
+                rec.retries += 1
+                logger.debug("aioloader: retrying %r after %r", key, exc)
+                await anyio.sleep(cfg.retry.backoff(failures, self._rng))
+            except BaseException:  # cancelled: nothing stays counted as in flight
+                rec.in_flight -= count
+                raise
+            latency = time.perf_counter() - started
+            for _ in range(count):
+                rec.finish(latency)
+            return result
+
+    def _skip_or_raise(self, exc: Exception, stage: str, batch: _Batch, key: object) -> None:
+        """Spend one unit of the ``max_failures`` budget on ``exc``, or raise it."""
+        if self._skips_left == 0:
+            detail = ""
+            if self.config.max_failures:
+                detail = f"max_failures={self.config.max_failures} exhausted"
+            raise annotate(exc, stage, epoch=self.number, batch=batch.seq, index=key, detail=detail)
+        self._skips_left -= 1
+        rec = self.stats.fetch if stage == "fetch" else self.stats.transform
+        rec.skipped += 1
+        if len(self.stats.skipped) < _MAX_SKIPPED_KEPT:
+            self.stats.skipped.append(key)
+        logger.warning(
+            "aioloader: skipped sample %r (stage %r, epoch %d): %s: %s",
+            key,
+            stage,
+            self.number,
+            type(exc).__name__,
+            exc,
+        )
+
+    # -- transform + collate ----------------------------------------------------------------------
+
+    async def _transform_worker(
+        self, ready: MemoryObjectReceiveStream[_Batch], done: MemoryObjectSendStream[_Done]
+    ) -> None:
+        async with ready, done:
+            while (batch := await _get(ready, self.stats.transform)) is not None:
+                self.stats.fetch.set_queued(ready.statistics().current_buffer_used)
+                await _put(done, await self._transform(batch), self.stats.transform)
+
+    async def _transform(self, batch: _Batch) -> _Done:
+        cfg, rec = self.config, self.stats.transform
+        keep = [p for p in range(len(batch.ids)) if p not in batch.failed]
+        if not keep:
+            return _Done(batch, None, 0)
+        samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
+        unbatched = cfg.batch_size is None
+        started = time.perf_counter()
+        rec.start()
+        try:
+            result: JobResult = await self.work.run(
+                run_batch, cfg.transform, cfg.collate_fn, samples, unbatched, cfg.pin
+            )
+            value, size = result.batch, len(samples)
+            if result.failures:
+                for position, exc in result.failures:
+                    self._skip_or_raise(exc, "transform", batch, batch.ids[keep[position]])
+                size = len(result.transformed)
+                if size:
+                    value = await self.work.run(
+                        collate_only, cfg.collate_fn, result.transformed, unbatched, cfg.pin
+                    )
+        except Exception as exc:
+            rec.finish(time.perf_counter() - started, ok=False)
+            rec.failed += 1
+            if not _annotated(exc):
+                ids = batch.ids[0] if unbatched else batch.ids
+                annotate(exc, "collate", epoch=self.number, batch=batch.seq, index=ids)
+            raise
+        except BaseException:  # cancelled
+            rec.in_flight -= 1
+            raise
+        rec.finish(time.perf_counter() - started)
+        return _Done(batch, value, size)
+
+    # -- reorder + output ---------------------------------------------------------------------
+
+    async def _emit(
+        self, done: MemoryObjectReceiveStream[_Done], out: MemoryObjectSendStream[Any]
+    ) -> None:
+        reorder: ReorderBuffer[_Done] = ReorderBuffer()
+        async with done:
+            while (item := await _get(done, self.stats.output)) is not None:
+                deliverable = reorder.push(item.batch.seq, item) if self.config.in_order else [item]
+                self.stats.transform.set_queued(
+                    len(reorder) + done.statistics().current_buffer_used
+                )
+                for d in deliverable:
+                    if d.size:
+                        await _put(out, (d.value, d.size), self.stats.output)
+                        self.stats.output.completed += 1
+                        self.stats.output.set_queued(out.statistics().current_buffer_used)
+                    self._bytes.release(d.batch.seq, d.batch.nbytes)
+                    self.stats.window.finish(None)
+                    self._slots.release()
+
+
+def _annotated(exc: BaseException) -> bool:
+    return any(n.startswith("aioloader: failed in") for n in getattr(exc, "__notes__", ()))
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first real failure inside (possibly nested) exception groups; the others, if any,
+    are named in a note on it rather than lost."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    first = leaves[0]
+    if len(leaves) > 1:
+        others = ", ".join(f"{type(e).__name__}: {e}" for e in leaves[1:6])
+        first.add_note(f"aioloader: {len(leaves) - 1} more failure(s) in the same epoch: {others}")
+    return first
+
+
+class _blocked:  # used like a function: `with _blocked(rec, "put"):`
+    """Adds the time spent inside the block to a recorder's blocked-put or blocked-get total."""
+
+    __slots__ = ("_kind", "_rec", "_t0")
+
+    def __init__(self, rec: StageRecorder, kind: str) -> None:
+        self._rec, self._kind = rec, kind
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        dt = time.perf_counter() - self._t0
+        if self._kind == "put":
+            self._rec.blocked_put_s += dt
+        else:
+            self._rec.blocked_get_s += dt
+
+
+async def _put(stream: MemoryObjectSendStream[Any], item: Any, rec: StageRecorder) -> None:
+    """Send, counting time spent blocked by a full stream (backpressure) against ``rec``."""
+    try:
+        stream.send_nowait(item)
+    except anyio.WouldBlock:
+        with _blocked(rec, "put"):
+            await stream.send(item)
+
+
+async def _get(stream: MemoryObjectReceiveStream[Any], rec: StageRecorder) -> Any:
+    """Receive the next item, or None at the end of the stream, counting time spent waiting
+    for upstream (starvation) against ``rec``. Items are never None: they are batches or jobs."""
+    try:
+        return stream.receive_nowait()
+    except anyio.WouldBlock:
+        with _blocked(rec, "get"):
+            try:
+                return await stream.receive()
+            except anyio.EndOfStream:
+                return None
+    except anyio.EndOfStream:
+        return None

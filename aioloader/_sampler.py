@@ -1,0 +1,473 @@
+"""Index samplers and the decision logic for seeding and sharding.
+
+This module owns which dataset indices an epoch visits and in what order:
+the sequential, random and distributed samplers, the batch sampler that groups
+their indices, seed derivation (:func:`derive_seed`), rank resolution
+(:func:`resolve_rank`) and the sharding rules shared by map-style and iterable
+datasets (:func:`shard`, :func:`shard_stream_position`).
+
+It is pure: no event loop, no I/O, no threads. The only outside state it reads
+is torch's default random generator (to draw an unseeded sampler's base seed)
+and, in :func:`resolve_rank`, whether ``torch.distributed`` is initialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Iterable, Iterator, Sized
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+__all__ = ["BatchSampler", "DistributedSampler", "RandomSampler", "SequentialSampler"]
+
+_SEED_BITS = 63
+_SEED_PERSON = b"aioloader.seed"
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    """Return ``value`` if it is an int (not a bool) of at least ``minimum``.
+
+    Args:
+        name: The argument name used in the error message.
+        value: The value to check.
+        minimum: The smallest accepted value: 0 or 1.
+
+    Returns:
+        ``value``, typed as an int.
+
+    Raises:
+        TypeError: If ``value`` is not an int or is a bool.
+        ValueError: If ``value`` is smaller than ``minimum``.
+    """
+    kind = "positive int" if minimum == 1 else "non-negative int"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a {kind}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be a {kind}, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool.
+
+    Args:
+        name: The argument name used in the error message.
+        value: The value to check.
+
+    Returns:
+        ``value``, typed as a bool.
+
+    Raises:
+        TypeError: If ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def derive_seed(*parts: int) -> int:
+    """Derive a deterministic 63-bit seed from integer parts.
+
+    The result depends only on the parts and their order, so it is the same in
+    every process and Python run (it never uses ``hash()``). Typical parts are
+    ``(base_seed, epoch)`` or ``(base_seed, epoch, batch_index)``.
+
+    Args:
+        *parts: Integers of any size and sign (anything accepted by
+            ``operator.index``, such as numpy integers).
+
+    Returns:
+        An int in ``[0, 2**63)``, suitable for ``torch.Generator.manual_seed``.
+
+    Raises:
+        TypeError: If a part is not an integer.
+    """
+    digest = hashlib.blake2b(digest_size=8, person=_SEED_PERSON)
+    for i, part in enumerate(parts):
+        try:
+            value = operator.index(part)
+        except TypeError:
+            raise TypeError(f"parts[{i}] must be an int, got {part!r}") from None
+        # Length-prefixed signed encoding: unambiguous for any size and sign.
+        size = max(16, (value.bit_length() + 8) // 8)
+        digest.update(size.to_bytes(4, "little"))
+        digest.update(value.to_bytes(size, "little", signed=True))
+    return int.from_bytes(digest.digest(), "little") >> (64 - _SEED_BITS)
+
+
+def _epoch_permutation(length: int, base_seed: int, epoch: int) -> list[int]:
+    """Return the seeded permutation of ``range(length)`` for an epoch."""
+    generator = torch.Generator()
+    generator.manual_seed(derive_seed(base_seed, epoch))
+    order: list[int] = torch.randperm(length, generator=generator).tolist()
+    return order
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Resolve and validate this process's rank and the world size.
+
+    Explicit values win. A missing value comes from ``torch.distributed`` when it
+    is available and initialised, else defaults to rank 0 of a world of 1.
+
+    Args:
+        rank: This process's rank, or None to detect it.
+        world_size: The number of processes, or None to detect it.
+
+    Returns:
+        ``(rank, world_size)`` with ``world_size >= 1`` and
+        ``0 <= rank < world_size``.
+
+    Raises:
+        TypeError: If a given value is not an int.
+        ValueError: If ``world_size < 1`` or ``rank`` is outside
+            ``[0, world_size)``.
+    """
+    if rank is None or world_size is None:
+        initialised = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if initialised else 1
+    world_size = _check_int("world_size", world_size, minimum=1)
+    rank = _check_int("rank", rank, minimum=0)
+    if rank >= world_size:
+        raise ValueError(
+            f"rank must be in [0, {world_size - 1}] for world_size {world_size}, got {rank}"
+        )
+    return rank, world_size
+
+
+def shard_length(n_items: int, world_size: int, drop_last: bool) -> int:
+    """Return how many items each rank gets when sharding ``n_items`` items.
+
+    Args:
+        n_items: The size of the global order.
+        world_size: The number of ranks.
+        drop_last: Truncate to a multiple of ``world_size`` instead of padding.
+
+    Returns:
+        The per-rank count, the same for every rank (as torch's
+        ``DistributedSampler``).
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If ``n_items < 0`` or ``world_size < 1``.
+    """
+    n_items = _check_int("n_items", n_items, minimum=0)
+    world_size = _check_int("world_size", world_size, minimum=1)
+    _check_bool("drop_last", drop_last)
+    return n_items // world_size if drop_last else -(-n_items // world_size)
+
+
+def shard(n_items: int, rank: int, world_size: int, drop_last: bool) -> list[int]:
+    """Return the positions in a global order of ``n_items`` that ``rank`` takes.
+
+    The global order is padded by repeating it cyclically from its start until
+    its length divides by ``world_size`` (or truncated when ``drop_last``); rank
+    ``r`` then takes every ``world_size``-th position starting at ``r``. This is
+    exactly torch's ``DistributedSampler`` rule.
+
+    Args:
+        n_items: The size of the global order.
+        rank: This rank, in ``[0, world_size)``.
+        world_size: The number of ranks.
+        drop_last: Truncate instead of padding.
+
+    Returns:
+        ``shard_length(n_items, world_size, drop_last)`` positions into the
+        global order (padding positions wrap around to its start).
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If ``n_items < 0``, ``world_size < 1`` or ``rank`` is out of
+            range.
+    """
+    count = shard_length(n_items, world_size, drop_last)
+    rank, world_size = resolve_rank(rank, world_size)
+    return [(rank + k * world_size) % n_items for k in range(count)]
+
+
+def shard_stream_position(position: int, rank: int, world_size: int) -> bool:
+    """Return whether the item at ``position`` of a stream belongs to ``rank``.
+
+    Items of an iterable dataset are dealt round-robin: position ``p`` goes to
+    rank ``p % world_size``.
+
+    Args:
+        position: The item's 0-based position in the stream.
+        rank: This rank, in ``[0, world_size)`` (see :func:`resolve_rank`).
+        world_size: The number of ranks, at least 1.
+
+    Returns:
+        True if this rank should take the item.
+
+    Raises:
+        ValueError: If ``position`` is negative.
+    """
+    if position < 0:
+        raise ValueError(f"position must be a non-negative int, got {position!r}")
+    return position % world_size == rank
+
+
+class SequentialSampler(Sampler[int]):
+    """Yields ``0, 1, ..., length - 1`` every epoch.
+
+    Args:
+        length: The dataset length.
+
+    Raises:
+        TypeError: If ``length`` is not an int.
+        ValueError: If ``length`` is negative.
+    """
+
+    def __init__(self, length: int) -> None:
+        self._length = _check_int("length", length, minimum=0)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._length))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accept an epoch for interface compatibility; the order never changes.
+
+        Raises:
+            TypeError: If ``epoch`` is not an int.
+            ValueError: If ``epoch`` is negative.
+        """
+        _check_int("epoch", epoch, minimum=0)
+
+
+class RandomSampler(Sampler[int]):
+    """Yields a seeded random permutation of ``range(length)`` per epoch.
+
+    The order for epoch ``e`` is ``torch.randperm(length, generator=g)`` with
+    ``g`` seeded by ``derive_seed(seed, e)``: the same seed and epoch always give
+    the same order, in any process.
+
+    Args:
+        length: The dataset length.
+        seed: The base seed. If given, ``generator`` is ignored.
+        generator: Used once, at construction, to draw the base seed when
+            ``seed`` is None. If both are None, the base seed is drawn from torch's
+            default generator, so ``torch.manual_seed`` makes runs repeatable.
+
+    Raises:
+        TypeError: If ``length`` or ``seed`` is not an int, or ``generator`` is
+            not a ``torch.Generator``.
+        ValueError: If ``length`` is negative.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        *,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self._length = _check_int("length", length, minimum=0)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
+        if seed is None:
+            device = generator.device if generator is not None else None
+            draw = torch.empty((), dtype=torch.int64, device=device)
+            seed = int(draw.random_(generator=generator).item())
+        elif isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        self._seed = seed
+        self._epoch = 0
+
+    @property
+    def seed(self) -> int:
+        """The base seed that, with the epoch, determines the order."""
+        return self._seed
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order ``__iter__`` yields."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration yields.
+
+        Args:
+            epoch: The epoch number.
+
+        Raises:
+            TypeError: If ``epoch`` is not an int.
+            ValueError: If ``epoch`` is negative.
+        """
+        self._epoch = _check_int("epoch", epoch, minimum=0)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(_epoch_permutation(self._length, self._seed, self._epoch))
+
+    def __len__(self) -> int:
+        return self._length
+
+
+class DistributedSampler(Sampler[int]):
+    """Yields this rank's share of a (seeded, shuffled) global order.
+
+    Follows torch's ``DistributedSampler``: the global order is
+    ``RandomSampler(length, seed=seed)``'s order for the epoch when ``shuffle``,
+    else ``range(length)``; it is padded by repeating indices from its start
+    (or truncated when ``drop_last``) to a multiple of ``world_size``, and rank
+    ``r`` takes ``order[r::world_size]``. Every rank gets ``len(self)`` indices.
+    With ``shuffle=False`` the output equals torch's exactly.
+
+    Args:
+        length: The dataset length.
+        rank: This process's rank; None to detect it (see :func:`resolve_rank`).
+        world_size: The number of processes; None to detect it.
+        shuffle: Shuffle the global order each epoch.
+        seed: The base seed; it must be the same on every rank.
+        drop_last: Truncate the global order instead of padding it.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If ``length < 0``, ``world_size < 1`` or ``rank`` is outside
+            ``[0, world_size)``.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        self._length = _check_int("length", length, minimum=0)
+        self._rank, self._world_size = resolve_rank(rank, world_size)
+        self._shuffle = _check_bool("shuffle", shuffle)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self._seed = seed
+        self._drop_last = _check_bool("drop_last", drop_last)
+        self._epoch = 0
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes sharing the dataset."""
+        return self._world_size
+
+    @property
+    def seed(self) -> int:
+        """The base seed of the shuffled global order."""
+        return self._seed
+
+    @property
+    def shuffle(self) -> bool:
+        """Whether the global order is shuffled."""
+        return self._shuffle
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether the global order is truncated rather than padded."""
+        return self._drop_last
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order ``__iter__`` yields."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; call it with the same value on every rank.
+
+        Args:
+            epoch: The epoch number.
+
+        Raises:
+            TypeError: If ``epoch`` is not an int.
+            ValueError: If ``epoch`` is negative.
+        """
+        self._epoch = _check_int("epoch", epoch, minimum=0)
+
+    def __iter__(self) -> Iterator[int]:
+        if self._shuffle:
+            order = _epoch_permutation(self._length, self._seed, self._epoch)
+        else:
+            order = list(range(self._length))
+        positions = shard(self._length, self._rank, self._world_size, self._drop_last)
+        return iter([order[p] for p in positions])
+
+    def __len__(self) -> int:
+        return shard_length(self._length, self._world_size, self._drop_last)
+
+
+class BatchSampler(Sampler[list[int]]):
+    """Groups the indices of another sampler into lists of ``batch_size``.
+
+    Behaves like torch's ``BatchSampler``: every batch has ``batch_size``
+    indices except possibly the last, which is dropped when ``drop_last``.
+
+    Args:
+        sampler: Any iterable of indices; ``len()`` needs it to be sized.
+        batch_size: The number of indices per batch.
+        drop_last: Drop the last batch if it is short.
+
+    Raises:
+        TypeError: If ``sampler`` is not iterable, ``batch_size`` is not an int
+            or ``drop_last`` is not a bool.
+        ValueError: If ``batch_size`` is not positive.
+    """
+
+    def __init__(self, sampler: Iterable[int], batch_size: int, drop_last: bool) -> None:
+        if not isinstance(sampler, Iterable):
+            raise TypeError(f"sampler must be an iterable of indices, got {sampler!r}")
+        self._sampler = sampler
+        self._batch_size = _check_int("batch_size", batch_size, minimum=1)
+        self._drop_last = _check_bool("drop_last", drop_last)
+
+    @property
+    def sampler(self) -> Iterable[int]:
+        """The wrapped sampler."""
+        return self._sampler
+
+    @property
+    def batch_size(self) -> int:
+        """The number of indices per full batch."""
+        return self._batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether a short last batch is dropped."""
+        return self._drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward the epoch to the wrapped sampler if it has ``set_epoch``.
+
+        Args:
+            epoch: The epoch number.
+        """
+        set_epoch = getattr(self._sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch: list[int] = []
+        for index in self._sampler:
+            batch.append(index)
+            if len(batch) == self._batch_size:
+                yield batch
+                batch = []
+        if batch and not self._drop_last:
+            yield batch
+
+    def __len__(self) -> int:
+        if not isinstance(self._sampler, Sized):
+            raise TypeError(f"sampler has no len(): {type(self._sampler).__name__}")
+        n = len(self._sampler)
+        return n // self._batch_size if self._drop_last else -(-n // self._batch_size)

@@ -1,0 +1,238 @@
+"""Adapters that give every kind of dataset one of two shapes the pipeline understands.
+
+Owns: classifying a user's dataset (async map-style, async iterable, torch map-style, torch
+iterable, plain sequence or iterable) and wrapping it as a :class:`MapSource` (indexable, with a
+length) or a :class:`StreamSource` (iterated once per epoch). Blocking calls of torch datasets go
+through a :class:`~aioloader._offload.ThreadOffload`, a whole batch per thread call, so the event
+loop never blocks and the per-item thread hop is paid once per batch. Never: schedules, retries or
+batches; that is ``_pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch.utils.data
+
+from ._dataset import AsyncDataset, AsyncIterableDataset
+from ._exceptions import LoaderStateError, annotate
+from ._offload import ThreadOffload
+
+__all__ = ["Kind", "MapSource", "StreamSource", "classify", "open_source"]
+
+_STREAM_CHUNK = 64  # items pulled from a blocking iterator per thread call
+
+
+class Kind(enum.Enum):
+    ASYNC_MAP = "async map-style"
+    ASYNC_STREAM = "async iterable"
+    BLOCKING_MAP = "map-style"
+    BLOCKING_STREAM = "iterable"
+
+    @property
+    def is_map(self) -> bool:
+        return self in (Kind.ASYNC_MAP, Kind.BLOCKING_MAP)
+
+    @property
+    def is_blocking(self) -> bool:
+        return self in (Kind.BLOCKING_MAP, Kind.BLOCKING_STREAM)
+
+
+def classify(dataset: object) -> Kind:
+    """Decide how the loader reads ``dataset``.
+
+    Raises:
+        TypeError: ``dataset`` is none of the accepted kinds; the message lists them.
+    """
+    if isinstance(dataset, AsyncDataset):
+        return Kind.ASYNC_MAP
+    if isinstance(dataset, AsyncIterableDataset) or hasattr(dataset, "__aiter__"):
+        return Kind.ASYNC_STREAM
+    if inspect.isasyncgenfunction(dataset):
+        return Kind.ASYNC_STREAM
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return Kind.BLOCKING_STREAM
+    if isinstance(dataset, (str, bytes, bytearray)):
+        pass  # a sequence, but never meant as a dataset
+    elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return Kind.BLOCKING_MAP
+    elif isinstance(dataset, Iterable):
+        return Kind.BLOCKING_STREAM
+    raise TypeError(
+        "dataset must be an aioloader.AsyncDataset, an async iterable (an "
+        "aioloader.AsyncIterableDataset, an object with __aiter__ or an async generator "
+        "function), a torch.utils.data.Dataset with __len__, a torch IterableDataset, or a "
+        f"sequence; got {type(dataset).__qualname__}"
+    )
+
+
+def dataset_length(dataset: object) -> int | None:
+    """``len(dataset)`` when the dataset defines it, else None."""
+    try:
+        return len(dataset)  # type: ignore[arg-type]  # probing: any object may define __len__
+    except TypeError:
+        return None
+
+
+class MapSource(ABC):
+    """Items by index. ``batched`` sources prefer :meth:`get_many` for a whole batch."""
+
+    batched: bool
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    async def get(self, index: int) -> Any: ...
+
+    @abstractmethod
+    async def get_many(self, indices: Sequence[int]) -> list[Any]: ...
+
+
+class StreamSource(ABC):
+    """Samples in the order the dataset yields them, read once per epoch."""
+
+    @abstractmethod
+    def open(self) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Any]]:
+        """An iterator for one epoch, closed (``aclose``) when the context exits."""
+
+
+class _AsyncMap(MapSource):
+    def __init__(self, dataset: AsyncDataset[Any]) -> None:
+        self._dataset = dataset
+        self.batched = type(dataset).get_many is not AsyncDataset.get_many
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    async def get(self, index: int) -> Any:
+        return await self._dataset.get(index)
+
+    async def get_many(self, indices: Sequence[int]) -> list[Any]:
+        items = await self._dataset.get_many(indices)
+        if len(items) != len(indices):
+            raise ValueError(
+                f"{type(self._dataset).__qualname__}.get_many returned {len(items)} items "
+                f"for {len(indices)} indices"
+            )
+        return items
+
+
+class _BlockingMap(MapSource):
+    """A torch map-style dataset (or a sequence): ``__getitem__`` runs on the I/O threads."""
+
+    batched = True
+
+    def __init__(self, dataset: Any, offload: Callable[[], ThreadOffload]) -> None:
+        self._dataset = dataset
+        self._offload = offload
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def _read(self, index: int) -> Any:
+        try:
+            return self._dataset[index]
+        except Exception as exc:
+            raise annotate(exc, "fetch", index=index) from None
+
+    def _read_many(self, indices: Sequence[int]) -> list[Any]:
+        getitems = getattr(self._dataset, "__getitems__", None)
+        if getitems is not None:  # torch's batched protocol (torch >= 2.1)
+            return list(getitems(list(indices)))
+        return [self._read(i) for i in indices]
+
+    async def get(self, index: int) -> Any:
+        return await self._offload().run(self._read, index)
+
+    async def get_many(self, indices: Sequence[int]) -> list[Any]:
+        return await self._offload().run(self._read_many, indices)
+
+
+class _AsyncStream(StreamSource):
+    def __init__(self, dataset: Any) -> None:
+        self._dataset = dataset
+        self._consumed = False
+
+    def _iterator(self) -> AsyncIterator[Any]:
+        if inspect.isasyncgenfunction(self._dataset):
+            return self._dataset()  # type: ignore[no-any-return]
+        iterator: AsyncIterator[Any] = self._dataset.__aiter__()
+        if iterator is self._dataset:  # a one-shot iterator, e.g. an async generator object
+            if self._consumed:
+                raise LoaderStateError(
+                    f"the dataset is a one-shot async iterator ({type(self._dataset).__qualname__})"
+                    " and was consumed by an earlier epoch; pass an async generator function or "
+                    "an aioloader.AsyncIterableDataset to iterate it again"
+                )
+            self._consumed = True
+        return iterator
+
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[AsyncIterator[Any]]:
+        iterator = self._iterator()
+        try:
+            yield iterator
+        finally:
+            aclose: Callable[[], Any] | None = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class _BlockingStream(StreamSource):
+    """A torch IterableDataset (or any iterable) advanced on one dedicated thread, in chunks."""
+
+    def __init__(self, dataset: Iterable[Any], offload: Callable[[], ThreadOffload]) -> None:
+        self._dataset = dataset
+        self._offload = offload
+
+    @staticmethod
+    def _pull(iterator: Iterator[Any]) -> list[Any]:
+        chunk = []
+        for item in iterator:
+            chunk.append(item)
+            if len(chunk) == _STREAM_CHUNK:
+                break
+        return chunk
+
+    async def _chunks(self, iterator: Iterator[Any]) -> AsyncGenerator[Any, None]:
+        while chunk := await self._offload().run(self._pull, iterator):
+            for item in chunk:
+                yield item
+
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[AsyncIterator[Any]]:
+        iterator = await self._offload().run(iter, self._dataset)
+        chunks = self._chunks(iterator)
+        try:
+            yield chunks
+        finally:
+            await chunks.aclose()
+            close = getattr(iterator, "close", None)
+            if close is not None:  # a generator: run its finally blocks on its own thread
+                await self._offload().run(close)
+
+
+def open_source(
+    dataset: object, kind: Kind, offload: Callable[[], ThreadOffload]
+) -> MapSource | StreamSource:
+    """Wrap ``dataset`` (already classified as ``kind``) once, for the loader's whole life.
+
+    Args:
+        dataset: The user's dataset.
+        kind: What :func:`classify` said of it.
+        offload: Gives the thread pool of the loader's current scope, for blocking datasets
+            (called at each blocking call, never at construction).
+    """
+    if kind is Kind.ASYNC_MAP:
+        return _AsyncMap(dataset)  # type: ignore[arg-type]  # classify() checked the type
+    if kind is Kind.BLOCKING_MAP:
+        return _BlockingMap(dataset, offload)
+    if kind is Kind.ASYNC_STREAM:
+        return _AsyncStream(dataset)
+    return _BlockingStream(dataset, offload)  # type: ignore[arg-type]  # an Iterable

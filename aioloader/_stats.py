@@ -1,0 +1,253 @@
+"""Statistics: mutable recorders the pipeline updates, and the frozen snapshots users read.
+
+Owns: counting (in flight, queue fill, blocked time, latency percentiles, retries, failures) and
+rendering a readable summary. Never: awaits, locks or touches the event loop; every update is a
+few attribute writes done on the loop thread, so recording costs nothing measurable per item.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["ConsumerStatistics", "LatencySummary", "LoaderStatistics", "StageStatistics"]
+
+_RESERVOIR = 4096  # latencies kept per stage for percentiles: the most recent ones
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """Latency percentiles of the most recent operations of a stage, in seconds."""
+
+    count: int
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, samples: deque[float] | list[float], count: int) -> LatencySummary:
+        if not samples:
+            return cls(count, math.nan, math.nan, math.nan, math.nan)
+        ordered = sorted(samples)
+
+        def pick(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+        return cls(count, pick(0.50), pick(0.90), pick(0.99), ordered[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class StageStatistics:
+    """One stage's counters.
+
+    Attributes:
+        name: ``"fetch"``, ``"transform"`` or ``"output"``.
+        in_flight: Operations running now.
+        max_in_flight: The most that ever ran at once.
+        limit: The configured bound on ``in_flight`` (None when unbounded).
+        queued: Items waiting in the stage's outgoing queue now.
+        max_queued: The most that ever waited there at once.
+        queue_capacity: The bound on ``queued``.
+        completed: Operations that finished successfully.
+        failed: Operations that failed for good (after retries).
+        skipped: Failed samples dropped under the ``max_failures`` budget.
+        retries: Attempts repeated after a transient error.
+        blocked_put_s: Total time spent waiting for room downstream (backpressure).
+        blocked_get_s: Total time spent waiting for work from upstream (starvation).
+        latency: Percentiles of the operation's duration.
+    """
+
+    name: str
+    in_flight: int
+    max_in_flight: int
+    limit: int | None
+    queued: int
+    max_queued: int
+    queue_capacity: int | None
+    completed: int
+    failed: int
+    skipped: int
+    retries: int
+    blocked_put_s: float
+    blocked_get_s: float
+    latency: LatencySummary
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStatistics:
+    """What the code iterating the loader saw.
+
+    Attributes:
+        batches: Batches handed out.
+        samples: Samples in those batches.
+        wait_s: Total time ``__anext__`` waited for a batch (the GPU starving shows up here).
+        max_wait_s: The longest single wait.
+        busy_s: Total time between handing out a batch and being asked for the next one.
+    """
+
+    batches: int
+    samples: int
+    wait_s: float
+    max_wait_s: float
+    busy_s: float
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the consumer's time spent waiting for data (0 when it never waited)."""
+        total = self.wait_s + self.busy_s
+        return self.wait_s / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderStatistics:
+    """A frozen snapshot of :meth:`DataLoader.statistics`, cumulative over the loader's scope."""
+
+    epochs: int
+    elapsed_s: float
+    stages: tuple[StageStatistics, ...]
+    consumer: ConsumerStatistics
+    skipped_samples: tuple[object, ...] = field(default=())
+
+    def stage(self, name: str) -> StageStatistics:
+        """Return the stage called ``name``.
+
+        Raises:
+            KeyError: No stage has that name.
+        """
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
+
+    @property
+    def samples_per_s(self) -> float:
+        """Samples handed to the consumer per second of the loader's life."""
+        return self.consumer.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def __repr__(self) -> str:
+        c = self.consumer
+        lines = [
+            f"LoaderStatistics: {c.batches} batches, {c.samples} samples in {self.elapsed_s:.2f}s"
+            f" ({self.samples_per_s:,.0f} samples/s) over {self.epochs} epoch(s);"
+            f" consumer waited {c.wait_s:.3f}s ({c.wait_fraction:.0%}),"
+            f" longest {c.max_wait_s:.3f}s",
+            f"  {'stage':<10}{'in flight':>12}{'queued':>10}{'done':>9}{'retry':>7}{'fail':>6}"
+            f"{'skip':>6}{'put-wait':>10}{'get-wait':>10}{'p50 ms':>9}{'p99 ms':>9}",
+        ]
+        for s in self.stages:
+            limit = "∞" if s.limit is None else str(s.limit)
+            cap = "∞" if s.queue_capacity is None else str(s.queue_capacity)
+            lines.append(
+                f"  {s.name:<10}{f'{s.max_in_flight}/{limit}':>12}{f'{s.max_queued}/{cap}':>10}"
+                f"{s.completed:>9}{s.retries:>7}{s.failed:>6}{s.skipped:>6}"
+                f"{s.blocked_put_s:>9.3f}s{s.blocked_get_s:>9.3f}s"
+                f"{_ms(s.latency.p50):>9}{_ms(s.latency.p99):>9}"
+            )
+        if self.skipped_samples:
+            shown = ", ".join(repr(k) for k in self.skipped_samples[:10])
+            more = len(self.skipped_samples) - 10
+            lines.append(f"  skipped samples: {shown}" + (f" (+{more} more)" if more > 0 else ""))
+        lines.append("  (in flight and queued show peak/limit)")
+        return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
+
+
+class StageRecorder:
+    """Mutable counters of one stage, updated from the event loop thread only."""
+
+    __slots__ = (
+        "_latencies",
+        "blocked_get_s",
+        "blocked_put_s",
+        "completed",
+        "failed",
+        "in_flight",
+        "limit",
+        "max_in_flight",
+        "max_queued",
+        "name",
+        "queue_capacity",
+        "queued",
+        "retries",
+        "skipped",
+    )
+
+    def __init__(self, name: str, *, limit: int | None, queue_capacity: int | None) -> None:
+        self.name = name
+        self.limit = limit
+        self.queue_capacity = queue_capacity
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.queued = 0
+        self.max_queued = 0
+        self.completed = 0
+        self.failed = 0
+        self.skipped = 0
+        self.retries = 0
+        self.blocked_put_s = 0.0
+        self.blocked_get_s = 0.0
+        self._latencies: deque[float] = deque(maxlen=_RESERVOIR)
+
+    def start(self) -> None:
+        self.in_flight += 1
+        if self.in_flight > self.max_in_flight:
+            self.max_in_flight = self.in_flight
+
+    def finish(self, latency: float | None, *, ok: bool = True) -> None:
+        """End one operation; ``latency`` None records no duration."""
+        self.in_flight -= 1
+        if latency is not None:
+            self._latencies.append(latency)
+        if ok:
+            self.completed += 1
+
+    def set_queued(self, n: int) -> None:
+        self.queued = n
+        if n > self.max_queued:
+            self.max_queued = n
+
+    def snapshot(self) -> StageStatistics:
+        return StageStatistics(
+            name=self.name,
+            in_flight=self.in_flight,
+            max_in_flight=self.max_in_flight,
+            limit=self.limit,
+            queued=self.queued,
+            max_queued=self.max_queued,
+            queue_capacity=self.queue_capacity,
+            completed=self.completed,
+            failed=self.failed,
+            skipped=self.skipped,
+            retries=self.retries,
+            blocked_put_s=self.blocked_put_s,
+            blocked_get_s=self.blocked_get_s,
+            latency=LatencySummary.of(self._latencies, self.completed + self.failed),
+        )
+
+
+class ConsumerRecorder:
+    """Mutable counters of the consumer side, updated from the event loop thread only."""
+
+    __slots__ = ("batches", "busy_s", "max_wait_s", "samples", "wait_s")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.samples = 0
+        self.wait_s = 0.0
+        self.max_wait_s = 0.0
+        self.busy_s = 0.0
+
+    def waited(self, seconds: float) -> None:
+        self.wait_s += seconds
+        if seconds > self.max_wait_s:
+            self.max_wait_s = seconds
+
+    def snapshot(self) -> ConsumerStatistics:
+        return ConsumerStatistics(
+            self.batches, self.samples, self.wait_s, self.max_wait_s, self.busy_s
+        )
