@@ -61,6 +61,15 @@ def _callable_or_none(name: str, value: object) -> None:
         raise TypeError(f"{name} must be callable or None, got {type(value).__qualname__}")
 
 
+def _batch_size_hint(batch_size: int | None, batch_sampler: object) -> int:
+    """Samples per batch, for sizing the pipeline's window: a batch sampler's own
+    ``batch_size`` when it has one (torch's BatchSampler does), else 1."""
+    if batch_size is not None:
+        return batch_size
+    hint = getattr(batch_sampler, "batch_size", None)
+    return hint if isinstance(hint, int) and hint > 0 else 1
+
+
 def _portal_options() -> dict[str, Any]:
     """The background loop of a plain ``for``: uvloop when installed, set as that loop's factory
     only (never as the application's event loop policy)."""
@@ -83,12 +92,16 @@ class _Scope:
             max(1, loader.num_workers), "worker", worker_init_fn=loader.worker_init_fn
         )
         self.io: ThreadOffload | None = None
-        self.epoch: Epoch | None = None
+        self.current: _EpochIterator[Any] | None = None
 
     def offload(self) -> ThreadOffload:
         if self.io is None:
             self.io = ThreadOffload(self.loader.io_threads, "io")
         return self.io
+
+    def close_iteration(self) -> None:
+        if self.current is not None:
+            self.current.close_stream()
 
     def close_threads(self) -> None:
         self.work.close()
@@ -231,7 +244,11 @@ class DataLoader(Generic[T_Batch]):
             _positive_int("max_inflight_bytes", max_inflight_bytes)
         _non_negative_int("max_failures", max_failures)
         _positive_int("io_threads", io_threads)
-        if sample_timeout is not None and not sample_timeout > 0:
+        if sample_timeout is not None and (
+            not isinstance(sample_timeout, (int, float))
+            or isinstance(sample_timeout, bool)
+            or not sample_timeout > 0
+        ):
             raise ValueError(
                 f"sample_timeout must be a positive number or None, got {sample_timeout!r}"
             )
@@ -328,7 +345,8 @@ class DataLoader(Generic[T_Batch]):
             )
             pin = False
         self._config = PipelineConfig(
-            batch_size=batch_size if batch_sampler is None else 0,
+            batch_size=_batch_size_hint(batch_size, batch_sampler),
+            unbatched=batch_size is None and batch_sampler is None,
             drop_last=drop_last,
             max_inflight=max_inflight,
             prefetch=prefetch,
@@ -414,6 +432,7 @@ class DataLoader(Generic[T_Batch]):
         stack.callback(scope.close_threads)
         scope.task_group = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(scope.task_group.cancel_scope.cancel)
+        stack.callback(scope.close_iteration)
         self._stats = Recorders(
             max_inflight=self.max_inflight, workers=scope.work.threads, prefetch=self.prefetch
         )
@@ -435,7 +454,10 @@ class DataLoader(Generic[T_Batch]):
         if scope is None:
             return None
         self._stopped_at = time.perf_counter()
-        return await scope.stack.__aexit__(exc_type, exc, tb)
+        # The body's exception is the caller's, not the task group's: passing it in would wrap
+        # it in an ExceptionGroup. The scope's cleanup is the same whatever ended the body.
+        await scope.stack.aclose()
+        return None
 
     def __enter__(self) -> DataLoader[T_Batch]:
         """Open the scope for plain ``for`` loops: one background event loop (and one set of
@@ -545,10 +567,8 @@ class _EpochIterator(Generic[T_Batch]):
         scope, loader = self._scope, self._loader
         if scope is not loader._scope or scope.task_group is None:
             raise LoaderStateError("the loader's scope this iteration began in has closed")
-        previous = scope.epoch
-        if previous is not None and not previous.finished.is_set():
-            previous.cancel_scope.cancel()
-            await previous.finished.wait()
+        if scope.current is not None:
+            await scope.current.aclose()
         batches: Iterable[Sequence[int]] | None = None
         if loader._kind.is_map:
             for obj in (loader.sampler, loader.batch_sampler):
@@ -565,10 +585,10 @@ class _EpochIterator(Generic[T_Batch]):
         config = loader._config
         send, recv = anyio.create_memory_object_stream[Any](config.prefetch)
         epoch = Epoch(self._number, config, loader._source, batches, scope.work, loader._stats)
-        scope.epoch = epoch
+        scope.current = self
         loader._stats.epochs += 1
-        scope.task_group.start_soon(epoch.run, send, name=f"aioloader-epoch-{self._number}")
         self._epoch, self._recv = epoch, recv
+        await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
         return recv
 
     async def __anext__(self) -> T_Batch:
@@ -616,14 +636,17 @@ class _EpochIterator(Generic[T_Batch]):
         self._last_yield = time.perf_counter()
         return batch  # type: ignore[no-any-return]
 
+    def close_stream(self) -> None:
+        self._closed = True
+        if self._recv is not None:
+            self._recv.close()
+
     async def aclose(self) -> None:
         """Stop the epoch early and wait until its tasks are gone.
 
         Cancellation: the wait is shielded.
         """
-        self._closed = True
-        if self._recv is not None:
-            self._recv.close()
+        self.close_stream()
         epoch = self._epoch
         if epoch is not None and not epoch.finished.is_set():
             epoch.cancel_scope.cancel()

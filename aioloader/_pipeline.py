@@ -52,7 +52,8 @@ _MAX_SKIPPED_KEPT = 1000  # skipped sample ids remembered for the statistics
 class PipelineConfig:
     """The settings an epoch runs with (validated by the loader)."""
 
-    batch_size: int | None
+    batch_size: int  # samples per batch (a sizing hint when a batch_sampler decides)
+    unbatched: bool  # batch_size=None without a batch_sampler: samples are yielded alone
     drop_last: bool
     max_inflight: int
     prefetch: int
@@ -69,7 +70,7 @@ class PipelineConfig:
 
     @property
     def per_batch(self) -> int:
-        return 1 if self.batch_size is None else self.batch_size
+        return self.batch_size
 
     def fetch_workers(self, batched_source: bool) -> int:
         """Concurrent fetch calls: one per sample in flight, or, for a source that fetches whole
@@ -223,8 +224,8 @@ class Epoch:
         Cancellation: every stage is cancelled and waited for; running transform calls finish
         first (see ``_offload.py``); nothing is left running.
         """
-        task_status.started()
         try:
+            task_status.started()  # inside the try: from here on, `out` is closed whatever happens
             with self.cancel_scope:
                 await self._stages(out)
         except Exception as exc:  # a stage failed: hand the original exception to the consumer
@@ -286,7 +287,7 @@ class Epoch:
         self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]
     ) -> None:
         cfg = self.config
-        per_batch = 1 if cfg.batch_size is None else cfg.batch_size
+        per_batch = cfg.per_batch
         assembler: BatchAssembler[tuple[int, Any]] = BatchAssembler(per_batch)
         seq = 0
 
@@ -311,7 +312,8 @@ class Epoch:
                 except Exception as exc:
                     self.stats.fetch.finish(time.perf_counter() - started, ok=False)
                     self.stats.fetch.failed += 1
-                    raise annotate(exc, "source", epoch=self.number, index=position) from None
+                    annotate(exc, "source", epoch=self.number, index=position)
+                    raise
                 self.stats.fetch.finish(time.perf_counter() - started)
                 if position % cfg.world_size != cfg.rank:
                     continue
@@ -360,7 +362,8 @@ class Epoch:
             )
         except Exception as exc:
             if self._skips_left == 0:
-                raise annotate(exc, "fetch", epoch=self.number, batch=batch.seq) from None
+                annotate(exc, "fetch", epoch=self.number, batch=batch.seq)
+                raise
             # Some of the batch may be fine: fetch it item by item so only bad samples go.
             for position in range(len(batch.ids)):
                 await self._fetch_one(source, batch, position)
@@ -386,33 +389,31 @@ class Epoch:
             started = time.perf_counter()
             for _ in range(count):
                 rec.start()
+            error: Exception | None = None
             try:
-                if cfg.sample_timeout is None:
+                with anyio.fail_after(cfg.sample_timeout):
                     result = await call()
-                else:
-                    with anyio.fail_after(cfg.sample_timeout):
-                        result = await call()
             except Exception as exc:
-                for _ in range(count):
-                    rec.finish(time.perf_counter() - started, ok=False)
-                failures += 1
-                if isinstance(exc, TimeoutError) and cfg.sample_timeout is not None:
-                    exc.add_note(f"aioloader: sample_timeout={cfg.sample_timeout}s exceeded")
-                if cfg.retry is None or not cfg.retry.should_retry(exc, failures):
-                    rec.failed += count
-                    if failures > 1:
-                        exc.add_note(f"aioloader: gave up after {failures} attempts")
-                    raise annotate(exc, "fetch", epoch=self.number, batch=seq, index=key) from None
-                rec.retries += 1
-                logger.debug("aioloader: retrying %r after %r", key, exc)
-                await anyio.sleep(cfg.retry.backoff(failures, self._rng))
+                error = exc
             except BaseException:  # cancelled: nothing stays counted as in flight
                 rec.in_flight -= count
                 raise
             latency = time.perf_counter() - started
             for _ in range(count):
-                rec.finish(latency)
-            return result
+                rec.finish(latency, ok=error is None)
+            if error is None:
+                return result
+            failures += 1
+            if isinstance(error, TimeoutError) and cfg.sample_timeout is not None:
+                error.add_note(f"aioloader: sample_timeout={cfg.sample_timeout}s exceeded")
+            if cfg.retry is None or not cfg.retry.should_retry(error, failures):
+                rec.failed += count
+                if failures > 1:
+                    error.add_note(f"aioloader: gave up after {failures} attempts")
+                raise annotate(error, "fetch", epoch=self.number, batch=seq, index=key)
+            rec.retries += 1
+            logger.debug("aioloader: retrying %r after %r", key, error)
+            await anyio.sleep(cfg.retry.backoff(failures, self._rng))
 
     def _skip_or_raise(self, exc: Exception, stage: str, batch: _Batch, key: object) -> None:
         """Spend one unit of the ``max_failures`` budget on ``exc``, or raise it."""
@@ -451,7 +452,7 @@ class Epoch:
         if not keep:
             return _Done(batch, None, 0)
         samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
-        unbatched = cfg.batch_size is None
+        unbatched = cfg.unbatched
         started = time.perf_counter()
         rec.start()
         try:

@@ -139,7 +139,8 @@ class _BlockingMap(MapSource):
         try:
             return self._dataset[index]
         except Exception as exc:
-            raise annotate(exc, "fetch", index=index) from None
+            annotate(exc, "fetch", index=index)
+            raise
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         getitems = getattr(self._dataset, "__getitems__", None)

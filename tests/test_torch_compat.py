@@ -1,0 +1,504 @@
+"""Drop-in compatibility with torch.utils.data.DataLoader.
+
+A torch user switches by changing the import: on the same arguments, aioloader.DataLoader
+yields exactly torch's batches (same values, dtypes and container types), reports the same
+``len()``, and rejects the same argument combinations at construction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import aioloader
+
+N = 10
+
+
+# -- datasets -----------------------------------------------------------------------------------
+
+
+class Records(tud.Dataset[dict[str, Any]]):
+    """A torch map-style dataset of dicts: a tensor, an int and a string per sample."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return {"x": torch.tensor([index, index]), "y": index, "name": str(index)}
+
+
+def tuples(n: int = N) -> list[tuple[int, float, str]]:
+    """A plain list of tuples (torch collates a tuple into a list)."""
+    return [(i, i / 2, f"s{i}") for i in range(n)]
+
+
+MAP_DATASETS: dict[str, Callable[[], Any]] = {"records": Records, "list": tuples}
+
+
+class Stream(tud.IterableDataset[dict[str, Any]]):
+    """A torch iterable dataset: a generator of dicts, with no ``__len__``."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i in range(self.n):
+            yield {"a": i, "b": torch.full((2,), float(i)), "c": (i, str(i))}
+
+
+class SizedStream(Stream):
+    """A torch iterable dataset that defines ``__len__``."""
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Failing(tud.Dataset[int]):
+    """A map-style dataset whose sample 5 raises KeyError."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> int:
+        if index == 5:
+            raise KeyError("sample 5 is missing")
+        return index
+
+
+def collate_pairs(batch: list[Any]) -> tuple[str, list[Any]]:
+    """A custom collate_fn: tags the batch and keeps the samples as they are."""
+    return ("batch", list(batch))
+
+
+def convert_one(sample: Any) -> Any:
+    """A custom collate_fn for ``batch_size=None``: gets one sample."""
+    return ("one", sample)
+
+
+# -- comparison ---------------------------------------------------------------------------------
+
+
+def assert_same(got: Any, want: Any, path: str = "batches") -> None:
+    """Recursive exact equality: same container types, keys in the same order, tensors with the
+    same dtype and shape and equal values, other leaves equal and of the same type."""
+    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype, f"{path}: dtype {got.dtype} != {want.dtype}"
+        assert got.shape == want.shape, f"{path}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        assert torch.equal(got, want), f"{path}: {got} != {want}"
+    elif isinstance(want, Mapping):
+        assert list(got.keys()) == list(want.keys()), f"{path}: keys differ"
+        for key in want:
+            assert_same(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def torch_batches(dataset: Any, **kwargs: Any) -> list[Any]:
+    return list(tud.DataLoader(dataset, **kwargs))
+
+
+def aio_batches(dataset: Any, **kwargs: Any) -> list[Any]:
+    return list(aioloader.DataLoader(dataset, **kwargs))
+
+
+async def aio_batches_async(dataset: Any, **kwargs: Any) -> list[Any]:
+    loader = aioloader.DataLoader(dataset, **kwargs)
+    out = []
+    async with loader:
+        async for batch in loader:
+            out.append(batch)
+    return out
+
+
+def test_assert_same_is_strict() -> None:
+    assert_same([{"a": torch.tensor([1])}], [{"a": torch.tensor([1])}])
+    with pytest.raises(AssertionError):
+        assert_same(torch.tensor([1]), torch.tensor([1.0]))
+    with pytest.raises(AssertionError):
+        assert_same([1, 2], (1, 2))
+    with pytest.raises(AssertionError):
+        assert_same({"a": 1, "b": 2}, {"b": 2, "a": 1})
+    with pytest.raises(AssertionError):
+        assert_same(torch.tensor([[1, 2]]), torch.tensor([1, 2]))
+    with pytest.raises(AssertionError):
+        assert_same([torch.tensor([1])], [torch.tensor([1]), torch.tensor([2])])
+
+
+# -- batches equal torch's ------------------------------------------------------------------------
+
+_BATCHING = [
+    pytest.param(bs, dl, id=f"bs={bs}-drop_last={dl}")
+    for bs in (1, 3, 7, None)
+    for dl in (False, True)
+    if not (bs is None and dl)
+]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("batch_size", "drop_last"), _BATCHING)
+@pytest.mark.parametrize("data", list(MAP_DATASETS))
+def test_map_style_batches_equal_torch(
+    data: str, batch_size: int | None, drop_last: bool, num_workers: int
+) -> None:
+    dataset = MAP_DATASETS[data]()
+    want = torch_batches(dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last)
+    got = aio_batches(
+        dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last, num_workers=num_workers
+    )
+    assert_same(got, want)
+
+
+def test_default_arguments_equal_torch() -> None:
+    dataset = Records()
+    assert_same(aio_batches(dataset), torch_batches(dataset))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, None])
+@pytest.mark.parametrize("data", list(MAP_DATASETS))
+def test_custom_sampler_equals_torch(data: str, batch_size: int | None) -> None:
+    dataset = MAP_DATASETS[data]()
+    sampler = [9, 0, 8, 1, 7, 2, 6, 3]  # a subset, out of order
+    want = torch_batches(dataset, batch_size=batch_size, sampler=sampler)
+    got = aio_batches(dataset, batch_size=batch_size, sampler=sampler)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_reversed_sampler_equals_torch(drop_last: bool) -> None:
+    dataset = Records()
+    sampler = list(reversed(range(N)))
+    want = torch_batches(dataset, batch_size=3, sampler=sampler, drop_last=drop_last)
+    got = aio_batches(dataset, batch_size=3, sampler=sampler, drop_last=drop_last)
+    assert_same(got, want)
+
+
+def test_torch_sampler_object_equals_torch() -> None:
+    """A torch sampler instance (seeded RandomSampler) is iterated once per epoch, like torch."""
+    dataset = Records()
+
+    def sampler() -> tud.RandomSampler:
+        return tud.RandomSampler(dataset, generator=torch.Generator().manual_seed(7))
+
+    want = torch_batches(dataset, batch_size=4, sampler=sampler())
+    got = aio_batches(dataset, batch_size=4, sampler=sampler())
+    assert_same(got, want)
+
+
+_BATCH_SAMPLERS: dict[str, Callable[[], Iterable[list[int]]]] = {
+    "torch-BatchSampler": lambda: tud.BatchSampler(tud.SequentialSampler(range(N)), 3, False),
+    "torch-BatchSampler-drop_last": lambda: tud.BatchSampler(
+        tud.SequentialSampler(range(N)), 4, True
+    ),
+    "list-of-lists": lambda: [[9, 0], [1, 2, 3], [5], [4, 6, 7, 8]],
+}
+
+
+@pytest.mark.parametrize("make", list(_BATCH_SAMPLERS.values()), ids=list(_BATCH_SAMPLERS))
+@pytest.mark.parametrize("data", list(MAP_DATASETS))
+def test_batch_sampler_equals_torch(data: str, make: Callable[[], Iterable[list[int]]]) -> None:
+    dataset = MAP_DATASETS[data]()
+    want = torch_batches(dataset, batch_sampler=make())
+    got = aio_batches(dataset, batch_sampler=make())
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize(
+    ("collate_fn", "batch_size"),
+    [
+        pytest.param(collate_pairs, 3, id="batched"),
+        pytest.param(convert_one, None, id="unbatched"),
+        pytest.param(tud.default_collate, 4, id="torch-default_collate"),
+        pytest.param(aioloader.default_collate, 4, id="aioloader-default_collate"),
+        pytest.param(tud.default_convert, None, id="torch-default_convert"),
+    ],
+)
+@pytest.mark.parametrize("data", list(MAP_DATASETS))
+def test_custom_collate_fn_equals_torch(
+    data: str, collate_fn: Callable[[Any], Any], batch_size: int | None
+) -> None:
+    dataset = MAP_DATASETS[data]()
+    want = torch_batches(dataset, batch_size=batch_size, collate_fn=collate_fn)
+    got = aio_batches(dataset, batch_size=batch_size, collate_fn=collate_fn)
+    assert_same(got, want)
+
+
+def test_every_epoch_equals_torch() -> None:
+    """A loader iterated twice yields the same (unshuffled) epoch twice, as torch does."""
+    dataset = Records()
+    torch_loader = tud.DataLoader(dataset, batch_size=3)
+    aio_loader = aioloader.DataLoader(dataset, batch_size=3)
+    for _ in range(2):
+        assert_same(list(aio_loader), list(torch_loader))
+
+
+def test_with_scope_epochs_equal_torch() -> None:
+    dataset = Records()
+    torch_loader = tud.DataLoader(dataset, batch_size=4)
+    with aioloader.DataLoader(dataset, batch_size=4) as aio_loader:
+        for _ in range(2):
+            assert_same(list(aio_loader), list(torch_loader))
+
+
+# -- iterable datasets ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch_size", "drop_last"), _BATCHING)
+@pytest.mark.parametrize("cls", [Stream, SizedStream])
+def test_iterable_dataset_batches_equal_torch(
+    cls: type[Stream], batch_size: int | None, drop_last: bool
+) -> None:
+    dataset = cls()
+    want = torch_batches(dataset, batch_size=batch_size, drop_last=drop_last, num_workers=0)
+    got = aio_batches(dataset, batch_size=batch_size, drop_last=drop_last)
+    assert_same(got, want)
+
+
+def test_iterable_dataset_with_shuffle_false_equals_torch() -> None:
+    dataset = Stream()
+    assert_same(
+        aio_batches(dataset, batch_size=4, shuffle=False),
+        torch_batches(dataset, batch_size=4, shuffle=False),
+    )
+
+
+def test_iterable_dataset_longer_than_a_chunk_equals_torch() -> None:
+    """More samples than the blocking stream reads per thread call (64)."""
+    dataset = Stream(150)
+    assert_same(aio_batches(dataset, batch_size=16), torch_batches(dataset, batch_size=16))
+
+
+@pytest.mark.parametrize("collate_fn", [collate_pairs, tud.default_collate])
+def test_iterable_dataset_custom_collate_equals_torch(collate_fn: Callable[[Any], Any]) -> None:
+    dataset = Stream()
+    assert_same(
+        aio_batches(dataset, batch_size=3, collate_fn=collate_fn),
+        torch_batches(dataset, batch_size=3, collate_fn=collate_fn),
+    )
+
+
+# -- len() ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 10, 11])
+@pytest.mark.parametrize(("batch_size", "drop_last"), _BATCHING)
+def test_len_map_style_equals_torch(n: int, batch_size: int | None, drop_last: bool) -> None:
+    dataset = Records(n)
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "drop_last": drop_last}
+    want = len(tud.DataLoader(dataset, **kwargs))
+    assert len(aioloader.DataLoader(dataset, **kwargs)) == want
+    assert len(aioloader.DataLoader(dataset, shuffle=True, seed=0, **kwargs)) == want
+    assert len(aioloader.DataLoader(list(range(n)), **kwargs)) == want
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, None])
+def test_len_with_sampler_equals_torch(batch_size: int | None) -> None:
+    dataset = Records()
+    sampler = [1, 2, 3, 4, 5, 6, 7]
+    want = len(tud.DataLoader(dataset, batch_size=batch_size, sampler=sampler))
+    assert len(aioloader.DataLoader(dataset, batch_size=batch_size, sampler=sampler)) == want
+
+
+@pytest.mark.parametrize("make", list(_BATCH_SAMPLERS.values()), ids=list(_BATCH_SAMPLERS))
+def test_len_with_batch_sampler_equals_torch(make: Callable[[], Iterable[list[int]]]) -> None:
+    dataset = Records()
+    want = len(tud.DataLoader(dataset, batch_sampler=make()))  # type: ignore[arg-type]
+    assert len(aioloader.DataLoader(dataset, batch_sampler=make())) == want
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 10, 11])
+@pytest.mark.parametrize(("batch_size", "drop_last"), _BATCHING)
+def test_len_sized_iterable_equals_torch(n: int, batch_size: int | None, drop_last: bool) -> None:
+    dataset = SizedStream(n)
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "drop_last": drop_last}
+    want = len(tud.DataLoader(dataset, **kwargs))
+    if batch_size is not None:
+        rounded = math.floor if drop_last else math.ceil
+        assert want == rounded(n / batch_size)  # torch's rule, stated
+    assert len(aioloader.DataLoader(dataset, **kwargs)) == want
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, None])
+def test_len_unsized_iterable_raises_type_error_like_torch(batch_size: int | None) -> None:
+    dataset = Stream()
+    with pytest.raises(TypeError):
+        len(tud.DataLoader(dataset, batch_size=batch_size))
+    with pytest.raises(TypeError):
+        len(aioloader.DataLoader(dataset, batch_size=batch_size))
+
+
+def test_len_matches_batches_yielded() -> None:
+    for kwargs in ({"batch_size": 3}, {"batch_size": 3, "drop_last": True}, {"batch_size": None}):
+        loader = aioloader.DataLoader(Records(), **kwargs)
+        assert len(list(loader)) == len(loader)
+
+
+# -- construction errors mirrored from torch -------------------------------------------------------
+
+_TORCH_ERRORS: list[tuple[str, Callable[[], Any], dict[str, Any]]] = [
+    ("sampler+shuffle", Records, {"sampler": [0, 1], "shuffle": True}),
+    ("batch_sampler+batch_size", Records, {"batch_sampler": [[0]], "batch_size": 2}),
+    ("batch_sampler+batch_size=None", Records, {"batch_sampler": [[0]], "batch_size": None}),
+    ("batch_sampler+shuffle", Records, {"batch_sampler": [[0]], "shuffle": True}),
+    ("batch_sampler+sampler", Records, {"batch_sampler": [[0]], "sampler": [0]}),
+    ("batch_sampler+drop_last", Records, {"batch_sampler": [[0]], "drop_last": True}),
+    ("batch_size=None+drop_last", Records, {"batch_size": None, "drop_last": True}),
+    ("batch_size=0", Records, {"batch_size": 0}),
+    ("batch_size=-1", Records, {"batch_size": -1}),
+    ("num_workers=-1", Records, {"num_workers": -1}),
+    ("timeout=-1", Records, {"timeout": -1}),
+    ("prefetch_factor+num_workers=0", Records, {"prefetch_factor": 2}),
+    ("persistent_workers+num_workers=0", Records, {"persistent_workers": True}),
+    ("multiprocessing_context+num_workers=0", Records, {"multiprocessing_context": "spawn"}),
+    ("iterable+shuffle", Stream, {"shuffle": True}),
+    ("iterable+sampler", Stream, {"sampler": [0, 1]}),
+    ("iterable+batch_sampler", Stream, {"batch_sampler": [[0, 1]]}),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs"),
+    [pytest.param(make, kwargs, id=case) for case, make, kwargs in _TORCH_ERRORS],
+)
+def test_construction_errors_mirror_torch(make: Callable[[], Any], kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        tud.DataLoader(make(), **kwargs)
+    with pytest.raises(ValueError):
+        aioloader.DataLoader(make(), **kwargs)
+
+
+def test_dataset_error_keeps_its_type_like_torch() -> None:
+    with pytest.raises(KeyError, match="sample 5"):
+        torch_batches(Failing(), batch_size=2)
+    with pytest.raises(KeyError, match="sample 5"):
+        aio_batches(Failing(), batch_size=2)
+
+
+async def test_dataset_error_keeps_its_type_async() -> None:
+    with pytest.raises(KeyError, match="sample 5"):
+        await aio_batches_async(Failing(), batch_size=2)
+
+
+def test_leaving_a_plain_for_early_is_clean_like_torch() -> None:
+    torch_it = iter(tud.DataLoader(Records(), batch_size=2))
+    next(torch_it)
+    del torch_it
+    aio_it = iter(aioloader.DataLoader(Records(), batch_size=2))
+    assert_same(next(aio_it), next(iter(tud.DataLoader(Records(), batch_size=2))))
+    aio_it.close()  # type: ignore[attr-defined]  # a generator
+
+
+# -- shuffle ------------------------------------------------------------------------------------
+
+
+def _indices(loader: Iterable[Any]) -> list[int]:
+    return [int(i) for batch in loader for i in batch]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_shuffle_with_seeded_generator_is_a_repeatable_permutation(batch_size: int) -> None:
+    n = 20
+    dataset = list(range(n))
+
+    def loader(seed: int) -> aioloader.DataLoader[Any]:
+        gen = torch.Generator().manual_seed(seed)
+        return aioloader.DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=gen)
+
+    first, second, other = loader(0), loader(0), loader(1)
+    order = _indices(first)
+    assert sorted(order) == list(range(n))
+    assert order != list(range(n))
+    assert _indices(second) == order
+    assert _indices(other) != order
+    # Like torch, every epoch is reshuffled; equally seeded loaders stay in step.
+    order_2 = _indices(first)
+    assert sorted(order_2) == list(range(n))
+    assert order_2 != order
+    assert _indices(second) == order_2
+
+
+def test_shuffle_torch_generator_permutation_like_torch() -> None:
+    """Both libraries give a permutation of all indices (the orders themselves differ)."""
+    n = 20
+    dataset = list(range(n))
+    gen = torch.Generator().manual_seed(0)
+    torch_order = _indices(tud.DataLoader(dataset, batch_size=3, shuffle=True, generator=gen))
+    gen = torch.Generator().manual_seed(0)
+    aio_order = _indices(aioloader.DataLoader(dataset, batch_size=3, shuffle=True, generator=gen))
+    assert sorted(torch_order) == sorted(aio_order) == list(range(n))
+
+
+def test_shuffle_without_generator_follows_torch_manual_seed() -> None:
+    dataset = list(range(20))
+    torch.manual_seed(123)
+    first = _indices(aioloader.DataLoader(dataset, batch_size=5, shuffle=True))
+    torch.manual_seed(123)
+    second = _indices(aioloader.DataLoader(dataset, batch_size=5, shuffle=True))
+    assert first == second
+    assert sorted(first) == list(range(20))
+
+
+# -- async variants -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch_size", "drop_last"), _BATCHING)
+@pytest.mark.parametrize("data", list(MAP_DATASETS))
+async def test_async_map_style_batches_equal_torch(
+    data: str, batch_size: int | None, drop_last: bool
+) -> None:
+    dataset = MAP_DATASETS[data]()
+    want = torch_batches(dataset, batch_size=batch_size, drop_last=drop_last)
+    got = await aio_batches_async(dataset, batch_size=batch_size, drop_last=drop_last)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("num_workers", [0, 3])
+async def test_async_sampler_and_collate_equal_torch(num_workers: int) -> None:
+    dataset = Records()
+    kwargs: dict[str, Any] = {"batch_size": 3, "sampler": list(reversed(range(N)))}
+    want = torch_batches(dataset, **kwargs, collate_fn=collate_pairs)
+    got = await aio_batches_async(
+        dataset, **kwargs, collate_fn=collate_pairs, num_workers=num_workers
+    )
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("make", list(_BATCH_SAMPLERS.values()), ids=list(_BATCH_SAMPLERS))
+async def test_async_batch_sampler_equals_torch(make: Callable[[], Iterable[list[int]]]) -> None:
+    dataset = Records()
+    want = torch_batches(dataset, batch_sampler=make())
+    got = await aio_batches_async(dataset, batch_sampler=make())
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize(("batch_size", "drop_last"), _BATCHING)
+async def test_async_iterable_dataset_equals_torch(batch_size: int | None, drop_last: bool) -> None:
+    dataset = Stream()
+    want = torch_batches(dataset, batch_size=batch_size, drop_last=drop_last)
+    got = await aio_batches_async(dataset, batch_size=batch_size, drop_last=drop_last)
+    assert_same(got, want)
+
+
+async def test_async_epochs_in_one_scope_equal_torch() -> None:
+    dataset = Records()
+    torch_loader = tud.DataLoader(dataset, batch_size=4, drop_last=True)
+    loader = aioloader.DataLoader(dataset, batch_size=4, drop_last=True)
+    async with loader:
+        for _ in range(3):
+            got = [batch async for batch in loader]
+            assert_same(got, list(torch_loader))
