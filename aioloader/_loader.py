@@ -245,10 +245,10 @@ class DataLoader(Generic[T_Batch]):
         _non_negative_int("max_failures", max_failures)
         _positive_int("io_threads", io_threads)
         if sample_timeout is not None and (
-            not isinstance(sample_timeout, (int, float))
-            or isinstance(sample_timeout, bool)
-            or not sample_timeout > 0
+            not isinstance(sample_timeout, (int, float)) or isinstance(sample_timeout, bool)
         ):
+            raise TypeError(f"sample_timeout must be a number or None, got {sample_timeout!r}")
+        if sample_timeout is not None and not sample_timeout > 0:
             raise ValueError(
                 f"sample_timeout must be a positive number or None, got {sample_timeout!r}"
             )
@@ -410,6 +410,8 @@ class DataLoader(Generic[T_Batch]):
             stages=tuple(r.snapshot() for r in s.stages),
             consumer=s.consumer.snapshot(),
             skipped_samples=tuple(s.skipped),
+            bytes_held=s.bytes_held,
+            max_bytes_held=s.max_bytes_held,
         )
 
     # -- the scope -----------------------------------------------------------------------------

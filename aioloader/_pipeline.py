@@ -101,6 +101,8 @@ class Recorders:
         self.output = StageRecorder("output", limit=None, queue_capacity=prefetch)
         self.consumer = ConsumerRecorder()
         self.skipped: list[object] = []
+        self.bytes_held = 0
+        self.max_bytes_held = 0
 
     @property
     def stages(self) -> tuple[StageRecorder, ...]:
@@ -115,6 +117,7 @@ class _Batch:
     pending: int = 0  # fetches not yet finished
     failed: set[int] = field(default_factory=set)  # positions skipped under max_failures
     nbytes: int = 0
+    error: Exception | None = None  # ends the epoch when the batch's turn to be yielded comes
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +125,7 @@ class _Done:
     batch: _Batch
     value: Any
     size: int  # samples in the collated batch; 0: nothing left, the batch is skipped
+    error: Exception | None = None
 
 
 def nbytes_of(sample: Any) -> int:
@@ -242,7 +246,10 @@ class Epoch:
             if isinstance(self.source, MapSource):
                 if self.batches is None:
                     raise TypeError("a map-style epoch needs its batches of indices")
-                jobs_send, jobs_recv = anyio.create_memory_object_stream[tuple[_Batch, int]](0)
+                # Jobs of admitted batches only (the window bounds them); buffered so that the
+                # scheduler queues a whole batch without a task switch per sample.
+                buffer = window * self.config.per_batch
+                jobs_send, jobs_recv = anyio.create_memory_object_stream[tuple[_Batch, int]](buffer)
                 tg.start_soon(self._schedule_map, self.source, self.batches, jobs_send)
                 for _ in range(self._fetch_workers):
                     tg.start_soon(
@@ -278,10 +285,10 @@ class Epoch:
                 batch = _Batch(seq, ids, [None] * len(ids), pending=len(ids))
                 await self._admit(batch)
                 if source.batched:
-                    await jobs.send((batch, -1))
+                    await _put(jobs, (batch, -1), self.stats.window)
                 else:
                     for position in range(len(ids)):
-                        await jobs.send((batch, position))
+                        await _put(jobs, (batch, position), self.stats.window)
 
     async def _schedule_stream(
         self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]
@@ -312,8 +319,12 @@ class Epoch:
                 except Exception as exc:
                     self.stats.fetch.finish(time.perf_counter() - started, ok=False)
                     self.stats.fetch.failed += 1
-                    annotate(exc, "source", epoch=self.number, index=position)
-                    raise
+                    annotate(exc, "source", epoch=self.number, batch=seq, index=position)
+                    # Raised in its turn, after the batches before it (the partial one is lost).
+                    failed = _Batch(seq, [position], [], error=exc)
+                    await self._admit(failed)
+                    await _put(ready, failed, self.stats.fetch)
+                    return
                 self.stats.fetch.finish(time.perf_counter() - started)
                 if position % cfg.world_size != cfg.rank:
                     continue
@@ -348,7 +359,10 @@ class Epoch:
         try:
             sample = await self._attempt(lambda: source.get(index), index, batch.seq)
         except Exception as exc:
-            self._skip_or_raise(exc, "fetch", batch, index)
+            try:
+                self._skip_or_raise(exc, "fetch", batch, index)
+            except Exception as fatal:
+                batch.error = batch.error or fatal
             batch.failed.add(position)
         else:
             batch.samples[position] = sample
@@ -362,8 +376,9 @@ class Epoch:
             )
         except Exception as exc:
             if self._skips_left == 0:
-                annotate(exc, "fetch", epoch=self.number, batch=batch.seq)
-                raise
+                batch.error = exc
+                batch.pending = 0
+                return
             # Some of the batch may be fine: fetch it item by item so only bad samples go.
             for position in range(len(batch.ids)):
                 await self._fetch_one(source, batch, position)
@@ -374,10 +389,13 @@ class Epoch:
             self._charge(batch, sample)
 
     def _charge(self, batch: _Batch, sample: Any) -> None:
-        if self.config.max_inflight_bytes is not None:
-            n = nbytes_of(sample)
-            batch.nbytes += n
-            self._bytes.charge(n)
+        n = nbytes_of(sample)
+        batch.nbytes += n
+        self._bytes.charge(n)
+        stats = self.stats
+        stats.bytes_held = self._bytes.held
+        if stats.bytes_held > stats.max_bytes_held:
+            stats.max_bytes_held = stats.bytes_held
 
     async def _attempt(
         self, call: Callable[[], Awaitable[Any]], key: object, seq: int, *, count: int = 1
@@ -391,8 +409,11 @@ class Epoch:
                 rec.start()
             error: Exception | None = None
             try:
-                with anyio.fail_after(cfg.sample_timeout):
+                if cfg.sample_timeout is None:  # the common case: no cancel scope per fetch
                     result = await call()
+                else:
+                    with anyio.fail_after(cfg.sample_timeout):
+                        result = await call()
             except Exception as exc:
                 error = exc
             except BaseException:  # cancelled: nothing stays counted as in flight
@@ -448,6 +469,8 @@ class Epoch:
 
     async def _transform(self, batch: _Batch) -> _Done:
         cfg, rec = self.config, self.stats.transform
+        if batch.error is not None:
+            return _Done(batch, None, 0, batch.error)
         keep = [p for p in range(len(batch.ids)) if p not in batch.failed]
         if not keep:
             return _Done(batch, None, 0)
@@ -474,7 +497,7 @@ class Epoch:
             if not _annotated(exc):
                 ids = batch.ids[0] if unbatched else batch.ids
                 annotate(exc, "collate", epoch=self.number, batch=batch.seq, index=ids)
-            raise
+            return _Done(batch, None, 0, exc)
         except BaseException:  # cancelled
             rec.in_flight -= 1
             raise
@@ -494,11 +517,14 @@ class Epoch:
                     len(reorder) + done.statistics().current_buffer_used
                 )
                 for d in deliverable:
+                    if d.error is not None:  # its turn has come: every batch before it is out
+                        raise d.error
                     if d.size:
                         await _put(out, (d.value, d.size), self.stats.output)
                         self.stats.output.completed += 1
                         self.stats.output.set_queued(out.statistics().current_buffer_used)
                     self._bytes.release(d.batch.seq, d.batch.nbytes)
+                    self.stats.bytes_held = self._bytes.held
                     self.stats.window.finish(None)
                     self._slots.release()
 

@@ -102,13 +102,26 @@ class ConsumerStatistics:
 
 @dataclass(frozen=True, slots=True)
 class LoaderStatistics:
-    """A frozen snapshot of :meth:`DataLoader.statistics`, cumulative over the loader's scope."""
+    """A frozen snapshot of :meth:`DataLoader.statistics`, cumulative over the loader's scope.
+
+    Attributes:
+        epochs: Epochs started.
+        elapsed_s: Seconds since the scope opened (until it closed, once it has).
+        stages: Per-stage counters: ``window`` (batches between scheduling and hand-off),
+            ``fetch``, ``transform`` (transform + collate) and ``output`` (ready batches).
+        consumer: What the iterating code saw.
+        skipped_samples: Ids of samples skipped under ``max_failures`` (the first 1,000).
+        bytes_held: Bytes of fetched samples in unfinished batches now.
+        max_bytes_held: The most ever held (bounded by ``max_inflight_bytes`` when set).
+    """
 
     epochs: int
     elapsed_s: float
     stages: tuple[StageStatistics, ...]
     consumer: ConsumerStatistics
     skipped_samples: tuple[object, ...] = field(default=())
+    bytes_held: int = 0
+    max_bytes_held: int = 0
 
     def stage(self, name: str) -> StageStatistics:
         """Return the stage called ``name``.
@@ -149,7 +162,10 @@ class LoaderStatistics:
             shown = ", ".join(repr(k) for k in self.skipped_samples[:10])
             more = len(self.skipped_samples) - 10
             lines.append(f"  skipped samples: {shown}" + (f" (+{more} more)" if more > 0 else ""))
-        lines.append("  (in flight and queued show peak/limit)")
+        lines.append(
+            f"  (in flight and queued show peak/limit; fetched bytes held at most"
+            f" {self.max_bytes_held:,})"
+        )
         return "\n".join(lines)
 
 

@@ -8,9 +8,12 @@ yields exactly torch's batches (same values, dtypes and container types), report
 from __future__ import annotations
 
 import math
+import time
+from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
@@ -118,7 +121,7 @@ def aio_batches(dataset: Any, **kwargs: Any) -> list[Any]:
 
 
 async def aio_batches_async(dataset: Any, **kwargs: Any) -> list[Any]:
-    loader = aioloader.DataLoader(dataset, **kwargs)
+    loader: aioloader.DataLoader[Any] = aioloader.DataLoader(dataset, **kwargs)
     out = []
     async with loader:
         async for batch in loader:
@@ -200,6 +203,78 @@ def test_torch_sampler_object_equals_torch() -> None:
     assert_same(got, want)
 
 
+Point = namedtuple("Point", ["x", "y"])
+
+_MORE_DATASETS: dict[str, Callable[[], Any]] = {
+    "TensorDataset": lambda: tud.TensorDataset(torch.arange(N), torch.arange(N) * 0.5),
+    "Subset": lambda: tud.Subset(Records(), [5, 3, 1, 7, 0]),
+    "ConcatDataset": lambda: tud.ConcatDataset([Records(3), Records(4)]),
+    "range": lambda: range(N),
+    "tensor": lambda: torch.arange(2 * N).view(N, 2),
+    "ndarray": lambda: np.arange(2 * N, dtype=np.float32).reshape(N, 2),
+    "numpy-arrays": lambda: [np.full((2,), i, dtype=np.int16) for i in range(N)],
+    "numpy-scalars": lambda: [np.float64(i) for i in range(N)],
+    "bools": lambda: [i % 3 == 0 for i in range(N)],
+    "floats": lambda: [i / 4 for i in range(N)],
+    "strings": lambda: [f"s{i}" for i in range(N)],
+    "namedtuples": lambda: [Point(i, torch.tensor([i, -i])) for i in range(N)],
+    "OrderedDicts": lambda: [OrderedDict(b=i, a=float(i)) for i in range(N)],
+    "nested": lambda: [{"a": [i, (i, str(i))], "b": {"c": torch.tensor(i)}} for i in range(N)],
+    "empty": list,
+}
+
+
+@pytest.mark.parametrize("batch_size", [3, None])
+@pytest.mark.parametrize("make", list(_MORE_DATASETS.values()), ids=list(_MORE_DATASETS))
+def test_more_map_style_datasets_equal_torch(
+    make: Callable[[], Any], batch_size: int | None
+) -> None:
+    want = torch_batches(make(), batch_size=batch_size)
+    assert_same(aio_batches(make(), batch_size=batch_size), want)
+
+
+class Batched(tud.Dataset[torch.Tensor]):
+    """A map-style dataset with torch's batched ``__getitems__`` protocol."""
+
+    def __init__(self) -> None:
+        self.data = torch.arange(2 * N).view(N, 2)
+        self.batched_calls = 0
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        raise AssertionError("__getitems__ should be used")
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        self.batched_calls += 1
+        return list(self.data[indices])
+
+
+def test_getitems_protocol_equals_torch() -> None:
+    dataset = Batched()
+    want = torch_batches(dataset, batch_size=3)
+    calls = dataset.batched_calls
+    assert_same(aio_batches(dataset, batch_size=3), want)
+    assert dataset.batched_calls - calls == len(want)
+
+
+def test_loader_attributes_like_torch() -> None:
+    dataset = Records()
+    kwargs: dict[str, Any] = {"batch_size": 3, "drop_last": True, "collate_fn": collate_pairs}
+    want = tud.DataLoader(dataset, **kwargs, timeout=2)
+    got: aioloader.DataLoader[Any] = aioloader.DataLoader(dataset, **kwargs, timeout=2)
+    for name in ("dataset", "batch_size", "drop_last", "num_workers", "collate_fn", "timeout"):
+        assert getattr(got, name) == getattr(want, name), name
+    for name in ("pin_memory", "generator", "prefetch_factor", "persistent_workers"):
+        assert getattr(got, name) == getattr(want, name), name
+    with_batch_sampler: aioloader.DataLoader[Any] = aioloader.DataLoader(
+        dataset, batch_sampler=[[0, 1]]
+    )
+    assert with_batch_sampler.batch_size is None  # torch's convention
+    assert tud.DataLoader(dataset, batch_sampler=[[0, 1]]).batch_size is None
+
+
 _BATCH_SAMPLERS: dict[str, Callable[[], Iterable[list[int]]]] = {
     "torch-BatchSampler": lambda: tud.BatchSampler(tud.SequentialSampler(range(N)), 3, False),
     "torch-BatchSampler-drop_last": lambda: tud.BatchSampler(
@@ -242,7 +317,7 @@ def test_every_epoch_equals_torch() -> None:
     """A loader iterated twice yields the same (unshuffled) epoch twice, as torch does."""
     dataset = Records()
     torch_loader = tud.DataLoader(dataset, batch_size=3)
-    aio_loader = aioloader.DataLoader(dataset, batch_size=3)
+    aio_loader: aioloader.DataLoader[Any] = aioloader.DataLoader(dataset, batch_size=3)
     for _ in range(2):
         assert_same(list(aio_loader), list(torch_loader))
 
@@ -250,7 +325,8 @@ def test_every_epoch_equals_torch() -> None:
 def test_with_scope_epochs_equal_torch() -> None:
     dataset = Records()
     torch_loader = tud.DataLoader(dataset, batch_size=4)
-    with aioloader.DataLoader(dataset, batch_size=4) as aio_loader:
+    aio_loader: aioloader.DataLoader[Any] = aioloader.DataLoader(dataset, batch_size=4)
+    with aio_loader:
         for _ in range(2):
             assert_same(list(aio_loader), list(torch_loader))
 
@@ -317,7 +393,7 @@ def test_len_with_sampler_equals_torch(batch_size: int | None) -> None:
 @pytest.mark.parametrize("make", list(_BATCH_SAMPLERS.values()), ids=list(_BATCH_SAMPLERS))
 def test_len_with_batch_sampler_equals_torch(make: Callable[[], Iterable[list[int]]]) -> None:
     dataset = Records()
-    want = len(tud.DataLoader(dataset, batch_sampler=make()))  # type: ignore[arg-type]
+    want = len(tud.DataLoader(dataset, batch_sampler=make()))
     assert len(aioloader.DataLoader(dataset, batch_sampler=make())) == want
 
 
@@ -344,7 +420,7 @@ def test_len_unsized_iterable_raises_type_error_like_torch(batch_size: int | Non
 
 def test_len_matches_batches_yielded() -> None:
     for kwargs in ({"batch_size": 3}, {"batch_size": 3, "drop_last": True}, {"batch_size": None}):
-        loader = aioloader.DataLoader(Records(), **kwargs)
+        loader: aioloader.DataLoader[Any] = aioloader.DataLoader(Records(), **kwargs)
         assert len(list(loader)) == len(loader)
 
 
@@ -382,25 +458,106 @@ def test_construction_errors_mirror_torch(make: Callable[[], Any], kwargs: dict[
         aioloader.DataLoader(make(), **kwargs)
 
 
-def test_dataset_error_keeps_its_type_like_torch() -> None:
-    with pytest.raises(KeyError, match="sample 5"):
-        torch_batches(Failing(), batch_size=2)
-    with pytest.raises(KeyError, match="sample 5"):
-        aio_batches(Failing(), batch_size=2)
+class _Boom(Exception):
+    """Raised by a test's own loop body."""
 
 
-async def test_dataset_error_keeps_its_type_async() -> None:
+_FAILING: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
+    "dataset-KeyError": (Failing, KeyError, "sample 5"),
+    "collate-None-first": (lambda: [None, 1, 2], TypeError, "NoneType"),
+    "collate-None-second": (lambda: [0, None, 2], RuntimeError, "NoneType"),
+}
+
+
+@pytest.mark.parametrize(("make", "exc", "match"), list(_FAILING.values()), ids=list(_FAILING))
+def test_iteration_error_keeps_its_type_like_torch(
+    make: Callable[[], Any], exc: type[Exception], match: str
+) -> None:
+    with pytest.raises(exc, match=match):
+        torch_batches(make(), batch_size=2)
+    with pytest.raises(exc, match=match):
+        aio_batches(make(), batch_size=2)
+
+
+@pytest.mark.parametrize(("make", "exc", "match"), list(_FAILING.values()), ids=list(_FAILING))
+async def test_iteration_error_keeps_its_type_async(
+    make: Callable[[], Any], exc: type[Exception], match: str
+) -> None:
+    with pytest.raises(exc, match=match):
+        await aio_batches_async(make(), batch_size=2)
+
+
+class SlowThenFailing(tud.Dataset[int]):
+    """Samples 0-3 are slow, sample 5 fails at once: the failing batch (the third, with
+    batch_size=2) fails while the two good batches before it are still being fetched."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> int:
+        if index == 5:
+            raise KeyError("sample 5 is missing")
+        if index < 4:
+            time.sleep(0.05)
+        return index
+
+
+def _until_failure(loader: Iterable[Any]) -> list[Any]:
+    seen = []
     with pytest.raises(KeyError, match="sample 5"):
-        await aio_batches_async(Failing(), batch_size=2)
+        for batch in loader:
+            seen.append(batch)
+    return seen
+
+
+def test_every_batch_before_a_failure_is_delivered_like_torch() -> None:
+    want = _until_failure(tud.DataLoader(SlowThenFailing(), batch_size=2))
+    assert [b.tolist() for b in want] == [[0, 1], [2, 3]]
+    got = _until_failure(aioloader.DataLoader(SlowThenFailing(), batch_size=2))
+    assert_same(got, want)
+
+
+async def test_every_batch_before_a_failure_is_delivered_async() -> None:
+    loader: aioloader.DataLoader[Any] = aioloader.DataLoader(SlowThenFailing(), batch_size=2)
+    got = []
+    with pytest.raises(KeyError, match="sample 5"):
+        async with loader:
+            async for batch in loader:
+                got.append(batch.tolist())
+    assert got == [[0, 1], [2, 3]]
 
 
 def test_leaving_a_plain_for_early_is_clean_like_torch() -> None:
-    torch_it = iter(tud.DataLoader(Records(), batch_size=2))
-    next(torch_it)
-    del torch_it
-    aio_it = iter(aioloader.DataLoader(Records(), batch_size=2))
-    assert_same(next(aio_it), next(iter(tud.DataLoader(Records(), batch_size=2))))
+    want = next(iter(tud.DataLoader(Records(), batch_size=2)))
+    aio_it: Iterator[Any] = iter(aioloader.DataLoader(Records(), batch_size=2))
+    assert_same(next(aio_it), want)
     aio_it.close()  # type: ignore[attr-defined]  # a generator
+
+
+def test_break_out_of_a_plain_for_like_torch() -> None:
+    loader: aioloader.DataLoader[Any] = aioloader.DataLoader(Records(), batch_size=2)
+    for torch_loader in (tud.DataLoader(Records(), batch_size=2), loader):
+        seen = []
+        for batch in torch_loader:
+            seen.append(batch)
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2
+    assert_same(list(loader), torch_batches(Records(), batch_size=2))  # usable afterwards
+
+
+def test_error_in_a_plain_for_body_propagates_unchanged() -> None:
+    with pytest.raises(_Boom):
+        for _ in aioloader.DataLoader(Records(), batch_size=2):
+            raise _Boom
+
+
+async def test_error_in_an_async_for_body_propagates_unchanged() -> None:
+    loader: aioloader.DataLoader[Any] = aioloader.DataLoader(Records(), batch_size=2)
+    with pytest.raises(_Boom):
+        async with loader:
+            async for _ in loader:
+                raise _Boom
 
 
 # -- shuffle ------------------------------------------------------------------------------------
@@ -437,7 +594,13 @@ def test_shuffle_torch_generator_permutation_like_torch() -> None:
     n = 20
     dataset = list(range(n))
     gen = torch.Generator().manual_seed(0)
-    torch_order = _indices(tud.DataLoader(dataset, batch_size=3, shuffle=True, generator=gen))
+    torch_loader: tud.DataLoader[int] = tud.DataLoader(
+        dataset,  # type: ignore[arg-type]  # a list is a map-style dataset
+        batch_size=3,
+        shuffle=True,
+        generator=gen,
+    )
+    torch_order = _indices(torch_loader)
     gen = torch.Generator().manual_seed(0)
     aio_order = _indices(aioloader.DataLoader(dataset, batch_size=3, shuffle=True, generator=gen))
     assert sorted(torch_order) == sorted(aio_order) == list(range(n))
@@ -445,10 +608,11 @@ def test_shuffle_torch_generator_permutation_like_torch() -> None:
 
 def test_shuffle_without_generator_follows_torch_manual_seed() -> None:
     dataset = list(range(20))
-    torch.manual_seed(123)
-    first = _indices(aioloader.DataLoader(dataset, batch_size=5, shuffle=True))
-    torch.manual_seed(123)
-    second = _indices(aioloader.DataLoader(dataset, batch_size=5, shuffle=True))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(123)
+        first = _indices(aioloader.DataLoader(dataset, batch_size=5, shuffle=True))
+        torch.manual_seed(123)
+        second = _indices(aioloader.DataLoader(dataset, batch_size=5, shuffle=True))
     assert first == second
     assert sorted(first) == list(range(20))
 
@@ -497,7 +661,7 @@ async def test_async_iterable_dataset_equals_torch(batch_size: int | None, drop_
 async def test_async_epochs_in_one_scope_equal_torch() -> None:
     dataset = Records()
     torch_loader = tud.DataLoader(dataset, batch_size=4, drop_last=True)
-    loader = aioloader.DataLoader(dataset, batch_size=4, drop_last=True)
+    loader: aioloader.DataLoader[Any] = aioloader.DataLoader(dataset, batch_size=4, drop_last=True)
     async with loader:
         for _ in range(3):
             got = [batch async for batch in loader]
