@@ -80,13 +80,14 @@ class PipelineConfig:
         return self.max_inflight
 
     def window(self, batched_source: bool, workers: int) -> int:
-        """Batches in progress at once: enough to keep every fetch and every transform worker
-        busy, plus one so the next batch can start while one is handed out."""
+        """Batches in progress at once: twice what keeps every fetch busy (a batch waiting on
+        its slowest sample must not idle the fetches, so the next ones start meanwhile), plus
+        one per transform worker, plus one so the next batch starts while one is handed out."""
         if batched_source:
             fetching = self.fetch_workers(True)
         else:
             fetching = math.ceil(self.max_inflight / self.per_batch)
-        return fetching + workers + 1
+        return 2 * fetching + workers + 1
 
 
 class Recorders:
@@ -439,10 +440,11 @@ class Epoch:
     def _skip_or_raise(self, exc: Exception, stage: str, batch: _Batch, key: object) -> None:
         """Spend one unit of the ``max_failures`` budget on ``exc``, or raise it."""
         if self._skips_left == 0:
-            detail = ""
+            if not _annotated(exc):
+                annotate(exc, stage, epoch=self.number, batch=batch.seq, index=key)
             if self.config.max_failures:
-                detail = f"max_failures={self.config.max_failures} exhausted"
-            raise annotate(exc, stage, epoch=self.number, batch=batch.seq, index=key, detail=detail)
+                exc.add_note(f"aioloader: max_failures={self.config.max_failures} exhausted")
+            raise exc
         self._skips_left -= 1
         rec = self.stats.fetch if stage == "fetch" else self.stats.transform
         rec.skipped += 1
