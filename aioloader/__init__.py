@@ -3,11 +3,8 @@
 Import everything from here; the ``_modules`` behind it are private.
 """
 
-from ._collate import PadCollate as PadCollate
-from ._collate import PaddedBatch as PaddedBatch
 from ._collate import default_collate as default_collate
 from ._collate import default_convert as default_convert
-from ._collate import pad_collate as pad_collate
 from ._dataset import AsyncDataset as AsyncDataset
 from ._dataset import AsyncIterableDataset as AsyncIterableDataset
 from ._exceptions import AioLoaderError as AioLoaderError
@@ -15,6 +12,9 @@ from ._exceptions import LoaderStateError as LoaderStateError
 from ._exceptions import LoaderTimeout as LoaderTimeout
 from ._exceptions import TransientError as TransientError
 from ._loader import DataLoader as DataLoader
+from ._padding import PadCollate as PadCollate
+from ._padding import PaddedBatch as PaddedBatch
+from ._padding import pad_collate as pad_collate
 from ._retry import RetryPolicy as RetryPolicy
 from ._sampler import BatchSampler as BatchSampler
 from ._sampler import DistributedSampler as DistributedSampler

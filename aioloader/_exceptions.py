@@ -83,3 +83,28 @@ def annotate(
         note += f" ({detail})"
     exc.add_note(note)
     return exc
+
+
+def is_annotated(exc: BaseException) -> bool:
+    """Whether aioloader already added its note naming the stage to ``exc``."""
+    return any(n.startswith("aioloader: failed in") for n in getattr(exc, "__notes__", ()))
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """The first real failure inside (possibly nested) exception groups; the others, if any,
+    are named in a note on it rather than lost."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    first = leaves[0]
+    if len(leaves) > 1:
+        others = ", ".join(f"{type(e).__name__}: {e}" for e in leaves[1:6])
+        first.add_note(f"aioloader: {len(leaves) - 1} more failure(s) in the same epoch: {others}")
+    return first

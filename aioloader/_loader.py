@@ -13,19 +13,18 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import anyio
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._collate import default_collate, default_convert
-from ._exceptions import LoaderStateError, LoaderTimeout
+from ._exceptions import LoaderStateError
 from ._offload import ThreadOffload
-from ._pipeline import Epoch, PipelineConfig, Recorders
+from ._pipeline import PipelineConfig
 from ._retry import RetryPolicy
 from ._sampler import (
     BatchSampler,
@@ -34,8 +33,9 @@ from ._sampler import (
     SequentialSampler,
     resolve_rank,
 )
+from ._scope import EpochIterator, Scope
 from ._source import classify, dataset_length, open_source
-from ._stats import LoaderStatistics
+from ._stats import LoaderStatistics, Recorders
 
 __all__ = ["DataLoader"]
 
@@ -78,35 +78,6 @@ def _portal_options() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
         return {}
     return {"loop_factory": uvloop.new_event_loop}
-
-
-class _Scope:
-    """What one ``async with loader:`` owns: the task group, the threads, the running epoch."""
-
-    def __init__(self, loader: DataLoader[Any], stack: contextlib.AsyncExitStack) -> None:
-        self.loader = loader
-        self.stack = stack
-        self.thread = threading.get_ident()
-        self.task_group: anyio.abc.TaskGroup | None = None
-        self.work = ThreadOffload(
-            max(1, loader.num_workers), "worker", worker_init_fn=loader.worker_init_fn
-        )
-        self.io: ThreadOffload | None = None
-        self.current: _EpochIterator[Any] | None = None
-
-    def offload(self) -> ThreadOffload:
-        if self.io is None:
-            self.io = ThreadOffload(self.loader.io_threads, "io")
-        return self.io
-
-    def close_iteration(self) -> None:
-        if self.current is not None:
-            self.current.close_stream()
-
-    def close_threads(self) -> None:
-        self.work.close()
-        if self.io is not None:
-            self.io.close()
 
 
 class DataLoader(Generic[T_Batch]):
@@ -362,7 +333,7 @@ class DataLoader(Generic[T_Batch]):
             world_size=self.world_size,
         )
         self._source = open_source(dataset, kind, self._offload)
-        self._scope: _Scope | None = None
+        self._scope: Scope | None = None
         self._portal_stack: contextlib.ExitStack | None = None
         self._portal: BlockingPortal | None = None
         self._next_epoch = 0
@@ -430,7 +401,7 @@ class DataLoader(Generic[T_Batch]):
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
         stack = contextlib.AsyncExitStack()
-        scope = _Scope(self, stack)
+        scope = Scope(self, stack)
         stack.callback(scope.close_threads)
         scope.task_group = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(scope.task_group.cancel_scope.cancel)
@@ -487,7 +458,7 @@ class DataLoader(Generic[T_Batch]):
 
     # -- iteration -------------------------------------------------------------------------------
 
-    def __aiter__(self) -> _EpochIterator[T_Batch]:
+    def __aiter__(self) -> EpochIterator[T_Batch]:
         """Start iterating one epoch (the next one, or the one given to :meth:`set_epoch`).
 
         Raises:
@@ -499,7 +470,7 @@ class DataLoader(Generic[T_Batch]):
                 "loader: ...` (or use a plain `for` loop, which runs its own scope)"
             )
         number, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        return _EpochIterator(self, self._scope, number)
+        return EpochIterator(self, self._scope, number)
 
     def __iter__(self) -> Iterator[T_Batch]:
         """Iterate one epoch from synchronous code: the pipeline runs on an event loop in a
@@ -547,113 +518,3 @@ class DataLoader(Generic[T_Batch]):
             f"max_inflight={self.max_inflight}, prefetch={self.prefetch}, "
             f"in_order={self.in_order})"
         )
-
-
-class _EpochIterator(Generic[T_Batch]):
-    """The consumer's end of one epoch. Created by ``DataLoader.__aiter__``; the epoch's tasks
-    start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
-
-    def __init__(self, loader: DataLoader[T_Batch], scope: _Scope, number: int) -> None:
-        self._loader = loader
-        self._scope = scope
-        self._number = number
-        self._epoch: Epoch | None = None
-        self._recv: MemoryObjectReceiveStream[Any] | None = None
-        self._last_yield: float | None = None
-        self._closed = False
-
-    def __aiter__(self) -> _EpochIterator[T_Batch]:
-        return self
-
-    async def _start(self) -> MemoryObjectReceiveStream[Any]:
-        scope, loader = self._scope, self._loader
-        if scope is not loader._scope or scope.task_group is None:
-            raise LoaderStateError("the loader's scope this iteration began in has closed")
-        if scope.current is not None:
-            await scope.current.aclose()
-        batches: Iterable[Sequence[int]] | None = None
-        if loader._kind.is_map:
-            for obj in (loader.sampler, loader.batch_sampler):
-                set_epoch = getattr(obj, "set_epoch", None)
-                if callable(set_epoch):
-                    set_epoch(self._number)
-            if loader.batch_sampler is not None:
-                batches = loader.batch_sampler
-            else:
-                sampler = loader.sampler
-                if sampler is None:  # impossible for a map-style loader; keeps mypy honest
-                    raise LoaderStateError("map-style loader without a sampler")
-                batches = ([i] for i in sampler)
-        config = loader._config
-        send, recv = anyio.create_memory_object_stream[Any](config.prefetch)
-        epoch = Epoch(self._number, config, loader._source, batches, scope.work, loader._stats)
-        scope.current = self
-        loader._stats.epochs += 1
-        self._epoch, self._recv = epoch, recv
-        await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
-        return recv
-
-    async def __anext__(self) -> T_Batch:
-        """The next batch of the epoch.
-
-        Raises:
-            StopAsyncIteration: The epoch ended.
-            LoaderTimeout: No batch within the loader's ``timeout``.
-            Exception: A stage failed: the original exception, with notes naming the stage,
-                the sample and the batch. The epoch is over after it.
-
-        Cancellation: safe; no batch is lost (the next call returns the batch this one would
-        have returned).
-        """
-        if self._closed:
-            raise StopAsyncIteration
-        recv = self._recv if self._recv is not None else await self._start()
-        stats = self._loader._stats.consumer
-        now = time.perf_counter()
-        if self._last_yield is not None:
-            stats.busy_s += now - self._last_yield
-        timeout = self._loader.timeout
-        item: Any = None
-        try:
-            with anyio.fail_after(timeout if timeout > 0 else None):
-                item = await recv.receive()
-        except anyio.EndOfStream:
-            pass
-        except TimeoutError:
-            raise LoaderTimeout(f"DataLoader timed out after {timeout} seconds") from None
-        finally:
-            waited = time.perf_counter() - now
-            stats.waited(waited)
-        self._loader._stats.output.set_queued(recv.statistics().current_buffer_used)
-        if item is None:
-            self._closed = True
-            recv.close()
-            error = self._epoch.error if self._epoch is not None else None
-            if error is not None:
-                raise error
-            raise StopAsyncIteration
-        batch, size = item
-        stats.batches += 1
-        stats.samples += size
-        self._last_yield = time.perf_counter()
-        return batch  # type: ignore[no-any-return]
-
-    def close_stream(self) -> None:
-        self._closed = True
-        if self._recv is not None:
-            self._recv.close()
-
-    async def aclose(self) -> None:
-        """Stop the epoch early and wait until its tasks are gone.
-
-        Cancellation: the wait is shielded.
-        """
-        self.close_stream()
-        epoch = self._epoch
-        if epoch is not None and not epoch.finished.is_set():
-            epoch.cancel_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await epoch.finished.wait()
-
-    def __aiter_epoch__(self) -> AsyncIterator[T_Batch]:  # pragma: no cover - typing aid
-        return self

@@ -33,15 +33,16 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._exceptions import annotate
+from ._exceptions import annotate, first_leaf, is_annotated
+from ._flow import ByteBudget, blocked, get, nbytes_of, put
 from ._job import JobResult, collate_only, run_batch
 from ._offload import ThreadOffload
 from ._reorder import BatchAssembler, ReorderBuffer
 from ._retry import RetryPolicy
 from ._source import MapSource, StreamSource
-from ._stats import ConsumerRecorder, StageRecorder
+from ._stats import Recorders
 
-__all__ = ["Epoch", "PipelineConfig", "Recorders"]
+__all__ = ["Epoch", "PipelineConfig"]
 
 logger = logging.getLogger("aioloader")
 
@@ -90,26 +91,6 @@ class PipelineConfig:
         return 2 * fetching + workers + 1
 
 
-class Recorders:
-    """The loader's statistics recorders, shared by its epochs (cumulative over its scope)."""
-
-    def __init__(self, *, max_inflight: int, workers: int, prefetch: int) -> None:
-        self.started = time.perf_counter()
-        self.epochs = 0
-        self.window = StageRecorder("window", limit=None, queue_capacity=None)
-        self.fetch = StageRecorder("fetch", limit=max_inflight, queue_capacity=None)
-        self.transform = StageRecorder("transform", limit=workers, queue_capacity=None)
-        self.output = StageRecorder("output", limit=None, queue_capacity=prefetch)
-        self.consumer = ConsumerRecorder()
-        self.skipped: list[object] = []
-        self.bytes_held = 0
-        self.max_bytes_held = 0
-
-    @property
-    def stages(self) -> tuple[StageRecorder, ...]:
-        return (self.window, self.fetch, self.transform, self.output)
-
-
 @dataclass(slots=True, eq=False)
 class _Batch:
     seq: int  # position in the epoch
@@ -127,47 +108,6 @@ class _Done:
     value: Any
     size: int  # samples in the collated batch; 0: nothing left, the batch is skipped
     error: Exception | None = None
-
-
-def nbytes_of(sample: Any) -> int:
-    """Bytes held by a fetched sample, for the ``max_inflight_bytes`` bound: buffers, arrays and
-    tensors count their data; containers count their members; anything else counts 0."""
-    if isinstance(sample, (bytes, bytearray, memoryview)):
-        return len(sample)
-    nbytes = getattr(sample, "nbytes", None)  # numpy arrays, torch tensors
-    if isinstance(nbytes, int):
-        return nbytes
-    if isinstance(sample, str):
-        return len(sample)
-    if isinstance(sample, dict):
-        return sum(nbytes_of(v) for v in sample.values())
-    if isinstance(sample, (list, tuple)):
-        return sum(nbytes_of(v) for v in sample)
-    return 0
-
-
-class _ByteBudget:
-    """Holds new fetches while the bytes of unfinished batches exceed the limit. The oldest
-    unfinished batch may always fetch: it is what frees bytes, so waiting on it would deadlock."""
-
-    def __init__(self, limit: int | None) -> None:
-        self.limit = limit
-        self.held = 0
-        self.active: set[int] = set()
-        self._room = anyio.Event()
-
-    async def wait_room(self, seq: int) -> None:
-        while self.limit is not None and self.held >= self.limit and seq != min(self.active):
-            await self._room.wait()
-
-    def charge(self, n: int) -> None:
-        self.held += n
-
-    def release(self, seq: int, n: int) -> None:
-        self.active.discard(seq)
-        self.held -= n
-        self._room.set()
-        self._room = anyio.Event()
 
 
 class Epoch:
@@ -205,7 +145,7 @@ class Epoch:
         self._fetch_workers = config.fetch_workers(batched)
         self.window = config.window(batched, work.threads)
         self._slots = anyio.Semaphore(self.window)
-        self._bytes = _ByteBudget(config.max_inflight_bytes)
+        self._bytes = ByteBudget(config.max_inflight_bytes)
         self._skips_left = config.max_failures
         self._rng = random.Random()  # retry jitter only: never affects which data is produced
         stats.window.limit = self.window
@@ -234,7 +174,7 @@ class Epoch:
             with self.cancel_scope:
                 await self._stages(out)
         except Exception as exc:  # a stage failed: hand the original exception to the consumer
-            self.error = _first_leaf(exc)
+            self.error = first_leaf(exc)
         finally:
             out.close()
             self.finished.set()
@@ -269,7 +209,7 @@ class Epoch:
     # -- schedule -------------------------------------------------------------------------------
 
     async def _admit(self, batch: _Batch) -> None:
-        with _blocked(self.stats.window, "put"):
+        with blocked(self.stats.window, "put"):
             await self._slots.acquire()
         self.stats.window.start()
         self._bytes.active.add(batch.seq)
@@ -286,10 +226,10 @@ class Epoch:
                 batch = _Batch(seq, ids, [None] * len(ids), pending=len(ids))
                 await self._admit(batch)
                 if source.batched:
-                    await _put(jobs, (batch, -1), self.stats.window)
+                    await put(jobs, (batch, -1), self.stats.window)
                 else:
                     for position in range(len(ids)):
-                        await _put(jobs, (batch, position), self.stats.window)
+                        await put(jobs, (batch, position), self.stats.window)
 
     async def _schedule_stream(
         self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]
@@ -304,7 +244,7 @@ class Epoch:
             batch = _Batch(seq, [p for p, _ in items], [s for _, s in items])
             seq += 1
             await self._admit(batch)
-            await _put(ready, batch, self.stats.fetch)
+            await put(ready, batch, self.stats.fetch)
 
         async with ready, source.open() as iterator:
             position = -1
@@ -324,7 +264,7 @@ class Epoch:
                     # Raised in its turn, after the batches before it (the partial one is lost).
                     failed = _Batch(seq, [position], [], error=exc)
                     await self._admit(failed)
-                    await _put(ready, failed, self.stats.fetch)
+                    await put(ready, failed, self.stats.fetch)
                     return
                 self.stats.fetch.finish(time.perf_counter() - started)
                 if position % cfg.world_size != cfg.rank:
@@ -345,7 +285,7 @@ class Epoch:
         ready: MemoryObjectSendStream[_Batch],
     ) -> None:
         async with jobs, ready:
-            while (job := await _get(jobs, self.stats.fetch)) is not None:
+            while (job := await get(jobs, self.stats.fetch)) is not None:
                 batch, position = job
                 await self._bytes.wait_room(batch.seq)
                 if position < 0:
@@ -353,7 +293,7 @@ class Epoch:
                 else:
                     await self._fetch_one(source, batch, position)
                 if batch.pending == 0:
-                    await _put(ready, batch, self.stats.fetch)
+                    await put(ready, batch, self.stats.fetch)
 
     async def _fetch_one(self, source: MapSource, batch: _Batch, position: int) -> None:
         index = batch.ids[position]
@@ -440,7 +380,7 @@ class Epoch:
     def _skip_or_raise(self, exc: Exception, stage: str, batch: _Batch, key: object) -> None:
         """Spend one unit of the ``max_failures`` budget on ``exc``, or raise it."""
         if self._skips_left == 0:
-            if not _annotated(exc):
+            if not is_annotated(exc):
                 annotate(exc, stage, epoch=self.number, batch=batch.seq, index=key)
             if self.config.max_failures:
                 exc.add_note(f"aioloader: max_failures={self.config.max_failures} exhausted")
@@ -465,9 +405,9 @@ class Epoch:
         self, ready: MemoryObjectReceiveStream[_Batch], done: MemoryObjectSendStream[_Done]
     ) -> None:
         async with ready, done:
-            while (batch := await _get(ready, self.stats.transform)) is not None:
+            while (batch := await get(ready, self.stats.transform)) is not None:
                 self.stats.fetch.set_queued(ready.statistics().current_buffer_used)
-                await _put(done, await self._transform(batch), self.stats.transform)
+                await put(done, await self._transform(batch), self.stats.transform)
 
     async def _transform(self, batch: _Batch) -> _Done:
         cfg, rec = self.config, self.stats.transform
@@ -496,7 +436,7 @@ class Epoch:
         except Exception as exc:
             rec.finish(time.perf_counter() - started, ok=False)
             rec.failed += 1
-            if not _annotated(exc):
+            if not is_annotated(exc):
                 ids = batch.ids[0] if unbatched else batch.ids
                 annotate(exc, "collate", epoch=self.number, batch=batch.seq, index=ids)
             return _Done(batch, None, 0, exc)
@@ -513,7 +453,7 @@ class Epoch:
     ) -> None:
         reorder: ReorderBuffer[_Done] = ReorderBuffer()
         async with done:
-            while (item := await _get(done, self.stats.output)) is not None:
+            while (item := await get(done, self.stats.output)) is not None:
                 deliverable = reorder.push(item.batch.seq, item) if self.config.in_order else [item]
                 self.stats.transform.set_queued(
                     len(reorder) + done.statistics().current_buffer_used
@@ -522,77 +462,10 @@ class Epoch:
                     if d.error is not None:  # its turn has come: every batch before it is out
                         raise d.error
                     if d.size:
-                        await _put(out, (d.value, d.size), self.stats.output)
+                        await put(out, (d.value, d.size), self.stats.output)
                         self.stats.output.completed += 1
                         self.stats.output.set_queued(out.statistics().current_buffer_used)
                     self._bytes.release(d.batch.seq, d.batch.nbytes)
                     self.stats.bytes_held = self._bytes.held
                     self.stats.window.finish(None)
                     self._slots.release()
-
-
-def _annotated(exc: BaseException) -> bool:
-    return any(n.startswith("aioloader: failed in") for n in getattr(exc, "__notes__", ()))
-
-
-def _first_leaf(exc: BaseException) -> BaseException:
-    """The first real failure inside (possibly nested) exception groups; the others, if any,
-    are named in a note on it rather than lost."""
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for inner in e.exceptions:
-                walk(inner)
-        else:
-            leaves.append(e)
-
-    walk(exc)
-    first = leaves[0]
-    if len(leaves) > 1:
-        others = ", ".join(f"{type(e).__name__}: {e}" for e in leaves[1:6])
-        first.add_note(f"aioloader: {len(leaves) - 1} more failure(s) in the same epoch: {others}")
-    return first
-
-
-class _blocked:  # used like a function: `with _blocked(rec, "put"):`
-    """Adds the time spent inside the block to a recorder's blocked-put or blocked-get total."""
-
-    __slots__ = ("_kind", "_rec", "_t0")
-
-    def __init__(self, rec: StageRecorder, kind: str) -> None:
-        self._rec, self._kind = rec, kind
-
-    def __enter__(self) -> None:
-        self._t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        dt = time.perf_counter() - self._t0
-        if self._kind == "put":
-            self._rec.blocked_put_s += dt
-        else:
-            self._rec.blocked_get_s += dt
-
-
-async def _put(stream: MemoryObjectSendStream[Any], item: Any, rec: StageRecorder) -> None:
-    """Send, counting time spent blocked by a full stream (backpressure) against ``rec``."""
-    try:
-        stream.send_nowait(item)
-    except anyio.WouldBlock:
-        with _blocked(rec, "put"):
-            await stream.send(item)
-
-
-async def _get(stream: MemoryObjectReceiveStream[Any], rec: StageRecorder) -> Any:
-    """Receive the next item, or None at the end of the stream, counting time spent waiting
-    for upstream (starvation) against ``rec``. Items are never None: they are batches or jobs."""
-    try:
-        return stream.receive_nowait()
-    except anyio.WouldBlock:
-        with _blocked(rec, "get"):
-            try:
-                return await stream.receive()
-            except anyio.EndOfStream:
-                return None
-    except anyio.EndOfStream:
-        return None

@@ -8,10 +8,17 @@ few attribute writes done on the loop thread, so recording costs nothing measura
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["ConsumerStatistics", "LatencySummary", "LoaderStatistics", "StageStatistics"]
+__all__ = [
+    "ConsumerStatistics",
+    "LatencySummary",
+    "LoaderStatistics",
+    "Recorders",
+    "StageStatistics",
+]
 
 _RESERVOIR = 4096  # latencies kept per stage for percentiles: the most recent ones
 
@@ -267,3 +274,23 @@ class ConsumerRecorder:
         return ConsumerStatistics(
             self.batches, self.samples, self.wait_s, self.max_wait_s, self.busy_s
         )
+
+
+class Recorders:
+    """The loader's statistics recorders, shared by its epochs (cumulative over its scope)."""
+
+    def __init__(self, *, max_inflight: int, workers: int, prefetch: int) -> None:
+        self.started = time.perf_counter()
+        self.epochs = 0
+        self.window = StageRecorder("window", limit=None, queue_capacity=None)
+        self.fetch = StageRecorder("fetch", limit=max_inflight, queue_capacity=None)
+        self.transform = StageRecorder("transform", limit=workers, queue_capacity=None)
+        self.output = StageRecorder("output", limit=None, queue_capacity=prefetch)
+        self.consumer = ConsumerRecorder()
+        self.skipped: list[object] = []
+        self.bytes_held = 0
+        self.max_bytes_held = 0
+
+    @property
+    def stages(self) -> tuple[StageRecorder, ...]:
+        return (self.window, self.fetch, self.transform, self.output)

@@ -1,0 +1,102 @@
+"""Hand-offs between pipeline stages, with the accounting the statistics need.
+
+Owns: sending into and receiving from bounded memory object streams while counting the time a
+stage spent blocked (backpressure on put, starvation on get), the fetched-bytes budget, and the
+byte size of a sample. Never: decides what is sent, or holds data itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._stats import StageRecorder
+
+__all__ = ["ByteBudget", "blocked", "get", "nbytes_of", "put"]
+
+
+def nbytes_of(sample: Any) -> int:
+    """Bytes held by a fetched sample, for the ``max_inflight_bytes`` bound: buffers, arrays and
+    tensors count their data; containers count their members; anything else counts 0."""
+    if isinstance(sample, (bytes, bytearray, memoryview)):
+        return len(sample)
+    nbytes = getattr(sample, "nbytes", None)  # numpy arrays, torch tensors
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(sample, str):
+        return len(sample)
+    if isinstance(sample, dict):
+        return sum(nbytes_of(v) for v in sample.values())
+    if isinstance(sample, (list, tuple)):
+        return sum(nbytes_of(v) for v in sample)
+    return 0
+
+
+class ByteBudget:
+    """Holds new fetches while the bytes of unfinished batches exceed the limit. The oldest
+    unfinished batch may always fetch: it is what frees bytes, so waiting on it would deadlock."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.held = 0
+        self.active: set[int] = set()
+        self._room = anyio.Event()
+
+    async def wait_room(self, seq: int) -> None:
+        while self.limit is not None and self.held >= self.limit and seq != min(self.active):
+            await self._room.wait()
+
+    def charge(self, n: int) -> None:
+        self.held += n
+
+    def release(self, seq: int, n: int) -> None:
+        self.active.discard(seq)
+        self.held -= n
+        self._room.set()
+        self._room = anyio.Event()
+
+
+class blocked:  # used like a function: `with blocked(rec, "put"):`
+    """Adds the time spent inside the block to a recorder's blocked-put or blocked-get total."""
+
+    __slots__ = ("_kind", "_rec", "_t0")
+
+    def __init__(self, rec: StageRecorder, kind: str) -> None:
+        self._rec, self._kind = rec, kind
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        dt = time.perf_counter() - self._t0
+        if self._kind == "put":
+            self._rec.blocked_put_s += dt
+        else:
+            self._rec.blocked_get_s += dt
+
+
+async def put(stream: MemoryObjectSendStream[Any], item: Any, rec: StageRecorder) -> None:
+    """Send, counting time spent blocked by a full stream (backpressure) against ``rec``."""
+    try:
+        stream.send_nowait(item)
+    except anyio.WouldBlock:
+        with blocked(rec, "put"):
+            await stream.send(item)
+
+
+async def get(stream: MemoryObjectReceiveStream[Any], rec: StageRecorder) -> Any:
+    """Receive the next item, or None at the end of the stream, counting time spent waiting
+    for upstream (starvation) against ``rec``. Items are never None: they are batches or jobs."""
+    try:
+        return stream.receive_nowait()
+    except anyio.WouldBlock:
+        with blocked(rec, "get"):
+            try:
+                return await stream.receive()
+            except anyio.EndOfStream:
+                return None
+    except anyio.EndOfStream:
+        return None

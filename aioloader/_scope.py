@@ -1,0 +1,167 @@
+"""What one ``async with loader:`` owns, and the consumer's end of an epoch.
+
+Owns: the scope's task group, worker and I/O threads and current epoch (:class:`Scope`), and
+:class:`EpochIterator`, which starts an epoch's tasks on its first ``__anext__`` (ending an
+unfinished earlier epoch first), hands out batches, times the consumer's waits and turns the end
+of the output stream into ``StopAsyncIteration`` or the epoch's original exception. Never:
+validates arguments or builds samplers (``_loader.py``), or runs stages (``_pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from ._exceptions import LoaderStateError, LoaderTimeout
+from ._offload import ThreadOffload
+from ._pipeline import Epoch
+
+if TYPE_CHECKING:
+    from ._loader import DataLoader
+
+__all__ = ["EpochIterator", "Scope"]
+
+T_Batch = TypeVar("T_Batch")
+
+
+class Scope:
+    """What one ``async with loader:`` owns: the task group, the threads, the running epoch."""
+
+    def __init__(self, loader: DataLoader[Any], stack: contextlib.AsyncExitStack) -> None:
+        self.loader = loader
+        self.stack = stack
+        self.thread = threading.get_ident()
+        self.task_group: anyio.abc.TaskGroup | None = None
+        self.work = ThreadOffload(
+            max(1, loader.num_workers), "worker", worker_init_fn=loader.worker_init_fn
+        )
+        self.io: ThreadOffload | None = None
+        self.current: EpochIterator[Any] | None = None
+
+    def offload(self) -> ThreadOffload:
+        if self.io is None:
+            self.io = ThreadOffload(self.loader.io_threads, "io")
+        return self.io
+
+    def close_iteration(self) -> None:
+        if self.current is not None:
+            self.current.close_stream()
+
+    def close_threads(self) -> None:
+        self.work.close()
+        if self.io is not None:
+            self.io.close()
+
+
+class EpochIterator(Generic[T_Batch]):
+    """The consumer's end of one epoch. Created by ``DataLoader.__aiter__``; the epoch's tasks
+    start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
+
+    def __init__(self, loader: DataLoader[T_Batch], scope: Scope, number: int) -> None:
+        self._loader = loader
+        self._scope = scope
+        self._number = number
+        self._epoch: Epoch | None = None
+        self._recv: MemoryObjectReceiveStream[Any] | None = None
+        self._last_yield: float | None = None
+        self._closed = False
+
+    def __aiter__(self) -> EpochIterator[T_Batch]:
+        return self
+
+    async def _start(self) -> MemoryObjectReceiveStream[Any]:
+        scope, loader = self._scope, self._loader
+        if scope is not loader._scope or scope.task_group is None:
+            raise LoaderStateError("the loader's scope this iteration began in has closed")
+        if scope.current is not None:
+            await scope.current.aclose()
+        batches: Iterable[Sequence[int]] | None = None
+        if loader._kind.is_map:
+            for obj in (loader.sampler, loader.batch_sampler):
+                set_epoch = getattr(obj, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(self._number)
+            if loader.batch_sampler is not None:
+                batches = loader.batch_sampler
+            else:
+                sampler = loader.sampler
+                if sampler is None:  # impossible for a map-style loader; keeps mypy honest
+                    raise LoaderStateError("map-style loader without a sampler")
+                batches = ([i] for i in sampler)
+        config = loader._config
+        send, recv = anyio.create_memory_object_stream[Any](config.prefetch)
+        epoch = Epoch(self._number, config, loader._source, batches, scope.work, loader._stats)
+        scope.current = self
+        loader._stats.epochs += 1
+        self._epoch, self._recv = epoch, recv
+        await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
+        return recv
+
+    async def __anext__(self) -> T_Batch:
+        """The next batch of the epoch.
+
+        Raises:
+            StopAsyncIteration: The epoch ended.
+            LoaderTimeout: No batch within the loader's ``timeout``.
+            Exception: A stage failed: the original exception, with notes naming the stage,
+                the sample and the batch. The epoch is over after it.
+
+        Cancellation: safe; no batch is lost (the next call returns the batch this one would
+        have returned).
+        """
+        if self._closed:
+            raise StopAsyncIteration
+        recv = self._recv if self._recv is not None else await self._start()
+        stats = self._loader._stats.consumer
+        now = time.perf_counter()
+        if self._last_yield is not None:
+            stats.busy_s += now - self._last_yield
+        timeout = self._loader.timeout
+        item: Any = None
+        try:
+            with anyio.fail_after(timeout if timeout > 0 else None):
+                item = await recv.receive()
+        except anyio.EndOfStream:
+            pass
+        except TimeoutError:
+            raise LoaderTimeout(f"DataLoader timed out after {timeout} seconds") from None
+        finally:
+            waited = time.perf_counter() - now
+            stats.waited(waited)
+        self._loader._stats.output.set_queued(recv.statistics().current_buffer_used)
+        if item is None:
+            self._closed = True
+            recv.close()
+            error = self._epoch.error if self._epoch is not None else None
+            if error is not None:
+                raise error
+            raise StopAsyncIteration
+        batch, size = item
+        stats.batches += 1
+        stats.samples += size
+        self._last_yield = time.perf_counter()
+        return batch  # type: ignore[no-any-return]
+
+    def close_stream(self) -> None:
+        self._closed = True
+        if self._recv is not None:
+            self._recv.close()
+
+    async def aclose(self) -> None:
+        """Stop the epoch early and wait until its tasks are gone.
+
+        Cancellation: the wait is shielded.
+        """
+        self.close_stream()
+        epoch = self._epoch
+        if epoch is not None and not epoch.finished.is_set():
+            epoch.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await epoch.finished.wait()
