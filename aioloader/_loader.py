@@ -318,6 +318,9 @@ class DataLoader(Generic[T_Batch]):
         self._config = PipelineConfig(
             batch_size=_batch_size_hint(batch_size, batch_sampler),
             unbatched=batch_size is None and batch_sampler is None,
+            # A blocking dataset is read in slices spread over the I/O threads: few thread hops
+            # for fast local reads, yet every thread busy when items are slow.
+            fetch_chunk=-(-max_inflight // io_threads) if kind.is_blocking else None,
             drop_last=drop_last,
             max_inflight=max_inflight,
             prefetch=prefetch,

@@ -6,7 +6,8 @@ streams, and the bounds that make backpressure work:
 * at most ``window`` batches exist between being scheduled and being handed to the output
   stream (a semaphore slot per batch, released when the batch enters the output stream);
 * at most ``max_inflight`` sample fetches run at once (that many fetch workers pull jobs from
-  an unbuffered stream; a batched source counts a whole batch against the bound);
+  a stream; a batched source fetches slices of ``fetch_chunk`` samples, or whole batches, and
+  counts every sample of a slice against the bound);
 * at most ``prefetch`` finished batches wait for the consumer (the output stream's buffer);
 * optionally, fetched bytes held in unfinished batches stay near ``max_inflight_bytes``.
 
@@ -55,6 +56,7 @@ class PipelineConfig:
 
     batch_size: int  # samples per batch (a sizing hint when a batch_sampler decides)
     unbatched: bool  # batch_size=None without a batch_sampler: samples are yielded alone
+    fetch_chunk: int | None  # samples per get_many call of a batched source; None: whole batch
     drop_last: bool
     max_inflight: int
     prefetch: int
@@ -73,21 +75,21 @@ class PipelineConfig:
     def per_batch(self) -> int:
         return self.batch_size
 
-    def fetch_workers(self, batched_source: bool) -> int:
-        """Concurrent fetch calls: one per sample in flight, or, for a source that fetches whole
-        batches, as many batches as fit in ``max_inflight`` samples (at least one)."""
-        if batched_source:
-            return max(1, self.max_inflight // self.per_batch)
-        return self.max_inflight
+    def chunk(self, batched_source: bool) -> int:
+        """Samples per fetch call: 1, or a slice of a batch for a batched source."""
+        if not batched_source:
+            return 1
+        return min(self.per_batch, self.fetch_chunk or self.per_batch)
 
-    def window(self, batched_source: bool, workers: int) -> int:
+    def fetch_workers(self, batched_source: bool) -> int:
+        """Concurrent fetch calls: as many as fit in ``max_inflight`` samples (at least one)."""
+        return max(1, self.max_inflight // self.chunk(batched_source))
+
+    def window(self, workers: int) -> int:
         """Batches in progress at once: twice what keeps every fetch busy (a batch waiting on
         its slowest sample must not idle the fetches, so the next ones start meanwhile), plus
         one per transform worker, plus one so the next batch starts while one is handed out."""
-        if batched_source:
-            fetching = self.fetch_workers(True)
-        else:
-            fetching = math.ceil(self.max_inflight / self.per_batch)
+        fetching = math.ceil(self.max_inflight / self.per_batch)
         return 2 * fetching + workers + 1
 
 
@@ -142,14 +144,15 @@ class Epoch:
         self.finished = anyio.Event()
         self.cancel_scope = anyio.CancelScope()
         batched = isinstance(source, MapSource) and source.batched
+        self._chunk = config.chunk(batched)
         self._fetch_workers = config.fetch_workers(batched)
-        self.window = config.window(batched, work.threads)
+        self.window = config.window(work.threads)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
         self._skips_left = config.max_failures
         self._rng = random.Random()  # retry jitter only: never affects which data is produced
         stats.window.limit = self.window
-        stats.fetch.limit = max(config.max_inflight, config.per_batch if batched else 1)
+        stats.fetch.limit = max(config.max_inflight, self._chunk)
         stats.fetch.queue_capacity = self.window
         stats.transform.queue_capacity = self.window
 
@@ -190,7 +193,9 @@ class Epoch:
                 # Jobs of admitted batches only (the window bounds them); buffered so that the
                 # scheduler queues a whole batch without a task switch per sample.
                 buffer = window * self.config.per_batch
-                jobs_send, jobs_recv = anyio.create_memory_object_stream[tuple[_Batch, int]](buffer)
+                jobs_send, jobs_recv = anyio.create_memory_object_stream[tuple[_Batch, int, int]](
+                    buffer
+                )
                 tg.start_soon(self._schedule_map, self.source, self.batches, jobs_send)
                 for _ in range(self._fetch_workers):
                     tg.start_soon(
@@ -218,18 +223,16 @@ class Epoch:
         self,
         source: MapSource,
         batches: Iterable[Sequence[int]],
-        jobs: MemoryObjectSendStream[tuple[_Batch, int]],
+        jobs: MemoryObjectSendStream[tuple[_Batch, int, int]],
     ) -> None:
         async with jobs:
             for seq, indices in enumerate(batches):
                 ids = list(indices)
                 batch = _Batch(seq, ids, [None] * len(ids), pending=len(ids))
                 await self._admit(batch)
-                if source.batched:
-                    await put(jobs, (batch, -1), self.stats.window)
-                else:
-                    for position in range(len(ids)):
-                        await put(jobs, (batch, position), self.stats.window)
+                step = self._chunk
+                for start in range(0, len(ids), step):
+                    await put(jobs, (batch, start, min(len(ids), start + step)), self.stats.window)
 
     async def _schedule_stream(
         self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]
@@ -281,17 +284,17 @@ class Epoch:
     async def _fetch_worker(
         self,
         source: MapSource,
-        jobs: MemoryObjectReceiveStream[tuple[_Batch, int]],
+        jobs: MemoryObjectReceiveStream[tuple[_Batch, int, int]],
         ready: MemoryObjectSendStream[_Batch],
     ) -> None:
         async with jobs, ready:
             while (job := await get(jobs, self.stats.fetch)) is not None:
-                batch, position = job
+                batch, start, stop = job
                 await self._bytes.wait_room(batch.seq)
-                if position < 0:
-                    await self._fetch_batch(source, batch)
+                if source.batched:
+                    await self._fetch_many(source, batch, start, stop)
                 else:
-                    await self._fetch_one(source, batch, position)
+                    await self._fetch_one(source, batch, start)
                 if batch.pending == 0:
                     await put(ready, batch, self.stats.fetch)
 
@@ -310,22 +313,23 @@ class Epoch:
             self._charge(batch, sample)
         batch.pending -= 1
 
-    async def _fetch_batch(self, source: MapSource, batch: _Batch) -> None:
+    async def _fetch_many(self, source: MapSource, batch: _Batch, start: int, stop: int) -> None:
+        ids = batch.ids[start:stop]
         try:
             samples = await self._attempt(
-                lambda: source.get_many(batch.ids), batch.ids, batch.seq, count=len(batch.ids)
+                lambda: source.get_many(ids), ids, batch.seq, count=len(ids)
             )
         except Exception as exc:
             if self._skips_left == 0:
-                batch.error = exc
-                batch.pending = 0
+                batch.error = batch.error or exc
+                batch.pending -= len(ids)
                 return
-            # Some of the batch may be fine: fetch it item by item so only bad samples go.
-            for position in range(len(batch.ids)):
+            # Some of the slice may be fine: fetch it item by item so only bad samples go.
+            for position in range(start, stop):
                 await self._fetch_one(source, batch, position)
             return
-        batch.samples = samples
-        batch.pending = 0
+        batch.samples[start:stop] = samples
+        batch.pending -= len(ids)
         for sample in samples:
             self._charge(batch, sample)
 
