@@ -426,13 +426,17 @@ class DataLoader(Generic[T_Batch]):
         Cancellation: the task group waits for its tasks even when the caller is cancelled, and
         the threads are joined after it, so a cancelled caller still leaves nothing behind.
         """
-        scope, self._scope = self._scope, None
+        scope = self._scope
         if scope is None:
             return None
         self._stopped_at = time.perf_counter()
         # The body's exception is the caller's, not the task group's: passing it in would wrap
         # it in an ExceptionGroup. The scope's cleanup is the same whatever ended the body.
-        await scope.stack.aclose()
+        # The scope stays set while it closes: closing a blocking stream still needs its threads.
+        try:
+            await scope.stack.aclose()
+        finally:
+            self._scope = None
         return None
 
     def __enter__(self) -> DataLoader[T_Batch]:

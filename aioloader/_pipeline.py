@@ -150,6 +150,7 @@ class Epoch:
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
         self._skips_left = config.max_failures
+        self._open_batches = 0
         self._rng = random.Random()  # retry jitter only: never affects which data is produced
         stats.window.limit = self.window
         stats.fetch.limit = max(config.max_inflight, self._chunk)
@@ -177,9 +178,14 @@ class Epoch:
             with self.cancel_scope:
                 await self._stages(out)
         except Exception as exc:  # a stage failed: hand the original exception to the consumer
-            self.error = first_leaf(exc)
+            if self.error is None:
+                self.error = first_leaf(exc)
         finally:
             out.close()
+            # Batches abandoned by an early end leave the window and give their bytes back.
+            self.stats.window.in_flight -= self._open_batches
+            self._open_batches = 0
+            self.stats.bytes_held = 0
             self.finished.set()
 
     async def _stages(self, out: MemoryObjectSendStream[Any]) -> None:
@@ -217,6 +223,7 @@ class Epoch:
         with blocked(self.stats.window, "put"):
             await self._slots.acquire()
         self.stats.window.start()
+        self._open_batches += 1
         self._bytes.active.add(batch.seq)
 
     async def _schedule_map(
@@ -226,9 +233,13 @@ class Epoch:
         jobs: MemoryObjectSendStream[tuple[_Batch, int, int]],
     ) -> None:
         async with jobs:
-            for seq, indices in enumerate(batches):
+            seq = 0
+            for indices in batches:
                 ids = list(indices)
+                if not ids:  # an empty batch (a bucketing batch sampler): nothing to yield
+                    continue
                 batch = _Batch(seq, ids, [None] * len(ids), pending=len(ids))
+                seq += 1
                 await self._admit(batch)
                 step = self._chunk
                 for start in range(0, len(ids), step):
@@ -269,6 +280,9 @@ class Epoch:
                     await self._admit(failed)
                     await put(ready, failed, self.stats.fetch)
                     return
+                except BaseException:  # cancelled: nothing stays counted as in flight
+                    self.stats.fetch.in_flight -= 1
+                    raise
                 self.stats.fetch.finish(time.perf_counter() - started)
                 if position % cfg.world_size != cfg.rank:
                     continue
@@ -321,10 +335,14 @@ class Epoch:
             )
         except Exception as exc:
             if self._skips_left == 0:
+                if self.config.max_failures:
+                    exc.add_note(f"aioloader: max_failures={self.config.max_failures} exhausted")
                 batch.error = batch.error or exc
                 batch.pending -= len(ids)
                 return
-            # Some of the slice may be fine: fetch it item by item so only bad samples go.
+            # Some of the slice may be fine: fetch it item by item so only bad samples go (and
+            # only they count as failed).
+            self.stats.fetch.failed -= len(ids)
             for position in range(start, stop):
                 await self._fetch_one(source, batch, position)
             return
@@ -376,7 +394,9 @@ class Epoch:
                 rec.failed += count
                 if failures > 1:
                     error.add_note(f"aioloader: gave up after {failures} attempts")
-                raise annotate(error, "fetch", epoch=self.number, batch=seq, index=key)
+                # A blocking dataset's own note already names the sample within the slice.
+                index = None if is_annotated(error) else key
+                raise annotate(error, "fetch", epoch=self.number, batch=seq, index=index)
             rec.retries += 1
             logger.debug("aioloader: retrying %r after %r", key, error)
             await anyio.sleep(cfg.retry.backoff(failures, self._rng))
@@ -464,6 +484,7 @@ class Epoch:
                 )
                 for d in deliverable:
                     if d.error is not None:  # its turn has come: every batch before it is out
+                        self.error = d.error  # the object itself, whatever its type
                         raise d.error
                     if d.size:
                         await put(out, (d.value, d.size), self.stats.output)
@@ -472,4 +493,5 @@ class Epoch:
                     self._bytes.release(d.batch.seq, d.batch.nbytes)
                     self.stats.bytes_held = self._bytes.held
                     self.stats.window.finish(None)
+                    self._open_batches -= 1
                     self._slots.release()

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import anyio
 import torch.utils.data
 
 from ._dataset import AsyncDataset, AsyncIterableDataset
@@ -144,9 +145,15 @@ class _BlockingMap(MapSource):
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         getitems = getattr(self._dataset, "__getitems__", None)
-        if getitems is not None:  # torch's batched protocol (torch >= 2.1)
-            return list(getitems(list(indices)))
-        return [self._read(i) for i in indices]
+        if getitems is None:
+            return [self._read(i) for i in indices]
+        items = list(getitems(list(indices)))  # torch's batched protocol (torch >= 2.1)
+        if len(items) != len(indices):
+            raise ValueError(
+                f"{type(self._dataset).__qualname__}.__getitems__ returned {len(items)} items "
+                f"for {len(indices)} indices {list(indices)}"
+            )
+        return items
 
     async def get(self, index: int) -> Any:
         return await self._offload().run(self._read, index)
@@ -215,8 +222,9 @@ class _BlockingStream(StreamSource):
         finally:
             await chunks.aclose()
             close = getattr(iterator, "close", None)
-            if close is not None:  # a generator: run its finally blocks on its own thread
-                await self._offload().run(close)
+            if close is not None:  # a generator: run its finally blocks on our thread, now
+                with anyio.CancelScope(shield=True):
+                    await self._offload().run(close)
 
 
 def open_source(
