@@ -21,6 +21,7 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from ._arguments import check_arguments, non_negative_int
 from ._collate import default_collate, default_convert
 from ._exceptions import LoaderStateError
 from ._offload import ThreadOffload
@@ -34,31 +35,12 @@ from ._sampler import (
     resolve_rank,
 )
 from ._scope import EpochIterator, Scope
-from ._source import classify, dataset_length, open_source
+from ._source import dataset_length, open_source
 from ._stats import LoaderStatistics, Recorders
 
 __all__ = ["DataLoader"]
 
 T_Batch = TypeVar("T_Batch")
-
-_DEFAULT_PREFETCH = 2
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _non_negative_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
-
-
-def _callable_or_none(name: str, value: object) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(f"{name} must be callable or None, got {type(value).__qualname__}")
 
 
 def _batch_size_hint(batch_size: int | None, batch_sampler: object) -> int:
@@ -172,93 +154,33 @@ class DataLoader(Generic[T_Batch]):
         world_size: int | None = None,
         io_threads: int = 8,
     ) -> None:
-        kind = classify(dataset)
-        if batch_size is not None:
-            _positive_int("batch_size", batch_size)
-        num_workers = _non_negative_int("num_workers", num_workers)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
-            raise ValueError(f"timeout must be a non-negative number, got {timeout!r}")
-        for name, fn in (
-            ("collate_fn", collate_fn),
-            ("worker_init_fn", worker_init_fn),
-            ("transform", transform),
-        ):
-            _callable_or_none(name, fn)
-        if shuffle not in (None, True, False):
-            raise TypeError(f"shuffle must be a bool or None, got {shuffle!r}")
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"drop_last must be a bool, got {drop_last!r}")
-        if not isinstance(in_order, bool):
-            raise TypeError(f"in_order must be a bool, got {in_order!r}")
-        if num_workers == 0:
-            if prefetch_factor is not None:
-                raise ValueError(
-                    "prefetch_factor needs num_workers > 0 (torch's rule); use prefetch= to "
-                    "bound ready batches with num_workers=0"
-                )
-            if persistent_workers:
-                raise ValueError("persistent_workers needs num_workers > 0")
-            if multiprocessing_context is not None:
-                raise ValueError(
-                    "multiprocessing_context can only be used with num_workers > 0, "
-                    f"got num_workers={num_workers}"
-                )
-        if prefetch_factor is not None:
-            _positive_int("prefetch_factor", prefetch_factor)
-        _positive_int("max_inflight", max_inflight)
-        if prefetch is None:
-            prefetch = (
-                _DEFAULT_PREFETCH if prefetch_factor is None else prefetch_factor * num_workers
-            )
-        _non_negative_int("prefetch", prefetch)
-        if max_inflight_bytes is not None:
-            _positive_int("max_inflight_bytes", max_inflight_bytes)
-        _non_negative_int("max_failures", max_failures)
-        _positive_int("io_threads", io_threads)
-        if sample_timeout is not None and (
-            not isinstance(sample_timeout, (int, float)) or isinstance(sample_timeout, bool)
-        ):
-            raise TypeError(f"sample_timeout must be a number or None, got {sample_timeout!r}")
-        if sample_timeout is not None and not sample_timeout > 0:
-            raise ValueError(
-                f"sample_timeout must be a positive number or None, got {sample_timeout!r}"
-            )
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise TypeError(f"retry must be an aioloader.RetryPolicy or None, got {retry!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
-        if seed is not None and generator is not None:
-            raise ValueError("pass seed or generator, not both: both set the shuffle order")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                f"generator must be a torch.Generator, got {type(generator).__qualname__}"
-            )
-
-        if not kind.is_map:
-            if shuffle:
-                raise ValueError(
-                    f"shuffle=True needs a map-style dataset; {type(dataset).__qualname__} is "
-                    "iterable (shuffle it in the source, e.g. a shuffle buffer)"
-                )
-            if sampler is not None:
-                raise ValueError("sampler needs a map-style dataset; the dataset is iterable")
-            if batch_sampler is not None:
-                raise ValueError("batch_sampler needs a map-style dataset; the dataset is iterable")
-        if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError(
-                    "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
-                    "drop_last"
-                )
-            batch_size = None  # torch's convention: batching is the batch_sampler's
-        elif batch_size is None and drop_last:
-            raise ValueError(
-                "batch_size=None disables batching and is mutually exclusive with drop_last"
-            )
-        if sampler is not None and shuffle:
-            raise ValueError("sampler is mutually exclusive with shuffle")
-        if sampler is not None and distributed:
-            raise ValueError("sampler is mutually exclusive with distributed")
+        kind, batch_size, prefetch = check_arguments(
+            dataset=dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            in_order=in_order,
+            transform=transform,
+            max_inflight=max_inflight,
+            prefetch=prefetch,
+            max_inflight_bytes=max_inflight_bytes,
+            seed=seed,
+            retry=retry,
+            sample_timeout=sample_timeout,
+            max_failures=max_failures,
+            distributed=distributed,
+            io_threads=io_threads,
+        )
 
         self.rank, self.world_size = resolve_rank(rank, world_size) if distributed else (0, 1)
         self.dataset = dataset
@@ -371,7 +293,7 @@ class DataLoader(Generic[T_Batch]):
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration runs (it seeds the shuffle order). Without it,
         each iteration runs the epoch after the previous one, starting at 0."""
-        self._next_epoch = _non_negative_int("epoch", epoch)
+        self._next_epoch = non_negative_int("epoch", epoch)
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of the counters of the current (or last) scope."""

@@ -1,0 +1,166 @@
+"""Checking a DataLoader's arguments: each one's type and range, and torch's rules about which
+arguments go together.
+
+Owns: every construction-time error, each naming its argument. Never: builds samplers or
+anything else the loader keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ._retry import RetryPolicy
+from ._source import Kind, classify
+
+__all__ = ["Checked", "check_arguments", "non_negative_int", "positive_int"]
+
+_DEFAULT_PREFETCH = 2
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def callable_or_none(name: str, value: object) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable or None, got {type(value).__qualname__}")
+
+
+class Checked(NamedTuple):
+    """What the checks resolved."""
+
+    kind: Kind
+    batch_size: int | None  # None also when a batch_sampler decides the batches (torch's rule)
+    prefetch: int
+
+
+def check_arguments(
+    *,
+    dataset: object,
+    batch_size: int | None,
+    shuffle: bool | None,
+    sampler: Iterable[int] | None,
+    batch_sampler: Iterable[Sequence[int]] | None,
+    num_workers: int,
+    collate_fn: Callable[[Any], Any] | None,
+    drop_last: bool,
+    timeout: float,
+    worker_init_fn: Callable[[int], object] | None,
+    multiprocessing_context: object,
+    generator: torch.Generator | None,
+    prefetch_factor: int | None,
+    persistent_workers: bool,
+    in_order: bool,
+    transform: Callable[[Any], Any] | None,
+    max_inflight: int,
+    prefetch: int | None,
+    max_inflight_bytes: int | None,
+    seed: int | None,
+    retry: RetryPolicy | None,
+    sample_timeout: float | None,
+    max_failures: int,
+    distributed: bool,
+    io_threads: int,
+) -> Checked:
+    """Check the arguments of :class:`~aioloader.DataLoader` (see it for their meanings).
+
+    Raises:
+        TypeError: An argument has the wrong type; the message names it.
+        ValueError: An argument is out of range or conflicts with another; the message names it.
+    """
+    kind = classify(dataset)
+    if batch_size is not None:
+        positive_int("batch_size", batch_size)
+    num_workers = non_negative_int("num_workers", num_workers)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+        raise ValueError(f"timeout must be a non-negative number, got {timeout!r}")
+    for name, fn in (
+        ("collate_fn", collate_fn),
+        ("worker_init_fn", worker_init_fn),
+        ("transform", transform),
+    ):
+        callable_or_none(name, fn)
+    if shuffle not in (None, True, False):
+        raise TypeError(f"shuffle must be a bool or None, got {shuffle!r}")
+    if not isinstance(drop_last, bool):
+        raise TypeError(f"drop_last must be a bool, got {drop_last!r}")
+    if not isinstance(in_order, bool):
+        raise TypeError(f"in_order must be a bool, got {in_order!r}")
+    if num_workers == 0:
+        if prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor needs num_workers > 0 (torch's rule); use prefetch= to "
+                "bound ready batches with num_workers=0"
+            )
+        if persistent_workers:
+            raise ValueError("persistent_workers needs num_workers > 0")
+        if multiprocessing_context is not None:
+            raise ValueError(
+                "multiprocessing_context can only be used with num_workers > 0, "
+                f"got num_workers={num_workers}"
+            )
+    if prefetch_factor is not None:
+        positive_int("prefetch_factor", prefetch_factor)
+    positive_int("max_inflight", max_inflight)
+    if prefetch is None:
+        prefetch = _DEFAULT_PREFETCH if prefetch_factor is None else prefetch_factor * num_workers
+    non_negative_int("prefetch", prefetch)
+    if max_inflight_bytes is not None:
+        positive_int("max_inflight_bytes", max_inflight_bytes)
+    non_negative_int("max_failures", max_failures)
+    positive_int("io_threads", io_threads)
+    if sample_timeout is not None and (
+        not isinstance(sample_timeout, (int, float)) or isinstance(sample_timeout, bool)
+    ):
+        raise TypeError(f"sample_timeout must be a number or None, got {sample_timeout!r}")
+    if sample_timeout is not None and not sample_timeout > 0:
+        raise ValueError(
+            f"sample_timeout must be a positive number or None, got {sample_timeout!r}"
+        )
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise TypeError(f"retry must be an aioloader.RetryPolicy or None, got {retry!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if seed is not None and generator is not None:
+        raise ValueError("pass seed or generator, not both: both set the shuffle order")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__qualname__}")
+
+    if not kind.is_map:
+        if shuffle:
+            raise ValueError(
+                f"shuffle=True needs a map-style dataset; {type(dataset).__qualname__} is "
+                "iterable (shuffle it in the source, e.g. a shuffle buffer)"
+            )
+        if sampler is not None:
+            raise ValueError("sampler needs a map-style dataset; the dataset is iterable")
+        if batch_sampler is not None:
+            raise ValueError("batch_sampler needs a map-style dataset; the dataset is iterable")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
+                "drop_last"
+            )
+        batch_size = None  # torch's convention: batching is the batch_sampler's
+    elif batch_size is None and drop_last:
+        raise ValueError(
+            "batch_size=None disables batching and is mutually exclusive with drop_last"
+        )
+    if sampler is not None and shuffle:
+        raise ValueError("sampler is mutually exclusive with shuffle")
+    if sampler is not None and distributed:
+        raise ValueError("sampler is mutually exclusive with distributed")
+
+    return Checked(kind, batch_size, prefetch)
