@@ -11,6 +11,7 @@ from ._exceptions import AioLoaderError as AioLoaderError
 from ._exceptions import LoaderStateError as LoaderStateError
 from ._exceptions import LoaderTimeout as LoaderTimeout
 from ._exceptions import TransientError as TransientError
+from ._exceptions import WorkerCrashed as WorkerCrashed
 from ._loader import DataLoader as DataLoader
 from ._padding import PadCollate as PadCollate
 from ._padding import PaddedBatch as PaddedBatch
@@ -24,6 +25,9 @@ from ._stats import ConsumerStatistics as ConsumerStatistics
 from ._stats import LatencySummary as LatencySummary
 from ._stats import LoaderStatistics as LoaderStatistics
 from ._stats import StageStatistics as StageStatistics
+from ._stats import WorkerStatistics as WorkerStatistics
+from ._worker import WorkerInfo as WorkerInfo
+from ._worker import get_worker_info as get_worker_info
 
 __version__ = "0.1.0"
 
@@ -46,7 +50,11 @@ __all__ = [
     "SequentialSampler",
     "StageStatistics",
     "TransientError",
+    "WorkerCrashed",
+    "WorkerInfo",
+    "WorkerStatistics",
     "default_collate",
     "default_convert",
+    "get_worker_info",
     "pad_collate",
 ]

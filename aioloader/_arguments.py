@@ -7,11 +7,15 @@ anything else the loader keeps.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
+import pickle
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from ._processes import START_METHODS
 from ._retry import RetryPolicy
 from ._source import Kind, classify
 
@@ -43,6 +47,55 @@ class Checked(NamedTuple):
     kind: Kind
     batch_size: int | None  # None also when a batch_sampler decides the batches (torch's rule)
     prefetch: int
+    start_method: str | multiprocessing.context.BaseContext
+
+
+def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
+    """The worker processes' start method: ``context`` (a name or a multiprocessing context)
+    when given, else spawn.
+
+    Raises:
+        ValueError: The method is fork, or unknown.
+        TypeError: ``context`` is neither a string nor a multiprocessing context.
+    """
+    if context is None:
+        return "spawn"
+    if isinstance(context, str):
+        method = context
+    elif isinstance(context, multiprocessing.context.BaseContext):
+        method = context.get_start_method()
+    else:
+        raise TypeError(
+            "multiprocessing_context must be a start method name or a multiprocessing context, "
+            f"got {type(context).__qualname__}"
+        )
+    if method == "fork":
+        raise ValueError(
+            "multiprocessing_context='fork' is not supported: forking a process that runs an "
+            "event loop, threads, obstore/tokio or CUDA can hang or corrupt it; use 'spawn' "
+            "(the default) or 'forkserver'"
+        )
+    if method not in START_METHODS:
+        raise ValueError(f"multiprocessing_context must be one of {START_METHODS}, got {method!r}")
+    return context if isinstance(context, multiprocessing.context.BaseContext) else method
+
+
+def check_picklable(name: str, value: object) -> None:
+    """Fail now, not mid-epoch, when ``value`` cannot be sent to a worker process.
+
+    Raises:
+        TypeError: ``value`` does not pickle; the message names the argument and what to do.
+    """
+    if value is None:
+        return
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{name}={value!r} cannot be sent to worker processes ({type(exc).__name__}: "
+            f"{exc}). Define it at module level (a lambda, a closure or a local function "
+            "cannot be pickled), make its object picklable, or pass worker_mode='thread'"
+        ) from exc
 
 
 def check_arguments(
@@ -72,6 +125,7 @@ def check_arguments(
     max_failures: int,
     distributed: bool,
     io_threads: int,
+    worker_mode: str,
 ) -> Checked:
     """Check the arguments of :class:`~aioloader.DataLoader` (see it for their meanings).
 
@@ -163,4 +217,14 @@ def check_arguments(
     if sampler is not None and distributed:
         raise ValueError("sampler is mutually exclusive with distributed")
 
-    return Checked(kind, batch_size, prefetch)
+    if worker_mode not in ("process", "thread"):
+        raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
+    start_method = start_method_of(multiprocessing_context)
+    if worker_mode == "process" and num_workers > 0:
+        for name, fn in (
+            ("transform", transform),
+            ("collate_fn", collate_fn),
+            ("worker_init_fn", worker_init_fn),
+        ):
+            check_picklable(name, fn)
+    return Checked(kind, batch_size, prefetch, start_method)

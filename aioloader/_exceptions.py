@@ -11,16 +11,20 @@ Hierarchy::
      ├── TransientError               raised (or subclassed) by user code: "retry me"
      └── AioLoaderError               everything aioloader raises on its own account
           ├── LoaderStateError        (also RuntimeError) the loader is used outside its scope
-          └── LoaderTimeout           (also TimeoutError, RuntimeError) no batch within `timeout`
+          ├── LoaderTimeout           (also TimeoutError, RuntimeError) no batch within `timeout`
+          └── WorkerCrashed           (also RuntimeError) a worker process died mid-job
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "AioLoaderError",
     "LoaderStateError",
     "LoaderTimeout",
     "TransientError",
+    "WorkerCrashed",
 ]
 
 
@@ -47,6 +51,39 @@ class LoaderTimeout(AioLoaderError, TimeoutError, RuntimeError):
     It is a ``RuntimeError`` as torch's DataLoader raises, and a ``TimeoutError`` as Python code
     expects.
     """
+
+
+class WorkerCrashed(AioLoaderError, RuntimeError):
+    """A worker process died while running a job (killed by a signal, segfault, OOM kill, exit).
+
+    Attributes:
+        worker_id: The worker's id.
+        pid: Its process id.
+        exitcode: Its exit code (negative: killed by that signal), or None if unknown.
+        signal: The signal's name (``"SIGKILL"``), or None when it exited on its own.
+    """
+
+    def __init__(
+        self, worker_id: int, pid: int, *, exitcode: int | None, signal: str | None
+    ) -> None:
+        how = f"killed by {signal}" if signal else f"exited with code {exitcode}"
+        hint = (
+            " (SIGKILL is often the kernel's out-of-memory killer)" if signal == "SIGKILL" else ""
+        )
+        super().__init__(f"worker {worker_id} (pid {pid}) {how}{hint}")
+        self.worker_id = worker_id
+        self.pid = pid
+        self.exitcode = exitcode
+        self.signal = signal
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_crashed, (self.worker_id, self.pid, self.exitcode, self.signal))
+
+
+def _rebuild_crashed(
+    worker_id: int, pid: int, exitcode: int | None, signal: str | None
+) -> WorkerCrashed:
+    return WorkerCrashed(worker_id, pid, exitcode=exitcode, signal=signal)
 
 
 def annotate(

@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import anyio
 import torch
@@ -79,8 +79,9 @@ class DataLoader(Generic[T_Batch]):
         sampler: Yields the indices of an epoch (mutually exclusive with ``shuffle``).
         batch_sampler: Yields lists of indices (mutually exclusive with ``batch_size``,
             ``shuffle``, ``sampler`` and ``drop_last``).
-        num_workers: Workers that run ``transform`` and ``collate_fn``; 0 runs them on one
-            thread off the event loop.
+        num_workers: Worker processes that run ``transform`` and ``collate_fn``, one batch per
+            job, tensors returned through shared memory; 0 runs them on one thread off the
+            event loop.
         collate_fn: Turns a list of samples into a batch (default: :func:`default_collate`).
         pin_memory: Copy batches into page-locked memory (only with an accelerator; warns once
             and goes on unpinned without one).
@@ -88,12 +89,15 @@ class DataLoader(Generic[T_Batch]):
         timeout: Seconds to wait for a batch before raising :class:`~aioloader.LoaderTimeout`
             (0: wait for ever).
         worker_init_fn: Called once in each worker as it starts, with the worker's id.
-        multiprocessing_context: Accepted for torch compatibility (needs ``num_workers > 0``).
+        multiprocessing_context: The workers' start method: ``"spawn"`` (the default) or
+            ``"forkserver"``, or a context using one; ``"fork"`` is refused (it hangs or
+            corrupts a process with an event loop, threads or CUDA). Needs ``num_workers > 0``.
         generator: A ``torch.Generator`` the random sampler draws its base seed from.
         prefetch_factor: Torch's name for ready batches per worker; sets ``prefetch`` to
             ``prefetch_factor * num_workers`` when ``prefetch`` is not given.
-        persistent_workers: Accepted for torch compatibility (needs ``num_workers > 0``);
-            workers live as long as the loader's scope in any case.
+        persistent_workers: Accepted for torch compatibility (needs ``num_workers > 0``):
+            workers always live as long as the loader's scope (``async with`` / ``with``); a
+            plain ``for`` without ``with`` opens a scope per epoch.
         pin_memory_device: Accepted for torch compatibility.
         in_order: Yield batches in sampler order (through a reorder buffer); False yields each
             batch as soon as it is complete.
@@ -103,8 +107,10 @@ class DataLoader(Generic[T_Batch]):
         prefetch: Most finished batches waiting for the consumer.
         max_inflight_bytes: Soft bound on fetched bytes held in unfinished batches: new fetches
             wait while it is exceeded (the oldest batch may always finish).
-        seed: Base seed of the shuffle order: the same seed and epoch give the same order
-            whatever the concurrency. None draws one from torch's default generator.
+        seed: Base seed: of the shuffle order, and of each batch's work in worker processes
+            (``random``, NumPy and torch are seeded from seed, epoch and batch index before a
+            batch is transformed, so augmentations are the same whatever ``num_workers`` is).
+            None draws one from ``generator`` or torch's default generator.
         retry: Retry policy for fetches (None: no retries).
         sample_timeout: Seconds one fetch attempt may take (None: no limit); a timeout is
             retried when the policy retries ``TimeoutError``.
@@ -115,6 +121,10 @@ class DataLoader(Generic[T_Batch]):
         rank: This process's rank (default: ``torch.distributed`` when initialised, else 0).
         world_size: The number of ranks (default: ``torch.distributed``, else 1).
         io_threads: Threads for blocking (torch) datasets.
+        worker_mode: ``"process"`` (default): ``num_workers`` spawned processes;
+            ``"thread"``: ``num_workers`` threads (for GIL-releasing code or free-threaded
+            Python). Processes need ``transform``, ``collate_fn`` and ``worker_init_fn`` to be
+            picklable; that is checked here.
 
     Raises:
         TypeError: ``dataset`` or a callable argument has the wrong type.
@@ -153,8 +163,9 @@ class DataLoader(Generic[T_Batch]):
         rank: int | None = None,
         world_size: int | None = None,
         io_threads: int = 8,
+        worker_mode: Literal["process", "thread"] = "process",
     ) -> None:
-        kind, batch_size, prefetch = check_arguments(
+        kind, batch_size, prefetch, start_method = check_arguments(
             dataset=dataset,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -180,6 +191,7 @@ class DataLoader(Generic[T_Batch]):
             max_failures=max_failures,
             distributed=distributed,
             io_threads=io_threads,
+            worker_mode=worker_mode,
         )
 
         self.rank, self.world_size = resolve_rank(rank, world_size) if distributed else (0, 1)
@@ -200,6 +212,13 @@ class DataLoader(Generic[T_Batch]):
         self.max_inflight = max_inflight
         self.prefetch = prefetch
         self.io_threads = io_threads
+        self.worker_mode = worker_mode
+        self.start_method = start_method
+        if seed is not None:
+            self.base_seed = seed
+        else:  # drawn once, as torch draws its base seed: torch.manual_seed makes it repeatable
+            draw = torch.empty((), dtype=torch.int64)
+            self.base_seed = int(draw.random_(generator=generator).item())
         self._kind = kind
         self._length = dataset_length(dataset)
 
@@ -256,6 +275,7 @@ class DataLoader(Generic[T_Batch]):
             pin=pin,
             rank=self.rank,
             world_size=self.world_size,
+            seed=self.base_seed,
         )
         self._source = open_source(dataset, kind, self._offload)
         self._scope: Scope | None = None
@@ -308,6 +328,7 @@ class DataLoader(Generic[T_Batch]):
             skipped_samples=tuple(s.skipped),
             bytes_held=s.bytes_held,
             max_bytes_held=s.max_bytes_held,
+            workers=s.workers.snapshot() if s.workers.processes else None,
         )
 
     # -- the scope -----------------------------------------------------------------------------
@@ -318,22 +339,35 @@ class DataLoader(Generic[T_Batch]):
         return self._scope.offload()
 
     async def __aenter__(self) -> DataLoader[T_Batch]:
-        """Open the loader's scope: its task group and worker threads.
+        """Open the loader's scope: its task group and its workers (threads, or processes that
+        are started here and have run ``worker_init_fn`` when this returns).
 
         Raises:
             LoaderStateError: The scope is already open.
+            WorkerCrashed: A worker process died while starting.
+            Exception: ``worker_init_fn`` raised in a worker (original type, worker traceback).
+
+        Cancellation: whatever was started is stopped again before the cancellation goes on.
         """
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
+        self._stats = Recorders(
+            max_inflight=self.max_inflight,
+            workers=max(1, self.num_workers),
+            prefetch=self.prefetch,
+        )
         stack = contextlib.AsyncExitStack()
         scope = Scope(self, stack)
-        stack.callback(scope.close_threads)
-        scope.task_group = await stack.enter_async_context(anyio.create_task_group())
+        stack.push_async_callback(scope.close_workers)
+        try:
+            await scope.start_workers()
+            scope.task_group = await stack.enter_async_context(anyio.create_task_group())
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stack.aclose()
+            raise
         stack.callback(scope.task_group.cancel_scope.cancel)
         stack.callback(scope.close_iteration)
-        self._stats = Recorders(
-            max_inflight=self.max_inflight, workers=scope.work.threads, prefetch=self.prefetch
-        )
         self._scope = scope
         return self
 

@@ -47,7 +47,8 @@ class ThreadOffload:
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        self.threads = threads
+        self.concurrency = threads
+        self.pins_results = True  # results are in this process: pinning them here is right
         ids = itertools.count()  # next() on a count is atomic under the GIL
 
         def init() -> None:
@@ -58,8 +59,11 @@ class ThreadOffload:
             max_workers=threads, thread_name_prefix=f"aioloader-{name}", initializer=init
         )
 
-    async def run(self, fn: Callable[..., R], *args: object) -> R:
+    async def run(self, fn: Callable[..., R], *args: object, seed: int | None = None) -> R:
         """Run ``fn(*args)`` on a pool thread and return its result.
+
+        ``seed`` is accepted for symmetry with the process pool and ignored: the global random
+        generators belong to the application, and threads share them.
 
         Raises:
             Exception: Whatever ``fn`` raises, with its original type and traceback.

@@ -34,12 +34,14 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._exceptions import annotate, first_leaf, is_annotated
+from ._exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
 from ._flow import ByteBudget, blocked, get, nbytes_of, put
-from ._job import JobResult, collate_only, run_batch
+from ._job import JobResult, collate_only, pin_tree, run_batch
 from ._offload import ThreadOffload
+from ._processes import ProcessWorkers
 from ._reorder import BatchAssembler, ReorderBuffer
 from ._retry import RetryPolicy
+from ._sampler import derive_seed
 from ._source import MapSource, StreamSource
 from ._stats import Recorders
 
@@ -70,6 +72,7 @@ class PipelineConfig:
     pin: bool
     rank: int
     world_size: int
+    seed: int  # base seed: each batch's work is seeded from (seed, epoch, batch index)
 
     @property
     def per_batch(self) -> int:
@@ -131,7 +134,7 @@ class Epoch:
         config: PipelineConfig,
         source: MapSource | StreamSource,
         batches: Iterable[Sequence[int]] | None,
-        work: ThreadOffload,
+        work: ThreadOffload | ProcessWorkers,
         stats: Recorders,
     ) -> None:
         self.number = number
@@ -146,7 +149,7 @@ class Epoch:
         batched = isinstance(source, MapSource) and source.batched
         self._chunk = config.chunk(batched)
         self._fetch_workers = config.fetch_workers(batched)
-        self.window = config.window(work.threads)
+        self.window = config.window(work.concurrency)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
         self._skips_left = config.max_failures
@@ -211,7 +214,7 @@ class Epoch:
             else:
                 tg.start_soon(self._schedule_stream, self.source, ready_send.clone())
             ready_send.close()
-            for _ in range(self.work.threads):
+            for _ in range(self.work.concurrency):
                 tg.start_soon(self._transform_worker, ready_recv.clone(), done_send.clone())
             ready_recv.close()
             done_send.close()
@@ -442,11 +445,13 @@ class Epoch:
             return _Done(batch, None, 0)
         samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
         unbatched = cfg.unbatched
+        pin_there = cfg.pin and self.work.pins_results
+        seed = derive_seed(cfg.seed, self.number, batch.seq)
         started = time.perf_counter()
         rec.start()
         try:
             result: JobResult = await self.work.run(
-                run_batch, cfg.transform, cfg.collate_fn, samples, unbatched, cfg.pin
+                run_batch, cfg.transform, cfg.collate_fn, samples, unbatched, pin_there, seed=seed
             )
             value, size = result.batch, len(samples)
             if result.failures:
@@ -455,14 +460,22 @@ class Epoch:
                 size = len(result.transformed)
                 if size:
                     value = await self.work.run(
-                        collate_only, cfg.collate_fn, result.transformed, unbatched, cfg.pin
+                        collate_only,
+                        cfg.collate_fn,
+                        result.transformed,
+                        unbatched,
+                        pin_there,
+                        seed=seed,
                     )
+            if cfg.pin and not pin_there and size:
+                value = pin_tree(value)  # page-locked memory belongs to this process
         except Exception as exc:
             rec.finish(time.perf_counter() - started, ok=False)
             rec.failed += 1
             if not is_annotated(exc):
                 ids = batch.ids[0] if unbatched else batch.ids
-                annotate(exc, "collate", epoch=self.number, batch=batch.seq, index=ids)
+                stage = "transform" if isinstance(exc, WorkerCrashed) else "collate"
+                annotate(exc, stage, epoch=self.number, batch=batch.seq, index=ids)
             return _Done(batch, None, 0, exc)
         except BaseException:  # cancelled
             rec.in_flight -= 1

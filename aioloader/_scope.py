@@ -22,6 +22,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from ._exceptions import LoaderStateError, LoaderTimeout
 from ._offload import ThreadOffload
 from ._pipeline import Epoch
+from ._processes import ProcessWorkers
+from ._sampler import derive_seed
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -39,9 +41,20 @@ class Scope:
         self.stack = stack
         self.thread = threading.get_ident()
         self.task_group: anyio.abc.TaskGroup | None = None
-        self.work = ThreadOffload(
-            max(1, loader.num_workers), "worker", worker_init_fn=loader.worker_init_fn
-        )
+        self.work: ThreadOffload | ProcessWorkers
+        if loader.worker_mode == "process" and loader.num_workers > 0:
+            self.work = ProcessWorkers(
+                loader.num_workers,
+                context=loader.start_method,
+                seed=loader.base_seed,
+                derive=derive_seed,
+                worker_init_fn=loader.worker_init_fn,
+                stats=loader._stats.workers,
+            )
+        else:
+            self.work = ThreadOffload(
+                max(1, loader.num_workers), "worker", worker_init_fn=loader.worker_init_fn
+            )
         self.io: ThreadOffload | None = None
         self.current: EpochIterator[Any] | None = None
 
@@ -54,8 +67,15 @@ class Scope:
         if self.current is not None:
             self.current.close_stream()
 
-    def close_threads(self) -> None:
-        self.work.close()
+    async def start_workers(self) -> None:
+        if isinstance(self.work, ProcessWorkers):
+            await self.work.start()
+
+    async def close_workers(self) -> None:
+        if isinstance(self.work, ProcessWorkers):
+            await self.work.aclose()
+        else:
+            self.work.close()
         if self.io is not None:
             self.io.close()
 

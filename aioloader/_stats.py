@@ -18,6 +18,8 @@ __all__ = [
     "LoaderStatistics",
     "Recorders",
     "StageStatistics",
+    "WorkerRecorder",
+    "WorkerStatistics",
 ]
 
 _RESERVOIR = 4096  # latencies kept per stage for percentiles: the most recent ones
@@ -83,6 +85,63 @@ class StageStatistics:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerStatistics:
+    """The worker processes of a scope (absent with thread workers).
+
+    Attributes:
+        processes: Worker processes.
+        startup_s: Seconds from starting them to every one having run ``worker_init_fn``.
+        jobs: Jobs (batches) sent to them.
+        bytes_sent: Bytes written to their pipes (jobs: raw samples and the functions' names).
+        bytes_received: Bytes read back (results: tensors travel as shared-memory handles).
+        crashes: Workers that died mid-job.
+        restarts: Workers started again after a crash or a cancelled job that did not finish.
+    """
+
+    processes: int
+    startup_s: float
+    jobs: int
+    bytes_sent: int
+    bytes_received: int
+    crashes: int
+    restarts: int
+
+
+class WorkerRecorder:
+    """Mutable counters of a process pool, updated from the event loop thread only."""
+
+    __slots__ = (
+        "bytes_received",
+        "bytes_sent",
+        "crashes",
+        "jobs",
+        "processes",
+        "restarts",
+        "startup_s",
+    )
+
+    def __init__(self) -> None:
+        self.processes = 0
+        self.startup_s = 0.0
+        self.jobs = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.crashes = 0
+        self.restarts = 0
+
+    def snapshot(self) -> WorkerStatistics:
+        return WorkerStatistics(
+            self.processes,
+            self.startup_s,
+            self.jobs,
+            self.bytes_sent,
+            self.bytes_received,
+            self.crashes,
+            self.restarts,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ConsumerStatistics:
     """What the code iterating the loader saw.
 
@@ -120,6 +179,7 @@ class LoaderStatistics:
         skipped_samples: Ids of samples skipped under ``max_failures`` (the first 1,000).
         bytes_held: Bytes of fetched samples in unfinished batches now.
         max_bytes_held: The most ever held (bounded by ``max_inflight_bytes`` when set).
+        workers: The worker processes' counters (None with thread workers).
     """
 
     epochs: int
@@ -129,6 +189,7 @@ class LoaderStatistics:
     skipped_samples: tuple[object, ...] = field(default=())
     bytes_held: int = 0
     max_bytes_held: int = 0
+    workers: WorkerStatistics | None = None
 
     def stage(self, name: str) -> StageStatistics:
         """Return the stage called ``name``.
@@ -169,6 +230,13 @@ class LoaderStatistics:
             shown = ", ".join(repr(k) for k in self.skipped_samples[:10])
             more = len(self.skipped_samples) - 10
             lines.append(f"  skipped samples: {shown}" + (f" (+{more} more)" if more > 0 else ""))
+        if self.workers is not None and self.workers.processes:
+            w = self.workers
+            lines.append(
+                f"  workers: {w.processes} processes started in {w.startup_s:.2f}s, {w.jobs} jobs,"
+                f" pipe bytes out {w.bytes_sent:,} / back {w.bytes_received:,},"
+                f" {w.crashes} crashed, {w.restarts} restarted"
+            )
         lines.append(
             f"  (in flight and queued show peak/limit; fetched bytes held at most"
             f" {self.max_bytes_held:,})"
@@ -287,6 +355,7 @@ class Recorders:
         self.transform = StageRecorder("transform", limit=workers, queue_capacity=None)
         self.output = StageRecorder("output", limit=None, queue_capacity=prefetch)
         self.consumer = ConsumerRecorder()
+        self.workers = WorkerRecorder()
         self.skipped: list[object] = []
         self.bytes_held = 0
         self.max_bytes_held = 0

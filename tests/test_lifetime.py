@@ -121,7 +121,7 @@ async def test_in_flight_bytes_stay_bounded() -> None:
 async def test_break_then_leave_leaves_nothing_behind() -> None:
     fds = open_fds()
     ds = Counting(3000)
-    async with aioloader.DataLoader(ds, batch_size=8, num_workers=2) as dl:
+    async with aioloader.DataLoader(ds, batch_size=8, num_workers=2, worker_mode="thread") as dl:
         async for _ in dl:
             break
         assert ds.calls < 3000
@@ -163,7 +163,9 @@ async def test_cancel_with_transforms_running_on_threads() -> None:
         release.wait(10)
         return x
 
-    dl = aioloader.DataLoader(Counting(40), batch_size=4, num_workers=2, transform=slow)
+    dl = aioloader.DataLoader(
+        Counting(40), batch_size=4, num_workers=2, transform=slow, worker_mode="thread"
+    )
     with anyio.CancelScope() as scope:
         async with dl:
             it = aiter(dl)

@@ -161,7 +161,11 @@ async def test_transform_and_collate_run_off_the_event_loop() -> None:
 async def test_worker_threads_are_initialised_with_their_ids() -> None:
     ids: list[int] = []
     dl = aioloader.DataLoader(
-        Counting(64, jitter=0.001), batch_size=2, num_workers=2, worker_init_fn=ids.append
+        Counting(64, jitter=0.001),
+        batch_size=2,
+        num_workers=2,
+        worker_init_fn=ids.append,
+        worker_mode="thread",
     )
     async with dl:
         assert flat(await epoch(dl)) == list(range(64))
@@ -221,7 +225,7 @@ def test_plain_for_break_stops_everything_and_next_epoch_is_whole() -> None:
 def test_with_scope_keeps_workers_across_epochs() -> None:
     ids: list[int] = []
     with aioloader.DataLoader(
-        Counting(12), batch_size=4, num_workers=1, worker_init_fn=ids.append
+        Counting(12), batch_size=4, num_workers=1, worker_init_fn=ids.append, worker_mode="thread"
     ) as dl:
         for _ in range(3):
             assert flat(dl) == list(range(12))

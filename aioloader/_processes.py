@@ -1,0 +1,256 @@
+"""A pool of spawned worker processes, driven from the event loop without threads or polling.
+
+Owns: starting workers (spawn or forkserver: never fork, which hangs or corrupts once threads,
+an event loop, obstore/tokio or CUDA exist), handing one job at a time to an idle worker over
+its pipe, awaiting the reply by the pipe's readability, noticing a dead worker through its pipe's
+EOF and its process sentinel (so a crash surfaces in milliseconds, named), and stopping them.
+
+Cancellation policy: a job already sent to a worker is awaited, shielded, for up to
+``CANCEL_GRACE`` seconds and its reply dropped; a worker still busy after that is terminated and
+replaced on next use. Never: runs user code in the main process, or leaves a child behind once
+:meth:`ProcessWorkers.aclose` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.context
+import pickle
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, TypeVar
+
+import anyio
+import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory reductions
+
+from ._exceptions import WorkerCrashed, first_leaf
+from ._stats import WorkerRecorder
+from ._worker import worker_main
+
+__all__ = ["CANCEL_GRACE", "START_METHODS", "ProcessWorkers"]
+
+R = TypeVar("R")
+
+START_METHODS = ("spawn", "forkserver")
+CANCEL_GRACE = 5.0  # seconds a cancelled job may still run before its worker is terminated
+_STOP_GRACE = 5.0  # seconds a worker may take to exit after its pipe closes
+
+
+@dataclass(eq=False, slots=True)
+class _Worker:
+    id: int
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    pid: int = 0
+    alive: bool = True
+    stopped: bool = False  # its process is joined and closed
+
+
+class ProcessWorkers:
+    """``concurrency`` worker processes, each running one job at a time.
+
+    Args:
+        workers: Number of processes.
+        context: A start method name (``"spawn"`` or ``"forkserver"``) or a multiprocessing
+            context using one.
+        seed: Base seed; worker ``i`` is seeded with ``derive(seed, i)`` at start.
+        derive: Derives a worker's seed from ``(seed, worker_id)``.
+        worker_init_fn: Called once in each worker as it starts, with its id.
+        stats: Where start-up time, restarts and pipe bytes are counted.
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        context: str | multiprocessing.context.BaseContext,
+        seed: int,
+        derive: Callable[..., int],
+        worker_init_fn: Callable[[int], object] | None,
+        stats: WorkerRecorder,
+    ) -> None:
+        self.concurrency = workers
+        self.pins_results = False  # page-locked memory is per process: the parent pins
+        self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
+        self._seed = seed
+        self._derive = derive
+        self._init_fn = worker_init_fn
+        self._stats = stats
+        self._workers: list[_Worker] = []
+        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[_Worker](workers)
+
+    # -- life ------------------------------------------------------------------------------------
+
+    def _spawn(self, worker_id: int) -> _Worker:
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has Process
+            target=worker_main,
+            args=(
+                theirs,
+                worker_id,
+                self.concurrency,
+                self._derive(self._seed, worker_id),
+                self._init_fn,
+            ),
+            name=f"aioloader-worker-{worker_id}",
+            daemon=True,  # a last resort only: aclose() stops every worker deterministically
+        )
+        process.start()
+        theirs.close()  # only the child holds its end: its death is EOF on ours
+        return _Worker(worker_id, process, ours)
+
+    async def _ready(self, worker: _Worker) -> None:
+        ok, value = await self._reply(worker)
+        if not ok:
+            raise value  # worker_init_fn failed, with the worker's traceback in a note
+        worker.pid = value
+
+    async def start(self) -> None:
+        """Start every worker and wait until each has run ``worker_init_fn``.
+
+        Raises:
+            WorkerCrashed: A worker died while starting.
+            Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
+        """
+        started = time.perf_counter()
+        self._workers = [self._spawn(i) for i in range(self.concurrency)]
+        try:
+            async with anyio.create_task_group() as tg:
+                for worker in self._workers:
+                    tg.start_soon(self._ready, worker)
+        except Exception as group:
+            error = first_leaf(group)
+            if isinstance(error, WorkerCrashed):
+                error.add_note(
+                    "aioloader: the worker died while starting. With the spawn and forkserver "
+                    "start methods each worker imports your main module: a script that starts "
+                    "the loader at import time must guard it with `if __name__ == '__main__':`"
+                )
+            raise error from None
+        for worker in self._workers:
+            self._idle_send.send_nowait(worker)
+        self._stats.startup_s = time.perf_counter() - started
+        self._stats.processes = self.concurrency
+
+    async def _replace(self, worker: _Worker) -> _Worker:
+        """A fresh process for a dead (or abandoned) worker's slot.
+
+        Cancellation: a half-started replacement is stopped again; the slot keeps the old,
+        stopped worker, to be replaced on next use.
+        """
+        await self._stop(worker, grace=0.0)
+        fresh = self._spawn(worker.id)
+        try:
+            await self._ready(fresh)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._stop(fresh, grace=0.0)
+            raise
+        self._workers[worker.id] = fresh
+        self._stats.restarts += 1
+        return fresh
+
+    async def _stop(self, worker: _Worker, *, grace: float) -> None:
+        if worker.stopped:
+            return
+        worker.alive = False
+        worker.conn.close()  # EOF: the worker's loop ends
+        process = worker.process
+        if process.exitcode is None:
+            with anyio.move_on_after(grace):
+                await anyio.wait_readable(process.sentinel)
+        if process.exitcode is None:
+            process.terminate()
+            with anyio.move_on_after(_STOP_GRACE):
+                await anyio.wait_readable(process.sentinel)
+        if process.exitcode is None:
+            process.kill()
+        with anyio.CancelScope(shield=True):
+            await anyio.wait_readable(process.sentinel)
+        process.join()
+        process.close()
+        worker.stopped = True
+
+    async def aclose(self) -> None:
+        """Stop every worker: close its pipe, wait for it to exit, terminate it if it does not.
+
+        Cancellation: shielded; a cancelled caller still leaves no child behind.
+        """
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for worker in self._workers:
+                    if not worker.stopped:
+                        tg.start_soon(lambda w: self._stop(w, grace=_STOP_GRACE), worker)
+        self._idle_send.close()
+        self._idle_recv.close()
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    async def _reply(self, worker: _Worker) -> tuple[bool, Any]:
+        """Await the worker's next message; a dead worker raises :class:`WorkerCrashed`."""
+        await anyio.wait_readable(worker.conn.fileno())
+        try:
+            data = worker.conn.recv_bytes()
+        except (EOFError, OSError):
+            worker.alive = False
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                await anyio.wait_readable(worker.process.sentinel)
+            # The sentinel closes as the process exits, a moment before it can be reaped: this
+            # join is that moment (a crash path, never a job's).
+            worker.process.join(1.0)
+            raise self._crashed(worker) from None
+        self._stats.bytes_received += len(data)
+        reply: tuple[bool, Any] = pickle.loads(data)
+        return reply
+
+    def _crashed(self, worker: _Worker) -> WorkerCrashed:
+        code = worker.process.exitcode
+        pid = worker.pid or worker.process.pid or 0
+        self._stats.crashes += 1
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            return WorkerCrashed(worker.id, pid, exitcode=code, signal=name)
+        return WorkerCrashed(worker.id, pid, exitcode=code, signal=None)
+
+    async def run(self, fn: Callable[..., R], *args: Any, seed: int | None = None) -> R:
+        """Run ``fn(*args)`` in an idle worker (seeded with ``seed`` first) and return its result.
+
+        Raises:
+            WorkerCrashed: The worker died during the job (the worker is replaced on next use).
+            Exception: Whatever ``fn`` raised, with its original type when it pickles (else
+                ``RemoteError``), and the worker's traceback in a note.
+
+        Cancellation: see the module's policy; the worker goes back to the pool either way.
+        """
+        worker = await self._idle_recv.receive()
+        try:
+            if not worker.alive:
+                worker = await self._replace(worker)
+            payload = ForkingPickler.dumps((fn, args, seed))
+            worker.conn.send_bytes(payload)
+            self._stats.bytes_sent += len(payload)
+            self._stats.jobs += 1
+            try:
+                ok, value = await self._reply(worker)
+            except anyio.get_cancelled_exc_class():
+                await self._drain_cancelled(worker)
+                raise
+            if not ok:
+                raise value
+            return value  # type: ignore[no-any-return]
+        finally:
+            self._idle_send.send_nowait(worker)
+
+    async def _drain_cancelled(self, worker: _Worker) -> None:
+        if not worker.alive:
+            return
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(CANCEL_GRACE), contextlib.suppress(WorkerCrashed):
+                await self._reply(worker)
+                return
+            await self._stop(worker, grace=0.0)  # still busy: don't let it run on unseen

@@ -1,0 +1,139 @@
+"""The worker process side: who a worker is, how it is seeded, and its job loop.
+
+Owns: :class:`WorkerInfo` and :func:`get_worker_info`, the per-worker and per-batch seeding of
+``random``, NumPy and torch, and :func:`worker_main`, the loop a spawned worker runs: receive a
+job (a function and its arguments, pickled), run it, send the result back. Tensors in results
+travel through shared memory (torch's reductions in ``ForkingPickler``): only handles cross
+the pipe. Never: touches an event loop, opens network clients or imports user code it was not
+sent.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing  # registers torch's shared-memory reductions
+
+__all__ = ["WorkerInfo", "get_worker_info", "seed_everything", "worker_main"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Who the current worker is.
+
+    Attributes:
+        id: The worker's index, ``0 <= id < num_workers``.
+        num_workers: Workers in the pool.
+        seed: This worker's seed (``random``, NumPy and torch were seeded with it at start;
+            each batch's work is then seeded from the loader's seed, epoch and batch index).
+    """
+
+    id: int
+    num_workers: int
+    seed: int
+
+
+_info: WorkerInfo | None = None
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """The :class:`WorkerInfo` of the worker process this runs in, or None in the main process
+    (and in the loader's threads)."""
+    return _info
+
+
+def seed_everything(seed: int) -> None:
+    """Seed ``random``, NumPy's global generator and torch's default generator."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class RemoteError(Exception):
+    """Stands for an exception that could not be pickled in a worker: it keeps the original
+    type's name and message, and the worker's traceback in a note."""
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(ForkingPickler.dumps(exc))
+    except Exception:
+        stand_in = RemoteError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+        for note in getattr(exc, "__notes__", ()):
+            stand_in.add_note(note)
+        return stand_in
+    return exc
+
+
+def _with_worker_note(exc: BaseException) -> BaseException:
+    info = _info
+    where = f"worker {info.id} (pid {os.getpid()})" if info else f"pid {os.getpid()}"
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc.add_note(f"aioloader: raised in {where}; the worker's traceback:\n{tb.rstrip()}")
+    return _picklable(exc)
+
+
+def _prepare_failures(result: Any) -> Any:
+    """Exceptions inside a job's result (per-sample transform failures) must survive pickling."""
+    failures = getattr(result, "failures", None)
+    if failures:
+        result.failures = [(pos, _with_worker_note(exc)) for pos, exc in failures]
+    return result
+
+
+def _exit_now() -> None:
+    """Leave at once once the main process has hung up: nothing of the worker's needs tearing
+    down, and an interpreter shutdown with torch loaded costs most of a second per worker."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def worker_main(
+    conn: Connection,
+    worker_id: int,
+    num_workers: int,
+    seed: int,
+    worker_init_fn: Callable[[int], object] | None,
+) -> None:
+    """Run in a spawned worker: set up, then serve jobs until the main process closes the pipe.
+
+    Each job is ``(fn, args, batch_seed)``; the reply is ``(ok, value)``: the function's result,
+    or the exception it raised (with the worker's traceback in a note). The loop ends at EOF:
+    closing the pipe is the shutdown signal, so no control value shares the data path.
+    """
+    global _info
+    _info = WorkerInfo(worker_id, num_workers, seed)
+    torch.set_num_threads(1)  # N workers on N cores: intra-op threads would oversubscribe
+    seed_everything(seed)
+    try:
+        if worker_init_fn is not None:
+            worker_init_fn(worker_id)
+    except BaseException as exc:
+        conn.send_bytes(ForkingPickler.dumps((False, _with_worker_note(exc))))
+        return
+    conn.send_bytes(ForkingPickler.dumps((True, os.getpid())))
+    while True:
+        try:
+            fn, args, batch_seed = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            _exit_now()
+        if batch_seed is not None:
+            seed_everything(batch_seed)
+        try:
+            reply: tuple[bool, Any] = (True, _prepare_failures(fn(*args)))
+            payload = ForkingPickler.dumps(reply)
+        except BaseException as exc:
+            payload = ForkingPickler.dumps((False, _with_worker_note(exc)))
+        conn.send_bytes(payload)

@@ -1,0 +1,222 @@
+"""The process pool: workers that know who they are, seeded batches, shared-memory results,
+failures with the worker's traceback, crashes named within the epoch, and nothing left behind."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+from multiprocessing import resource_tracker
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import aioloader
+from tests import worker_fns
+from tests.helpers import Counting, flat, open_fds
+
+
+def shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def children() -> list[multiprocessing.process.BaseProcess]:
+    return multiprocessing.active_children()
+
+
+async def run_epochs(dl: aioloader.DataLoader[Any], epochs: int = 1) -> list[list[Any]]:
+    out = []
+    async with dl:
+        for _ in range(epochs):
+            out.append([b async for b in dl])
+    return out
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+async def test_workers_know_who_they_are_and_are_reused_across_epochs() -> None:
+    assert aioloader.get_worker_info() is None
+    dl = aioloader.DataLoader(
+        Counting(24),
+        batch_size=4,
+        num_workers=2,
+        transform=worker_fns.whoami,
+        worker_init_fn=worker_fns.init,
+        collate_fn=list,
+    )
+    e0, e1 = await run_epochs(dl, epochs=2)
+    rows = [r for batch in e0 + e1 for r in batch]
+    assert sorted(r["x"] for r in rows) == sorted(list(range(24)) * 2)
+    by_id = {r["id"]: r for r in rows}
+    assert set(by_id) <= {0, 1} and all(r["num_workers"] == 2 for r in rows)
+    for worker_id, row in by_id.items():
+        assert row["init_calls"] == [worker_id]  # worker_init_fn ran once, with its own id
+    assert len({r["pid"] for r in rows}) <= 2  # the same processes served both epochs
+    assert len({r["seed"] for r in by_id.values()}) == len(by_id)
+    stats = dl.statistics().workers
+    assert stats is not None and stats.processes == 2 and stats.startup_s > 0
+    assert stats.jobs == 12 and stats.crashes == 0
+    assert "2 processes started in" in repr(dl.statistics())
+
+
+async def test_seeded_augmentations_are_identical_whatever_num_workers() -> None:
+    results = []
+    for workers in (1, 3):
+        dl = aioloader.DataLoader(
+            Counting(40, jitter=0.002),
+            batch_size=4,
+            num_workers=workers,
+            seed=11,
+            shuffle=True,
+            transform=worker_fns.augment,
+        )
+        results.append(await run_epochs(dl, epochs=2))
+    (a0, a1), (b0, b1) = results
+    assert all(torch.equal(x, y) for x, y in zip(a0, b0, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a1, b1, strict=True))
+    assert not torch.equal(torch.cat(a0)[:, 1:], torch.cat(a1)[:, 1:])  # a new epoch draws anew
+    draws = torch.cat(a0)[:, 1:]
+    assert len({tuple(r.tolist()) for r in draws}) == len(draws)  # no two samples drew alike
+
+
+async def test_unseeded_batches_never_share_a_random_stream() -> None:
+    dl = aioloader.DataLoader(
+        Counting(32), batch_size=4, num_workers=2, transform=worker_fns.augment
+    )
+    (batches,) = await run_epochs(dl)
+    firsts = [tuple(b[0, 1:].tolist()) for b in batches]  # each batch's first draws
+    assert len(set(firsts)) == len(firsts)
+
+
+async def test_batches_come_back_through_shared_memory() -> None:
+    dl = aioloader.DataLoader(
+        Counting(128), batch_size=64, num_workers=2, transform=worker_fns.image
+    )
+    (batches,) = await run_epochs(dl)
+    assert [b.shape for b in batches] == [torch.Size([64, 3, 224, 224])] * 2
+    assert torch.equal(batches[1][5], torch.full((3, 224, 224), 69, dtype=torch.uint8))
+    stats = dl.statistics().workers
+    assert stats is not None
+    data = 64 * 3 * 224 * 224
+    per_batch = stats.bytes_received / stats.jobs
+    assert per_batch < 4096 < data  # a handle, not 9.6 MB of pixels
+
+
+async def test_worker_exception_keeps_type_and_names_batch_sample_worker() -> None:
+    dl = aioloader.DataLoader(
+        Counting(12), batch_size=4, num_workers=2, transform=worker_fns.bad_value
+    )
+    with pytest.raises(ValueError, match="cannot decode sample 5") as info:
+        await run_epochs(dl)
+    text = notes(info.value)
+    assert "stage 'transform'" in text and "sample 5" in text and "batch 1" in text
+    assert "raised in worker" in text and "pid" in text
+    assert "in bad_value" in text  # the worker's own traceback travelled with it
+
+
+async def test_unpicklable_worker_exception_arrives_as_a_clear_stand_in() -> None:
+    dl = aioloader.DataLoader(
+        Counting(8), batch_size=4, num_workers=1, transform=worker_fns.raise_unpicklable
+    )
+    with pytest.raises(Exception, match="Unpicklable: holds a lock") as info:
+        await run_epochs(dl)
+    assert type(info.value).__name__ == "RemoteError"
+    assert "raise_unpicklable" in notes(info.value)
+
+
+async def test_a_killed_worker_is_named_and_the_loader_recovers() -> None:
+    dl = aioloader.DataLoader(
+        Counting(16), batch_size=4, num_workers=2, transform=worker_fns.kill_on_7
+    )
+    async with dl:
+        with pytest.raises(aioloader.WorkerCrashed) as info:
+            [b async for b in dl]
+        crash = info.value
+        assert crash.signal == "SIGKILL" and crash.pid > 0 and crash.worker_id in (0, 1)
+        assert f"worker {crash.worker_id} (pid {crash.pid}) killed by SIGKILL" in str(crash)
+        assert "stage 'transform'" in notes(crash) and "batch 1" in notes(crash)
+    assert children() == []
+    stats = dl.statistics().workers
+    assert stats is not None and stats.crashes == 1
+
+
+async def test_a_crashed_worker_is_replaced_for_the_next_epoch() -> None:
+    dl = aioloader.DataLoader(
+        Counting(16),
+        batch_size=4,
+        num_workers=1,
+        transform=worker_fns.kill_on_7,
+        max_failures=0,
+    )
+    async with dl:
+        with pytest.raises(aioloader.WorkerCrashed):
+            [b async for b in dl]
+        # The next epoch skips the poisonous batch with a sampler that leaves it out.
+    assert children() == []
+    dl2 = aioloader.DataLoader(
+        Counting(16),
+        batch_sampler=[[0, 1], [7], [2, 3]],
+        num_workers=1,
+        transform=worker_fns.kill_on_7,
+    )
+    async with dl2:
+        with pytest.raises(aioloader.WorkerCrashed):
+            [b async for b in dl2]
+        dl2.batch_sampler = [[0, 1], [2, 3]]
+        assert flat([b async for b in dl2]) == [0, 1, 2, 3]
+        stats = dl2.statistics().workers
+        assert stats is not None and stats.restarts == 1
+
+
+def test_unpicklable_functions_fail_at_construction() -> None:
+    with pytest.raises(TypeError, match=r"transform=.*cannot be sent to worker processes"):
+        aioloader.DataLoader(Counting(4), num_workers=2, transform=lambda x: x)
+    with pytest.raises(TypeError, match=r"collate_fn.*module level"):
+        aioloader.DataLoader(Counting(4), num_workers=1, collate_fn=lambda b: b)
+    # Threads need no pickling.
+    aioloader.DataLoader(Counting(4), num_workers=2, transform=lambda x: x, worker_mode="thread")
+
+
+def test_fork_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match=r"fork.*not supported"):
+        aioloader.DataLoader(Counting(4), num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(ValueError, match="worker_mode"):
+        aioloader.DataLoader(Counting(4), num_workers=1, worker_mode="greenlet")  # type: ignore[arg-type]
+
+
+async def test_worker_init_failure_surfaces_from_the_scope() -> None:
+    dl = aioloader.DataLoader(Counting(4), num_workers=1, worker_init_fn=worker_fns.failing_init)
+    with pytest.raises(LookupError, match="no config for worker 0") as info:
+        async with dl:
+            pass
+    assert "raised in worker 0" in notes(info.value)
+    assert children() == []
+
+
+@pytest.mark.parametrize("how", ["break", "exception", "cancel"])
+async def test_leaving_the_scope_leaves_no_process_fd_or_shared_memory(how: str) -> None:
+    resource_tracker.ensure_running()  # multiprocessing's helper: started once, it lives on
+    gc.collect()
+    fds, segments = open_fds(), shm()
+    dl = aioloader.DataLoader(Counting(400), batch_size=4, num_workers=2, transform=worker_fns.slow)
+    with anyio.CancelScope() as scope:
+        try:
+            async with dl:
+                async for batch in dl:
+                    del batch
+                    if how == "break":
+                        break
+                    if how == "exception":
+                        raise RuntimeError("the training step failed")
+                    scope.cancel()
+                    await anyio.lowlevel.checkpoint()
+        except RuntimeError:
+            assert how == "exception"
+    gc.collect()
+    assert children() == []
+    assert open_fds() == fds
+    assert shm() == segments

@@ -1,0 +1,83 @@
+"""Functions that run inside worker processes in the tests: module-level, so spawned workers
+can import them by name."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import aioloader
+
+INIT_CALLS: list[int] = []  # in a worker: the ids worker_init_fn was called with
+
+
+def init(worker_id: int) -> None:
+    INIT_CALLS.append(worker_id)
+
+
+def failing_init(worker_id: int) -> None:
+    raise LookupError(f"no config for worker {worker_id}")
+
+
+def whoami(x: int) -> dict[str, Any]:
+    info = aioloader.get_worker_info()
+    assert info is not None
+    return {
+        "x": x,
+        "id": info.id,
+        "num_workers": info.num_workers,
+        "seed": info.seed,
+        "pid": os.getpid(),
+        "init_calls": list(INIT_CALLS),
+    }
+
+
+def augment(x: int) -> torch.Tensor:
+    """A random augmentation drawing from all three global generators."""
+    return torch.tensor(
+        [
+            x,
+            random.randint(0, 2**30),
+            int(np.random.randint(0, 2**30)),
+            int(torch.randint(0, 2**30, ())),
+        ]
+    )
+
+
+def image(x: int) -> torch.Tensor:
+    return torch.full((3, 224, 224), x % 256, dtype=torch.uint8)
+
+
+def bad_value(x: int) -> int:
+    if x == 5:
+        raise ValueError(f"cannot decode sample {x}")
+    return x
+
+
+class Unpicklable(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = __import__("threading").Lock()  # locks do not pickle
+
+
+def raise_unpicklable(x: int) -> int:
+    if x == 3:
+        raise Unpicklable("holds a lock")
+    return x
+
+
+def kill_on_7(x: int) -> int:
+    if x == 7 and aioloader.get_worker_info() is not None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def slow(x: int) -> int:
+    time.sleep(0.05)
+    return x
