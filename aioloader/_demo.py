@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--workers", type=int, default=0, help="worker processes for decoding (0: one thread)"
+    )
     parser.add_argument("--max-inflight", type=int, default=64)
     args = parser.parse_args(argv)
     try:

@@ -220,3 +220,13 @@ async def test_leaving_the_scope_leaves_no_process_fd_or_shared_memory(how: str)
     assert children() == []
     assert open_fds() == fds
     assert shm() == segments
+
+
+def test_plain_for_with_worker_processes() -> None:
+    dl = aioloader.DataLoader(Counting(24), batch_size=6, num_workers=1, transform=worker_fns.slow)
+    with dl:
+        assert flat(dl) == list(range(24))
+        for _ in dl:
+            break
+        assert flat(dl) == list(range(24))
+    assert children() == []
