@@ -36,7 +36,17 @@ Each configuration runs two epochs in one loader scope (aioloader: one ``async w
   every 50 ms from ``/proc`` by a background thread while the configuration runs (worker
   shutdown included). Shared pages (shared-memory batches, fork's copy-on-write pages) count
   once per process that maps them, so this over-states what the machine actually spent;
-  ``+MiB`` is that peak minus the same sum just before the configuration started.
+  ``+MiB`` is that peak minus the same sum just before the configuration started;
+* ``main CPU s`` / ``workers CPU s``: CPU-seconds of this process (the transform itself with
+  ``num_workers=0``; otherwise the loader's own overhead plus the checks) and of its worker
+  processes, over both epochs;
+* ``other CPU``: the share of the machine's CPU used meanwhile by processes outside this
+  benchmark (steal included): on a shared machine, rows with a high figure are slowed by it;
+* ``speed``: the single-core speed just before and after the configuration (a fixed ``spin``)
+  relative to start-up: a VM's vCPU can run at very different speeds from minute to minute.
+
+The main process runs torch with ``--main-threads`` (default 1) intra-op threads, as both
+loaders' workers do: on two loaded cores torch's OpenMP threads in the consumer stall.
 
 Ratios are against ``aio-nw1`` and ``torch-nw2-spawn``, as cold/steady pairs. The statistics of
 ``aio-nw2`` are printed for each workload, with the bytes per job that crossed the worker pipes.
@@ -52,7 +62,7 @@ script exits non-zero when a check fails or a configuration raises or times out.
 
 Run it from the repository root::
 
-    python benchmarks/bench_cpu.py            # the full run (~3 min on 2 cores)
+    python benchmarks/bench_cpu.py            # the full run (~2 min on 2 cores)
     python benchmarks/bench_cpu.py --quick    # a smoke test (gil 640 samples, decode 320)
     python benchmarks/bench_cpu.py --only gil
 """
@@ -101,6 +111,7 @@ IMAGE_SIDE = 224
 CROP_SIDE = 192
 DISTINCT_IMAGES = 128  # images encoded at start-up; every sample holds its own copy
 EPOCHS = 2
+SPEED_PROBE_LOOPS = 4000
 POLL_S = 0.05
 PIPE_BATCH = 64
 PIPE_DATA_BYTES = PIPE_BATCH * 3 * IMAGE_SIDE * IMAGE_SIDE  # 9,633,792
@@ -181,6 +192,12 @@ def _spin_median(loops: int, calls: int) -> float:
         spin(i, loops)
         timings.append(time.perf_counter() - start)
     return statistics.median(timings)
+
+
+def speed_probe() -> float:
+    """Median seconds of a fixed ``spin``: compared with the value at start-up, it shows the
+    machine's single-core speed drifting (a VM's host, CPU frequency) between configurations."""
+    return _spin_median(SPEED_PROBE_LOOPS, 7)
 
 
 def calibrate_spin(target_s: float) -> tuple[int, float]:
@@ -375,29 +392,30 @@ def _machine_busy_s() -> float:
     return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_s() -> float:
-    """CPU-seconds of this process and its reaped children."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+class CpuMeter:
+    """CPU used while the ``with`` block runs: ``main_s`` by this process (all its threads),
+    ``children_s`` by its child processes (counted once they have exited and been reaped), and
+    ``other`` the share of the machine's capacity used by every *other* process (other work on a
+    shared machine makes every figure noisier)."""
 
-
-class OtherLoad:
-    """The share of the machine's CPU capacity used by processes *not* of this benchmark while
-    the ``with`` block runs (other work on a shared machine makes every figure noisier). Only
-    exact once the block's child processes have exited and been reaped."""
-
-    def __enter__(self) -> OtherLoad:
-        self.fraction = math.nan
+    def __enter__(self) -> CpuMeter:
+        self.main_s = self.children_s = self.other = math.nan
         self._wall = time.perf_counter()
         self._busy = _machine_busy_s()
-        self._own = _own_cpu_s()
+        self._times = os.times()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         wall = time.perf_counter() - self._wall
-        other = (_machine_busy_s() - self._busy) - (_own_cpu_s() - self._own)
+        busy = _machine_busy_s() - self._busy
+        before, after = self._times, os.times()
+        self.main_s = (after.user - before.user) + (after.system - before.system)
+        self.children_s = (after.children_user - before.children_user) + (
+            after.children_system - before.children_system
+        )
         capacity = wall * (os.cpu_count() or 1)
-        self.fraction = max(0.0, other / capacity) if capacity > 0 else math.nan
+        other = busy - self.main_s - self.children_s
+        self.other = max(0.0, other / capacity) if capacity > 0 else math.nan
 
 
 class RssSampler:
@@ -457,7 +475,10 @@ class Result:
     timing: Timing
     peak_mib: float = 0.0
     start_mib: float = 0.0
+    main_cpu_s: float = math.nan
+    worker_cpu_s: float = math.nan
     other_load: float = math.nan
+    speed: float = math.nan
     error: str | None = None
     statistics: aioloader.LoaderStatistics | None = None
 
@@ -583,15 +604,16 @@ def _wait_for_children(baseline: set[int], by_children_file: bool) -> set[int]:
         time.sleep(0.05)
 
 
-def measure(name: str, workload: Workload) -> Result:
+def measure(name: str, workload: Workload, reference_probe_s: float) -> Result:
     """Run one configuration (two epochs) under a watchdog that dumps every thread's stack and
     exits the process if it hangs well past ``workload.timeout``; sample RSS throughout."""
     errors: list[str] = []
     stats: aioloader.LoaderStatistics | None = None
+    probe_before = speed_probe()
     by_children_file = _children_files_work()
     before = set(descendants(os.getpid(), by_children_file))
     faulthandler.dump_traceback_later(workload.timeout + 30, exit=True)
-    with OtherLoad() as load, RssSampler() as rss:
+    with CpuMeter() as cpu, RssSampler() as rss:
         timing = Timing()
         try:
             stats = CONFIGS[name](workload, timing, errors)
@@ -610,7 +632,10 @@ def measure(name: str, workload: Workload) -> Result:
         timing,
         peak_mib=rss.peak_mib,
         start_mib=rss.start_mib,
-        other_load=load.fraction,
+        main_cpu_s=cpu.main_s,
+        worker_cpu_s=cpu.children_s,
+        other_load=cpu.other,
+        speed=reference_probe_s / statistics.mean((probe_before, speed_probe())),
         error="; ".join(errors) or None,
         statistics=stats,
     )
@@ -681,13 +706,15 @@ def format_table(results: Iterable[Result]) -> str:
     by_name = {r.name: r for r in results}
     header = (
         f"{'config':<17}{'cold/s':>9}{'steady/s':>10}{'1st batch s':>13}{'peak MiB':>10}"
-        f"{'+MiB':>7}{'other CPU':>11}{'vs aio-nw1':>14}{'vs torch-nw2-spawn':>20}  check"
+        f"{'+MiB':>7}{'main CPU s':>12}{'workers CPU s':>15}{'other CPU':>11}{'speed':>7}"
+        f"{'vs aio-nw1':>14}{'vs torch-nw2-spawn':>20}  check"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(
             f"{r.name:<17}{r.cold_per_s:>9,.0f}{r.steady_per_s:>10,.0f}{r.first_batch_s:>13.2f}"
-            f"{r.peak_mib:>10,.0f}{r.peak_mib - r.start_mib:>7,.0f}{r.other_load:>11.0%}"
+            f"{r.peak_mib:>10,.0f}{r.peak_mib - r.start_mib:>7,.0f}{r.main_cpu_s:>12.1f}"
+            f"{r.worker_cpu_s:>15.1f}{r.other_load:>11.0%}{r.speed:>7.2f}"
             + "".join(
                 f"{_ratio(r, by_name.get(b)):>{w}}"
                 for b, w in zip(BASELINES, (14, 20), strict=True)
@@ -695,8 +722,10 @@ def format_table(results: Iterable[Result]) -> str:
             + f"  {'ok' if r.ok else 'FAIL: ' + str(r.error)}"
         )
     lines.append(
-        "(ratios: cold/steady samples/s of the row over the column's configuration; other CPU: "
-        "share of the machine's CPU used by other processes meanwhile)"
+        "(ratios: cold/steady samples/s of the row over the column's; CPU s: both epochs, "
+        "start-up and shutdown included;\n other CPU: share of the machine's CPU used by other "
+        "processes meanwhile; speed: single-core speed\n around the run over that at "
+        "start-up (1.00 = the same))"
     )
     return "\n".join(lines)
 
@@ -821,7 +850,7 @@ def decode_workload(args: argparse.Namespace) -> Workload:
     )
 
 
-def run_workload(workload: Workload) -> list[Result]:
+def run_workload(workload: Workload, reference_probe_s: float) -> list[Result]:
     print(
         f"\n== {workload.name}: {workload.items} samples, batch {workload.batch_size}, "
         f"{EPOCHS} epochs per configuration ==",
@@ -829,7 +858,7 @@ def run_workload(workload: Workload) -> list[Result]:
     )
     results: list[Result] = []
     for name in CONFIGS:
-        result = measure(name, workload)
+        result = measure(name, workload, reference_probe_s)
         results.append(result)
         status = "ok" if result.ok else f"FAIL: {result.error}"
         startup = ""
@@ -866,11 +895,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # Start multiprocessing's resource tracker now, so every configuration's RSS includes it.
     multiprocessing.resource_tracker.ensure_running()
+    reference_probe_s = speed_probe()
     failed: list[str] = []
     builders = {"gil": gil_workload, "decode": decode_workload}
     for name in ("gil", "decode"):
         if name in only:
-            results = run_workload(builders[name](args))
+            results = run_workload(builders[name](args), reference_probe_s)
             failed.extend(f"{name}/{r.name}" for r in results if not r.ok)
     if "pipe" in only:
         pipe = measure_pipe(_timeout(args, 1.0))
