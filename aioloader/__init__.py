@@ -10,6 +10,7 @@ from ._dataset import AsyncIterableDataset as AsyncIterableDataset
 from ._exceptions import AioLoaderError as AioLoaderError
 from ._exceptions import LoaderStateError as LoaderStateError
 from ._exceptions import LoaderTimeout as LoaderTimeout
+from ._exceptions import RemoteError as RemoteError
 from ._exceptions import TransientError as TransientError
 from ._exceptions import WorkerCrashed as WorkerCrashed
 from ._loader import DataLoader as DataLoader
@@ -46,6 +47,7 @@ __all__ = [
     "PadCollate",
     "PaddedBatch",
     "RandomSampler",
+    "RemoteError",
     "RetryPolicy",
     "SequentialSampler",
     "StageStatistics",

@@ -12,7 +12,8 @@ Hierarchy::
      └── AioLoaderError               everything aioloader raises on its own account
           ├── LoaderStateError        (also RuntimeError) the loader is used outside its scope
           ├── LoaderTimeout           (also TimeoutError, RuntimeError) no batch within `timeout`
-          └── WorkerCrashed           (also RuntimeError) a worker process died mid-job
+          ├── WorkerCrashed           (also RuntimeError) a worker process died mid-job
+          └── RemoteError             a worker's exception that could not be pickled
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "AioLoaderError",
     "LoaderStateError",
     "LoaderTimeout",
+    "RemoteError",
     "TransientError",
     "WorkerCrashed",
 ]
@@ -78,6 +80,12 @@ class WorkerCrashed(AioLoaderError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_crashed, (self.worker_id, self.pid, self.exitcode, self.signal))
+
+
+class RemoteError(AioLoaderError):
+    """Stands for an exception raised in a worker process that could not be pickled back: its
+    message is the original type's qualified name and message, and its notes carry the
+    original's notes and the worker's traceback."""
 
 
 def _rebuild_crashed(

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.multiprocessing  # registers torch's shared-memory reductions
 
+from ._exceptions import RemoteError
+
 __all__ = ["WorkerInfo", "get_worker_info", "seed_everything", "worker_main"]
 
 
@@ -58,11 +60,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-class RemoteError(Exception):
-    """Stands for an exception that could not be pickled in a worker: it keeps the original
-    type's name and message, and the worker's traceback in a note."""
 
 
 def _picklable(exc: BaseException) -> BaseException:
