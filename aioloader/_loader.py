@@ -52,6 +52,10 @@ def _batch_size_hint(batch_size: int | None, batch_sampler: object) -> int:
     return hint if isinstance(hint, int) and hint > 0 else 1
 
 
+def _is_async_context(obj: object) -> bool:
+    return callable(getattr(obj, "__aenter__", None)) and callable(getattr(obj, "__aexit__", None))
+
+
 def _portal_options() -> dict[str, Any]:
     """The background loop of a plain ``for``: uvloop when installed, set as that loop's factory
     only (never as the application's event loop policy)."""
@@ -72,7 +76,9 @@ class DataLoader(Generic[T_Batch]):
         dataset: An :class:`~aioloader.AsyncDataset`, an async iterable (an
             :class:`~aioloader.AsyncIterableDataset`, any object with ``__aiter__``, or an async
             generator function, called once per epoch), a torch ``Dataset`` or ``IterableDataset``,
-            or a sequence. Blocking datasets are read on the loader's I/O threads.
+            or a sequence. Blocking datasets are read on the loader's I/O threads. A dataset that
+            is an async context manager (one holding a client session) is entered when the
+            loader's scope opens and exited when it closes.
         batch_size: Samples per batch; None disables batching (each sample is converted with
             :func:`default_convert` or ``collate_fn`` and yielded alone).
         shuffle: Reshuffle every epoch (map-style datasets only).
@@ -361,6 +367,10 @@ class DataLoader(Generic[T_Batch]):
         stack.push_async_callback(scope.close_workers)
         try:
             await scope.start_workers()
+            if _is_async_context(self.dataset):
+                # A dataset holding clients (an HTTP session, an object store) lives as long as
+                # the scope: opened here, closed after every task that could use it is gone.
+                await stack.enter_async_context(self.dataset)
             scope.task_group = await stack.enter_async_context(anyio.create_task_group())
         except BaseException:
             with anyio.CancelScope(shield=True):

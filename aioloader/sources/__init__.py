@@ -1,0 +1,14 @@
+"""Datasets that read from where training data lives: local folders and HTTP(S) servers.
+
+Each is an :class:`aioloader.AsyncDataset` of ``bytes`` (listed once, indexed by position) that
+a :class:`aioloader.DataLoader` reads with bounded concurrency. Sources that hold a client are
+async context managers: the loader's scope opens and closes them.
+"""
+
+from ._files import FileDataset as FileDataset
+from ._files import files as files
+from ._http import HTTPStatusError as HTTPStatusError
+from ._http import UrlDataset as UrlDataset
+from ._http import urls as urls
+
+__all__ = ["FileDataset", "HTTPStatusError", "UrlDataset", "files", "urls"]
