@@ -32,6 +32,16 @@ from ._worker import get_worker_info as get_worker_info
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # `aioloader.sources` is imported on first use: it brings aiohttp and obstore along.
+    if name == "sources":
+        import importlib
+
+        return importlib.import_module(".sources", __name__)
+    raise AttributeError(f"module 'aioloader' has no attribute {name!r}")
+
+
 __all__ = [
     "AioLoaderError",
     "AsyncDataset",

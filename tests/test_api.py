@@ -6,12 +6,17 @@ from __future__ import annotations
 import importlib.resources
 import subprocess
 import sys
+import types
 
 import aioloader
 
 
 def test_all_matches_the_public_names() -> None:
-    public = {name for name in vars(aioloader) if not name.startswith("_")}
+    public = {
+        name
+        for name, value in vars(aioloader).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
     assert set(aioloader.__all__) == public
     assert aioloader.__all__ == sorted(aioloader.__all__)
 
@@ -20,6 +25,11 @@ def test_public_names_come_from_private_modules() -> None:
     for name in aioloader.__all__:
         module = getattr(getattr(aioloader, name), "__module__", "")
         assert module.startswith("aioloader._"), (name, module)
+
+
+def test_sources_subpackage_is_reachable_from_the_top() -> None:
+    assert aioloader.sources.files is not None
+    assert set(aioloader.sources.__all__) >= {"files", "objects", "urls"}
 
 
 def test_ships_py_typed() -> None:

@@ -1,4 +1,4 @@
-"""Datasets that read from where training data lives: local folders and HTTP(S) servers.
+"""Datasets that read from where training data lives: object stores, local folders, HTTP(S).
 
 Each is an :class:`aioloader.AsyncDataset` of ``bytes`` (listed once, indexed by position) that
 a :class:`aioloader.DataLoader` reads with bounded concurrency. Sources that hold a client are
@@ -10,5 +10,17 @@ from ._files import files as files
 from ._http import HTTPStatusError as HTTPStatusError
 from ._http import UrlDataset as UrlDataset
 from ._http import urls as urls
+from ._objects import ObjectDataset as ObjectDataset
+from ._objects import TransientStoreError as TransientStoreError
+from ._objects import objects as objects
 
-__all__ = ["FileDataset", "HTTPStatusError", "UrlDataset", "files", "urls"]
+__all__ = [
+    "FileDataset",
+    "HTTPStatusError",
+    "ObjectDataset",
+    "TransientStoreError",
+    "UrlDataset",
+    "files",
+    "objects",
+    "urls",
+]

@@ -1,0 +1,371 @@
+"""A dataset of the files under a local folder: item ``i`` is the bytes of file ``i``.
+
+Owns: listing a folder once (at construction, in a deterministic order) and reading its files.
+Never: blocks the event loop while reading (a single file is read with aiofiles, a slice of a
+batch in one call on threads the dataset owns), lists the folder again, or follows a symbolic
+link out of the folder.
+
+What is listed:
+
+* regular files (symbolic links to regular files included) under ``root`` whose path relative
+  to ``root`` matches the glob ``pattern`` (``pathlib`` semantics: ``**`` is any number of
+  folders, and does not descend into linked folders; a pattern naming one does);
+* whose name ends with one of ``suffix`` (compared without regard to case), when given;
+* hidden ones (any part of the relative path starting with ``.``) only with
+  ``include_hidden=True``;
+* not a symbolic link, nor a file under a linked folder, that resolves to a place outside
+  ``root``: such entries are **skipped** (one warning on the ``aioloader`` logger says how many
+  and names a few), so a stray link cannot make a dataset unusable nor leak a file from
+  elsewhere. A link that stays inside ``root`` is followed, and its target appears under the
+  link's own key as well as its real one.
+
+Order: sorted by relative path, compared folder by folder in code-point order, so the same
+folder gives the same indices on every run and machine (``os.scandir`` order is not stable).
+
+Threads: inside ``async with dataset:`` (the loader enters it when its scope opens) the dataset
+owns a small pool of threads named ``aioloader-files_<n>``: :meth:`FileDataset.get_many` reads
+a whole slice in one call there (one thread hop per slice, not per file: for small local files
+the hop costs more than the read), and aiofiles runs its calls there too. Leaving the context
+joins them. Outside it, :meth:`FileDataset.get_many` reads item by item with aiofiles on the
+event loop's default executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import stat
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from types import TracebackType
+
+import aiofiles
+import anyio
+
+from .._dataset import AsyncDataset
+
+__all__ = ["FileDataset", "files"]
+
+logger = logging.getLogger("aioloader")
+
+_THREAD_NAME = "aioloader-files"
+_NAMED_SKIPS = 5  # escaping links named in the warning
+
+
+def files(
+    root: str | os.PathLike[str],
+    pattern: str = "**/*",
+    *,
+    suffix: str | Sequence[str] | None = None,
+    include_hidden: bool = False,
+    threads: int = 8,
+) -> FileDataset:
+    """List the files under ``root`` once and return them as a dataset of their bytes.
+
+    Example::
+
+        loader = aioloader.DataLoader(
+            aioloader.sources.files("data/train", suffix=".jpg"), batch_size=64, transform=decode
+        )
+
+    Args:
+        root: The folder.
+        pattern: A glob relative to ``root`` (``pathlib`` semantics); the default lists every
+            file in every sub-folder.
+        suffix: Keep only names ending with this suffix (or one of these), case-insensitively;
+            a missing leading dot is added (``"jpg"`` means ``".jpg"``).
+        include_hidden: Also list hidden files and files in hidden folders (a relative path
+            part starting with ``.``).
+        threads: Threads for reading, while the dataset's context is open.
+
+    Returns:
+        A :class:`FileDataset`.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+        NotADirectoryError: ``root`` is not a folder.
+        ValueError: Nothing matched (the message names ``root`` and ``pattern``), the pattern
+            is absolute, empty or contains ``..``, a suffix is empty, or ``threads < 1``.
+        TypeError: ``suffix`` is not a string or a sequence of strings.
+
+    Cancellation: not applicable; listing is synchronous (see :class:`FileDataset`).
+    """
+    return FileDataset(root, pattern, suffix=suffix, include_hidden=include_hidden, threads=threads)
+
+
+class FileDataset(AsyncDataset[bytes]):
+    """The files under a folder, listed once at construction; item ``i`` is the bytes of file
+    ``i`` (``keys[i]`` is its path relative to the folder). See the module's documentation for
+    what is listed, in what order, and how escaping symbolic links are skipped.
+
+    Listing walks the folder synchronously, like a torch dataset's constructor: in async code,
+    build a dataset of a very large tree with ``await anyio.to_thread.run_sync(files, root)``.
+
+    It is an async context manager: the loader enters it when its scope opens and exits it when
+    the scope closes; on its own, ``async with dataset:`` starts and joins its reading threads.
+    Entering it again while open (two loaders sharing it) is allowed; the threads live until the
+    last exit.
+
+    Args:
+        root: The folder.
+        pattern: A glob relative to ``root``.
+        suffix: Keep only names ending with this suffix, or one of these (case-insensitive).
+        include_hidden: Also list hidden files and files in hidden folders.
+        threads: Threads for reading, while the context is open.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+        NotADirectoryError: ``root`` is not a folder.
+        ValueError: Nothing matched (naming ``root`` and ``pattern``), the pattern is absolute,
+            empty or contains ``..``, a suffix is empty, or ``threads < 1``.
+        TypeError: ``suffix`` is not a string or a sequence of strings.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        pattern: str = "**/*",
+        *,
+        suffix: str | Sequence[str] | None = None,
+        include_hidden: bool = False,
+        threads: int = 8,
+    ) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        self._root = Path(root)
+        self._pattern = _check_pattern(pattern)
+        self._suffixes = _check_suffix(suffix)
+        self._include_hidden = include_hidden
+        self._threads = threads
+        self._keys, self._paths = self._list()
+        self._pool: ThreadPoolExecutor | None = None
+        self._entered = 0
+
+    # -- listing ---------------------------------------------------------------------------------
+
+    def _list(self) -> tuple[list[str], list[str]]:
+        root = self._root
+        try:
+            st = os.stat(root)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                errno.ENOENT, "files(): root folder does not exist", os.fspath(root)
+            ) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(
+                errno.ENOTDIR, "files(): root is not a folder", os.fspath(root)
+            )
+        real_root = os.path.realpath(root)
+        real_dirs: dict[Path, str] = {}  # a folder's real path, resolved once per folder
+        found: list[tuple[tuple[str, ...], str, str]] = []
+        escaping: list[str] = []
+        for path in root.glob(self._pattern):
+            rel = path.relative_to(root)
+            parts = rel.parts
+            if not self._include_hidden and any(p.startswith(".") for p in parts):
+                continue
+            if self._suffixes and not path.name.lower().endswith(self._suffixes):
+                continue
+            try:
+                lst = os.lstat(path)
+            except OSError:  # vanished while listing
+                continue
+            if stat.S_ISLNK(lst.st_mode):
+                real = os.path.realpath(path)
+                try:
+                    if not stat.S_ISREG(os.stat(real).st_mode):
+                        continue
+                except OSError:  # a dangling link
+                    continue
+            elif stat.S_ISREG(lst.st_mode):
+                parent = path.parent
+                real_parent = real_dirs.get(parent)
+                if real_parent is None:  # under a linked folder, the folder is a link
+                    real_parent = real_dirs[parent] = os.path.realpath(parent)
+                real = os.path.join(real_parent, path.name)
+            else:
+                continue
+            if not _is_within(real, real_root):
+                escaping.append(rel.as_posix())
+                continue
+            found.append((parts, rel.as_posix(), real))
+        if escaping:
+            named = ", ".join(repr(k) for k in sorted(escaping)[:_NAMED_SKIPS])
+            more = (
+                f" and {len(escaping) - _NAMED_SKIPS} more" if len(escaping) > _NAMED_SKIPS else ""
+            )
+            logger.warning(
+                "aioloader.sources.files: skipped %d symbolic link(s) leading outside %s: %s%s",
+                len(escaping),
+                os.fspath(root),
+                named,
+                more,
+            )
+        if not found:
+            what = f"pattern {self._pattern!r}"
+            if self._suffixes:
+                what += f" and suffix {list(self._suffixes)!r}"
+            raise ValueError(f"files(): no file under {os.fspath(root)!r} matches {what}")
+        found.sort(key=lambda item: item[0])
+        return [key for _, key, _ in found], [real for _, _, real in found]
+
+    # -- the dataset -------------------------------------------------------------------------------
+
+    @property
+    def root(self) -> Path:
+        """The folder, as given."""
+        return self._root
+
+    @property
+    def keys(self) -> list[str]:
+        """The files' paths relative to :attr:`root`, with ``/`` separators, in index order (a
+        copy)."""
+        return list(self._keys)
+
+    def key(self, index: int) -> str:
+        """The relative path of item ``index``.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+        """
+        return self._keys[index]
+
+    def __len__(self) -> int:
+        """The number of files listed."""
+        return len(self._keys)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(root={os.fspath(self._root)!r}, "
+            f"pattern={self._pattern!r}, files={len(self._keys)})"
+        )
+
+    async def get(self, index: int) -> bytes:
+        """Read file ``index`` with aiofiles (on the dataset's threads while its context is
+        open, else on the event loop's default executor).
+
+        Raises:
+            IndexError: ``index`` is out of range.
+            OSError: Reading failed, with its own type (``FileNotFoundError`` for a file removed
+                after listing) and a note naming the file's key.
+
+        Cancellation: a read already running in a thread finishes there; its result is dropped.
+        """
+        key, path = self._keys[index], self._paths[index]
+        try:
+            async with aiofiles.open(path, "rb", executor=self._pool) as f:
+                return await f.read()
+        except OSError as exc:
+            _note(exc, key, self._root)
+            raise
+
+    async def get_many(self, indices: Sequence[int]) -> list[bytes]:
+        """Read several files, in the order of ``indices``: in one call on the dataset's threads
+        while its context is open (one thread hop for the whole slice), else one by one with
+        :meth:`get`.
+
+        Raises:
+            IndexError: An index is out of range.
+            OSError: Reading a file failed (the first one in ``indices`` order), with its own
+                type and a note naming its key.
+
+        Cancellation: a call not yet started is withdrawn; one already running finishes (a
+        thread cannot be interrupted: the caller waits for it, shielded, so no read outlives
+        the context) and its result is dropped.
+        """
+        pool = self._pool
+        if pool is None:
+            return [await self.get(i) for i in indices]
+        items = [(self._keys[i], self._paths[i]) for i in indices]  # a bad index fails here
+        future = pool.submit(self._read_many, items)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.cancel():
+                waiter = asyncio.wrap_future(future)
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await waiter
+            raise
+
+    def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
+        """Blocking: read each ``(key, path)`` in turn (runs on one of the dataset's threads)."""
+        out: list[bytes] = []
+        for key, path in items:
+            try:
+                with open(path, "rb") as f:
+                    out.append(f.read())
+            except OSError as exc:
+                _note(exc, key, self._root)
+                raise
+        return out
+
+    # -- the context -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> FileDataset:
+        """Start the reading threads (lazily: each starts on first use), or count one more user
+        of those already running.
+
+        Cancellation: nothing to cancel; it does not wait.
+        """
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=self._threads, thread_name_prefix=_THREAD_NAME
+            )
+        self._entered += 1
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """On the last exit, join the reading threads. Reads not yet started are cancelled; a
+        read still running (only a cancelled :meth:`get` leaves one) is waited for, which takes
+        at most one file's read.
+
+        Cancellation: not a waiting point; the threads are joined before it returns.
+        """
+        self._entered = max(0, self._entered - 1)
+        if self._entered == 0 and self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _note(exc: OSError, key: str, root: Path) -> None:
+    exc.add_note(f"aioloader.sources.files: reading {key!r} under {os.fspath(root)!r}")
+
+
+def _is_within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _check_pattern(pattern: str) -> str:
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a str, got {type(pattern).__name__}")
+    if not pattern:
+        raise ValueError("pattern must not be empty (the default, '**/*', lists every file)")
+    pure = PurePosixPath(pattern.replace(os.sep, "/"))
+    if pure.is_absolute() or ".." in pure.parts:
+        raise ValueError(f"pattern must be relative to root and without '..', got {pattern!r}")
+    return pattern
+
+
+def _check_suffix(suffix: str | Sequence[str] | None) -> tuple[str, ...]:
+    if suffix is None:
+        return ()
+    items = [suffix] if isinstance(suffix, str) else suffix
+    out: list[str] = []
+    for s in items:
+        if not isinstance(s, str):
+            raise TypeError(f"suffix must be a str or a sequence of str, got {suffix!r}")
+        if not s or s == ".":
+            raise ValueError(f"suffix must not be empty, got {suffix!r}")
+        out.append((s if s.startswith(".") else "." + s).lower())
+    if not out:
+        raise ValueError("suffix must name at least one suffix (None keeps every name)")
+    return tuple(out)

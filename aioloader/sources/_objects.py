@@ -1,0 +1,168 @@
+"""Objects in an object store (S3 and S3-compatible endpoints, GCS, Azure, local, memory) as a
+map-style dataset, through obstore.
+
+Owns: configuring a store from a URL, listing a prefix once (sorted, filtered by suffix or
+glob), whole-object and range reads, and turning store errors into errors that name the key and
+say whether they are worth retrying. Never: retries by itself (obstore's own retries are turned
+off so that the loader's :class:`~aioloader.RetryPolicy` retries, and counts, every attempt), or
+shows credentials (they stay in the store's configuration, never in a message or ``repr``).
+
+obstore runs its I/O on its own runtime threads and its async calls need an asyncio loop (uvloop
+is one). It hangs in a forked child once the parent has used it: all reads happen in the parent's
+event loop, and workers get bytes, never clients.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .._dataset import AsyncDataset
+from .._exceptions import TransientError
+
+__all__ = ["ObjectDataset", "TransientStoreError", "objects"]
+
+# Store failures worth another attempt: throttling, server errors, timeouts, broken connections.
+_TRANSIENT = re.compile(
+    r"\b(429|500|502|503|504)\b|SlowDown|Throttl|timed? ?out|[Cc]onnection|reset|"
+    r"incomplete|error sending request|body",
+)
+
+
+class TransientStoreError(TransientError):
+    """A store request failed in a way worth retrying (throttled, 5xx, timeout, reset). The
+    store's own exception is the ``__cause__``."""
+
+
+def _redact(url: str) -> str:
+    """The URL without userinfo or query (signed URLs carry credentials there)."""
+    url = re.sub(r"//[^/@]*@", "//", url)
+    return url.split("?", 1)[0] + ("?<redacted>" if "?" in url else "")
+
+
+class ObjectDataset(AsyncDataset[bytes]):
+    """Item ``i`` is the content of the ``i``-th key under the prefix (sorted).
+
+    Create it with :func:`objects`.
+
+    Attributes:
+        keys: The keys, relative to the URL's prefix, in item order.
+    """
+
+    def __init__(self, store: Any, url: str, keys: Sequence[str]) -> None:
+        self._store = store
+        self._url = _redact(url)
+        self.keys = list(keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        return f"ObjectDataset({self._url!r}, {len(self.keys)} objects)"
+
+    def _failed(self, exc: Exception, key: str) -> Exception:
+        import obstore.exceptions as obs_exc
+
+        where = f"{self._url.rstrip('/')}/{key}"
+        if isinstance(exc, FileNotFoundError | obs_exc.NotFoundError):
+            exc.add_note(f"aioloader: no object {where}")
+            return exc
+        if isinstance(exc, obs_exc.BaseError) and _TRANSIENT.search(str(exc)):
+            error = TransientStoreError(f"reading {where} failed: {type(exc).__name__}")
+            error.__cause__ = exc
+            return error
+        exc.add_note(f"aioloader: while reading {where}")
+        return exc
+
+    async def get(self, index: int) -> bytes:
+        """The whole object ``keys[index]``.
+
+        Raises:
+            FileNotFoundError: The object is gone (obstore's ``NotFoundError``), naming the key.
+            TransientStoreError: Throttling, a server error, a timeout or a broken connection.
+            Exception: Any other store error, with a note naming the key.
+
+        Cancellation: the request is dropped; nothing is left to close.
+        """
+        import obstore
+
+        key = self.keys[index]
+        try:
+            result = await obstore.get_async(self._store, key)
+            return bytes(await result.bytes_async())
+        except Exception as exc:
+            raise self._failed(exc, key) from None
+
+    async def get_range(self, index: int, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of object ``keys[index]``.
+
+        Raises:
+            ValueError: ``start``/``end`` do not make a range.
+            FileNotFoundError, TransientStoreError, Exception: as for :meth:`get`.
+
+        Cancellation: as for :meth:`get`.
+        """
+        import obstore
+
+        if not 0 <= start < end:
+            raise ValueError(f"need 0 <= start < end, got start={start}, end={end}")
+        key = self.keys[index]
+        try:
+            return bytes(await obstore.get_range_async(self._store, key, start=start, end=end))
+        except Exception as exc:
+            raise self._failed(exc, key) from None
+
+
+def objects(
+    url: str,
+    *,
+    suffix: str | Sequence[str] | None = None,
+    glob: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    client_options: Mapping[str, Any] | None = None,
+    store: Any = None,
+) -> ObjectDataset:
+    """A map-style dataset of the objects under ``url`` (``s3://bucket/prefix/``, ``gs://``,
+    ``az://``, ``file:///``, ``memory://``), listed once, now.
+
+    Args:
+        url: The store and prefix. Credentials, region and endpoint come from ``config`` or the
+            usual environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...).
+        suffix: Keep keys ending with this (or one of these) suffix.
+        glob: Keep keys matching this shell pattern (``fnmatch``, on the key under the prefix).
+        config: Store configuration (obstore's keys: ``endpoint``, ``region``,
+            ``access_key_id``, ...).
+        client_options: HTTP client options (``{"allow_http": True}`` for a local endpoint,
+            ``timeout``, ...).
+        store: An already configured obstore store to use instead of building one from ``url``.
+
+    Returns:
+        The dataset; ``keys`` lists what it holds.
+
+    Raises:
+        ValueError: Nothing under the prefix matches the filters.
+        Exception: The store's error if listing fails (naming the URL, never credentials).
+    """
+    import obstore
+    from obstore.store import from_url
+
+    if store is None:
+        options: dict[str, Any] = {
+            "config": dict(config or {}),
+            "client_options": dict(client_options or {}),
+            "retry_config": {"max_retries": 0},  # the loader's RetryPolicy retries, and counts
+        }
+        store = from_url(url, **options)  # obstore's typed overloads are per store kind
+    suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix or ())
+    keys = sorted(
+        meta["path"]
+        for chunk in obstore.list(store, chunk_size=1000)
+        for meta in chunk
+        if (not suffixes or meta["path"].endswith(suffixes))
+        and (glob is None or fnmatch.fnmatchcase(meta["path"], glob))
+    )
+    if not keys:
+        raise ValueError(f"no objects under {_redact(url)!r} match suffix={suffix!r} glob={glob!r}")
+    return ObjectDataset(store, url, keys)

@@ -1,0 +1,313 @@
+"""``aioloader.sources.files``: real files in a temporary folder, read through a real loader."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import aioloader
+from aioloader.sources import FileDataset, files
+
+
+def content(key: str) -> bytes:
+    return f"<{key}>".encode() * 3
+
+
+def make_tree(root: Path, keys: Sequence[str]) -> None:
+    for key in keys:
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content(key))
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+def files_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("aioloader-files")]
+
+
+async def drain(loader: aioloader.DataLoader[Any]) -> list[Any]:
+    return [b async for b in loader]
+
+
+class Recording(FileDataset):
+    """Counts single reads and the batched reads, and the threads those ran on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gets = 0
+        self.slices: list[int] = []
+        self.thread_names: set[str] = set()
+
+    async def get(self, index: int) -> bytes:
+        self.gets += 1
+        return await super().get(index)
+
+    def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
+        self.slices.append(len(items))
+        self.thread_names.add(threading.current_thread().name)
+        return super()._read_many(items)
+
+
+KEYS = [
+    "b.bin",
+    "a.txt",
+    "sub/z.bin",
+    "sub/deeper/y.BIN",
+    "a-b.bin",
+    "a/c.bin",
+    "10.bin",
+    "9.bin",
+    ".hidden.bin",
+    ".cache/x.bin",
+]
+
+
+def test_listing_is_sorted_by_path_and_filtered(tmp_path: Path) -> None:
+    root = tmp_path / ".data"  # a hidden root is fine: only parts below it count
+    make_tree(root, KEYS)
+    (root / "empty_dir").mkdir()
+
+    ds = files(root)
+    # Folder by folder, in code-point order: folder "a" before "a-b.bin" (whole strings would
+    # put "a/c.bin" last, since "/" sorts after "-" and ".").
+    assert ds.keys == [
+        "10.bin",
+        "9.bin",
+        "a/c.bin",
+        "a-b.bin",
+        "a.txt",
+        "b.bin",
+        "sub/deeper/y.BIN",
+        "sub/z.bin",
+    ]
+    assert len(ds) == 8 and ds.key(2) == "a/c.bin" and ds.key(-1) == "sub/z.bin"
+    with pytest.raises(IndexError):
+        ds.key(8)
+    assert repr(ds) == f"FileDataset(root={str(root)!r}, pattern='**/*', files=8)"
+
+    assert files(root, "*").keys == ["10.bin", "9.bin", "a-b.bin", "a.txt", "b.bin"]
+    assert files(root, "sub/**/*.bin").keys == ["sub/z.bin"]  # glob is case-sensitive
+    assert files(root, suffix=".bin").keys == [
+        "10.bin",
+        "9.bin",
+        "a/c.bin",
+        "a-b.bin",
+        "b.bin",
+        "sub/deeper/y.BIN",  # the suffix is not
+        "sub/z.bin",
+    ]
+    assert files(root, suffix=["txt", ".BIN"]).keys == files(root).keys
+    assert files(root, "**/*", suffix="txt").keys == ["a.txt"]
+    hidden = files(root, include_hidden=True).keys
+    assert hidden[:2] == [".cache/x.bin", ".hidden.bin"] and len(hidden) == 10
+    assert files(root, ".cache/*", include_hidden=True).keys == [".cache/x.bin"]
+    assert files(str(root)).keys == files(root).keys  # str or PathLike
+
+
+def test_bad_roots_and_arguments_say_what(tmp_path: Path) -> None:
+    make_tree(tmp_path, ["a.bin"])
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError) as info:
+        files(missing)
+    assert info.value.filename == str(missing) and str(missing) in str(info.value)
+    with pytest.raises(NotADirectoryError, match=r"a\.bin"):
+        files(tmp_path / "a.bin")
+    with pytest.raises(ValueError, match=r"no file under .*matches pattern '\*\.png'") as empty:
+        files(tmp_path, "*.png")
+    assert str(tmp_path) in str(empty.value)
+    with pytest.raises(ValueError, match="suffix"):
+        files(tmp_path, suffix=".png")
+    with pytest.raises(ValueError, match="no file"):
+        files(tmp_path, "**/*", include_hidden=False, suffix=".b")
+    for pattern in ("../*", "/etc/*", "a/../../*", ""):
+        with pytest.raises(ValueError, match="pattern"):
+            files(tmp_path, pattern)
+    with pytest.raises(ValueError, match="suffix"):
+        files(tmp_path, suffix="")
+    with pytest.raises(TypeError, match="suffix"):
+        files(tmp_path, suffix=[b".bin"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="threads"):
+        files(tmp_path, threads=0)
+
+
+def test_symlinks_leading_out_of_root_are_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="aioloader")
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    make_tree(root, ["real.bin", "sub/inner.bin"])
+    make_tree(outside, ["secret.bin", "more/secret2.bin"])
+    (root / "to_secret.bin").symlink_to(outside / "secret.bin")
+    (root / "to_outside_dir").symlink_to(outside, target_is_directory=True)
+    (root / "relative_escape.bin").symlink_to("../outside/secret.bin")
+    (root / "inner_link.bin").symlink_to("sub/inner.bin")  # stays inside: followed
+    (root / "sub_link").symlink_to(root / "sub", target_is_directory=True)
+    (root / "dangling.bin").symlink_to(root / "gone.bin")
+
+    ds = files(root)
+    assert ds.keys == ["inner_link.bin", "real.bin", "sub/inner.bin"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "skipped 2 symbolic link(s) leading outside" in messages[0]
+    assert "'to_secret.bin'" in messages[0] and "'relative_escape.bin'" in messages[0]
+
+    # A pattern that names a linked folder goes through it; one outside root is still skipped.
+    assert files(root, "sub_link/*").keys == ["sub_link/inner.bin"]
+    with pytest.raises(ValueError, match="no file"):
+        files(root, "to_outside_dir/**/*")
+    assert "skipped 2 symbolic link(s)" in caplog.records[-1].getMessage()
+
+    # A root that is itself a link is resolved first: its files are inside it.
+    link_root = tmp_path / "link_root"
+    link_root.symlink_to(root, target_is_directory=True)
+    assert files(link_root).keys == ds.keys
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_loader_reads_every_file_once_per_epoch(tmp_path: Path, shuffle: bool) -> None:
+    keys = [f"d{i % 3}/f{i:03d}.bin" for i in range(45)]
+    make_tree(tmp_path, keys)
+    ds = Recording(tmp_path)
+    expected = [content(k) for k in ds.keys]
+    loader: aioloader.DataLoader[list[bytes]] = aioloader.DataLoader(
+        ds, batch_size=8, collate_fn=list, shuffle=shuffle, seed=3
+    )
+    epochs = []
+    async with loader:
+        for _ in range(2):
+            batches = await drain(loader)
+            assert [len(b) for b in batches] == [8] * 5 + [5]
+            epochs.append([x for b in batches for x in b])
+        assert files_threads(), "the dataset's threads run while the scope is open"
+    assert files_threads() == []
+    for got in epochs:
+        assert sorted(got) == sorted(expected)  # every file exactly once
+    # One thread call per batch, on the dataset's own threads; never a read per file.
+    assert ds.gets == 0
+    assert sorted(ds.slices) == [5, 5] + [8] * 10
+    assert ds.thread_names and all(n.startswith("aioloader-files_") for n in ds.thread_names)
+    if shuffle:
+        assert epochs[0] != expected and epochs[0] != epochs[1]
+        again: aioloader.DataLoader[list[bytes]] = aioloader.DataLoader(
+            ds, batch_size=8, collate_fn=list, shuffle=True, seed=3
+        )
+        async with again:
+            assert [x for b in await drain(again) for x in b] == epochs[0]
+    else:
+        assert epochs == [expected, expected]
+
+
+def test_plain_for_loop(tmp_path: Path) -> None:
+    make_tree(tmp_path, [f"{i}.bin" for i in range(10)])
+    ds = files(tmp_path)
+    loader: aioloader.DataLoader[list[bytes]] = aioloader.DataLoader(
+        ds, batch_size=4, collate_fn=list
+    )
+    got = [x for b in loader for x in b]
+    assert got == [content(k) for k in ds.keys]
+    assert files_threads() == []
+
+
+async def test_a_file_removed_after_listing_names_its_key(tmp_path: Path) -> None:
+    keys = [f"part/{i:02d}.bin" for i in range(20)]
+    make_tree(tmp_path, keys)
+    ds = Recording(tmp_path)
+    gone = ds.keys.index("part/13.bin")
+    (tmp_path / "part" / "13.bin").unlink()
+
+    dl: aioloader.DataLoader[list[bytes]] = aioloader.DataLoader(ds, batch_size=8, collate_fn=list)
+    async with dl:
+        got: list[bytes] = []
+        with pytest.raises(FileNotFoundError) as info:
+            async for batch in dl:
+                got.extend(batch)
+    assert got == [content(k) for k in keys[:8]]  # the batch before it was delivered
+    assert "'part/13.bin'" in notes(info.value) and "stage 'fetch'" in notes(info.value)
+
+    # With a budget, only that file is skipped (the slice is re-read file by file).
+    dl = aioloader.DataLoader(ds, batch_size=8, collate_fn=list, max_failures=1)
+    async with dl:
+        got = [x for b in await drain(dl) for x in b]
+    assert got == [content(k) for k in keys if k != "part/13.bin"]
+    assert dl.statistics().skipped_samples == (gone,)
+
+    # Read on its own, outside any loader: the same type, the same note.
+    with pytest.raises(FileNotFoundError) as single:
+        await ds.get(gone)
+    assert "'part/13.bin'" in notes(single.value)
+    async with ds:
+        with pytest.raises(FileNotFoundError) as many:
+            await ds.get_many([0, gone, 1])
+    assert "'part/13.bin'" in notes(many.value)
+
+
+async def test_standalone_context(tmp_path: Path) -> None:
+    make_tree(tmp_path, ["x/1.bin", "x/2.bin", "y.bin"])
+    ds = Recording(tmp_path, threads=2)
+    # Outside the context: aiofiles on the loop's executor, get_many one file at a time.
+    assert await ds.get(2) == content("y.bin")
+    assert await ds.get_many([2, 0]) == [content("y.bin"), content("x/1.bin")]
+    assert ds.slices == [] and ds.gets == 3
+    async with ds:
+        assert await ds.get(0) == content("x/1.bin")
+        async with ds:  # entered twice (two loaders sharing it): threads live until the last exit
+            want = [content(k) for k in ("x/2.bin", "y.bin", "x/2.bin")]
+            assert await ds.get_many([1, 2, 1]) == want
+        assert files_threads()
+        assert await ds.get_many([0]) == [content("x/1.bin")]
+        with pytest.raises(IndexError):
+            await ds.get_many([0, 3])
+    assert files_threads() == []
+    assert ds.slices == [3, 1]
+    assert await ds.get(1) == content("x/2.bin")  # usable again after the context
+
+
+async def test_cancelled_get_many_leaves_no_thread(tmp_path: Path) -> None:
+    make_tree(tmp_path, [f"{i}.bin" for i in range(4)])
+    loop = asyncio.get_running_loop()
+    started, release = anyio.Event(), threading.Event()
+
+    class Slow(FileDataset):
+        def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
+            loop.call_soon_threadsafe(started.set)
+            release.wait(5)
+            return super()._read_many(items)
+
+    ds = Slow(tmp_path, threads=1)
+    scope = anyio.CancelScope()
+    finished: list[bool] = []
+
+    async def read() -> None:
+        with scope:
+            await ds.get_many([0, 1, 2, 3])
+            raise AssertionError("the read was not cancelled")
+        finished.append(scope.cancelled_caught)
+
+    async with ds:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await started.wait()
+            scope.cancel()
+            await anyio.sleep(0.02)
+            assert finished == [], "a cancelled caller waits for the read running in a thread"
+            release.set()
+        assert finished == [True]
+        assert await ds.get_many([3]) == [content("3.bin")]  # the pool still serves
+    assert files_threads() == []
+
+
+def test_listing_and_reading_is_deterministic_across_instances(tmp_path: Path) -> None:
+    names = [f"{c}{i}.bin" for c in "qazwsx" for i in (3, 1, 2)]
+    make_tree(tmp_path, names)
+    a, b = files(tmp_path), files(os.fspath(tmp_path) + os.sep)
+    assert a.keys == b.keys == sorted(names)
