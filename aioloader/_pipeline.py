@@ -378,8 +378,12 @@ class Epoch:
                 if cfg.sample_timeout is None:  # the common case: no cancel scope per fetch
                     result = await call()
                 else:
-                    with anyio.fail_after(cfg.sample_timeout):
+                    with anyio.move_on_after(cfg.sample_timeout) as deadline:
                         result = await call()
+                    if deadline.cancelled_caught:  # ours, not a timeout of the dataset's own
+                        raise TimeoutError(
+                            f"aioloader: sample_timeout={cfg.sample_timeout}s exceeded"
+                        )
             except Exception as exc:
                 error = exc
             except BaseException:  # cancelled: nothing stays counted as in flight
@@ -391,8 +395,6 @@ class Epoch:
             if error is None:
                 return result
             failures += 1
-            if isinstance(error, TimeoutError) and cfg.sample_timeout is not None:
-                error.add_note(f"aioloader: sample_timeout={cfg.sample_timeout}s exceeded")
             if cfg.retry is None or not cfg.retry.should_retry(error, failures):
                 rec.failed += count
                 if failures > 1:

@@ -205,7 +205,7 @@ async def test_sample_timeout_cancels_a_stalled_fetch_and_retries_it() -> None:
     async with dl:
         with pytest.raises(TimeoutError) as info:
             await drain(dl)
-    assert "sample_timeout=0.05s exceeded" in notes(info.value)
+    assert "sample_timeout=0.05s exceeded" in str(info.value)
 
 
 async def test_loader_timeout_is_torchs_runtime_error() -> None:

@@ -7,7 +7,10 @@ async context managers: the loader's scope opens and closes them.
 
 from ._files import FileDataset as FileDataset
 from ._files import files as files
+from ._http import HTTPConnectionError as HTTPConnectionError
 from ._http import HTTPStatusError as HTTPStatusError
+from ._http import HTTPTimeoutError as HTTPTimeoutError
+from ._http import TransientHTTPError as TransientHTTPError
 from ._http import UrlDataset as UrlDataset
 from ._http import urls as urls
 from ._objects import ObjectDataset as ObjectDataset
@@ -16,8 +19,11 @@ from ._objects import objects as objects
 
 __all__ = [
     "FileDataset",
+    "HTTPConnectionError",
     "HTTPStatusError",
+    "HTTPTimeoutError",
     "ObjectDataset",
+    "TransientHTTPError",
     "TransientStoreError",
     "UrlDataset",
     "files",
