@@ -12,16 +12,16 @@ import asyncio
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
-import aiofiles
 import torch
 from torch import nn
 
+from . import sources
 from ._dataset import AsyncDataset
 from ._loader import DataLoader
 from ._progress import Progress
+from ._retry import RetryPolicy
 
 __all__ = ["main"]
 
@@ -45,25 +45,6 @@ def write_dataset(folder: Path, n: int, seed: int = 0) -> list[Path]:
     return paths
 
 
-class Files(AsyncDataset[bytes]):
-    """One file per sample. A single sample is read with aiofiles; a whole batch is read in one
-    thread call, since one thread hop per small local file costs more than the read itself."""
-
-    def __init__(self, paths: list[Path]) -> None:
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    async def get(self, index: int) -> bytes:
-        async with aiofiles.open(self.paths[index], "rb") as f:
-            return await f.read()
-
-    async def get_many(self, indices: Sequence[int]) -> list[bytes]:
-        paths = [self.paths[i] for i in indices]
-        return await asyncio.to_thread(lambda: [p.read_bytes() for p in paths])
-
-
 def decode(raw: bytes) -> tuple[torch.Tensor, int]:
     """bytes → (normalised float image, label); runs on a worker, off the event loop."""
     image = torch.frombuffer(bytearray(raw[1:]), dtype=torch.uint8).reshape(_SHAPE)
@@ -76,13 +57,19 @@ async def train(args: argparse.Namespace) -> float:
     optimiser = torch.optim.SGD(model.parameters(), lr=0.5)
     loss_fn = nn.CrossEntropyLoss()
     with tempfile.TemporaryDirectory(prefix="aioloader-demo-") as tmp:
-        paths = write_dataset(Path(tmp), args.samples)
+        if args.url:  # a real store: credentials and endpoint from the environment
+            dataset: AsyncDataset[bytes] = sources.objects(args.url)
+            where = f"{len(dataset)} objects under {args.url}"
+        else:  # the embedded default: files in a temporary folder
+            write_dataset(Path(tmp), args.samples)
+            dataset = sources.files(tmp, suffix=".bin")
+            where = f"{len(dataset)} files in {tmp}"
         print(
-            f"demo: {len(paths)} files in {tmp}, batch {args.batch_size}, "
-            f"max_inflight {args.max_inflight}, {args.workers} worker(s)"
+            f"demo: {where}, batch {args.batch_size}, max_inflight {args.max_inflight}, "
+            f"{args.workers} worker(s)"
         )
         loader: DataLoader[tuple[torch.Tensor, torch.Tensor]] = DataLoader(
-            Files(paths),
+            dataset,
             batch_size=args.batch_size,
             shuffle=True,
             seed=0,
@@ -90,13 +77,14 @@ async def train(args: argparse.Namespace) -> float:
             num_workers=args.workers,
             max_inflight=args.max_inflight,
             prefetch=4,
+            retry=RetryPolicy(),
         )
         started = time.perf_counter()
         accuracy = 0.0
         async with loader:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
-                bar = Progress(len(paths), f"epoch {epoch + 1}/{args.epochs}")
+                bar = Progress(len(dataset), f"epoch {epoch + 1}/{args.epochs}")
                 correct = seen = 0
                 loss_sum = 0.0
                 async for images, labels in loader:
@@ -132,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=int, default=0, help="worker processes for decoding (0: one thread)"
     )
     parser.add_argument("--max-inflight", type=int, default=64)
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="read demo samples from an object store (s3://bucket/prefix/, with the usual "
+        "environment variables) instead of the embedded local folder; each object is one "
+        "label byte followed by a 3x16x16 uint8 image",
+    )
     args = parser.parse_args(argv)
     try:
         import uvloop

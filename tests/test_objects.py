@@ -140,3 +140,30 @@ async def test_throttling_is_retried_by_the_loader_and_counted() -> None:
         assert attempts["always"] == 3
     finally:
         await runner.cleanup()
+
+
+def test_demo_trains_from_an_s3_url(
+    bucket: dict[str, Any],
+    s3_endpoint: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Any,
+) -> None:
+    from aioloader import _demo
+
+    url = bucket["url"].replace("/train/", "/demo/")
+    store = from_url(url, config=bucket["config"], client_options={"allow_http": True})
+    _demo.write_dataset(tmp_path, 256)
+    for path in sorted(tmp_path.iterdir()):
+        obstore.put(store, path.name, path.read_bytes())
+    for name, value in {
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": CREDS["access_key_id"],
+        "AWS_SECRET_ACCESS_KEY": CREDS["secret_access_key"],
+        "AWS_REGION": CREDS["region"],
+        "AWS_ALLOW_HTTP": "true",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert _demo.main(["--url", url, "--epochs", "2", "--batch-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "256 objects under s3://" in out and "512 samples" in out

@@ -15,6 +15,7 @@ event loop, and workers get bytes, never clients.
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -135,7 +136,7 @@ def objects(
         config: Store configuration (obstore's keys: ``endpoint``, ``region``,
             ``access_key_id``, ...).
         client_options: HTTP client options (``{"allow_http": True}`` for a local endpoint,
-            ``timeout``, ...).
+            ``timeout``, ...). ``AWS_ALLOW_HTTP=true`` in the environment sets ``allow_http``.
         store: An already configured obstore store to use instead of building one from ``url``.
 
     Returns:
@@ -149,9 +150,12 @@ def objects(
     from obstore.store import from_url
 
     if store is None:
+        client = dict(client_options or {})
+        if os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true":
+            client.setdefault("allow_http", True)  # the variable object_store's own builder reads
         options: dict[str, Any] = {
             "config": dict(config or {}),
-            "client_options": dict(client_options or {}),
+            "client_options": client,
             "retry_config": {"max_retries": 0},  # the loader's RetryPolicy retries, and counts
         }
         store = from_url(url, **options)  # obstore's typed overloads are per store kind
