@@ -1,0 +1,462 @@
+"""A streaming reader of WebDataset-style tar shards on the local disk.
+
+Owns: reading shard files in chunks with aiofiles, an incremental parser of tar headers (ustar,
+GNU long names, pax ``path``/``size``), WebDataset grouping of members into samples, the per-epoch
+shard shuffle, the rank split of shards and the sample shuffle buffer. Never: decodes member
+bytes, reads a whole shard into memory, or uses :mod:`tarfile`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import aiofiles
+
+from .._dataset import AsyncIterableDataset
+from .._sampler import derive_seed, resolve_rank
+
+__all__ = ["CorruptShardError", "TarShards", "tar_shards"]
+
+_BLOCK = 512
+_REGULAR = (b"0", b"\0")
+_GNU_LONGNAME = b"L"
+_GNU_LONGLINK = b"K"
+_PAX = b"x"
+_PAX_GLOBAL = b"g"
+_MAX_META = 1 << 20  # the largest GNU long name or pax header accepted, in bytes
+_OCTAL = frozenset(b"01234567")
+
+
+class CorruptShardError(ValueError):
+    """A shard is truncated or not a valid tar file; the message names the shard and the byte
+    offset where the problem was found."""
+
+
+def tar_shards(
+    shards: Sequence[str | os.PathLike[str]],
+    *,
+    shuffle_shards: bool = False,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    chunk_size: int = 1 << 20,
+) -> TarShards:
+    """A dataset streaming the samples of local WebDataset tar shards.
+
+    See :class:`TarShards` for the arguments, the sample format and the policies.
+    """
+    return TarShards(
+        shards,
+        shuffle_shards=shuffle_shards,
+        shuffle_buffer=shuffle_buffer,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        chunk_size=chunk_size,
+    )
+
+
+class TarShards(AsyncIterableDataset[dict[str, Any]]):
+    """Streams the samples of WebDataset-style tar shards, one shard after the other.
+
+    Each shard is read with aiofiles in reads of ``chunk_size`` bytes and parsed incrementally;
+    only the members of the current sample (and the shuffle buffer) are held in memory.
+
+    Samples: consecutive regular-file members with the same key (the member path up to the first
+    dot of its last component, folders included) form one sample, a dict::
+
+        {"__key__": "dir/0001", "__shard__": "/data/shard-0.tar", "jpg": b"...", "cls": b"..."}
+
+    ``__key__`` and ``__shard__`` are ``str`` (the member name decoded as UTF-8 with
+    ``surrogateescape``; the shard path as ``os.fspath`` gives it); every other value is the
+    member's ``bytes``, under its extension (everything after that first dot, e.g. ``"seg.png"``).
+    Directories, links and other non-regular members are skipped, as are members whose last
+    component has no extension or starts with a dot (as WebDataset does). A leading ``./`` of a
+    member name is dropped.
+
+    Epochs: each :meth:`__aiter__` call starts the next epoch (the first is 0);
+    :meth:`set_epoch` chooses the epoch of the next call.
+
+    Shuffling: with ``shuffle_shards`` the epoch's shard order is a permutation drawn with
+    ``random.Random(derive_seed(seed, epoch))``; with ``shuffle_buffer > 1`` samples pass through a
+    buffer of that size (filled first, then each new sample takes a random slot and the evicted
+    sample is yielded; what is left is yielded in random order at the end), drawn with
+    ``random.Random(derive_seed(seed, epoch, 1))``. The same seed and epoch give the same order.
+
+    Ranks: after the shuffle, shard ``j`` of the epoch's order goes to rank ``j % world_size``
+    (``rank`` and ``world_size`` resolved with :func:`aioloader._sampler.resolve_rank` at each
+    epoch: explicit values, else ``torch.distributed``, else rank 0 of 1). When the number of
+    shards is not a multiple of ``world_size``, the last ``len(shards) % world_size`` shards of the
+    epoch's order are dropped, so every rank reads the same number of shards (equal shard counts,
+    not equal sample counts: shards of different sizes still give ranks different numbers of
+    samples). Do not also pass ``distributed=True`` to the loader, which would split the stream
+    a second time.
+
+    Args:
+        shards: Paths of local tar files.
+        shuffle_shards: Shuffle the shard order each epoch.
+        shuffle_buffer: Size of the sample shuffle buffer; 0 or 1 keeps the stream order.
+        seed: The base seed of both shuffles.
+        rank: This rank, or None to detect it.
+        world_size: The number of ranks, or None to detect it.
+        chunk_size: Bytes per read from a shard file.
+
+    Raises:
+        TypeError: An argument has the wrong type.
+        ValueError: ``shards`` is empty or a string, ``shuffle_buffer < 0``, ``chunk_size < 1``,
+            or ``rank``/``world_size`` are out of range.
+
+    Iterating raises:
+        ValueError: A member name is absolute, has a ``..`` component or a NUL, or a sample has
+            the same extension twice (naming the shard, the member and its header offset).
+        CorruptShardError: A shard is truncated (including a missing end-of-archive block), a
+            header checksum does not match, or a size field is not a number (naming the shard
+            and the byte offset).
+        OSError: A shard cannot be opened or read, with a note naming it.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[str | os.PathLike[str]],
+        *,
+        shuffle_shards: bool = False,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        chunk_size: int = 1 << 20,
+    ) -> None:
+        if isinstance(shards, str | bytes) or not isinstance(shards, Sequence):
+            raise TypeError(f"shards must be a sequence of paths, got {shards!r}")
+        if not shards:
+            raise ValueError("shards must name at least one tar file")
+        self._shards = [os.fspath(s) for s in shards]
+        for s in self._shards:
+            if not isinstance(s, str):
+                raise TypeError(f"shards must be str paths, got {s!r}")
+        self._shuffle_shards = _check_bool("shuffle_shards", shuffle_shards)
+        self._shuffle_buffer = _check_int("shuffle_buffer", shuffle_buffer, minimum=0)
+        self._chunk_size = _check_int("chunk_size", chunk_size, minimum=1)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self._seed = seed
+        if rank is not None and world_size is not None:
+            resolve_rank(rank, world_size)  # validate early
+        self._rank = rank
+        self._world_size = world_size
+        self._next_epoch = 0
+
+    @property
+    def shards(self) -> list[str]:
+        """The shard paths, in the order given (a copy)."""
+        return list(self._shards)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(shards={len(self._shards)}, "
+            f"shuffle_shards={self._shuffle_shards}, shuffle_buffer={self._shuffle_buffer})"
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next :meth:`__aiter__` call iterates.
+
+        Raises:
+            TypeError: ``epoch`` is not an int.
+            ValueError: ``epoch`` is negative.
+        """
+        self._next_epoch = _check_int("epoch", epoch, minimum=0)
+
+    def epoch_shards(self, epoch: int) -> list[str]:
+        """The shards this rank reads in ``epoch``, in reading order.
+
+        Raises:
+            TypeError, ValueError: As for :meth:`set_epoch`, or a bad rank/world size.
+        """
+        epoch = _check_int("epoch", epoch, minimum=0)
+        rank, world = resolve_rank(self._rank, self._world_size)
+        order = list(self._shards)
+        if self._shuffle_shards:
+            random.Random(derive_seed(self._seed, epoch)).shuffle(order)
+        usable = len(order) - len(order) % world
+        return order[rank:usable:world]
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        """Start the next epoch: an async generator over this rank's samples.
+
+        Cancellation: closing the generator early (``aclose``) closes the open shard file.
+        """
+        epoch = self._next_epoch
+        self._next_epoch = epoch + 1
+        shards = self.epoch_shards(epoch)
+        return self._epoch(shards, epoch)
+
+    async def _epoch(self, shards: list[str], epoch: int) -> AsyncGenerator[dict[str, Any], None]:
+        size = self._shuffle_buffer
+        if size <= 1:
+            for shard in shards:
+                async with aclosing(_read_shard(shard, self._chunk_size)) as samples:
+                    async for sample in samples:
+                        yield sample
+            return
+        rng = random.Random(derive_seed(self._seed, epoch, 1))
+        buffer: list[dict[str, Any]] = []
+        for shard in shards:
+            async with aclosing(_read_shard(shard, self._chunk_size)) as samples:
+                async for sample in samples:
+                    if len(buffer) < size:
+                        buffer.append(sample)
+                        continue
+                    slot = rng.randrange(size)
+                    evicted, buffer[slot] = buffer[slot], sample
+                    yield evicted
+        rng.shuffle(buffer)
+        while buffer:
+            yield buffer.pop()
+
+
+# -- reading and parsing -------------------------------------------------------------------------
+
+
+class _Stream:
+    """Exact-size reads over a file read in chunks, tracking the byte offset."""
+
+    def __init__(self, f: Any, shard: str, chunk_size: int) -> None:
+        self._f = f
+        self._shard = shard
+        self._chunk = chunk_size
+        self._buf = bytearray()
+        self._pos = 0
+        self.offset = 0  # the offset in the file of the next byte returned
+
+    async def _fill(self, n: int) -> bool:
+        """Make ``n`` bytes available; False at end of file before that."""
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        while len(self._buf) < n:
+            chunk = await self._f.read(self._chunk)
+            if not chunk:
+                return False
+            self._buf += chunk
+        return True
+
+    async def read(self, n: int, what: str) -> bytes:
+        """Return exactly ``n`` bytes; raise CorruptShardError naming ``what`` at end of file."""
+        if len(self._buf) - self._pos < n and not await self._fill(n):
+            have = len(self._buf) - self._pos
+            raise CorruptShardError(
+                f"tar shard {self._shard!r} is truncated: {what} needs {n} bytes at offset "
+                f"{self.offset}, only {have} left"
+            )
+        out = bytes(self._buf[self._pos : self._pos + n])
+        self._pos += n
+        self.offset += n
+        return out
+
+    async def at_eof(self) -> bool:
+        """True if no byte is left."""
+        return len(self._buf) - self._pos == 0 and not await self._fill(1)
+
+    async def skip(self, n: int, what: str) -> None:
+        """Discard ``n`` bytes, one chunk at a time."""
+        while n > 0:
+            step = min(n, self._chunk)
+            await self.read(step, what)
+            n -= step
+
+
+def _padding(size: int) -> int:
+    return -size % _BLOCK
+
+
+def _corrupt(shard: str, offset: int, problem: str) -> CorruptShardError:
+    return CorruptShardError(f"tar shard {shard!r} is corrupt at offset {offset}: {problem}")
+
+
+def _checksum_ok(header: bytes, shard: str, offset: int) -> bool:
+    field = header[148:156]
+    digits = field.replace(b"\0", b" ").strip()
+    if not digits or not set(digits) <= _OCTAL:
+        raise _corrupt(shard, offset, f"checksum field is not octal: {field!r}")
+    stored = int(digits, 8)
+    blanked = header[:148] + b" " * 8 + header[156:]
+    unsigned = sum(blanked)
+    signed = sum(b - 256 if b > 127 else b for b in blanked)
+    return stored in (unsigned, signed)
+
+
+def _size(header: bytes, shard: str, offset: int) -> int:
+    field = header[124:136]
+    if field[0] & 0x80:  # GNU base-256
+        if field[0] == 0xFF:
+            raise _corrupt(shard, offset, "negative size")
+        return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
+    digits = field.replace(b"\0", b" ").strip()
+    if not digits:
+        return 0
+    if not set(digits) <= _OCTAL:
+        raise _corrupt(shard, offset, f"size field is not octal: {field!r}")
+    return int(digits, 8)
+
+
+def _cstr(field: bytes) -> bytes:
+    end = field.find(b"\0")
+    return field if end < 0 else field[:end]
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _header_name(header: bytes) -> bytes:
+    name = _cstr(header[0:100])
+    if header[257:263] == b"ustar\x00":  # POSIX ustar: a prefix field may hold the folders
+        prefix = _cstr(header[345:500])
+        if prefix:
+            name = prefix + b"/" + name
+    return name
+
+
+def _parse_pax(data: bytes, shard: str, offset: int) -> dict[bytes, bytes]:
+    """Parse pax records ``"<len> <key>=<value>\\n"``."""
+    out: dict[bytes, bytes] = {}
+    pos = 0
+    while pos < len(data):
+        if data[pos:].strip(b"\0") == b"":
+            break
+        space = data.find(b" ", pos)
+        length_text = data[pos:space] if space > pos else b""
+        if not length_text.isdigit():
+            raise _corrupt(shard, offset, "malformed pax header record")
+        end = pos + int(length_text)
+        record = data[space + 1 : end]
+        if end > len(data) or end <= space or not record.endswith(b"\n") or b"=" not in record:
+            raise _corrupt(shard, offset, "malformed pax header record")
+        key, _, value = record[:-1].partition(b"=")
+        out[key] = value
+        pos = end
+    return out
+
+
+def _check_name(name: str, shard: str, offset: int) -> str:
+    """Reject names that escape; return the name without leading ``./``."""
+    bad = ""
+    if "\0" in name:
+        bad = "contains a NUL"
+    elif name.startswith("/"):
+        bad = "is absolute"
+    elif ".." in name.split("/"):
+        bad = "has a '..' component"
+    elif not name:
+        bad = "is empty"
+    if bad:
+        raise ValueError(
+            f"tar shard {shard!r}: member {name!r} at offset {offset} {bad}; refusing to read it"
+        )
+    while name.startswith("./"):
+        name = name[2:]
+    return name
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    """``dir/0001.seg.png`` -> ``("dir/0001", "seg.png")``; None without an extension."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not stem or not dot:
+        return None
+    return (f"{folder}/{stem}" if folder else stem), ext
+
+
+async def _members(stream: _Stream, shard: str) -> AsyncGenerator[tuple[str, int, bytes], None]:
+    """Yield ``(name, header offset, data)`` for each regular member of one shard."""
+    long_name: bytes | None = None
+    pax: dict[bytes, bytes] = {}
+    while True:
+        offset = stream.offset
+        if await stream.at_eof():
+            raise CorruptShardError(
+                f"tar shard {shard!r} is truncated: it ends at offset {offset} without an "
+                "end-of-archive block"
+            )
+        header = await stream.read(_BLOCK, "a header")
+        if header == bytes(_BLOCK):
+            return  # end of archive (the second zero block and the padding are not read)
+        if not _checksum_ok(header, shard, offset):
+            raise _corrupt(shard, offset, "header checksum mismatch")
+        size = _size(header, shard, offset)
+        kind = header[156:157]
+        if kind in (_GNU_LONGNAME, _GNU_LONGLINK, _PAX, _PAX_GLOBAL):
+            if size > _MAX_META:
+                raise _corrupt(shard, offset, f"metadata member of {size} bytes")
+            data = await stream.read(size, "a metadata member")
+            await stream.skip(_padding(size), "padding")
+            if kind == _GNU_LONGNAME:
+                long_name = data.rstrip(b"\0")
+            elif kind == _PAX:
+                pax = _parse_pax(data, shard, offset)
+            continue
+        raw = long_name if long_name is not None else _header_name(header)
+        raw = pax.get(b"path", raw)
+        if b"size" in pax:
+            text = pax[b"size"]
+            if not text.isdigit():
+                raise _corrupt(shard, offset, f"pax size is not a number: {text!r}")
+            size = int(text)
+        long_name, pax = None, {}
+        name = _check_name(_decode(raw), shard, offset)
+        if kind in _REGULAR:
+            data = await stream.read(size, f"member {name!r} (header at offset {offset})")
+            await stream.skip(_padding(size), "padding")
+            yield name, offset, data
+        else:
+            await stream.skip(size + _padding(size), f"member {name!r}")
+
+
+async def _read_shard(shard: str, chunk_size: int) -> AsyncGenerator[dict[str, Any], None]:
+    """Yield the samples of one shard; the file is closed when the generator ends or closes."""
+    try:
+        async with (
+            aiofiles.open(shard, "rb") as f,
+            aclosing(_members(_Stream(f, shard, chunk_size), shard)) as members,
+        ):
+            sample: dict[str, Any] | None = None
+            async for name, offset, data in members:
+                parts = _split(name)
+                if parts is None:
+                    continue
+                key, ext = parts
+                if sample is not None and sample["__key__"] != key:
+                    yield sample
+                    sample = None
+                if sample is None:
+                    sample = {"__key__": key, "__shard__": shard}
+                if ext in sample:
+                    raise ValueError(
+                        f"tar shard {shard!r}: member {name!r} at offset {offset} repeats "
+                        f"extension {ext!r} of sample {key!r}"
+                    )
+                sample[ext] = data
+            if sample is not None:
+                yield sample
+    except OSError as exc:
+        exc.add_note(f"aioloader.sources.tar_shards: reading {shard!r}")
+        raise
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value

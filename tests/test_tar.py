@@ -1,0 +1,292 @@
+"""``aioloader.sources._tar``: WebDataset tar shards written with ``tarfile``, streamed back."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import aioloader
+from aioloader.sources._tar import CorruptShardError, TarShards, tar_shards
+
+EXTS = ("jpg", "cls", "seg.png")
+
+
+def payload(shard: int, sample: int, ext: str) -> bytes:
+    return f"<{shard}/{sample}.{ext}>".encode() * (1 + sample % 3)
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> None:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.size = len(data) if kind == tarfile.REGTYPE else 0
+    tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+def make_shard(
+    path: Path,
+    members: Sequence[tuple[str, bytes]],
+    fmt: int = tarfile.USTAR_FORMAT,
+) -> Path:
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for name, data in members:
+            add(tar, name, data)
+    return path
+
+
+def make_shards(root: Path, n_shards: int = 3, n_samples: int = 10) -> list[Path]:
+    paths = []
+    for s in range(n_shards):
+        members = [
+            (f"s{s}/{j:04d}.{ext}", payload(s, j, ext)) for j in range(n_samples) for ext in EXTS
+        ]
+        paths.append(make_shard(root / f"shard-{s}.tar", members))
+    return paths
+
+
+async def collect(ds: TarShards) -> list[dict[str, Any]]:
+    return [sample async for sample in ds]
+
+
+def keys(samples: Sequence[dict[str, Any]]) -> list[str]:
+    return [s["__key__"] for s in samples]
+
+
+ALL_KEYS = sorted(f"s{s}/{j:04d}" for s in range(3) for j in range(10))
+
+
+async def test_grouping_keys_extensions_and_bytes(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path)
+    got = await collect(tar_shards(paths))
+    assert len(got) == 30
+    for i, sample in enumerate(got):
+        s, j = divmod(i, 10)
+        assert sample == {
+            "__key__": f"s{s}/{j:04d}",
+            "__shard__": str(paths[s]),
+            **{ext: payload(s, j, ext) for ext in EXTS},
+        }
+
+
+async def test_directories_and_links_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        add(tar, "d", b"", tarfile.DIRTYPE)
+        add(tar, "d/1.txt", b"one")
+        info = tarfile.TarInfo("d/1.lnk")
+        info.type = tarfile.SYMTYPE
+        info.linkname = "1.txt"
+        tar.addfile(info)
+        add(tar, "./d/2.txt", b"two")
+    got = await collect(tar_shards([path]))
+    assert got == [
+        {"__key__": "d/1", "__shard__": str(path), "txt": b"one"},
+        {"__key__": "d/2", "__shard__": str(path), "txt": b"two"},
+    ]
+
+
+async def test_loader_reads_every_sample_once_per_epoch(tmp_path: Path) -> None:
+    ds = tar_shards(make_shards(tmp_path), shuffle_shards=True, shuffle_buffer=7, seed=5)
+    loader: aioloader.DataLoader[list[dict[str, Any]]] = aioloader.DataLoader(
+        ds, batch_size=4, collate_fn=list
+    )
+    epochs = []
+    async with loader:
+        for _ in range(2):
+            batches = [b async for b in loader]
+            assert all(len(b) == 4 for b in batches[:-1])
+            epochs.append(keys([x for b in batches for x in b]))
+    for order in epochs:
+        assert sorted(order) == ALL_KEYS
+    assert epochs[0] != epochs[1]
+
+
+async def test_shuffle_is_a_seeded_permutation(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path)
+
+    async def order(seed: int, epoch: int) -> list[str]:
+        ds = tar_shards(paths, shuffle_shards=True, shuffle_buffer=8, seed=seed)
+        ds.set_epoch(epoch)
+        return keys(await collect(ds))
+
+    first = await order(1, 0)
+    assert sorted(first) == ALL_KEYS
+    assert first != ALL_KEYS
+    assert await order(1, 0) == first
+    assert await order(1, 1) != first
+    assert await order(2, 0) != first
+    # Each __aiter__ starts the next epoch.
+    ds = tar_shards(paths, shuffle_shards=True, shuffle_buffer=8, seed=1)
+    assert keys(await collect(ds)) == first
+    assert keys(await collect(ds)) == await order(1, 1)
+
+
+async def test_no_shuffle_keeps_the_stream_order(tmp_path: Path) -> None:
+    ds = tar_shards(make_shards(tmp_path))
+    assert keys(await collect(ds)) == ALL_KEYS
+    assert keys(await collect(ds)) == ALL_KEYS
+
+
+async def test_rank_split_is_disjoint_and_even(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path, n_shards=4, n_samples=5)
+    everything = sorted(keys(await collect(tar_shards(paths))))
+    for epoch in range(2):
+        per_rank = []
+        for rank in range(2):
+            ds = tar_shards(paths, shuffle_shards=True, seed=9, rank=rank, world_size=2)
+            ds.set_epoch(epoch)
+            assert len(ds.epoch_shards(epoch)) == 2
+            per_rank.append(keys(await collect(ds)))
+        assert len(per_rank[0]) == len(per_rank[1]) == 10
+        assert not set(per_rank[0]) & set(per_rank[1])
+        assert sorted(per_rank[0] + per_rank[1]) == everything
+
+
+async def test_uneven_shards_drop_the_tail(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path, n_shards=5, n_samples=2)
+    names = {str(p) for p in paths}
+    for epoch in range(3):
+        chosen = []
+        for rank in range(2):
+            ds = tar_shards(paths, shuffle_shards=True, seed=4, rank=rank, world_size=2)
+            ds.set_epoch(epoch)
+            shards = ds.epoch_shards(epoch)
+            assert len(shards) == 2
+            got = await collect(ds)
+            assert len(got) == 4
+            assert {s["__shard__"] for s in got} == set(shards)
+            chosen += shards
+        assert len(set(chosen)) == 4 and set(chosen) < names
+
+
+@pytest.mark.parametrize("name", ["../evil.txt", "/abs.txt", "a/../../b.txt"])
+async def test_escaping_names_are_rejected(tmp_path: Path, name: str) -> None:
+    path = make_shard(tmp_path / "evil.tar", [("ok.txt", b"fine"), (name, b"bad")])
+    with pytest.raises(ValueError, match=r"evil\.tar") as info:
+        await collect(tar_shards([path]))
+    message = str(info.value)
+    assert repr(name) in message
+    assert "offset 1024" in message  # the second header: 512 header + 512 data block
+
+
+async def test_truncated_member_names_shard_and_offset(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "cut.tar", [("a.bin", b"x" * 3000), ("b.bin", b"y" * 3000)])
+    data = path.read_bytes()
+    path.write_bytes(data[: 512 * 8 + 100])  # inside b.bin's data (its header is at 3584)
+    ds = tar_shards([path], chunk_size=700)
+    got = []
+    with pytest.raises(CorruptShardError, match=r"cut\.tar.*truncated") as info:
+        async for sample in ds:
+            got.append(sample)
+    assert got == []  # "a" is complete only once the next member's key is known
+    assert "offset 4096" in str(info.value)
+    assert "b.bin" in str(info.value)
+
+
+async def test_missing_end_of_archive_is_truncation(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "cut.tar", [("a.bin", b"x" * 512)])
+    path.write_bytes(path.read_bytes()[:1024])
+    with pytest.raises(CorruptShardError, match="offset 1024"):
+        await collect(tar_shards([path]))
+
+
+async def test_flipped_header_byte_fails_the_checksum(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "flip.tar", [("a.bin", b"x" * 10), ("b.bin", b"y" * 10)])
+    data = bytearray(path.read_bytes())
+    data[1024 + 1] ^= 0x01  # the second header's name
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match=r"flip\.tar.*offset 1024.*checksum"):
+        await collect(tar_shards([path]))
+
+
+async def test_non_octal_size_is_corrupt(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "size.tar", [("a.bin", b"x" * 10)])
+    data = bytearray(path.read_bytes())
+    data[124:136] = b"00000000z12\0"
+    rechecksum(data, 0)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match=r"size\.tar.*offset 0.*not octal"):
+        await collect(tar_shards([path]))
+
+
+async def test_big_member_streams_in_small_chunks(tmp_path: Path) -> None:
+    big = bytes(range(256)) * (3 * 1024 * 4)  # 3 MiB
+    path = make_shard(
+        tmp_path / "big.tar", [("x/1.bin", big), ("x/1.txt", b"t"), ("x/2.bin", b"z" * 7)]
+    )
+    got = await collect(tar_shards([path], chunk_size=64 * 1024))
+    assert keys(got) == ["x/1", "x/2"]
+    assert got[0]["bin"] == big and got[0]["txt"] == b"t"
+    assert got[1]["bin"] == b"z" * 7
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+async def test_long_names(tmp_path: Path, fmt: int) -> None:
+    folder = "/".join(["d" * 60] * 4)
+    members = [(f"{folder}/0001.jpg", b"j"), (f"{folder}/0001.cls", b"c")]
+    path = make_shard(tmp_path / "long.tar", members, fmt=fmt)
+    got = await collect(tar_shards([path], chunk_size=100))
+    assert got == [{"__key__": f"{folder}/0001", "__shard__": str(path), "jpg": b"j", "cls": b"c"}]
+
+
+async def test_long_escaping_name_is_rejected(tmp_path: Path) -> None:
+    name = "a" * 120 + "/../../x.txt"
+    path = make_shard(tmp_path / "longevil.tar", [(name, b"x")], fmt=tarfile.GNU_FORMAT)
+    with pytest.raises(ValueError, match=r"longevil\.tar.*'\.\.'"):
+        await collect(tar_shards([path]))
+
+
+async def test_early_stop_closes_the_shard(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path)
+    ds = tar_shards(paths, shuffle_buffer=3)
+    it = ds.__aiter__()
+    first = await it.__anext__()
+    assert first["__key__"].startswith("s0/")
+    await it.aclose()  # type: ignore[attr-defined]
+    # A fresh epoch after an early stop starts from the beginning.
+    assert sorted(keys(await collect(ds))) == ALL_KEYS
+
+
+def test_arguments_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        tar_shards([])
+    with pytest.raises(TypeError):
+        tar_shards("a.tar")
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        tar_shards(["a.tar"], shuffle_buffer=-1)
+    with pytest.raises(ValueError, match="chunk_size"):
+        tar_shards(["a.tar"], chunk_size=0)
+    with pytest.raises(ValueError, match="rank"):
+        tar_shards(["a.tar"], rank=2, world_size=2)
+
+
+def rechecksum(data: bytearray, at: int) -> None:
+    header = data[at : at + 512]
+    chk = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    data[at + 148 : at + 156] = b"%06o\0 " % chk
+
+
+async def test_gnu_base256_size(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "b256.tar", [("a.bin", b"x" * 10), ("a.txt", b"t")])
+    data = bytearray(path.read_bytes())
+    data[124:136] = b"\x80" + (10).to_bytes(11, "big")
+    rechecksum(data, 0)
+    path.write_bytes(bytes(data))
+    got = await collect(tar_shards([path]))
+    assert got == [{"__key__": "a", "__shard__": str(path), "bin": b"x" * 10, "txt": b"t"}]
+
+
+async def test_repeated_extension_is_rejected(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "dup.tar", [("a.bin", b"1"), ("a.bin", b"2")])
+    with pytest.raises(ValueError, match=r"dup\.tar.*'a\.bin'.*offset 1024.*repeats"):
+        await collect(tar_shards([path]))
+
+
+async def test_missing_shard_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as info:
+        await collect(tar_shards([tmp_path / "nope.tar"]))
+    assert "nope.tar" in "\n".join(info.value.__notes__)
