@@ -16,14 +16,33 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import anyio
 
-__all__ = ["ThreadOffload"]
+__all__ = ["ThreadOffload", "wait_thread_future"]
 
 R = TypeVar("R")
+
+
+async def wait_thread_future(future: Future[R]) -> R:
+    """Await a thread pool's future, with this module's cancellation policy.
+
+    Raises:
+        Exception: Whatever the call raised.
+
+    Cancellation: a call not yet started is withdrawn; a running one is waited for (shielded)
+    and its result dropped; then ``CancelledError`` goes on.
+    """
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if not future.cancel():
+            waiter = asyncio.wrap_future(future)
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await waiter
+        raise
 
 
 class ThreadOffload:
@@ -71,15 +90,7 @@ class ThreadOffload:
         Cancellation: a call not yet started is withdrawn; a running one is waited for
         (shielded) and its result dropped; then ``CancelledError`` goes on.
         """
-        future = self._pool.submit(fn, *args)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            if not future.cancel():
-                waiter = asyncio.wrap_future(future)
-                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    await waiter
-            raise
+        return await wait_thread_future(self._pool.submit(fn, *args))
 
     def close(self) -> None:
         """Join the pool's threads. Calls still queued are cancelled; none should be running,

@@ -32,8 +32,6 @@ event loop's default executor.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import logging
 import os
@@ -44,9 +42,9 @@ from pathlib import Path, PurePosixPath
 from types import TracebackType
 
 import aiofiles
-import anyio
 
 from .._dataset import AsyncDataset
+from .._offload import wait_thread_future
 
 __all__ = ["FileDataset", "files"]
 
@@ -281,15 +279,7 @@ class FileDataset(AsyncDataset[bytes]):
         if pool is None:
             return [await self.get(i) for i in indices]
         items = [(self._keys[i], self._paths[i]) for i in indices]  # a bad index fails here
-        future = pool.submit(self._read_many, items)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            if not future.cancel():
-                waiter = asyncio.wrap_future(future)
-                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    await waiter
-            raise
+        return await wait_thread_future(pool.submit(self._read_many, items))
 
     def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
         """Blocking: read each ``(key, path)`` in turn (runs on one of the dataset's threads)."""
