@@ -4,7 +4,7 @@ This module owns which dataset indices an epoch visits and in what order:
 the sequential, random and distributed samplers, the batch sampler that groups
 their indices, seed derivation (:func:`derive_seed`), rank resolution
 (:func:`resolve_rank`) and the sharding rules shared by map-style and iterable
-datasets (:func:`shard`, :func:`shard_stream_position`).
+datasets (:func:`shard`, :func:`shard_stream_position`, :func:`epoch_parts`).
 
 It is pure: no event loop, no I/O, no threads. The only outside state it reads
 is torch's default random generator (to draw an unseeded sampler's base seed)
@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Iterable, Iterator, Sized
+import random
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
 __all__ = ["BatchSampler", "DistributedSampler", "RandomSampler", "SequentialSampler"]
+
+T_Part = TypeVar("T_Part")
 
 _SEED_BITS = 63
 _SEED_PERSON = b"aioloader.seed"
@@ -210,6 +214,35 @@ def shard_stream_position(position: int, rank: int, world_size: int) -> bool:
     if position < 0:
         raise ValueError(f"position must be a non-negative int, got {position!r}")
     return position % world_size == rank
+
+
+def epoch_parts(
+    parts: Sequence[T_Part],
+    epoch: int,
+    *,
+    seed: int,
+    shuffle: bool,
+    rank: int | None,
+    world_size: int | None,
+) -> list[T_Part]:
+    """This rank's parts (shards, files) of a stream dataset in ``epoch``, in reading order.
+
+    With ``shuffle``, the order is a permutation drawn with
+    ``random.Random(derive_seed(seed, epoch))``. Part ``j`` of that order goes to rank
+    ``j % world_size``; the last ``len(parts) % world_size`` parts are left out so every rank
+    gets as many parts as the others.
+
+    Raises:
+        TypeError, ValueError: ``epoch`` is not an int >= 0, or a bad rank or world size (see
+            :func:`resolve_rank`).
+    """
+    epoch = _check_int("epoch", epoch, minimum=0)
+    rank, world = resolve_rank(rank, world_size)
+    order = list(parts)
+    if shuffle:
+        random.Random(derive_seed(seed, epoch)).shuffle(order)
+    usable = len(order) - len(order) % world
+    return order[rank:usable:world]
 
 
 class SequentialSampler(Sampler[int]):

@@ -1,5 +1,6 @@
-"""Shared test setup: every async test runs on asyncio and on uvloop, in debug mode, and every
-test ends with no aioloader thread alive."""
+"""Shared test setup: every async test runs on asyncio and on uvloop, in debug mode, every
+test ends with no aioloader thread alive, and an S3-compatible server (moto) starts on
+127.0.0.1 for the tests that ask for ``s3_endpoint``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 import uvloop
+from moto.server import ThreadedMotoServer
 
 
 def pytest_asyncio_loop_factories(
@@ -25,3 +27,15 @@ def aioloader_threads() -> list[str]:
 def _no_thread_left() -> Iterator[None]:
     yield
     assert aioloader_threads() == [], "a test left aioloader threads running"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """The URL of moto's S3-compatible server on 127.0.0.1 (a free port), for the session."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()

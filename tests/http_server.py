@@ -1,7 +1,8 @@
 """A real HTTP server on 127.0.0.1 that injects faults on request, for testing HTTP sources.
 
-``FaultServer`` serves deterministic 1 KiB objects at ``/obj/{i}`` (with ``Range`` support), a
-redirect to each at ``/redirect/{i}`` and a redirect loop at ``/loop``, and before answering
+``FaultServer`` serves deterministic 1 KiB objects (or the bytes a test puts in its
+``objects``) at ``/obj/{i}`` (with ``Range``, ``ETag`` and ``If-Range`` support), a redirect
+to each at ``/redirect/{i}`` and a redirect loop at ``/loop``, and before answering
 consults its :class:`FaultPlan`: a fault queued for the path (once, or every time), else, with
 probability ``p``, one drawn from a seeded ``random.Random``. Faults are real network behaviour:
 an error status, a connection aborted before any response, a body shorter than its
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import enum
 import random
+import zlib
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -104,6 +106,7 @@ class FaultServer:
 
     Attributes:
         n: Objects served (``/obj/{i}`` for ``0 <= i < n``; other indices answer 404).
+        objects: Bodies that replace the default ``body(i)`` of their index.
         plan: The faults to inject; change it at any time.
         requests: Requests received, per path (faulted ones included).
         faults: Faults injected, per kind.
@@ -122,6 +125,7 @@ class FaultServer:
         self.active = 0
         self.max_active = 0
         self.port = 0
+        self.objects: dict[int, bytes] = {}
         self._stop = asyncio.Event()
         self._runner: web.AppRunner | None = None
 
@@ -207,24 +211,29 @@ class FaultServer:
             assert transport is not None
             transport.abort()
             raise web.HTTPServiceUnavailable  # never written: the connection is gone
-        # TRUNCATE: promise the whole body, send half of it, close the connection.
-        data = body(int(request.match_info.get("i", "0")))
-        resp = web.StreamResponse(status=200)
-        resp.content_length = len(data)
-        resp.content_type = "application/octet-stream"
+        # TRUNCATE: promise the whole answer, send half of it, close the connection.
+        answer = self._answer(request)
+        assert isinstance(answer.body, bytes)
+        resp = web.StreamResponse(status=answer.status, headers=answer.headers)
+        resp.content_length = len(answer.body)
         await resp.prepare(request)
-        await resp.write(data[: len(data) // 2])
+        await resp.write(answer.body[: len(answer.body) // 2])
         assert transport is not None
         transport.close()
         return resp
 
-    async def _object(self, request: web.Request) -> web.StreamResponse:
-        i = int(request.match_info["i"])
+    def _answer(self, request: web.Request) -> web.Response:
+        i = int(request.match_info.get("i", "0"))
         if i >= self.n:
             raise web.HTTPNotFound(text=f"no object {i}")
-        data = body(i)
-        if request.headers.get("Range") is None or self.plan.ignore_range:
-            return web.Response(body=data, content_type="application/octet-stream")
+        data = self.objects.get(i, body(i))
+        etag = f'"{zlib.crc32(data):08x}-{len(data)}"'
+        if_range = request.headers.get("If-Range")
+        ranged = request.headers.get("Range") is not None and not self.plan.ignore_range
+        if not ranged or (if_range is not None and if_range != etag):
+            return web.Response(
+                body=data, content_type="application/octet-stream", headers={"ETag": etag}
+            )
         try:
             rng = request.http_range
         except ValueError:
@@ -236,8 +245,11 @@ class FaultServer:
             status=206,
             body=data[start:stop],
             content_type="application/octet-stream",
-            headers={"Content-Range": f"bytes {start}-{stop - 1}/{len(data)}"},
+            headers={"Content-Range": f"bytes {start}-{stop - 1}/{len(data)}", "ETag": etag},
         )
+
+    async def _object(self, request: web.Request) -> web.StreamResponse:
+        return self._answer(request)
 
     async def _redirect(self, request: web.Request) -> web.StreamResponse:
         raise web.HTTPFound(f"/obj/{request.match_info['i']}")

@@ -4,31 +4,18 @@ and against a real aiohttp server that throttles, for the retry path."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import obstore
 import pytest
 from aiohttp import web
-from moto.server import ThreadedMotoServer
 from obstore.store import from_url
 
 import aioloader
 from aioloader.sources import ObjectDataset, TransientStoreError
 
 CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
 
 
 @pytest.fixture

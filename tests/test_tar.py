@@ -255,7 +255,8 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least one"):
         tar_shards([])
     with pytest.raises(TypeError):
-        tar_shards("a.tar")
+        tar_shards(b"a.tar")  # type: ignore[arg-type]
+    assert tar_shards("a.tar").shards == ["a.tar"]  # a string is a (brace) pattern
     with pytest.raises(ValueError, match="shuffle_buffer"):
         tar_shards(["a.tar"], shuffle_buffer=-1)
     with pytest.raises(ValueError, match="chunk_size"):

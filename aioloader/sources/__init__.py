@@ -1,9 +1,11 @@
 """Datasets that read from where training data lives: object stores, local folders, HTTP(S),
-and WebDataset tar shards (local, streamed).
+and WebDataset tar shards streamed from any of them.
 
-Each is an :class:`aioloader.AsyncDataset` of ``bytes`` (listed once, indexed by position) that
-a :class:`aioloader.DataLoader` reads with bounded concurrency. Sources that hold a client are
-async context managers: the loader's scope opens and closes them.
+``objects``, ``files`` and ``urls`` give an :class:`aioloader.AsyncDataset` of ``bytes`` (listed
+once, indexed by position) that a :class:`aioloader.DataLoader` reads with bounded concurrency;
+``tar_shards`` streams samples; ``slot_streams`` and ``TarShards.per_slot`` give one stream per
+batch position, for stateful sequence models. Sources that hold a client are async context
+managers: the loader's scope opens and closes them.
 """
 
 from ._files import FileDataset as FileDataset
@@ -17,6 +19,10 @@ from ._http import urls as urls
 from ._objects import ObjectDataset as ObjectDataset
 from ._objects import TransientStoreError as TransientStoreError
 from ._objects import objects as objects
+from ._slots import SlotSample as SlotSample
+from ._slots import SlotStreams as SlotStreams
+from ._slots import slot_streams as slot_streams
+from ._streams import StallError as StallError
 from ._tar import CorruptShardError as CorruptShardError
 from ._tar import TarShards as TarShards
 from ._tar import tar_shards as tar_shards
@@ -28,12 +34,16 @@ __all__ = [
     "HTTPStatusError",
     "HTTPTimeoutError",
     "ObjectDataset",
+    "SlotSample",
+    "SlotStreams",
+    "StallError",
     "TarShards",
     "TransientHTTPError",
     "TransientStoreError",
     "UrlDataset",
     "files",
     "objects",
+    "slot_streams",
     "tar_shards",
     "urls",
 ]

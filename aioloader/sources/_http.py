@@ -32,6 +32,7 @@ from multidict import CIMultiDictProxy
 
 from .._dataset import AsyncDataset
 from .._exceptions import AioLoaderError, LoaderStateError, TransientError
+from ._gate import ByteGate
 
 __all__ = [
     "HTTPConnectionError",
@@ -186,6 +187,7 @@ def urls(
     connections: int = 64,
     timeout: float = 30.0,
     headers: Mapping[str, str] | None = None,
+    max_bytes_in_flight: int | None = None,
 ) -> UrlDataset:
     """A dataset whose item ``i`` is the body of ``urls[i]``, fetched with HTTP GET.
 
@@ -204,6 +206,11 @@ def urls(
             whole body has arrived (redirects included).
         headers: Sent with every request (e.g. ``Authorization``); never shown in a ``repr`` or
             an error.
+        max_bytes_in_flight: Bound on the bytes of bodies being received at once (each body
+            counted by its ``Content-Length`` once the headers arrive, or chunk by chunk when
+            the server does not send one). A body larger than the bound is read alone. None:
+            only ``connections`` bounds the transfer; the loader's ``max_inflight_bytes`` bounds
+            what is held after it.
 
     Returns:
         The dataset; the loader opens and closes its client session.
@@ -211,10 +218,16 @@ def urls(
     Raises:
         TypeError: ``urls`` is a single string, or holds something that is not a string;
             ``connections`` is not an int.
-        ValueError: A URL is not http(s); ``connections`` is below 1; ``timeout`` is not a
-            positive number.
+        ValueError: A URL is not http(s); ``connections`` or ``max_bytes_in_flight`` is below
+            1; ``timeout`` is not a positive number.
     """
-    return UrlDataset(urls, connections=connections, timeout=timeout, headers=headers)
+    return UrlDataset(
+        urls,
+        connections=connections,
+        timeout=timeout,
+        headers=headers,
+        max_bytes_in_flight=max_bytes_in_flight,
+    )
 
 
 class UrlDataset(AsyncDataset[bytes]):
@@ -233,6 +246,7 @@ class UrlDataset(AsyncDataset[bytes]):
         connections: int = 64,
         timeout: float = 30.0,
         headers: Mapping[str, str] | None = None,
+        max_bytes_in_flight: int | None = None,
     ) -> None:
         """See :func:`urls`."""
         if isinstance(urls, str | bytes):
@@ -256,6 +270,10 @@ class UrlDataset(AsyncDataset[bytes]):
         self.connections = connections
         self.timeout = float(timeout)
         self._headers = dict(headers or {})
+        self.max_bytes_in_flight = max_bytes_in_flight
+        if max_bytes_in_flight is not None:
+            ByteGate(max_bytes_in_flight)  # validate now, not when first opened
+        self._gate: ByteGate | None = None
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -264,6 +282,12 @@ class UrlDataset(AsyncDataset[bytes]):
     def __len__(self) -> int:
         """The number of URLs."""
         return len(self._urls)
+
+    @property
+    def peak_bytes_in_flight(self) -> int:
+        """The most body bytes held against ``max_bytes_in_flight`` at once, while open (0
+        without the bound)."""
+        return 0 if self._gate is None else self._gate.peak
 
     def __repr__(self) -> str:
         first = f", first={redact_url(self._urls[0])!r}" if self._urls else ""
@@ -291,17 +315,15 @@ class UrlDataset(AsyncDataset[bytes]):
                 )
             self._users += 1
             return self
-        session = aiohttp.ClientSession(
+        session = new_session(
             connector=aiohttp.TCPConnector(limit=self.connections),
             timeout=aiohttp.ClientTimeout(total=self.timeout),
             headers=self._headers,
         )
-        # aiohttp silently resends a GET once when its connection breaks before the response;
-        # retries belong to the loader's policy (counted, bounded, backed off), so turn it off.
-        if hasattr(session, "_retry_connection"):
-            session._retry_connection = False
         self._session, self._loop, self._users = session, loop, 1
         self._slots = asyncio.Semaphore(self.connections)
+        if self.max_bytes_in_flight is not None:
+            self._gate = ByteGate(self.max_bytes_in_flight)
         return self
 
     async def __aexit__(
@@ -320,6 +342,7 @@ class UrlDataset(AsyncDataset[bytes]):
         if self._users > 0:
             return
         session, self._session, self._slots, self._loop = self._session, None, None, None
+        self._gate = None
         with anyio.CancelScope(shield=True):
             await session.close()
 
@@ -425,63 +448,96 @@ class UrlDataset(AsyncDataset[bytes]):
                     status, reason, resp_headers = resp.status, resp.reason, resp.headers
                     expected = resp.content_length
                     if 200 <= status < 300:
-                        data = await resp.read()
+                        data = await self._read_body(resp)
                     else:
                         data = b""
                         await _drain(resp)
-            except TimeoutError as exc:  # aiohttp's ServerTimeoutError is one too
-                error: Exception = HTTPTimeoutError(
-                    f"no whole response from {where} within timeout={self.timeout}s",
-                    url=url,
-                    timeout=self.timeout,
-                )
-                cause: BaseException = exc
-            except aiohttp.TooManyRedirects as exc:
-                error = HTTPStatusError(
-                    f"too many redirects from {where} ({len(exc.history)} followed)",
-                    status=exc.history[-1].status if exc.history else exc.status,
-                    url=url,
-                )
-                cause = exc
-            except aiohttp.InvalidURL as exc:
-                error = ValueError(f"invalid URL {where}")
-                cause = exc
-            except aiohttp.ClientPayloadError as exc:
-                error = HTTPConnectionError(
-                    f"body of {where} cut short: {_describe(exc, raw)}", url=url
-                )
-                cause = exc
-            except aiohttp.ServerDisconnectedError as exc:
-                error = HTTPConnectionError(
-                    f"server disconnected before answering {where}", url=url
-                )
-                cause = exc
-            except aiohttp.ClientConnectorError as exc:
-                error = HTTPConnectionError(
-                    f"cannot connect for {where}: {_describe(exc, raw)}", url=url
-                )
-                cause = exc
-            except (aiohttp.ClientError, OSError) as exc:
-                error = HTTPConnectionError(
-                    f"connection failed for {where}: {_describe(exc, raw)}", url=url
-                )
-                cause = exc
+            except (aiohttp.ClientError, OSError) as exc:  # TimeoutError is an OSError
+                error, cause = client_error(exc, raw, where, self.timeout), exc
             else:
                 if not 200 <= status < 300:
-                    kind = TransientHTTPError if status in TRANSIENT_STATUSES else HTTPStatusError
-                    if reason and any(s in reason for s in _secrets_of(raw)):
-                        reason = None  # a server that echoes the URL in its reason phrase
-                    text = f"HTTP {status} {reason or ''}".rstrip()
-                    raise kind(f"{text} from {where}", status=status, url=url)
+                    raise status_error(status, reason, raw, where)
                 encoding = resp_headers.get("Content-Encoding", "identity").lower()
                 if expected is not None and encoding == "identity" and len(data) != expected:
                     raise HTTPConnectionError(
                         f"body of {where} cut short: {len(data)} of {expected} bytes", url=url
                     )
                 return status, resp_headers, data
-        # Raised outside the except blocks, so a cause that shows secrets is not even kept as
+        # Raised outside the except block, so a cause that shows secrets is not even kept as
         # the implicit __context__.
         raise error from (None if _shows_secrets(cause, raw) else cause)
+
+    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole body, holding its bytes against ``max_bytes_in_flight`` while it arrives
+        (by ``Content-Length`` up front, else chunk by chunk)."""
+        gate = self._gate
+        if gate is None:
+            return await resp.read()
+        length = resp.content_length
+        if length is not None:
+            async with gate.hold(length):
+                return await resp.read()
+        held = 0
+        parts: list[bytes] = []
+        try:
+            async for chunk in resp.content.iter_any():
+                await gate.acquire(len(chunk))
+                held += len(chunk)
+                parts.append(chunk)
+        finally:
+            gate.release(held)
+        return b"".join(parts)
+
+
+def new_session(**options: Any) -> aiohttp.ClientSession:
+    """An ``aiohttp.ClientSession`` that never resends a request by itself.
+
+    aiohttp silently resends a GET once when its connection breaks before the response; retries
+    belong to the caller's :class:`~aioloader.RetryPolicy` (counted, bounded, backed off), so
+    that resend is turned off.
+    """
+    session = aiohttp.ClientSession(**options)
+    if hasattr(session, "_retry_connection"):
+        session._retry_connection = False
+    return session
+
+
+def client_error(exc: BaseException, raw: str, where: str, timeout: float) -> Exception:
+    """The error to raise for an aiohttp or socket exception while asking for ``raw``:
+    transient (``HTTPTimeoutError``, ``HTTPConnectionError``) when a new attempt may work.
+    Messages name ``where`` and never a secret of ``raw``; the caller chains ``exc`` unless
+    :func:`_shows_secrets` says its text is unsafe."""
+    url = redact_url(raw)
+    if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError is one too
+        return HTTPTimeoutError(
+            f"no whole response from {where} within timeout={timeout}s", url=url, timeout=timeout
+        )
+    if isinstance(exc, aiohttp.TooManyRedirects):
+        return HTTPStatusError(
+            f"too many redirects from {where} ({len(exc.history)} followed)",
+            status=exc.history[-1].status if exc.history else exc.status,
+            url=url,
+        )
+    if isinstance(exc, aiohttp.InvalidURL):
+        return ValueError(f"invalid URL {where}")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return HTTPConnectionError(f"body of {where} cut short: {_describe(exc, raw)}", url=url)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return HTTPConnectionError(f"server disconnected before answering {where}", url=url)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return HTTPConnectionError(f"cannot connect for {where}: {_describe(exc, raw)}", url=url)
+    return HTTPConnectionError(f"connection failed for {where}: {_describe(exc, raw)}", url=url)
+
+
+def status_error(status: int, reason: str | None, raw: str, where: str) -> HTTPStatusError:
+    """The error for a non-2xx answer: :class:`TransientHTTPError` for the statuses worth
+    retrying, :class:`HTTPStatusError` otherwise. A reason phrase that echoes a secret of ``raw``
+    is left out."""
+    kind = TransientHTTPError if status in TRANSIENT_STATUSES else HTTPStatusError
+    if reason and any(s in reason for s in _secrets_of(raw)):
+        reason = None  # a server that echoes the URL in its reason phrase
+    text = f"HTTP {status} {reason or ''}".rstrip()
+    return kind(f"{text} from {where}", status=status, url=redact_url(raw))
 
 
 def _describe(exc: BaseException, raw_url: str) -> str:

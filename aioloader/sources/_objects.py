@@ -22,6 +22,7 @@ from typing import Any
 
 from .._dataset import AsyncDataset
 from .._exceptions import TransientError
+from ._gate import ByteGate
 
 __all__ = ["ObjectDataset", "TransientStoreError", "objects"]
 
@@ -50,12 +51,27 @@ class ObjectDataset(AsyncDataset[bytes]):
 
     Attributes:
         keys: The keys, relative to the URL's prefix, in item order.
+        sizes: Their sizes in bytes, as listed (None when not known).
     """
 
-    def __init__(self, store: Any, url: str, keys: Sequence[str]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        url: str,
+        keys: Sequence[str],
+        sizes: Sequence[int] | None = None,
+        *,
+        max_bytes_in_flight: int | None = None,
+    ) -> None:
         self._store = store
         self._url = _redact(url)
         self.keys = list(keys)
+        self.sizes = None if sizes is None else list(sizes)
+        if self.sizes is not None and len(self.sizes) != len(self.keys):
+            raise ValueError(f"{len(self.sizes)} sizes for {len(self.keys)} keys")
+        if max_bytes_in_flight is not None and self.sizes is None:
+            raise ValueError("max_bytes_in_flight needs the objects' sizes")
+        self._gate = None if max_bytes_in_flight is None else ByteGate(max_bytes_in_flight)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -63,19 +79,18 @@ class ObjectDataset(AsyncDataset[bytes]):
     def __repr__(self) -> str:
         return f"ObjectDataset({self._url!r}, {len(self.keys)} objects)"
 
-    def _failed(self, exc: Exception, key: str) -> Exception:
-        import obstore.exceptions as obs_exc
+    @property
+    def max_bytes_in_flight(self) -> int | None:
+        """The bound on bytes being read at once, or None."""
+        return None if self._gate is None else self._gate.limit
 
-        where = f"{self._url.rstrip('/')}/{key}"
-        if isinstance(exc, FileNotFoundError | obs_exc.NotFoundError):
-            exc.add_note(f"aioloader: no object {where}")
-            return exc
-        if isinstance(exc, obs_exc.BaseError) and _TRANSIENT.search(str(exc)):
-            error = TransientStoreError(f"reading {where} failed: {type(exc).__name__}")
-            error.__cause__ = exc
-            return error
-        exc.add_note(f"aioloader: while reading {where}")
-        return exc
+    @property
+    def peak_bytes_in_flight(self) -> int:
+        """The most object bytes held against ``max_bytes_in_flight`` at once (0 without it)."""
+        return 0 if self._gate is None else self._gate.peak
+
+    def _failed(self, exc: Exception, key: str) -> Exception:
+        return store_error(exc, f"{self._url.rstrip('/')}/{key}")
 
     async def get(self, index: int) -> bytes:
         """The whole object ``keys[index]``.
@@ -91,8 +106,12 @@ class ObjectDataset(AsyncDataset[bytes]):
 
         key = self.keys[index]
         try:
-            result = await obstore.get_async(self._store, key)
-            return bytes(await result.bytes_async())
+            if self._gate is None or self.sizes is None:
+                result = await obstore.get_async(self._store, key)
+                return bytes(await result.bytes_async())
+            async with self._gate.hold(self.sizes[index]):
+                result = await obstore.get_async(self._store, key)
+                return bytes(await result.bytes_async())
         except Exception as exc:
             raise self._failed(exc, key) from None
 
@@ -111,9 +130,50 @@ class ObjectDataset(AsyncDataset[bytes]):
             raise ValueError(f"need 0 <= start < end, got start={start}, end={end}")
         key = self.keys[index]
         try:
-            return bytes(await obstore.get_range_async(self._store, key, start=start, end=end))
+            if self._gate is None:
+                return bytes(await obstore.get_range_async(self._store, key, start=start, end=end))
+            async with self._gate.hold(end - start):
+                return bytes(await obstore.get_range_async(self._store, key, start=start, end=end))
         except Exception as exc:
             raise self._failed(exc, key) from None
+
+
+def store_error(exc: Exception, where: str) -> Exception:
+    """The error to raise for a store failure reading ``where`` (a redacted URL): a missing
+    object stays a ``FileNotFoundError`` (obstore's ``NotFoundError`` is one) with a note naming
+    it; throttling, 5xx, timeouts and broken connections become :class:`TransientStoreError`
+    (the store's exception as ``__cause__``); anything else gets a note naming ``where``."""
+    import obstore.exceptions as obs_exc
+
+    if isinstance(exc, FileNotFoundError | obs_exc.NotFoundError):
+        exc.add_note(f"aioloader: no object {where}")
+        return exc
+    if isinstance(exc, obs_exc.BaseError) and _TRANSIENT.search(str(exc)):
+        error = TransientStoreError(f"reading {where} failed: {type(exc).__name__}")
+        error.__cause__ = exc
+        return error
+    exc.add_note(f"aioloader: while reading {where}")
+    return exc
+
+
+def store_from_url(
+    url: str,
+    config: Mapping[str, Any] | None = None,
+    client_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """An obstore store for ``url`` with obstore's retries off (the caller's policy retries and
+    counts each attempt) and ``allow_http`` on when ``AWS_ALLOW_HTTP=true``."""
+    from obstore.store import from_url
+
+    client = dict(client_options or {})
+    if os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true":
+        client.setdefault("allow_http", True)  # the variable object_store's own builder reads
+    options: dict[str, Any] = {
+        "config": dict(config or {}),
+        "client_options": client,
+        "retry_config": {"max_retries": 0},
+    }
+    return from_url(url, **options)  # obstore's typed overloads are per store kind
 
 
 def objects(
@@ -124,6 +184,7 @@ def objects(
     config: Mapping[str, Any] | None = None,
     client_options: Mapping[str, Any] | None = None,
     store: Any = None,
+    max_bytes_in_flight: int | None = None,
 ) -> ObjectDataset:
     """A map-style dataset of the objects under ``url`` (``s3://bucket/prefix/``, ``gs://``,
     ``az://``, ``file:///``, ``memory://``), listed once, now.
@@ -138,35 +199,35 @@ def objects(
         client_options: HTTP client options (``{"allow_http": True}`` for a local endpoint,
             ``timeout``, ...). ``AWS_ALLOW_HTTP=true`` in the environment sets ``allow_http``.
         store: An already configured obstore store to use instead of building one from ``url``.
+        max_bytes_in_flight: Bound on the bytes of objects being read at once, each counted by
+            its listed size from before its request until its bytes are returned (an object
+            larger than the bound is read alone). None: no bound beyond the loader's
+            ``max_inflight`` requests; its ``max_inflight_bytes`` bounds what is held after.
 
     Returns:
         The dataset; ``keys`` lists what it holds.
 
     Raises:
-        ValueError: Nothing under the prefix matches the filters.
+        ValueError: Nothing under the prefix matches the filters, or ``max_bytes_in_flight``
+            is below 1.
+        TypeError: ``max_bytes_in_flight`` is not an int.
         Exception: The store's error if listing fails (naming the URL, never credentials).
     """
     import obstore
-    from obstore.store import from_url
 
+    if max_bytes_in_flight is not None:
+        ByteGate(max_bytes_in_flight)  # a bad bound fails before the listing
     if store is None:
-        client = dict(client_options or {})
-        if os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true":
-            client.setdefault("allow_http", True)  # the variable object_store's own builder reads
-        options: dict[str, Any] = {
-            "config": dict(config or {}),
-            "client_options": client,
-            "retry_config": {"max_retries": 0},  # the loader's RetryPolicy retries, and counts
-        }
-        store = from_url(url, **options)  # obstore's typed overloads are per store kind
+        store = store_from_url(url, config, client_options)
     suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix or ())
-    keys = sorted(
-        meta["path"]
+    listed = sorted(
+        (meta["path"], meta["size"])
         for chunk in obstore.list(store, chunk_size=1000)
         for meta in chunk
         if (not suffixes or meta["path"].endswith(suffixes))
         and (glob is None or fnmatch.fnmatchcase(meta["path"], glob))
     )
-    if not keys:
+    if not listed:
         raise ValueError(f"no objects under {_redact(url)!r} match suffix={suffix!r} glob={glob!r}")
-    return ObjectDataset(store, url, keys)
+    keys, sizes = zip(*listed, strict=True)
+    return ObjectDataset(store, url, keys, sizes, max_bytes_in_flight=max_bytes_in_flight)

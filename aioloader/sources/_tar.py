@@ -1,23 +1,37 @@
-"""A streaming reader of WebDataset-style tar shards on the local disk.
+"""A streaming reader of WebDataset-style tar shards, on the local disk, over HTTP(S) or in an
+object store.
 
-Owns: reading shard files in chunks with aiofiles, an incremental parser of tar headers (ustar,
+Owns: naming shards (paths, URLs, brace patterns), an incremental parser of tar headers (ustar,
 GNU long names, pax ``path``/``size``), WebDataset grouping of members into samples, the per-epoch
-shard shuffle, the rank split of shards and the sample shuffle buffer. Never: decodes member
-bytes, reads a whole shard into memory, or uses :mod:`tarfile`.
+shard shuffle, the rank split of shards and the sample shuffle buffer. Reading bytes, with
+resumption after a broken transfer, is ``_streams.py``'s. Never: decodes member bytes, reads a
+whole shard into memory or to disk first, or uses :mod:`tarfile`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-import aiofiles
+import aiohttp
+import anyio
 
 from .._dataset import AsyncIterableDataset
-from .._sampler import derive_seed, resolve_rank
+from .._retry import RetryPolicy
+from .._sampler import derive_seed, epoch_parts, resolve_rank
+from ._braces import expand_braces
+from ._http import new_session, redact_url
+from ._objects import _redact, store_from_url
+from ._streams import ChunkReader, FileReader, HTTPReader, StoreReader, resumable
+
+if TYPE_CHECKING:
+    from ._slots import SlotPolicy, SlotStreams
 
 __all__ = ["CorruptShardError", "TarShards", "tar_shards"]
 
@@ -29,6 +43,10 @@ _PAX = b"x"
 _PAX_GLOBAL = b"g"
 _MAX_META = 1 << 20  # the largest GNU long name or pax header accepted, in bytes
 _OCTAL = frozenset(b"01234567")
+_HTTP = ("http", "https")
+_LOCAL = ("", "file")
+_DEFAULT_RETRY = RetryPolicy(attempts=5)
+_SKIP_STEP = 1 << 20  # bytes discarded per step when skipping a member
 
 
 class CorruptShardError(ValueError):
@@ -37,7 +55,7 @@ class CorruptShardError(ValueError):
 
 
 def tar_shards(
-    shards: Sequence[str | os.PathLike[str]],
+    shards: str | Sequence[str | os.PathLike[str]],
     *,
     shuffle_shards: bool = False,
     shuffle_buffer: int = 0,
@@ -45,8 +63,19 @@ def tar_shards(
     rank: int | None = None,
     world_size: int | None = None,
     chunk_size: int = 1 << 20,
+    retry: RetryPolicy | None = _DEFAULT_RETRY,
+    timeout: float = 60.0,
+    headers: Mapping[str, str] | None = None,
+    config: Mapping[str, Any] | None = None,
+    client_options: Mapping[str, Any] | None = None,
+    store: Any = None,
 ) -> TarShards:
-    """A dataset streaming the samples of local WebDataset tar shards.
+    """A dataset streaming the samples of WebDataset tar shards, local or remote.
+
+    Example::
+
+        ds = aioloader.sources.tar_shards("s3://bucket/train-{000000..000127}.tar",
+                                          shuffle_shards=True, shuffle_buffer=1000)
 
     See :class:`TarShards` for the arguments, the sample format and the policies.
     """
@@ -58,14 +87,29 @@ def tar_shards(
         rank=rank,
         world_size=world_size,
         chunk_size=chunk_size,
+        retry=retry,
+        timeout=timeout,
+        headers=headers,
+        config=config,
+        client_options=client_options,
+        store=store,
     )
 
 
 class TarShards(AsyncIterableDataset[dict[str, Any]]):
     """Streams the samples of WebDataset-style tar shards, one shard after the other.
 
-    Each shard is read with aiofiles in reads of ``chunk_size`` bytes and parsed incrementally;
-    only the members of the current sample (and the shuffle buffer) are held in memory.
+    Shards are named by local paths, ``file://`` URLs, ``http(s)://`` URLs, or object-store
+    URLs (``s3://bucket/key``, ``gs://``, ``az://``, ... read through obstore, configured from
+    ``config``/``client_options`` or the usual environment variables), or, with ``store``, by keys
+    in that store. A single string is a brace pattern: ``"shard-{000..127}.tar"`` names 128 shards
+    (see :func:`~aioloader.sources._braces.expand_braces`).
+
+    Each shard is read start to end in chunks of about ``chunk_size`` bytes and parsed
+    incrementally: nothing is downloaded whole, and only the members of the current sample (and
+    the shuffle buffer) are held in memory. A transfer that breaks (a reset, a 5xx, throttling, a
+    body cut short, no byte for ``timeout`` seconds) resumes at the byte where it stopped, with a
+    range request, as ``retry`` allows; :attr:`retries` counts the resumptions.
 
     Samples: consecutive regular-file members with the same key (the member path up to the first
     dot of its last component, folders included) form one sample, a dict::
@@ -73,11 +117,11 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         {"__key__": "dir/0001", "__shard__": "/data/shard-0.tar", "jpg": b"...", "cls": b"..."}
 
     ``__key__`` and ``__shard__`` are ``str`` (the member name decoded as UTF-8 with
-    ``surrogateescape``; the shard path as ``os.fspath`` gives it); every other value is the
-    member's ``bytes``, under its extension (everything after that first dot, e.g. ``"seg.png"``).
-    Directories, links and other non-regular members are skipped, as are members whose last
-    component has no extension or starts with a dot (as WebDataset does). A leading ``./`` of a
-    member name is dropped.
+    ``surrogateescape``; the shard as given, a URL without its query string or user info);
+    every other value is the member's ``bytes``, under its extension (everything after that first
+    dot, e.g. ``"seg.png"``). Directories, links and other non-regular members are skipped, as
+    are members whose last component has no extension or starts with a dot (as WebDataset does).
+    A leading ``./`` of a member name is dropped.
 
     Epochs: each :meth:`__aiter__` call starts the next epoch (the first is 0);
     :meth:`set_epoch` chooses the epoch of the next call.
@@ -97,19 +141,30 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
     samples). Do not also pass ``distributed=True`` to the loader, which would split the stream
     a second time.
 
+    Stateful sequence models: :meth:`per_slot` gives a dataset where position ``i`` of every
+    batch continues stream ``i``.
+
     Args:
-        shards: Paths of local tar files.
+        shards: Paths or URLs of tar files, or one brace pattern.
         shuffle_shards: Shuffle the shard order each epoch.
         shuffle_buffer: Size of the sample shuffle buffer; 0 or 1 keeps the stream order.
         seed: The base seed of both shuffles.
         rank: This rank, or None to detect it.
         world_size: The number of ranks, or None to detect it.
-        chunk_size: Bytes per read from a shard file.
+        chunk_size: Bytes per read of a shard (the least an object-store chunk holds).
+        retry: When to resume a broken read (the default: 5 attempts per stall, exponential
+            backoff with jitter, for transient errors); None fails at the first break.
+        timeout: Seconds without a byte after which a read counts as stalled (and is resumed).
+        headers: HTTP headers for every request (e.g. ``Authorization``); never shown.
+        config: obstore store configuration (``endpoint``, ``region``, ...).
+        client_options: obstore client options (``{"allow_http": True}``, ...).
+        store: An obstore store; then every shard names a key in it.
 
     Raises:
         TypeError: An argument has the wrong type.
-        ValueError: ``shards`` is empty or a string, ``shuffle_buffer < 0``, ``chunk_size < 1``,
-            or ``rank``/``world_size`` are out of range.
+        ValueError: ``shards`` is empty or a bad brace pattern, ``shuffle_buffer < 0``,
+            ``chunk_size < 1``, ``timeout`` is not positive, or ``rank``/``world_size`` are out
+            of range.
 
     Iterating raises:
         ValueError: A member name is absolute, has a ``..`` component or a NUL, or a sample has
@@ -117,12 +172,15 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         CorruptShardError: A shard is truncated (including a missing end-of-archive block), a
             header checksum does not match, or a size field is not a number (naming the shard
             and the byte offset).
-        OSError: A shard cannot be opened or read, with a note naming it.
+        OSError: A local shard cannot be opened or read, with a note naming it.
+        aioloader.sources.HTTPStatusError, TransientHTTPError, HTTPConnectionError,
+        TransientStoreError, FileNotFoundError, TimeoutError: A remote read failed and ``retry``
+            gave up, with a note naming the shard, the byte offset and the attempt.
     """
 
     def __init__(
         self,
-        shards: Sequence[str | os.PathLike[str]],
+        shards: str | Sequence[str | os.PathLike[str]],
         *,
         shuffle_shards: bool = False,
         shuffle_buffer: int = 0,
@@ -130,15 +188,24 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         rank: int | None = None,
         world_size: int | None = None,
         chunk_size: int = 1 << 20,
+        retry: RetryPolicy | None = _DEFAULT_RETRY,
+        timeout: float = 60.0,
+        headers: Mapping[str, str] | None = None,
+        config: Mapping[str, Any] | None = None,
+        client_options: Mapping[str, Any] | None = None,
+        store: Any = None,
     ) -> None:
-        if isinstance(shards, str | bytes) or not isinstance(shards, Sequence):
-            raise TypeError(f"shards must be a sequence of paths, got {shards!r}")
+        if isinstance(shards, str):
+            shards = expand_braces(shards)
+        given: object = shards
+        if not isinstance(given, Sequence) or isinstance(given, bytes | bytearray):
+            raise TypeError(f"shards must be a sequence of paths or URLs, got {shards!r}")
         if not shards:
             raise ValueError("shards must name at least one tar file")
         self._shards = [os.fspath(s) for s in shards]
         for s in self._shards:
             if not isinstance(s, str):
-                raise TypeError(f"shards must be str paths, got {s!r}")
+                raise TypeError(f"shards must be str paths or URLs, got {s!r}")
         self._shuffle_shards = _check_bool("shuffle_shards", shuffle_shards)
         self._shuffle_buffer = _check_int("shuffle_buffer", shuffle_buffer, minimum=0)
         self._chunk_size = _check_int("chunk_size", chunk_size, minimum=1)
@@ -149,16 +216,34 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
             resolve_rank(rank, world_size)  # validate early
         self._rank = rank
         self._world_size = world_size
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be an aioloader.RetryPolicy or None, got {retry!r}")
+        self._retry = retry
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not (timeout > 0 and math.isfinite(timeout))
+        ):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self._timeout = float(timeout)
+        self._headers = dict(headers or {})
+        self._config = dict(config or {})
+        self._client_options = dict(client_options or {})
+        self._store = store
+        self._stores: dict[str, Any] = {}  # one per scheme://bucket, built at first use
         self._next_epoch = 0
+        #: Reads resumed after a transient failure, over the dataset's life.
+        self.retries = 0
 
     @property
     def shards(self) -> list[str]:
-        """The shard paths, in the order given (a copy)."""
+        """The shard paths or URLs, in the order given (a copy)."""
         return list(self._shards)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(shards={len(self._shards)}, "
+            f"first={_display(self._shards[0])!r}, "
             f"shuffle_shards={self._shuffle_shards}, shuffle_buffer={self._shuffle_buffer})"
         )
 
@@ -177,58 +262,151 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         Raises:
             TypeError, ValueError: As for :meth:`set_epoch`, or a bad rank/world size.
         """
-        epoch = _check_int("epoch", epoch, minimum=0)
-        rank, world = resolve_rank(self._rank, self._world_size)
-        order = list(self._shards)
-        if self._shuffle_shards:
-            random.Random(derive_seed(self._seed, epoch)).shuffle(order)
-        usable = len(order) - len(order) % world
-        return order[rank:usable:world]
+        return epoch_parts(
+            self._shards,
+            epoch,
+            seed=self._seed,
+            shuffle=self._shuffle_shards,
+            rank=self._rank,
+            world_size=self._world_size,
+        )
+
+    def per_slot(
+        self, slots: int, *, policy: SlotPolicy = "shortest", fill: Any = None
+    ) -> SlotStreams[dict[str, Any]]:
+        """A dataset of ``slots`` parallel streams over this rank's shards, for stateful
+        sequence models: pass it to a loader with ``batch_size=slots`` and position ``i`` of every
+        batch continues stream ``i``. See :class:`~aioloader.sources.SlotStreams`.
+
+        Each epoch, this rank's shards (shuffled as :meth:`epoch_shards` says) are dealt out:
+        stream ``i`` reads shards ``i, i + slots, ...`` of that order, one after the other; the
+        sample shuffle buffer does not apply (it would mix the streams).
+
+        Raises:
+            TypeError, ValueError: ``slots`` is not an int >= 1, or ``policy`` is unknown.
+        """
+        from ._slots import SlotStreams
+
+        return SlotStreams(
+            self.epoch_shards,
+            self._open_reader,
+            slots=slots,
+            policy=policy,
+            fill=fill,
+            start_epoch=lambda: self._take_epoch(),
+        )
+
+    def _take_epoch(self) -> int:
+        epoch = self._next_epoch
+        self._next_epoch = epoch + 1
+        return epoch
 
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         """Start the next epoch: an async generator over this rank's samples.
 
-        Cancellation: closing the generator early (``aclose``) closes the open shard file.
+        Cancellation: closing the generator early (``aclose``) closes the open shard (its file
+        or connection).
         """
-        epoch = self._next_epoch
-        self._next_epoch = epoch + 1
+        epoch = self._take_epoch()
         shards = self.epoch_shards(epoch)
         return self._epoch(shards, epoch)
 
+    @contextlib.asynccontextmanager
+    async def _open_reader(
+        self,
+    ) -> AsyncIterator[Callable[[str], AsyncGenerator[dict[str, Any], None]]]:
+        """For one epoch: a function giving the samples of a shard. It owns the epoch's HTTP
+        session (opened at the first URL, closed on exit, shielded from cancellation)."""
+        session: aiohttp.ClientSession | None = None
+
+        def reader(shard: str) -> ChunkReader:
+            nonlocal session
+            scheme = "" if self._store is not None else _scheme(shard)
+            if self._store is not None:
+                return StoreReader(self._store, shard, shard, self._chunk_size)
+            if scheme in _HTTP:
+                if session is None:
+                    session = new_session(
+                        headers=self._headers,
+                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout),
+                    )
+                return HTTPReader(session, shard, self._chunk_size, self._timeout)
+            if scheme in _LOCAL:
+                path = urlsplit(shard).path if scheme == "file" else shard
+                return FileReader(path, self._chunk_size)
+            parts = urlsplit(shard)
+            root = f"{parts.scheme}://{parts.netloc}"
+            if root not in self._stores:
+                self._stores[root] = store_from_url(root, self._config, self._client_options)
+            return StoreReader(
+                self._stores[root], parts.path.lstrip("/"), _display(shard), self._chunk_size
+            )
+
+        def samples(shard: str) -> AsyncGenerator[dict[str, Any], None]:
+            return _read_shard(shard, self._chunks(reader(shard)))
+
+        try:
+            yield samples
+        finally:
+            if session is not None:
+                with anyio.CancelScope(shield=True):
+                    await session.close()
+
+    def _chunks(self, reader: ChunkReader) -> AsyncGenerator[bytes, None]:
+        def count() -> None:
+            self.retries += 1
+
+        return resumable(reader, self._retry, stall_timeout=self._timeout, on_retry=count)
+
     async def _epoch(self, shards: list[str], epoch: int) -> AsyncGenerator[dict[str, Any], None]:
-        size = self._shuffle_buffer
-        if size <= 1:
+        async with self._open_reader() as read:
+            size = self._shuffle_buffer
+            if size <= 1:
+                for shard in shards:
+                    async with aclosing(read(shard)) as samples:
+                        async for sample in samples:
+                            yield sample
+                return
+            rng = random.Random(derive_seed(self._seed, epoch, 1))
+            buffer: list[dict[str, Any]] = []
             for shard in shards:
-                async with aclosing(_read_shard(shard, self._chunk_size)) as samples:
+                async with aclosing(read(shard)) as samples:
                     async for sample in samples:
-                        yield sample
-            return
-        rng = random.Random(derive_seed(self._seed, epoch, 1))
-        buffer: list[dict[str, Any]] = []
-        for shard in shards:
-            async with aclosing(_read_shard(shard, self._chunk_size)) as samples:
-                async for sample in samples:
-                    if len(buffer) < size:
-                        buffer.append(sample)
-                        continue
-                    slot = rng.randrange(size)
-                    evicted, buffer[slot] = buffer[slot], sample
-                    yield evicted
-        rng.shuffle(buffer)
-        while buffer:
-            yield buffer.pop()
+                        if len(buffer) < size:
+                            buffer.append(sample)
+                            continue
+                        slot = rng.randrange(size)
+                        evicted, buffer[slot] = buffer[slot], sample
+                        yield evicted
+            rng.shuffle(buffer)
+            while buffer:
+                yield buffer.pop()
+
+
+def _scheme(shard: str) -> str:
+    """The URL scheme of ``shard``, lower case; "" for a plain path (a Windows drive letter is
+    not a scheme)."""
+    head, sep, _ = shard.partition("://")
+    return head.lower() if sep and head.isalnum() and len(head) > 1 else ""
+
+
+def _display(shard: str) -> str:
+    """``shard`` as shown in samples, messages and ``repr``: URLs without credentials."""
+    scheme = _scheme(shard)
+    if scheme in _HTTP:
+        return redact_url(shard)
+    return shard if scheme in _LOCAL else _redact(shard)
 
 
 # -- reading and parsing -------------------------------------------------------------------------
 
 
 class _Stream:
-    """Exact-size reads over a file read in chunks, tracking the byte offset."""
+    """Exact-size reads over a stream of chunks, tracking the byte offset."""
 
-    def __init__(self, f: Any, shard: str, chunk_size: int) -> None:
-        self._f = f
+    def __init__(self, chunks: AsyncIterator[bytes], shard: str) -> None:
+        self._chunks = chunks
         self._shard = shard
-        self._chunk = chunk_size
         self._buf = bytearray()
         self._pos = 0
         self.offset = 0  # the offset in the file of the next byte returned
@@ -239,8 +417,8 @@ class _Stream:
             del self._buf[: self._pos]
             self._pos = 0
         while len(self._buf) < n:
-            chunk = await self._f.read(self._chunk)
-            if not chunk:
+            chunk = await anext(self._chunks, None)
+            if chunk is None:
                 return False
             self._buf += chunk
         return True
@@ -265,7 +443,7 @@ class _Stream:
     async def skip(self, n: int, what: str) -> None:
         """Discard ``n`` bytes, one chunk at a time."""
         while n > 0:
-            step = min(n, self._chunk)
+            step = min(n, _SKIP_STEP)
             await self.read(step, what)
             n -= step
 
@@ -417,16 +595,20 @@ async def _members(stream: _Stream, shard: str) -> AsyncGenerator[tuple[str, int
             await stream.skip(size + _padding(size), f"member {name!r}")
 
 
-async def _read_shard(shard: str, chunk_size: int) -> AsyncGenerator[dict[str, Any], None]:
-    """Yield the samples of one shard; the file is closed when the generator ends or closes."""
+async def _read_shard(
+    shard: str, chunks: AsyncGenerator[bytes, None]
+) -> AsyncGenerator[dict[str, Any], None]:
+    """Yield the samples of one shard from its bytes; ``chunks`` is closed when the generator
+    ends or closes."""
+    name = _display(shard)
     try:
         async with (
-            aiofiles.open(shard, "rb") as f,
-            aclosing(_members(_Stream(f, shard, chunk_size), shard)) as members,
+            aclosing(chunks),
+            aclosing(_members(_Stream(chunks, name), name)) as members,
         ):
             sample: dict[str, Any] | None = None
-            async for name, offset, data in members:
-                parts = _split(name)
+            async for member, offset, data in members:
+                parts = _split(member)
                 if parts is None:
                     continue
                 key, ext = parts
@@ -434,17 +616,17 @@ async def _read_shard(shard: str, chunk_size: int) -> AsyncGenerator[dict[str, A
                     yield sample
                     sample = None
                 if sample is None:
-                    sample = {"__key__": key, "__shard__": shard}
+                    sample = {"__key__": key, "__shard__": name}
                 if ext in sample:
                     raise ValueError(
-                        f"tar shard {shard!r}: member {name!r} at offset {offset} repeats "
+                        f"tar shard {name!r}: member {member!r} at offset {offset} repeats "
                         f"extension {ext!r} of sample {key!r}"
                     )
                 sample[ext] = data
             if sample is not None:
                 yield sample
     except OSError as exc:
-        exc.add_note(f"aioloader.sources.tar_shards: reading {shard!r}")
+        exc.add_note(f"aioloader.sources.tar_shards: reading {name!r}")
         raise
 
 

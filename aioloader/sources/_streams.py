@@ -1,0 +1,225 @@
+"""One object read start to end as a stream of chunks, from a local file, an HTTP(S) URL or an
+object store, resuming after a transient failure at the byte where it broke.
+
+Owns: opening an object at a byte offset (a seek, an HTTP ``Range`` request, an object-store
+range read), a stall timeout between chunks, and the resume loop, with the caller's
+:class:`~aioloader.RetryPolicy` deciding whether and when to try again. Never: parses the bytes,
+or shows credentials (a reader's ``name`` is redacted).
+
+An HTTP resume asks for ``Range: bytes=<offset>-`` with ``If-Range`` set to the first answer's
+``ETag``, so an object replaced mid-read is noticed instead of spliced; a server that ignores
+ranges answers the whole body again and the bytes already delivered are skipped.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any, Protocol
+
+import aiofiles
+import aiohttp
+import anyio
+
+from .._retry import RetryPolicy
+from ._http import (
+    HTTPConnectionError,
+    HTTPStatusError,
+    _shows_secrets,
+    client_error,
+    redact_url,
+    status_error,
+)
+from ._objects import store_error
+
+__all__ = ["ChunkReader", "FileReader", "HTTPReader", "StoreReader", "StallError", "resumable"]
+
+_CONTENT_RANGE_START = re.compile(r"^\s*bytes\s+(\d+)-", re.IGNORECASE)
+
+
+class StallError(TimeoutError):
+    """No byte of an object arrived within the reader's stall timeout. A ``TimeoutError``, so
+    the default :class:`~aioloader.RetryPolicy` resumes the read."""
+
+
+class ChunkReader(Protocol):
+    """Reads one object from a byte offset to its end."""
+
+    @property
+    def name(self) -> str:
+        """The object's path or URL, safe to show (no credentials)."""
+        ...
+
+    def chunks(self, offset: int) -> AsyncGenerator[bytes, None]:
+        """The object's bytes from ``offset`` to its end, in chunks; closing the generator
+        closes whatever it opened."""
+        ...
+
+
+class FileReader:
+    """A local file, read with aiofiles."""
+
+    def __init__(self, path: str, chunk_size: int) -> None:
+        self.name = path
+        self._chunk = chunk_size
+
+    async def chunks(self, offset: int) -> AsyncGenerator[bytes, None]:
+        async with aiofiles.open(self.name, "rb") as f:
+            if offset:
+                await f.seek(offset)
+            while chunk := await f.read(self._chunk):
+                yield chunk
+
+
+class HTTPReader:
+    """An HTTP(S) URL, read through a session the caller owns."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, url: str, chunk_size: int, timeout: float
+    ) -> None:
+        self._session = session
+        self._raw = url
+        self.name = redact_url(url)
+        self._chunk = chunk_size
+        self._timeout = timeout
+        self._etag: str | None = None
+
+    async def chunks(self, offset: int) -> AsyncGenerator[bytes, None]:
+        headers = {"Accept-Encoding": "identity"}
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+            if self._etag is not None:
+                headers["If-Range"] = self._etag
+        try:
+            async with self._session.get(self._raw, headers=headers) as resp:
+                skip = self._check(resp, offset)
+                async for chunk in resp.content.iter_chunked(self._chunk):
+                    if skip >= len(chunk):
+                        skip -= len(chunk)
+                        continue
+                    yield chunk[skip:] if skip else chunk
+                    skip = 0
+                if skip:
+                    raise HTTPConnectionError(
+                        f"{self.name} ended before byte {offset} on a resumed read", url=self.name
+                    )
+        except (aiohttp.ClientError, OSError) as exc:
+            if isinstance(exc, HTTPConnectionError | StallError):
+                raise
+            error = client_error(exc, self._raw, self.name, self._timeout)
+            cause = None if _shows_secrets(exc, self._raw) else exc
+        else:
+            return
+        raise error from cause
+
+    def _check(self, resp: aiohttp.ClientResponse, offset: int) -> int:
+        """How many leading bytes of this answer to skip; raise for an answer that is no use."""
+        if not 200 <= resp.status < 300:
+            raise status_error(resp.status, resp.reason, self._raw, self.name)
+        etag = resp.headers.get("ETag")
+        if offset == 0:
+            self._etag = etag
+            return 0
+        if resp.status == 206:
+            match = _CONTENT_RANGE_START.match(resp.headers.get("Content-Range", ""))
+            if match is None or int(match[1]) != offset:
+                got = resp.headers.get("Content-Range", "no Content-Range")
+                raise HTTPStatusError(
+                    f"HTTP 206 from {self.name} answered {got!r} to a resume at byte {offset}",
+                    status=206,
+                    url=self.name,
+                )
+            return 0
+        if self._etag is not None and etag != self._etag:
+            raise HTTPStatusError(
+                f"{self.name} changed while it was read (ETag {self._etag} became {etag}); "
+                f"refusing to splice it at byte {offset}",
+                status=resp.status,
+                url=self.name,
+            )
+        return offset  # the server ignored Range: skip what was already delivered
+
+
+class StoreReader:
+    """An object in an obstore store."""
+
+    def __init__(self, store: Any, key: str, name: str, chunk_size: int) -> None:
+        self._store = store
+        self._key = key
+        self.name = name
+        self._chunk = chunk_size
+        self._etag: str | None = None
+
+    async def chunks(self, offset: int) -> AsyncGenerator[bytes, None]:
+        import obstore
+
+        options: dict[str, Any] = {}
+        if offset:
+            options["range"] = {"offset": offset}
+            if self._etag is not None:
+                options["if_match"] = self._etag  # a replaced object fails, is not spliced
+        try:
+            result = await obstore.get_async(self._store, self._key, options=options)  # type: ignore[arg-type]
+            if offset == 0:
+                self._etag = result.meta.get("e_tag")
+            async for chunk in result.stream(min_chunk_size=self._chunk):
+                yield bytes(chunk)
+        except Exception as exc:
+            raise store_error(exc, self.name) from None
+
+
+async def resumable(
+    reader: ChunkReader,
+    retry: RetryPolicy | None,
+    *,
+    stall_timeout: float | None,
+    on_retry: Any = None,
+) -> AsyncGenerator[bytes, None]:
+    """The bytes of ``reader``'s object, resuming from the next byte after a failure that
+    ``retry`` calls worth another attempt.
+
+    Attempts are counted per stall: an attempt that delivered bytes before failing starts the
+    count afresh, so a long object on a flaky link is not failed by breaks spread over hours.
+    ``on_retry()`` is called before each new attempt.
+
+    Raises:
+        StallError: No chunk arrived within ``stall_timeout`` seconds, and retries ran out.
+        Exception: The reader's error when it is not worth retrying or retries ran out, with a
+            note naming the object, the byte offset and the attempt.
+
+    Cancellation: the open request or file is closed before the cancellation propagates.
+    """
+    rng = random.Random()
+    offset = 0
+    failures = 0
+    while True:
+        try:
+            async with aclosing(reader.chunks(offset)) as chunks:
+                while (chunk := await _next(chunks, stall_timeout, reader, offset)) is not None:
+                    offset += len(chunk)
+                    failures = 0
+                    yield chunk
+        except Exception as exc:
+            failures += 1
+            if retry is None or not retry.should_retry(exc, failures):
+                exc.add_note(
+                    f"aioloader: reading {reader.name} at byte {offset} (attempt {failures})"
+                )
+                raise
+            if on_retry is not None:
+                on_retry()
+            await anyio.sleep(retry.backoff(failures, rng))
+        else:
+            return
+
+
+async def _next(
+    chunks: AsyncIterator[bytes], stall: float | None, reader: ChunkReader, at: int
+) -> bytes | None:
+    """The next chunk, None at the end; :class:`StallError` when it takes over ``stall`` s."""
+    with anyio.move_on_after(stall) as scope:
+        return await anext(chunks, None)
+    assert scope.cancelled_caught
+    raise StallError(f"no bytes from {reader.name} for {stall}s (stalled at byte {at})")
