@@ -154,3 +154,41 @@ def test_demo_trains_from_an_s3_url(
     assert _demo.main(["--url", url, "--epochs", "2", "--batch-size", "32"]) == 0
     out = capsys.readouterr().out
     assert "256 objects under s3://" in out and "512 samples" in out
+
+
+async def test_object_stream_lists_each_epoch_and_reads_in_listing_order(
+    bucket: dict[str, Any],
+) -> None:
+    ds = aioloader.sources.object_stream(
+        bucket["url"],
+        suffix=".bin",
+        concurrency=7,
+        config=bucket["config"],
+        client_options=bucket["client_options"],
+    )
+    loader = aioloader.DataLoader(ds, batch_size=8, collate_fn=list)
+    async with loader:
+        first = [item async for batch in loader for item in batch]
+    assert first == [(f"{i:04d}.bin", i.to_bytes(2, "little") * 512) for i in range(40)]
+    obstore.put(bucket["store"], "0040.bin", b"new")
+    second = [key async for key, _ in ds]
+    assert second == [f"{i:04d}.bin" for i in range(41)]  # listed again: the new object is read
+
+
+async def test_object_stream_names_a_vanished_object(bucket: dict[str, Any]) -> None:
+    ds = aioloader.sources.object_stream(
+        bucket["url"], store=bucket["store"], glob="000*.bin", concurrency=2
+    )
+    seen: list[str] = []
+    with pytest.raises(FileNotFoundError) as info:
+        async for key, _ in ds:
+            seen.append(key)
+            if key == "0000.bin":
+                obstore.delete(bucket["store"], "0005.bin")  # listed already, read later
+    assert seen == [f"{i:04d}.bin" for i in range(4)]
+    assert "0005.bin" in "\n".join(info.value.__notes__)
+
+
+def test_object_stream_arguments() -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        aioloader.sources.object_stream("memory:///", concurrency=0)

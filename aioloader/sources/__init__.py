@@ -17,7 +17,9 @@ from ._http import TransientHTTPError as TransientHTTPError
 from ._http import UrlDataset as UrlDataset
 from ._http import urls as urls
 from ._objects import ObjectDataset as ObjectDataset
+from ._objects import ObjectStream as ObjectStream
 from ._objects import TransientStoreError as TransientStoreError
+from ._objects import object_stream as object_stream
 from ._objects import objects as objects
 from ._slots import SlotSample as SlotSample
 from ._slots import SlotStreams as SlotStreams
@@ -34,6 +36,7 @@ __all__ = [
     "HTTPStatusError",
     "HTTPTimeoutError",
     "ObjectDataset",
+    "ObjectStream",
     "SlotSample",
     "SlotStreams",
     "StallError",
@@ -42,6 +45,7 @@ __all__ = [
     "TransientStoreError",
     "UrlDataset",
     "files",
+    "object_stream",
     "objects",
     "slot_streams",
     "tar_shards",

@@ -17,14 +17,16 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from .._dataset import AsyncDataset
+import anyio
+
+from .._dataset import AsyncDataset, AsyncIterableDataset
 from .._exceptions import TransientError
 from ._gate import ByteGate
 
-__all__ = ["ObjectDataset", "TransientStoreError", "objects"]
+__all__ = ["ObjectDataset", "ObjectStream", "TransientStoreError", "object_stream", "objects"]
 
 # Store failures worth another attempt: throttling, server errors, timeouts, broken connections.
 _TRANSIENT = re.compile(
@@ -231,3 +233,106 @@ def objects(
         raise ValueError(f"no objects under {_redact(url)!r} match suffix={suffix!r} glob={glob!r}")
     keys, sizes = zip(*listed, strict=True)
     return ObjectDataset(store, url, keys, sizes, max_bytes_in_flight=max_bytes_in_flight)
+
+
+def object_stream(
+    url: str,
+    *,
+    suffix: str | Sequence[str] | None = None,
+    glob: str | None = None,
+    concurrency: int = 16,
+    config: Mapping[str, Any] | None = None,
+    client_options: Mapping[str, Any] | None = None,
+    store: Any = None,
+) -> ObjectStream:
+    """A streaming dataset of the objects under ``url``: each epoch lists the prefix again (so
+    objects added since the last epoch are read too) and yields ``(key, bytes)`` in listing
+    order, reading up to ``concurrency`` objects at once. For prefixes too large or too
+    changeable to list once; :func:`objects` is the map-style form (random access, shuffling,
+    the loader's retries and sharding by index).
+
+    Args:
+        url, suffix, glob, config, client_options, store: As for :func:`objects`.
+        concurrency: Objects read at once (a window read together, then yielded in order).
+
+    Raises:
+        TypeError, ValueError: ``concurrency`` is not an int >= 1.
+
+    Iterating raises:
+        FileNotFoundError: An object listed this epoch was deleted before it was read.
+        TransientStoreError, Exception: As :meth:`ObjectDataset.get`; a stream is not retried
+            by the loader, so wrap flaky stores with a map-style :func:`objects` instead.
+    """
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int):
+        raise TypeError(f"concurrency must be an int, got {concurrency!r}")
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if store is None:
+        store = store_from_url(url, config, client_options)
+    suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix or ())
+    return ObjectStream(store, url, suffixes, glob, concurrency)
+
+
+class ObjectStream(AsyncIterableDataset[tuple[str, bytes]]):
+    """``(key, bytes)`` of every object under a prefix, listed anew each epoch; see
+    :func:`object_stream`."""
+
+    def __init__(
+        self, store: Any, url: str, suffixes: tuple[str, ...], glob: str | None, concurrency: int
+    ) -> None:
+        self._store = store
+        self._url = _redact(url)
+        self._suffixes = suffixes
+        self._glob = glob
+        self.concurrency = concurrency
+
+    def __repr__(self) -> str:
+        return f"ObjectStream({self._url!r}, concurrency={self.concurrency})"
+
+    def _wanted(self, key: str) -> bool:
+        return (not self._suffixes or key.endswith(self._suffixes)) and (
+            self._glob is None or fnmatch.fnmatchcase(key, self._glob)
+        )
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
+        """One epoch: list, then read window by window.
+
+        Cancellation: the window being read is abandoned; nothing is left running.
+        """
+        return self._epoch()
+
+    async def _epoch(self) -> AsyncGenerator[tuple[str, bytes], None]:
+        import obstore
+
+        window: list[str] = []
+        async for chunk in obstore.list(self._store, chunk_size=1000):
+            for meta in chunk:
+                if self._wanted(meta["path"]):
+                    window.append(meta["path"])
+                if len(window) == self.concurrency:
+                    for item in await self._read(window):
+                        yield item
+                    window = []
+        for item in await self._read(window):
+            yield item
+
+    async def _read(self, keys: list[str]) -> list[tuple[str, bytes]]:
+        """Read ``keys`` concurrently (a task group that ends before anything is yielded)."""
+        import obstore
+
+        out: list[bytes] = [b""] * len(keys)
+
+        async def one(i: int) -> None:
+            try:
+                result = await obstore.get_async(self._store, keys[i])
+                out[i] = bytes(await result.bytes_async())
+            except Exception as exc:
+                raise store_error(exc, f"{self._url.rstrip('/')}/{keys[i]}") from None
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(keys)):
+                    tg.start_soon(one, i)
+        except ExceptionGroup as group:  # the first failure, as itself
+            raise group.exceptions[0] from None
+        return list(zip(keys, out, strict=True))
