@@ -1,5 +1,5 @@
-"""Remote-read benchmark: aioloader vs torch's DataLoader vs a thread pool vs plain asyncio,
-fetching objects over HTTP from a local server with first-byte latency.
+"""Remote-read benchmark: aioloader vs torch's DataLoader vs torchdata.nodes vs SPDL vs a thread
+pool vs plain asyncio, fetching objects over HTTP from a local server with first-byte latency.
 
 Workload: an aiohttp server on ``127.0.0.1`` (port 0, in a spawned subprocess, stopped at the end
 of the run) serves ``--items`` (default 2,000) objects of 64 KiB at ``/obj/{i}``, each after
@@ -11,16 +11,32 @@ measured in the same run, one after another, so the ratios between them are what
   ``aioloader.sources.urls(urls, connections=N)``, ``max_inflight=N``, ``async for``.
 * ``torch-nw{2,8}``: ``torch.utils.data.DataLoader`` over a map-style dataset whose
   ``__getitem__`` is a blocking ``urllib.request.urlopen(url).read()``, ``num_workers`` 2 and 8.
+* ``tdnodes-thr{16,64}``: a ``torchdata.nodes`` graph, ``IterableWrapper(urls)`` ->
+  ``ParallelMapper(map_fn=<the same blocking fetch>, num_workers=N, method="thread",
+  in_order=True)`` (at most ``2 * N`` items in flight, its default) -> ``Batcher(batch_size,
+  drop_last=False)``, iterated through a ``Loader``; wall time includes joining its threads.
+* ``spdl-conc64``: an SPDL pipeline, ``PipelineBuilder().add_source(urls)`` ->
+  ``.pipe(<aiohttp fetch>, concurrency=64)`` -> ``.aggregate(batch_size)`` -> ``.add_sink()`` ->
+  ``.build(num_threads=1)`` (no stage is synchronous), iterated under ``auto_stop()``. SPDL runs
+  async stages on its own event loop in a background thread, so the fetch stage's one
+  ``aiohttp.ClientSession`` (connector limit 64) is opened and closed on that loop by a
+  ``TaskHook.stage_hook`` (passed through ``build(task_hook_factory=...)`` beside SPDL's default
+  ``TaskStatsHook``), when the stage starts and ends. SPDL drops a failed fetch (its default
+  ``max_failures=-1``) and logs it; the exactly-once check then fails the configuration.
 * ``threads32``: ``concurrent.futures.ThreadPoolExecutor(32).map`` of the same blocking fetch.
 * ``asyncio-ceiling``: one ``aiohttp.ClientSession`` (connector limit 64),
   ``asyncio.Semaphore(64)``, ``asyncio.gather`` of every fetch, then grouped in batches.
+
+torchdata and SPDL are the optional extra ``.[bench]``: where one is not installed, its row says so
+and the rest still run. Both are imported before any configuration is timed (so neither pays its
+import inside its wall time, and every configuration's RSS includes both modules).
 
 Wall time covers one full epoch end to end, including starting and stopping the loader (worker
 processes, threads, sessions). Peak RSS is the largest sum of resident memory over this process
 and its descendants (the server's process excluded), sampled from ``/proc`` every 50 ms while the
 configuration runs. Every configuration checks that each object arrives exactly once with the
 right bytes, in the right number of batches; the script exits non-zero when one does not (or when
-one raises or times out).
+one raises or times out); a peer that is not installed is reported, not failed.
 
 Run it from the repository root::
 
@@ -35,6 +51,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import faulthandler
+import gc
+import importlib
+import importlib.metadata
 import importlib.util
 import math
 import multiprocessing
@@ -45,7 +64,7 @@ import threading
 import time
 import urllib.request
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -60,8 +79,17 @@ QUICK_ITEMS = 400
 OBJECT_SIZE = 64 * 1024
 CEILING_CONCURRENCY = 64
 THREADS = 32
+JOIN_TIMEOUT_S = 10.0
 SAMPLE_INTERVAL_S = 0.05
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+# The optional peers (the ``.[bench]`` extra), by top-level package: the module their
+# configurations import, and the distribution that installs it.
+PEERS: dict[str, tuple[str, str]] = {
+    "torchdata": ("torchdata.nodes", "torchdata"),
+    "spdl": ("spdl.pipeline", "spdl-core"),
+}
+NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
 
 
 def payload(index: int) -> bytes:
@@ -217,6 +245,12 @@ class BlockingUrlDataset(torch.utils.data.Dataset[bytes]):
         return fetch_blocking(self.urls[index])
 
 
+async def fetch_async(session: aiohttp.ClientSession, url: str) -> bytes:
+    async with session.get(url) as response:
+        response.raise_for_status()
+        return await response.read()
+
+
 def identity(batch: list[bytes]) -> list[bytes]:
     return batch
 
@@ -244,6 +278,7 @@ class Result:
     wall_s: float
     peak_rss: int = 0
     error: str | None = None
+    skipped: str | None = None  # why it was not measured (its peer is not installed)
 
     @property
     def ok(self) -> bool:
@@ -314,6 +349,87 @@ def run_torch(settings: Settings, num_workers: int) -> list[list[bytes]]:
     return list(loader)
 
 
+def _join_threads_since(before: set[threading.Thread]) -> None:
+    """Join every thread started since ``before`` was listed; raise if one outlives the wait."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    started = [t for t in threading.enumerate() if t not in before]
+    for thread in started:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if alive := [t.name for t in started if t.is_alive()]:
+        raise RuntimeError(f"threads still running after {JOIN_TIMEOUT_S:g} s: {alive}")
+
+
+def run_torchdata(settings: Settings, threads: int) -> list[list[bytes]]:
+    import torchdata.nodes as tn  # type: ignore[import-untyped]
+
+    before = set(threading.enumerate())
+    torch_threads = torch.get_num_threads()  # each mapper thread sets it to 1, process-wide
+    mapper = tn.ParallelMapper(
+        tn.IterableWrapper(settings.urls),
+        map_fn=fetch_blocking,
+        num_workers=threads,
+        method="thread",
+        in_order=True,
+    )
+    loader = tn.Loader(tn.Batcher(mapper, batch_size=settings.batch_size, drop_last=False))
+    failure: str | None = None
+    try:
+        batches = list(loader)
+    except Exception as exc:  # raised again below, once its traceback no longer holds the mapper
+        failure = f"{type(exc).__qualname__}: {exc}"
+    if failure is not None:
+        # The mapper stops its threads itself at the end of its input; otherwise its finalizer
+        # does, once the reference cycle between the Loader and its iterator is collected.
+        del loader, mapper
+        gc.collect()
+    _join_threads_since(before)
+    torch.set_num_threads(torch_threads)
+    if failure is not None:
+        raise RuntimeError(failure)
+    return batches
+
+
+def run_spdl(settings: Settings, concurrency: int) -> list[list[bytes]]:
+    from spdl.pipeline import PipelineBuilder, StageInfo, TaskHook, TaskStatsHook
+
+    class SessionHook(TaskHook):
+        """The fetch stage's one aiohttp session, opened when the stage starts and closed when
+        it ends, on the event loop that SPDL runs (in a background thread) for async stages."""
+
+        session: aiohttp.ClientSession
+
+        @contextlib.asynccontextmanager
+        async def stage_hook(self) -> AsyncIterator[None]:
+            connector = aiohttp.TCPConnector(limit=concurrency)
+            async with aiohttp.ClientSession(connector=connector) as self.session:
+                yield
+
+        @contextlib.asynccontextmanager
+        async def task_hook(self, input_item: object = None) -> AsyncIterator[None]:
+            yield
+
+    session = SessionHook()
+
+    async def fetch(url: str) -> bytes:
+        return await fetch_async(session.session, url)
+
+    def hooks(info: StageInfo) -> list[TaskHook]:
+        # SPDL's default hook (TaskStatsHook) on every stage, and the session on the fetch's.
+        return [TaskStatsHook(info), *([session] if info.stage_name == "fetch" else [])]
+
+    pipeline = (
+        PipelineBuilder[str, list[bytes]]()
+        .add_source(settings.urls)
+        .pipe(fetch, concurrency=concurrency, name="fetch")
+        .aggregate(settings.batch_size)
+        .add_sink()
+        .build(num_threads=1, task_hook_factory=hooks)
+    )
+    with pipeline.auto_stop(timeout=settings.timeout):
+        batches: list[list[bytes]] = list(pipeline.get_iterator(timeout=settings.timeout))
+    return batches
+
+
 def run_threads(settings: Settings) -> list[list[bytes]]:
     with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
         samples = list(pool.map(fetch_blocking, settings.urls, timeout=settings.timeout))
@@ -327,9 +443,8 @@ async def _ceiling(settings: Settings) -> list[list[bytes]]:
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def fetch(url: str) -> bytes:
-            async with semaphore, session.get(url) as response:
-                response.raise_for_status()
-                return await response.read()
+            async with semaphore:
+                return await fetch_async(session, url)
 
         async with asyncio.timeout(settings.timeout):
             samples = await asyncio.gather(*(fetch(url) for url in settings.urls))
@@ -349,10 +464,15 @@ CONFIGS: dict[str, Runner] = {
     "aio-conn256": lambda s: run_aio(s, 256),
     "torch-nw2": lambda s: run_torch(s, 2),
     "torch-nw8": lambda s: run_torch(s, 8),
+    "tdnodes-thr16": lambda s: run_torchdata(s, 16),
+    "tdnodes-thr64": lambda s: run_torchdata(s, 64),
+    "spdl-conc64": lambda s: run_spdl(s, CEILING_CONCURRENCY),
     "threads32": run_threads,
     "asyncio-ceiling": run_ceiling,
 }
 BASELINES = ("asyncio-ceiling", "torch-nw8")
+# The configurations that need an optional peer: the peer's key in PEERS.
+PEER_OF = {"tdnodes-thr16": "torchdata", "tdnodes-thr64": "torchdata", "spdl-conc64": "spdl"}
 
 
 def measure(name: str, settings: Settings, server_pid: int | None) -> Result:
@@ -377,6 +497,8 @@ def measure(name: str, settings: Settings, server_pid: int | None) -> Result:
 def _ratio(result: Result, baseline: Result | None) -> str:
     if baseline is None or not baseline.ok or baseline.samples_per_s == 0 or not result.ok:
         return "-"
+    if baseline.skipped or result.skipped:
+        return "-"
     return f"{result.samples_per_s / baseline.samples_per_s:.2f}x"
 
 
@@ -389,6 +511,9 @@ def format_table(results: Iterable[Result]) -> str:
     )
     lines = [header, "-" * len(header)]
     for r in results:
+        if r.skipped:
+            lines.append(f"{r.name:<18}{'-':>11}{'-':>9}{'-':>14}{'-':>12}{'-':>9}  {r.skipped}")
+            continue
         lines.append(
             f"{r.name:<18}{r.samples_per_s:>11,.0f}{r.wall_s:>9.2f}{r.peak_rss / 2**20:>14,.0f}"
             + "".join(
@@ -433,22 +558,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch warns that 8 workers exceed this machine's cores: measuring that is the point.
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     timeout = args.timeout or max(120.0, 3 * args.items * args.latency)
+    installed = {peer: importlib.util.find_spec(peer) is not None for peer in PEERS}
+    versions = ""
+    for peer, (module, distribution) in PEERS.items():
+        if installed[peer]:
+            # Imported here, not inside a timed configuration. One that fails to import fails
+            # its configurations.
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
+            versions += f", {peer} {importlib.metadata.version(distribution)}"
     print(
-        f"aioloader {aioloader.__version__}, torch {torch.__version__}, aiohttp "
+        f"aioloader {aioloader.__version__}, torch {torch.__version__}{versions}, aiohttp "
         f"{aiohttp.__version__}, python {sys.version.split()[0]}: {args.items} objects x "
         f"{OBJECT_SIZE // 1024} KiB, {args.latency * 1e3:g} ms first-byte latency, "
         f"batch {args.batch_size}",
         flush=True,
     )
-    missing = [m for m in ("torchdata", "spdl") if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"not measured: {' and '.join(missing)} (not installed)", flush=True)
     results: list[Result] = []
     with Server(args.items, args.latency) as server:
         settings = Settings(args.items, args.batch_size, args.latency, timeout, server.port)
         print(f"server on 127.0.0.1:{server.port} (pid {server.process.pid})", flush=True)
         names: list[str] = args.only or list(CONFIGS)
         for name in names:
+            needs = PEER_OF.get(name)
+            if needs is not None and not installed[needs]:
+                if all(r.name != needs for r in results):  # one row for the peer
+                    results.append(Result(needs, 0, 0.0, skipped=NOT_INSTALLED))
+                    print(f"  skip {needs:<18} {NOT_INSTALLED}", flush=True)
+                continue
             result = measure(name, settings, server.process.pid)
             results.append(result)
             status = "ok" if result.ok else f"FAIL: {result.error}"
