@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._accelerator import resolve_device
 from ._processes import START_METHODS
 from ._retry import RetryPolicy
 from ._source import Kind, classify
@@ -48,6 +49,7 @@ class Checked(NamedTuple):
     batch_size: int | None  # None also when a batch_sampler decides the batches (torch's rule)
     prefetch: int
     start_method: str | multiprocessing.context.BaseContext
+    device: torch.device | None  # None also for None; a CUDA device has its index
 
 
 def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
@@ -126,6 +128,8 @@ def check_arguments(
     distributed: bool,
     io_threads: int,
     worker_mode: str,
+    device: object = None,
+    device_transform: Callable[[Any], Any] | None = None,
 ) -> Checked:
     """Check the arguments of :class:`~aioloader.DataLoader` (see it for their meanings).
 
@@ -143,6 +147,7 @@ def check_arguments(
         ("collate_fn", collate_fn),
         ("worker_init_fn", worker_init_fn),
         ("transform", transform),
+        ("device_transform", device_transform),
     ):
         callable_or_none(name, fn)
     if shuffle not in (None, True, False):
@@ -220,11 +225,15 @@ def check_arguments(
     if worker_mode not in ("process", "thread"):
         raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
     start_method = start_method_of(multiprocessing_context)
+    target = resolve_device(device)
+    on_host = target is None or target.type != "cuda"
     if worker_mode == "process" and num_workers > 0:
         for name, fn in (
             ("transform", transform),
             ("collate_fn", collate_fn),
             ("worker_init_fn", worker_init_fn),
+            # Without a CUDA device it runs where collation runs: in the workers.
+            ("device_transform", device_transform if on_host else None),
         ):
             check_picklable(name, fn)
-    return Checked(kind, batch_size, prefetch, start_method)
+    return Checked(kind, batch_size, prefetch, start_method, target)

@@ -1,4 +1,4 @@
-"""The work done for one batch on a worker: transform each sample, then collate (and pin).
+"""The work done for one batch on a worker: transform each sample, then collate.
 
 Owns: the function a worker runs, and its result type. It is module-level and takes only
 picklable arguments, so a thread runs it today and a worker process can run it unchanged. Never:
@@ -8,13 +8,13 @@ are made by the caller on the event loop, where the failure budget lives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from ._tree import pin_tree
 
-__all__ = ["JobResult", "collate_only", "pin_tree", "run_batch"]
+__all__ = ["JobResult", "collate_only", "run_batch"]
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ def run_batch(
     collate: Callable[[Any], Any],
     samples: Sequence[Any],
     unbatched: bool,
-    pin: bool,
+    finish: Callable[[Any], Any] | None = None,
 ) -> JobResult:
     """Transform every sample, then collate them into one batch.
 
@@ -48,14 +48,15 @@ def run_batch(
             ``unbatched``).
         samples: The raw samples of one batch, in batch order.
         unbatched: ``batch_size=None``: ``samples`` holds one sample, collated on its own.
-        pin: Copy the batch's tensors into page-locked memory.
+        finish: Applied to the collated batch (``device_transform`` when batches stay on the
+            host), or None.
 
     Returns:
         A :class:`JobResult`. A transform failure does not raise: it is reported in ``failures``
         and the batch is left uncollated.
 
     Raises:
-        Exception: Whatever ``collate`` raises.
+        Exception: Whatever ``collate`` or ``finish`` raises.
     """
     if transform is None:
         transformed = list(samples)
@@ -69,26 +70,19 @@ def run_batch(
                 failures.append((position, exc))
         if failures:
             return JobResult(transformed=transformed, failures=failures)
-    return JobResult(batch=collate_only(collate, transformed, unbatched, pin))
+    return JobResult(batch=collate_only(collate, transformed, unbatched, finish=finish))
 
 
 def collate_only(
-    collate: Callable[[Any], Any], transformed: list[Any], unbatched: bool, pin: bool
+    collate: Callable[[Any], Any],
+    transformed: list[Any],
+    unbatched: bool,
+    pin: bool = False,
+    finish: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """Collate already transformed samples (and pin the result when asked)."""
+    """Collate already transformed samples, apply ``finish`` to the batch, and copy it into
+    page-locked memory when ``pin`` (in this process only: pinned memory does not cross)."""
     batch = collate(transformed[0] if unbatched else transformed)
+    if finish is not None:
+        batch = finish(batch)
     return pin_tree(batch) if pin else batch
-
-
-def pin_tree(data: Any) -> Any:
-    """Return ``data`` with every CPU tensor inside it (mappings, named tuples, sequences)
-    copied into page-locked memory; other objects are returned unchanged."""
-    if isinstance(data, torch.Tensor):
-        return data if data.is_pinned() else data.pin_memory()
-    if isinstance(data, Mapping):
-        return type(data)({k: pin_tree(v) for k, v in data.items()})  # type: ignore[call-arg]
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(pin_tree(v) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(pin_tree(v) for v in data)
-    return data

@@ -1,7 +1,8 @@
 """``aioloader.DataLoader``: torch's DataLoader arguments, an asyncio pipeline underneath.
 
 Owns: validating arguments (at construction, naming the argument), building the epoch's batches
-of indices, the loader's scope (``async with`` / ``with``: task group, worker threads), starting
+of indices, the loader's scope (``async with`` / ``with``: task group, worker threads, device
+stage), starting
 and stopping epochs, the consumer side of iteration (``async for`` and a plain ``for``), and
 statistics. Never: runs pipeline stages itself (``_pipeline.py``) or decides order
 (``_sampler.py``).
@@ -23,6 +24,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ._arguments import check_arguments, non_negative_int
 from ._collate import default_collate, default_convert
+from ._device import hand_out, plan_for
 from ._exceptions import LoaderStateError
 from ._offload import ThreadOffload
 from ._pipeline import PipelineConfig
@@ -90,7 +92,9 @@ class DataLoader(Generic[T_Batch]):
             event loop.
         collate_fn: Turns a list of samples into a batch (default: :func:`default_collate`).
         pin_memory: Copy batches into page-locked memory (only with an accelerator; warns once
-            and goes on unpinned without one).
+            and goes on unpinned without one). With a CUDA ``device``, batches go through a
+            pool of pinned buffers reused across batches; without one, each batch is pinned on
+            the host (torch's behaviour). Pinning runs on a thread of the loader's own.
         drop_last: Drop the last incomplete batch.
         timeout: Seconds to wait for a batch before raising :class:`~aioloader.LoaderTimeout`
             (0: wait for ever).
@@ -104,7 +108,7 @@ class DataLoader(Generic[T_Batch]):
         persistent_workers: Accepted for torch compatibility (needs ``num_workers > 0``):
             workers always live as long as the loader's scope (``async with`` / ``with``); a
             plain ``for`` without ``with`` opens a scope per epoch.
-        pin_memory_device: Accepted for torch compatibility.
+        pin_memory_device: Accepted for torch compatibility (``device`` says where batches go).
         in_order: Yield batches in sampler order (through a reorder buffer); False yields each
             batch as soon as it is complete.
         transform: Applied to every sample off the event loop, before collation.
@@ -131,10 +135,22 @@ class DataLoader(Generic[T_Batch]):
             ``"thread"``: ``num_workers`` threads (for GIL-releasing code or free-threaded
             Python). Processes need ``transform``, ``collate_fn`` and ``worker_init_fn`` to be
             picklable; that is checked here.
+        device: Where batches go: ``"cuda"`` (the current CUDA device; under torchrun the
+            local rank's, from ``LOCAL_RANK``), ``"cuda:N"`` or a ``torch.device``. Every
+            tensor of a batch (in mappings, named tuples, dataclasses, lists, tuples) is copied
+            with ``non_blocking=True`` on a dedicated CUDA stream, off the event loop; a batch
+            handed out is safe to use on the consumer's current stream, and at most
+            ``max(prefetch, 1)`` batches are on the device ahead of the consumer. Non-tensors
+            are left as they are. ``"cpu"`` or None: batches stay on the host.
+        device_transform: Applied to each batch on the device after the copy, on the same
+            stream (e.g. ``uint8`` to normalised float), so the host never handles the larger
+            data; it runs on the device stage's thread under ``torch.no_grad()``. Without a CUDA
+            ``device`` it is applied after ``collate_fn``, where collation runs.
 
     Raises:
         TypeError: ``dataset`` or a callable argument has the wrong type.
-        ValueError: An argument is out of range or conflicts with another; the message names it.
+        ValueError: An argument is out of range or conflicts with another (``device="cuda"``
+            without CUDA, among others); the message names it.
     """
 
     def __init__(
@@ -170,8 +186,10 @@ class DataLoader(Generic[T_Batch]):
         world_size: int | None = None,
         io_threads: int = 8,
         worker_mode: Literal["process", "thread"] = "process",
+        device: str | torch.device | None = None,
+        device_transform: Callable[[Any], Any] | None = None,
     ) -> None:
-        kind, batch_size, prefetch, start_method = check_arguments(
+        kind, batch_size, prefetch, start_method, target = check_arguments(
             dataset=dataset,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -198,6 +216,8 @@ class DataLoader(Generic[T_Batch]):
             distributed=distributed,
             io_threads=io_threads,
             worker_mode=worker_mode,
+            device=device,
+            device_transform=device_transform,
         )
 
         self.rank, self.world_size = resolve_rank(rank, world_size) if distributed else (0, 1)
@@ -220,6 +240,8 @@ class DataLoader(Generic[T_Batch]):
         self.io_threads = io_threads
         self.worker_mode = worker_mode
         self.start_method = start_method
+        self.device = target
+        self.device_transform = device_transform
         if seed is not None:
             self.base_seed = seed
         else:  # drawn once, as torch draws its base seed: torch.manual_seed makes it repeatable
@@ -262,6 +284,8 @@ class DataLoader(Generic[T_Batch]):
                 stacklevel=2,
             )
             pin = False
+        self._device_plan = plan_for(target, pin=pin, transform=device_transform)
+        on_device = self._device_plan is not None and self._device_plan.accelerator is not None
         self._config = PipelineConfig(
             batch_size=_batch_size_hint(batch_size, batch_sampler),
             unbatched=batch_size is None and batch_sampler is None,
@@ -278,7 +302,7 @@ class DataLoader(Generic[T_Batch]):
             sample_timeout=sample_timeout,
             max_failures=max_failures,
             max_inflight_bytes=max_inflight_bytes,
-            pin=pin,
+            finish=None if on_device else device_transform,
             rank=self.rank,
             world_size=self.world_size,
             seed=self.base_seed,
@@ -288,9 +312,7 @@ class DataLoader(Generic[T_Batch]):
         self._portal_stack: contextlib.ExitStack | None = None
         self._portal: BlockingPortal | None = None
         self._next_epoch = 0
-        self._stats = Recorders(
-            max_inflight=max_inflight, workers=max(1, num_workers), prefetch=prefetch
-        )
+        self._stats = self._new_recorders()
         self._stopped_at: float | None = 0.0
 
     # -- torch's surface -----------------------------------------------------------------------
@@ -339,6 +361,14 @@ class DataLoader(Generic[T_Batch]):
 
     # -- the scope -----------------------------------------------------------------------------
 
+    def _new_recorders(self) -> Recorders:
+        return Recorders(
+            max_inflight=self.max_inflight,
+            workers=max(1, self.num_workers),
+            prefetch=self.prefetch,
+            device=max(1, self.prefetch) if self._device_plan is not None else None,
+        )
+
     def _offload(self) -> ThreadOffload:
         if self._scope is None:
             raise LoaderStateError("the loader's scope is closed")
@@ -346,22 +376,20 @@ class DataLoader(Generic[T_Batch]):
 
     async def __aenter__(self) -> DataLoader[T_Batch]:
         """Open the loader's scope: its task group and its workers (threads, or processes that
-        are started here and have run ``worker_init_fn`` when this returns).
+        are started here and have run ``worker_init_fn`` when this returns), and the device
+        stage (CUDA is initialised and its stream created on the stage's own thread).
 
         Raises:
             LoaderStateError: The scope is already open.
             WorkerCrashed: A worker process died while starting.
+            RuntimeError: CUDA failed to initialise for ``device``.
             Exception: ``worker_init_fn`` raised in a worker (original type, worker traceback).
 
         Cancellation: whatever was started is stopped again before the cancellation goes on.
         """
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
-        self._stats = Recorders(
-            max_inflight=self.max_inflight,
-            workers=max(1, self.num_workers),
-            prefetch=self.prefetch,
-        )
+        self._stats = self._new_recorders()
         stack = contextlib.AsyncExitStack()
         scope = Scope(self, stack)
         stack.push_async_callback(scope.close_workers)
@@ -407,7 +435,7 @@ class DataLoader(Generic[T_Batch]):
 
     def __enter__(self) -> DataLoader[T_Batch]:
         """Open the scope for plain ``for`` loops: one background event loop (and one set of
-        workers) serves every epoch until ``__exit__``."""
+        workers, one device stage) serves every epoch until ``__exit__``."""
         if self._portal is not None or self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
         stack = contextlib.ExitStack()
@@ -477,10 +505,11 @@ class DataLoader(Generic[T_Batch]):
         try:
             while True:
                 try:
-                    batch = portal.call(iterator.__anext__)
+                    batch = portal.call(iterator.receive)
                 except StopAsyncIteration:
                     return
-                yield batch
+                # This thread is the consumer: its current stream must wait for the copy.
+                yield hand_out(batch)
         finally:
             portal.call(iterator.aclose)
 
@@ -489,5 +518,6 @@ class DataLoader(Generic[T_Batch]):
             f"aioloader.DataLoader({type(self.dataset).__qualname__}, "
             f"batch_size={self.batch_size}, num_workers={self.num_workers}, "
             f"max_inflight={self.max_inflight}, prefetch={self.prefetch}, "
-            f"in_order={self.in_order})"
+            f"in_order={self.in_order}"
+            + (f", device='{self.device}')" if self.device is not None else ")")
         )

@@ -1,4 +1,4 @@
-"""One epoch of the data path: schedule → fetch → transform+collate → reorder → output.
+"""One epoch of the data path: schedule → fetch → transform+collate → reorder → device → output.
 
 Owns: the stages of one epoch as tasks in one task group, joined by bounded memory object
 streams, and the bounds that make backpressure work:
@@ -9,6 +9,8 @@ streams, and the bounds that make backpressure work:
   a stream; a batched source fetches slices of ``fetch_chunk`` samples, or whole batches, and
   counts every sample of a slice against the bound);
 * at most ``prefetch`` finished batches wait for the consumer (the output stream's buffer);
+  with a device stage, at most ``max(prefetch, 1)`` staged batches (on the device) do: a slot
+  per batch, taken before staging, given back when the consumer takes the batch;
 * optionally, fetched bytes held in unfinished batches stay near ``max_inflight_bytes``.
 
 A slow consumer fills the output stream, the emitter blocks, slots stop coming back, the
@@ -34,9 +36,10 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._device import DeviceStage, Staged
 from ._exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
 from ._flow import ByteBudget, blocked, get, nbytes_of, put
-from ._job import JobResult, collate_only, pin_tree, run_batch
+from ._job import JobResult, collate_only, run_batch
 from ._offload import ThreadOffload
 from ._processes import ProcessWorkers
 from ._reorder import BatchAssembler, ReorderBuffer
@@ -69,7 +72,7 @@ class PipelineConfig:
     sample_timeout: float | None
     max_failures: int
     max_inflight_bytes: int | None
-    pin: bool
+    finish: Callable[[Any], Any] | None  # device_transform, run after collate (no device stage)
     rank: int
     world_size: int
     seed: int  # base seed: each batch's work is seeded from (seed, epoch, batch index)
@@ -126,6 +129,7 @@ class Epoch:
             ``batch_size`` is None); None for a stream.
         work: Runs transform + collate jobs.
         stats: The loader's recorders.
+        device: The scope's device stage, or None (batches are yielded as collated).
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class Epoch:
         batches: Iterable[Sequence[int]] | None,
         work: ThreadOffload | ProcessWorkers,
         stats: Recorders,
+        device: DeviceStage | None = None,
     ) -> None:
         self.number = number
         self.config = config
@@ -143,6 +148,9 @@ class Epoch:
         self.batches = batches
         self.work = work
         self.stats = stats
+        self.device = device
+        # Staged batches the consumer has not taken: on the device, ahead of it.
+        self._on_device = anyio.Semaphore(device.depth if device is not None else 1)
         self.error: BaseException | None = None
         self.finished = anyio.Event()
         self.cancel_scope = anyio.CancelScope()
@@ -447,13 +455,12 @@ class Epoch:
             return _Done(batch, None, 0)
         samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
         unbatched = cfg.unbatched
-        pin_there = cfg.pin and self.work.pins_results
         seed = derive_seed(cfg.seed, self.number, batch.seq)
         started = time.perf_counter()
         rec.start()
         try:
             result: JobResult = await self.work.run(
-                run_batch, cfg.transform, cfg.collate_fn, samples, unbatched, pin_there, seed=seed
+                run_batch, cfg.transform, cfg.collate_fn, samples, unbatched, cfg.finish, seed=seed
             )
             value, size = result.batch, len(samples)
             if result.failures:
@@ -466,11 +473,10 @@ class Epoch:
                         cfg.collate_fn,
                         result.transformed,
                         unbatched,
-                        pin_there,
+                        False,
+                        cfg.finish,
                         seed=seed,
                     )
-            if cfg.pin and not pin_there and size:
-                value = pin_tree(value)  # page-locked memory belongs to this process
         except Exception as exc:
             rec.finish(time.perf_counter() - started, ok=False)
             rec.failed += 1
@@ -502,7 +508,8 @@ class Epoch:
                         self.error = d.error  # the object itself, whatever its type
                         raise d.error
                     if d.size:
-                        await put(out, (d.value, d.size), self.stats.output)
+                        value = d.value if self.device is None else await self._stage(d)
+                        await put(out, (value, d.size), self.stats.output)
                         self.stats.output.completed += 1
                         self.stats.output.set_queued(out.statistics().current_buffer_used)
                     self._bytes.release(d.batch.seq, d.batch.nbytes)
@@ -510,3 +517,36 @@ class Epoch:
                     self.stats.window.finish(None)
                     self._open_batches -= 1
                     self._slots.release()
+
+    async def _stage(self, d: _Done) -> Staged:
+        """Pin a batch and issue its copy to the device, once fewer than ``depth`` staged
+        batches wait for the consumer. A failure ends the epoch in the batch's turn."""
+        device, rec = self.device, self.stats.device
+        if device is None:
+            raise RuntimeError("no device stage")
+        with blocked(rec, "put"):  # the device is `depth` batches ahead of the consumer
+            await self._on_device.acquire()
+        started = time.perf_counter()
+        rec.start()
+        try:
+            staged = await device.stage(d.value, self._taken)
+        except Exception as exc:
+            self._taken()
+            rec.finish(time.perf_counter() - started, ok=False)
+            rec.failed += 1
+            annotate(exc, "device", epoch=self.number, batch=d.batch.seq)
+            self.error = exc
+            raise
+        except BaseException:  # cancelled: the staging itself finished on its thread
+            self._taken()
+            rec.in_flight -= 1
+            raise
+        rec.finish(time.perf_counter() - started)
+        rec.set_queued(device.depth - self._on_device.value)
+        return staged
+
+    def _taken(self) -> None:
+        """A staged batch left the device's queue: the consumer took it, or staging failed."""
+        self._on_device.release()
+        if self.device is not None:
+            self.stats.device.set_queued(self.device.depth - self._on_device.value)

@@ -1,9 +1,10 @@
 """What one ``async with loader:`` owns, and the consumer's end of an epoch.
 
-Owns: the scope's task group, worker and I/O threads and current epoch (:class:`Scope`), and
-:class:`EpochIterator`, which starts an epoch's tasks on its first ``__anext__`` (ending an
-unfinished earlier epoch first), hands out batches, times the consumer's waits and turns the end
-of the output stream into ``StopAsyncIteration`` or the epoch's original exception. Never:
+Owns: the scope's task group, worker and I/O threads, device stage and current epoch
+(:class:`Scope`), and :class:`EpochIterator`, which starts an epoch's tasks on its first
+``__anext__`` (ending an unfinished earlier epoch first), hands out batches (a staged batch is
+made ready on the consumer's own thread and stream), times the consumer's waits and turns the
+end of the output stream into ``StopAsyncIteration`` or the epoch's original exception. Never:
 validates arguments or builds samplers (``_loader.py``), or runs stages (``_pipeline.py``).
 """
 
@@ -19,6 +20,7 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from ._device import DeviceStage, Staged, hand_out
 from ._exceptions import LoaderStateError, LoaderTimeout
 from ._offload import ThreadOffload
 from ._pipeline import Epoch
@@ -34,7 +36,8 @@ T_Batch = TypeVar("T_Batch")
 
 
 class Scope:
-    """What one ``async with loader:`` owns: the task group, the threads, the running epoch."""
+    """What one ``async with loader:`` owns: the task group, the threads, the device stage, the
+    running epoch."""
 
     def __init__(self, loader: DataLoader[Any], stack: contextlib.AsyncExitStack) -> None:
         self.loader = loader
@@ -56,6 +59,8 @@ class Scope:
                 max(1, loader.num_workers), "worker", worker_init_fn=loader.worker_init_fn
             )
         self.io: ThreadOffload | None = None
+        plan = loader._device_plan
+        self.device = DeviceStage(plan, depth=max(1, loader.prefetch)) if plan is not None else None
         self.current: EpochIterator[Any] | None = None
 
     def offload(self) -> ThreadOffload:
@@ -68,16 +73,24 @@ class Scope:
             self.current.close_stream()
 
     async def start_workers(self) -> None:
+        """Start the worker processes, then initialise the device (off the loop)."""
         if isinstance(self.work, ProcessWorkers):
             await self.work.start()
+        if self.device is not None:
+            await self.device.open()
 
     async def close_workers(self) -> None:
-        if isinstance(self.work, ProcessWorkers):
-            await self.work.aclose()
-        else:
-            self.work.close()
-        if self.io is not None:
-            self.io.close()
+        """Stop the workers and threads, and close the device stage (its copies finish)."""
+        try:
+            if isinstance(self.work, ProcessWorkers):
+                await self.work.aclose()
+            else:
+                self.work.close()
+            if self.io is not None:
+                self.io.close()
+        finally:
+            if self.device is not None:
+                await self.device.aclose()
 
 
 class EpochIterator(Generic[T_Batch]):
@@ -117,7 +130,9 @@ class EpochIterator(Generic[T_Batch]):
                 batches = ([i] for i in sampler)
         config = loader._config
         send, recv = anyio.create_memory_object_stream[Any](config.prefetch)
-        epoch = Epoch(self._number, config, loader._source, batches, scope.work, loader._stats)
+        epoch = Epoch(
+            self._number, config, loader._source, batches, scope.work, loader._stats, scope.device
+        )
         scope.current = self
         loader._stats.epochs += 1
         self._epoch, self._recv = epoch, recv
@@ -125,7 +140,8 @@ class EpochIterator(Generic[T_Batch]):
         return recv
 
     async def __anext__(self) -> T_Batch:
-        """The next batch of the epoch.
+        """The next batch of the epoch. With a device stage it is on the device, safe to use on
+        the current stream of the calling thread.
 
         Raises:
             StopAsyncIteration: The epoch ended.
@@ -135,6 +151,15 @@ class EpochIterator(Generic[T_Batch]):
 
         Cancellation: safe; no batch is lost (the next call returns the batch this one would
         have returned).
+        """
+        return hand_out(await self.receive())  # type: ignore[no-any-return]
+
+    async def receive(self) -> Any:
+        """The next batch as the event loop holds it: a :class:`Staged` batch with a device
+        stage, to be finished with :func:`hand_out` in the thread that uses it (a plain ``for``
+        runs this on the loop's thread, then ``hand_out`` on its own).
+
+        Raises and cancellation: as :meth:`__anext__`.
         """
         if self._closed:
             raise StopAsyncIteration
@@ -164,15 +189,24 @@ class EpochIterator(Generic[T_Batch]):
                 raise error
             raise StopAsyncIteration
         batch, size = item
+        if isinstance(batch, Staged):
+            batch.release()  # taken: no longer ahead of the consumer
         stats.batches += 1
         stats.samples += size
         self._last_yield = time.perf_counter()
-        return batch  # type: ignore[no-any-return]
+        return batch
 
     def close_stream(self) -> None:
         self._closed = True
-        if self._recv is not None:
-            self._recv.close()
+        recv = self._recv
+        if recv is not None:
+            # Ready batches (perhaps on the device) are dropped now, not when this iterator is.
+            with contextlib.suppress(
+                anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError
+            ):
+                while True:
+                    recv.receive_nowait()
+            recv.close()
 
     async def aclose(self) -> None:
         """Stop the epoch early and wait until its tasks are gone.

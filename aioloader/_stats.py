@@ -52,7 +52,7 @@ class StageStatistics:
     """One stage's counters.
 
     Attributes:
-        name: ``"fetch"``, ``"transform"`` or ``"output"``.
+        name: ``"window"``, ``"fetch"``, ``"transform"``, ``"device"`` or ``"output"``.
         in_flight: Operations running now.
         max_in_flight: The most that ever ran at once.
         limit: The configured bound on ``in_flight`` (None when unbounded).
@@ -174,7 +174,10 @@ class LoaderStatistics:
         epochs: Epochs started.
         elapsed_s: Seconds since the scope opened (until it closed, once it has).
         stages: Per-stage counters: ``window`` (batches between scheduling and hand-off),
-            ``fetch``, ``transform`` (transform + collate) and ``output`` (ready batches).
+            ``fetch``, ``transform`` (transform + collate), ``device`` (only with a device
+            stage: pinning and issuing the copies; ``queued`` counts the batches on the device
+            that the consumer has not taken, at most ``queue_capacity``) and ``output`` (ready
+            batches).
         consumer: What the iterating code saw.
         skipped_samples: Ids of samples skipped under ``max_failures`` (the first 1,000).
         bytes_held: Bytes of fetched samples in unfinished batches now.
@@ -347,12 +350,17 @@ class ConsumerRecorder:
 class Recorders:
     """The loader's statistics recorders, shared by its epochs (cumulative over its scope)."""
 
-    def __init__(self, *, max_inflight: int, workers: int, prefetch: int) -> None:
+    def __init__(
+        self, *, max_inflight: int, workers: int, prefetch: int, device: int | None = None
+    ) -> None:
         self.started = time.perf_counter()
         self.epochs = 0
         self.window = StageRecorder("window", limit=None, queue_capacity=None)
         self.fetch = StageRecorder("fetch", limit=max_inflight, queue_capacity=None)
         self.transform = StageRecorder("transform", limit=workers, queue_capacity=None)
+        # One batch staged at a time; `device` of them may wait for the consumer.
+        self.device = StageRecorder("device", limit=1, queue_capacity=device)
+        self.has_device = device is not None
         self.output = StageRecorder("output", limit=None, queue_capacity=prefetch)
         self.consumer = ConsumerRecorder()
         self.workers = WorkerRecorder()
@@ -362,4 +370,6 @@ class Recorders:
 
     @property
     def stages(self) -> tuple[StageRecorder, ...]:
+        if self.has_device:
+            return (self.window, self.fetch, self.transform, self.device, self.output)
         return (self.window, self.fetch, self.transform, self.output)

@@ -1,0 +1,276 @@
+"""The device stage: finished batches pinned, then copied to a CUDA device on a side stream.
+
+Owns: :class:`DeviceStage`, which the loader's scope owns and the epoch's emitter calls, one
+batch at a time, in order; what a loader's stage does (:class:`DevicePlan`); and the hand-over of
+a staged batch to the consumer (:class:`Staged`). The tree walk is ``_tree.py``'s; the device
+calls, ``device=`` resolution and the pinned pool are ``_accelerator.py``'s.
+
+Every blocking call (copying into pinned memory, issuing the copies and ``device_transform``,
+waiting on an event before a pinned buffer is reused) runs on the stage's one thread, never on
+the event loop. The only CUDA calls made elsewhere are :meth:`Staged.ready`'s, in the consumer's
+thread (the current stream is per thread), and they never block the host.
+
+Never: decides order or how far the stage runs ahead (the epoch does), or synchronises the
+consumer's stream with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+import torch
+
+from ._accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
+from ._offload import ThreadOffload
+from ._tree import map_tensors, pin_tree, tensors_in
+
+__all__ = ["DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
+
+_ALIGN = 256  # bytes: each tensor's offset in a pinned buffer (whole cache lines, any dtype)
+
+
+class Staged:
+    """A batch the device stage has issued to the device (or pinned on the host).
+
+    The event loop thread calls :meth:`release` when the consumer takes it (it no longer counts
+    as ahead of the consumer); the consumer's thread calls :meth:`ready` to get the batch.
+    """
+
+    __slots__ = ("_accelerator", "_event", "_release", "_tensors", "batch")
+
+    def __init__(
+        self,
+        batch: Any,
+        *,
+        release: Callable[[], None] | None = None,
+        accelerator: Accelerator | None = None,
+        event: Event | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+    ) -> None:
+        self.batch = batch
+        self._release = release
+        self._accelerator = accelerator
+        self._event = event
+        self._tensors = tensors
+
+    def release(self) -> None:
+        """Give the batch's place on the device back to the stage (idempotent; call on the event
+        loop's thread)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def ready(self) -> Any:
+        """The batch, safe to use on the calling thread's current stream: that stream waits
+        (on the device, the host does not) until the copies and ``device_transform`` are done,
+        and the allocator will not reuse the batch's memory before that stream is done with it.
+        Call it once, in the thread that uses the batch: this object lets go of the batch, so
+        the batch's memory goes back as soon as the consumer drops it.
+
+        Raises:
+            RuntimeError: A CUDA error (possibly from earlier asynchronous work).
+        """
+        batch, self.batch = self.batch, None
+        tensors, self._tensors = self._tensors, ()
+        if self._event is not None and self._accelerator is not None:
+            self._accelerator.hand_over(self._event, tensors)
+        return batch
+
+
+def hand_out(value: Any) -> Any:
+    """What the consumer gets for a value of the output stream: a staged batch made ready on the
+    calling thread's stream, anything else as it is."""
+    return value.ready() if isinstance(value, Staged) else value
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePlan:
+    """What a loader's device stage does (fixed at construction; a scope builds the stage).
+
+    Attributes:
+        accelerator: Makes the device's :class:`Accelerator` (one per scope); None: the stage
+            only pins batches on the host (``pin_memory=True`` without ``device``).
+        pin: Copy through page-locked memory (the pool with a device; torch's pinning without).
+        transform: ``device_transform``, run on the side stream after the copies.
+    """
+
+    accelerator: Callable[[], Accelerator] | None
+    pin: bool
+    transform: Callable[[Any], Any] | None = None
+
+
+def plan_for(
+    device: torch.device | None, *, pin: bool, transform: Callable[[Any], Any] | None
+) -> DevicePlan | None:
+    """The device stage a loader needs: None when batches stay on the host unpinned (then
+    ``device_transform`` runs where collation runs)."""
+    if device is not None and device.type == "cuda":
+        return DevicePlan(partial(CudaAccelerator, device), pin, transform)
+    if pin:
+        return DevicePlan(None, True)
+    return None
+
+
+def _packable(tensor: torch.Tensor) -> bool:
+    """Whether a tensor can go through a pinned buffer: a plain, dense CPU tensor."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.numel() > 0
+    )
+
+
+def _dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The strides ``tensor.to(device)`` would give: its own when it is dense (contiguous,
+    channels-last, any permutation), else contiguous ones."""
+    if tensor.is_contiguous():
+        return tuple(tensor.stride())
+    return tuple(torch.empty_like(tensor, device="meta").stride())
+
+
+class DeviceStage:
+    """Moves finished batches to the device, one at a time, on a thread of its own.
+
+    Owned by the loader's scope: :meth:`open` when it opens, :meth:`aclose` when it closes. The
+    epoch's emitter calls :meth:`stage` for each batch, in order, and bounds how many staged
+    batches the consumer has not taken yet (``depth``).
+
+    With a device, each tensor of a batch is copied into a buffer of the :class:`PinnedPool`
+    (when pinning), then copied to the device with ``non_blocking=True`` on the side stream;
+    ``device_transform`` runs on the side stream after that; an event marks the end. A pinned
+    buffer is reused only once the copies out of it have completed. Tensors that cannot go
+    through a pinned buffer (tensor subclasses, sparse, quantized, nested or empty tensors,
+    tensors already on a device) are moved with ``tensor.to(device)`` on the side stream.
+
+    Args:
+        plan: What to do (see :class:`DevicePlan`).
+        depth: How many staged batches may wait for the consumer (the pool keeps one more
+            buffer than that, and at least two).
+    """
+
+    def __init__(self, plan: DevicePlan, *, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.depth = depth
+        self.accelerator = plan.accelerator() if plan.accelerator is not None else None
+        self.pool = (
+            PinnedPool(self.accelerator.pinned, capacity=max(2, depth + 1))
+            if self.accelerator is not None and plan.pin
+            else None
+        )
+        self._transform = plan.transform
+        self._thread = ThreadOffload(1, "device")
+
+    async def open(self) -> None:
+        """Initialise the device on the stage's thread (the first CUDA call can take seconds).
+
+        Raises:
+            RuntimeError: CUDA failed to initialise.
+
+        Cancellation: a call already running finishes first (shielded); then it goes on.
+        """
+        if self.accelerator is not None:
+            await self._thread.run(self.accelerator.open)
+
+    async def stage(self, batch: Any, release: Callable[[], None] | None = None) -> Staged:
+        """Pin ``batch`` and issue its copy to the device (and ``device_transform``).
+
+        Args:
+            batch: A collated batch.
+            release: Called (on the loop's thread) when the consumer takes the batch, or when
+                staging fails.
+
+        Returns:
+            A :class:`Staged` batch; the copies may still be running on the device.
+
+        Raises:
+            Exception: Copying or ``device_transform`` failed (e.g.
+                ``torch.OutOfMemoryError``), with its original type.
+
+        Cancellation: a batch whose staging has started on the thread is finished there
+        (shielded) and dropped; its pinned buffer is reused once its copy is done.
+        """
+        return await self._thread.run(self._stage, batch, release)
+
+    async def aclose(self) -> None:
+        """Wait for the copies still running, drop the pinned buffers, join the thread.
+
+        Cancellation: shielded; the wait is bounded by the work already issued to the device.
+        """
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._thread.run(self._close)
+            finally:
+                self._thread.close()
+
+    # -- on the stage's thread -----------------------------------------------------------------
+
+    def _close(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.close()
+        if self.pool is not None:
+            self.pool.clear()
+
+    def _stage(self, batch: Any, release: Callable[[], None] | None) -> Staged:
+        acc = self.accelerator
+        if acc is None:
+            return Staged(pin_tree(batch), release=release)
+        with torch.no_grad(), acc.side():
+            moved, event = self._copy(acc, tensors_in(batch))
+            out = map_tensors(lambda t: moved[id(t)], batch)
+            if self._transform is not None:
+                out = self._transform(out)
+                event = acc.record()
+        on_device = tuple(t for t in tensors_in(out) if t.device == acc.device)
+        return Staged(out, release=release, accelerator=acc, event=event, tensors=on_device)
+
+    def _copy(
+        self, acc: Accelerator, leaves: list[torch.Tensor]
+    ) -> tuple[dict[int, torch.Tensor], Event]:
+        moved: dict[int, torch.Tensor] = {}
+        packed: list[tuple[torch.Tensor, tuple[int, ...], int, int]] = []
+        total = 0
+        for tensor in leaves:
+            if not _packable(tensor):
+                moved[id(tensor)] = tensor.to(acc.device)
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            packed.append((tensor, _dense_strides(tensor), total, nbytes))
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        buffer = self.pool.take(total) if self.pool is not None and total else None
+        try:
+            for tensor, strides, offset, nbytes in packed:
+                target = torch.empty_strided(
+                    tensor.shape, strides, dtype=tensor.dtype, device=acc.device
+                )
+                if buffer is None:  # pin_memory=False: from pageable memory
+                    target.copy_(tensor, non_blocking=True)
+                else:
+                    staging = buffer[offset : offset + nbytes].view(tensor.dtype)
+                    staging = staging.as_strided(tensor.shape, strides)
+                    staging.copy_(tensor)
+                    target.copy_(staging, non_blocking=True)
+                moved[id(tensor)] = target
+        except BaseException:
+            self._give_back(acc, buffer)
+            raise
+        return moved, self._give_back(acc, buffer)
+
+    def _give_back(self, acc: Accelerator, buffer: torch.Tensor | None) -> Event:
+        """An event after the copies issued so far; ``buffer`` is reused once it completes."""
+        try:
+            event = acc.record()
+        except BaseException:
+            if buffer is not None and self.pool is not None:
+                self.pool.discard(buffer)
+            raise
+        if buffer is not None and self.pool is not None:
+            self.pool.give_back(buffer, event)
+        return event

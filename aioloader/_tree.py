@@ -1,0 +1,133 @@
+"""Finding and replacing the tensors inside a batch: the pure tree walk the device stage (and
+pinning) use.
+
+Owns: walking mappings, named tuples, dataclasses, lists and tuples, and rebuilding a container
+with its own type only when something inside it changed. Never: moves memory itself (the
+function given does).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["map_tensors", "pin_tree", "tensors_in"]
+
+_MISSING = object()
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    """Return ``data`` with every tensor ``t`` inside it replaced by ``fn(t)``.
+
+    Walks mappings, named tuples, dataclass instances (frozen or not), lists, tuples and other
+    sequences (not ``str`` or ``bytes``); anything else is returned as it is. A container is
+    rebuilt, with its own type, only when something inside it changed, so a structure without
+    tensors (or one that ``fn`` returns unchanged) comes back as the very same object.
+
+    Rebuilding: a mutable mapping or sequence is shallow-copied and updated (its type may carry
+    state, such as a ``defaultdict``'s factory), an immutable one is built from a dict or list
+    (a plain ``dict``, ``list`` or ``tuple`` when its type cannot be); a named tuple from its
+    fields; a dataclass is shallow-copied and its changed fields set without calling
+    ``__init__`` (so ``__post_init__`` does not run twice, and frozen ones work).
+
+    Raises:
+        Exception: Whatever ``fn`` raises.
+    """
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, str | bytes | bytearray | memoryview):
+        return data
+    if isinstance(data, Mapping):
+        values = {key: map_tensors(fn, value) for key, value in data.items()}
+        if all(values[key] is value for key, value in data.items()):
+            return data
+        return _rebuild_mapping(data, values)
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        items = [map_tensors(fn, item) for item in data]
+        if all(new is old for new, old in zip(items, data, strict=True)):
+            return data
+        return type(data)(*items)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        changed: dict[str, Any] = {}
+        for field in dataclasses.fields(data):
+            old = getattr(data, field.name, _MISSING)
+            if old is _MISSING:  # an init=False field never set
+                continue
+            new = map_tensors(fn, old)
+            if new is not old:
+                changed[field.name] = new
+        if not changed:
+            return data
+        clone = copy.copy(data)
+        for name, value in changed.items():
+            object.__setattr__(clone, name, value)
+        return clone
+    if isinstance(data, Sequence):
+        items = [map_tensors(fn, item) for item in data]
+        if all(new is old for new, old in zip(items, data, strict=True)):
+            return data
+        return _rebuild_sequence(data, items)
+    return data
+
+
+def _rebuild_mapping(data: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
+    if type(data) is dict:
+        return values
+    try:
+        if isinstance(data, MutableMapping):
+            clone = copy.copy(data)
+            clone.update(values)
+            return clone
+        rebuilt: Mapping[Any, Any] = type(data)(values)  # type: ignore[call-arg]  # tried
+    except TypeError:
+        return values
+    return rebuilt
+
+
+def _rebuild_sequence(data: Sequence[Any], items: list[Any]) -> Sequence[Any]:
+    if type(data) is list:
+        return items
+    if type(data) is tuple:
+        return tuple(items)
+    try:
+        if isinstance(data, MutableSequence):
+            clone = copy.copy(data)
+            for i, item in enumerate(items):
+                clone[i] = item
+            return clone
+        rebuilt: Sequence[Any] = type(data)(items)  # type: ignore[call-arg]  # tried
+    except TypeError:
+        return tuple(items) if isinstance(data, tuple) else items
+    return rebuilt
+
+
+def tensors_in(data: Any) -> list[torch.Tensor]:
+    """Every distinct tensor object inside ``data`` (see :func:`map_tensors`), in walk order."""
+    found: dict[int, torch.Tensor] = {}
+
+    def visit(tensor: torch.Tensor) -> torch.Tensor:
+        found.setdefault(id(tensor), tensor)
+        return tensor
+
+    map_tensors(visit, data)
+    return list(found.values())
+
+
+def _pinned(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu" or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()
+
+
+def pin_tree(data: Any) -> Any:
+    """``data`` with every CPU tensor inside it copied into page-locked memory (torch's
+    ``pin_memory=True`` without a device; torch's caching host allocator reuses the memory).
+
+    Raises:
+        RuntimeError: No accelerator is available to pin for.
+    """
+    return map_tensors(_pinned, data)

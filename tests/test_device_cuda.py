@@ -1,0 +1,233 @@
+"""The device stage on a real CUDA device: bit-exact batches, the consumer's stream waiting for
+the side stream, ``record_stream`` under allocator pressure, ``device_transform`` on the side
+stream, and the bound on batches ahead. Skipped as a whole without CUDA."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import aioloader
+from aioloader._tree import tensors_in
+from tests.conftest import aioloader_threads
+from tests.helpers import Counting, other_tasks
+from tests.test_device import Records, collate_records, same
+
+pytestmark = pytest.mark.cuda
+
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time: long enough for a race to show
+
+
+def cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class Rows(aioloader.AsyncDataset[torch.Tensor]):
+    """Sample ``i`` is ``width`` copies of ``i`` (int64): a batch's sum is known exactly."""
+
+    def __init__(self, n: int, width: int) -> None:
+        self.n, self.width = n, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def get(self, index: int) -> torch.Tensor:
+        await anyio.lowlevel.checkpoint()
+        return torch.full((self.width,), index, dtype=torch.int64)
+
+
+def expected_sums(n: int, batch_size: int, width: int) -> list[int]:
+    return [width * sum(range(s, min(n, s + batch_size))) for s in range(0, n, batch_size)]
+
+
+def random_batches(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out, start = [], 0
+    while start < n:
+        size = int(torch.randint(1, 9, (), generator=g))
+        out.append(list(range(start, min(n, start + size))))
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+@pytest.mark.parametrize("workers", [{}, {"num_workers": 2}])
+async def test_batches_equal_the_cpu_path_bit_for_bit(
+    pin_memory: bool, workers: dict[str, Any]
+) -> None:
+    sampler = random_batches(97, seed=3)  # random batch sizes
+    kwargs: dict[str, Any] = {"batch_sampler": sampler, "collate_fn": collate_records, **workers}
+    async with aioloader.DataLoader(Records(97), **kwargs) as plain:
+        want = [b async for b in plain]
+    dl = aioloader.DataLoader(Records(97), pin_memory=pin_memory, device="cuda", **kwargs)
+    assert dl.device == cuda()
+    async with dl:
+        got = [b async for b in dl]
+        stage = dl._scope.device if dl._scope else None
+        assert stage is not None and (stage.pool is not None) == pin_memory
+        if stage.pool is not None:
+            assert stage.pool.allocations <= stage.pool.capacity
+    assert len(got) == len(want) == len(sampler)
+    for g, w in zip(got, want, strict=True):
+        same(g, w)
+        assert all(t.device == cuda() for t in tensors_in(g))
+        assert g["name"] == w["name"] and g["pair"].b == w["pair"].b  # non-tensors as they were
+
+
+async def test_pin_memory_without_device_pins_on_the_host() -> None:
+    async with aioloader.DataLoader(Records(10), batch_size=4, pin_memory=True) as dl:
+        got = [b async for b in dl]
+        assert dl.statistics().stage("device").completed == 3
+    for batch in got:
+        assert all(t.is_pinned() and t.device.type == "cpu" for t in tensors_in(batch))
+
+
+def slow_double(batch: torch.Tensor) -> torch.Tensor:
+    torch.cuda._sleep(SLEEP_CYCLES)  # keeps the side stream busy before the result is written
+    return batch * 2
+
+
+async def test_async_for_batches_are_ready_on_the_current_stream() -> None:
+    dl = aioloader.DataLoader(
+        Rows(64, 1024), batch_size=8, device="cuda", device_transform=slow_double
+    )
+    async with dl:
+        sums = [int(batch.sum()) async for batch in dl]  # int() syncs only this stream
+    assert sums == [2 * s for s in expected_sums(64, 8, 1024)]
+
+
+def test_plain_for_waits_on_the_consumers_own_stream() -> None:
+    dl = aioloader.DataLoader(
+        Rows(64, 1024), batch_size=8, device="cuda", device_transform=slow_double
+    )
+    stream = torch.cuda.Stream()
+    sums = []
+    with torch.cuda.stream(stream):
+        for batch in dl:
+            assert torch.cuda.current_stream() == stream
+            sums.append(int(batch.sum()))
+    assert sums == [2 * s for s in expected_sums(64, 8, 1024)]
+    assert aioloader_threads() == []
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+async def test_freed_batches_are_not_reused_while_the_consumer_reads_them(
+    pin_memory: bool,
+) -> None:
+    width = 1 << 16  # 512 KiB per sample row, 4 MiB per batch
+    dl = aioloader.DataLoader(
+        Rows(160, width), batch_size=8, prefetch=3, pin_memory=pin_memory, device="cuda"
+    )
+    sums: list[torch.Tensor] = []
+    async with dl:
+        async for batch in dl:
+            torch.cuda._sleep(SLEEP_CYCLES)  # the consumer's stream lags behind the copies
+            sums.append(batch.sum())  # queued behind the sleep
+            del batch  # freed while the sum is pending: only record_stream protects it
+            pressure = torch.empty(4 << 20, dtype=torch.uint8, device=cuda())
+            pressure.fill_(0xFF)
+            del pressure
+    torch.cuda.synchronize()
+    assert [int(s) for s in sums] == expected_sums(160, 8, width)
+
+
+async def test_device_transform_runs_on_the_side_stream() -> None:
+    streams: list[torch.cuda.Stream] = []
+
+    def normalise(batch: dict[str, Any]) -> dict[str, Any]:
+        streams.append(torch.cuda.current_stream())
+        assert not torch.is_grad_enabled()
+        return {**batch, "image": (batch["image"].float() - 128) / 64}
+
+    dl = aioloader.DataLoader(
+        Records(20), batch_size=5, pin_memory=True, device="cuda", device_transform=normalise
+    )
+    async with dl:
+        got = [b async for b in dl]
+        accelerator = dl._scope.device.accelerator if dl._scope and dl._scope.device else None
+        side = getattr(accelerator, "_stream", None)
+    assert side is not None and streams == [side] * 4
+    assert side != torch.cuda.default_stream()
+    async with aioloader.DataLoader(Records(20), batch_size=5) as plain:
+        want = [b async for b in plain]
+    for g, w in zip(got, want, strict=True):
+        assert g["image"].dtype == torch.float32 and g["image"].device == cuda()
+        assert torch.equal(g["image"].cpu(), (w["image"].float() - 128) / 64)
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+async def test_at_most_prefetch_batches_are_on_the_device_ahead(prefetch: int) -> None:
+    width = 1 << 17  # 1 MiB per sample, 4 MiB per batch
+    batch_bytes = 4 * width * 8
+    dl = aioloader.DataLoader(Rows(400, width), batch_size=4, prefetch=prefetch, device="cuda")
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    async with dl:
+        it = aiter(dl)
+        first = await anext(it)
+
+        def ahead() -> int:
+            s = dl.statistics()
+            return s.stage("device").completed - s.consumer.batches
+
+        with anyio.fail_after(30):
+            while ahead() < prefetch:
+                await anyio.lowlevel.checkpoint()
+        for _ in range(300):
+            await anyio.lowlevel.checkpoint()
+        assert ahead() == prefetch
+        held = torch.cuda.memory_allocated() - baseline  # the consumer's batch, and those ahead
+        assert held <= (prefetch + 1) * batch_bytes * 1.01, (held, batch_bytes)
+        del first
+        count = 1 + sum([1 async for _ in it])
+    assert count == 100
+    assert dl.statistics().stage("device").max_queued == prefetch
+
+
+async def test_break_and_cancel_leave_nothing_behind() -> None:
+    dl = aioloader.DataLoader(Rows(400, 4096), batch_size=4, prefetch=2, device="cuda")
+    async with dl:
+        async for _ in dl:
+            break
+    assert other_tasks() == set() and aioloader_threads() == []
+    with anyio.CancelScope() as scope:
+        async with dl:
+            async for _ in dl:
+                scope.cancel()
+                await anyio.lowlevel.checkpoint()
+    assert scope.cancelled_caught
+    assert other_tasks() == set() and aioloader_threads() == []
+    async with dl:
+        sums = [int(b.sum()) async for b in dl]
+    assert sums == expected_sums(400, 4, 4096)
+
+
+def test_local_rank_names_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    last = torch.cuda.device_count() - 1
+    monkeypatch.setenv("LOCAL_RANK", str(last))
+    assert aioloader.DataLoader(Counting(4), device="cuda").device == torch.device("cuda", last)
+    assert aioloader.DataLoader(Counting(4), device="cuda:0").device == torch.device("cuda", 0)
+
+
+def test_the_stage_thread_allocates_on_the_chosen_device() -> None:
+    seen: list[int] = []
+
+    def where(batch: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.cuda.current_device())
+        assert threading.current_thread().name == "aioloader-device_0"
+        return batch
+
+    last = torch.cuda.device_count() - 1
+    dl = aioloader.DataLoader(
+        Counting(8), batch_size=4, device=f"cuda:{last}", device_transform=where
+    )
+    got = list(dl)
+    assert seen == [last, last]
+    assert [b.device for b in got] == [torch.device("cuda", last)] * 2
