@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import pickle
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -98,6 +99,28 @@ def check_picklable(name: str, value: object) -> None:
             f"{exc}). Define it at module level (a lambda, a closure or a local function "
             "cannot be pickled), make its object picklable, or pass worker_mode='thread'"
         ) from exc
+
+
+def _check_slots(
+    dataset: object, batch_size: int | None, in_order: bool, distributed: bool
+) -> None:
+    """A stream-per-slot dataset keeps its positions only in batches of ``slots``, in order,
+    unsplit (anything else would put one stream's samples at another's position)."""
+    slots_module = sys.modules.get("aioloader.sources._slots")  # not imported: not one of them
+    if slots_module is None or not isinstance(dataset, slots_module.SlotStreams):
+        return
+    if batch_size != dataset.slots:
+        raise ValueError(
+            f"batch_size must equal the dataset's slots ({dataset.slots}) so position i of every "
+            f"batch continues stream i; got batch_size={batch_size}"
+        )
+    if not in_order:
+        raise ValueError("in_order=False would reorder the batches of a stream-per-slot dataset")
+    if distributed:
+        raise ValueError(
+            "distributed=True would split a stream-per-slot dataset's rounds; its parts are "
+            "already split by rank (pass rank/world_size to it)"
+        )
 
 
 def check_arguments(
@@ -219,6 +242,7 @@ def check_arguments(
         )
     if sampler is not None and shuffle:
         raise ValueError("sampler is mutually exclusive with shuffle")
+    _check_slots(dataset, batch_size, in_order, distributed)
     if sampler is not None and distributed:
         raise ValueError("sampler is mutually exclusive with distributed")
 

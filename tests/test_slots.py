@@ -178,3 +178,13 @@ def test_arguments_are_checked() -> None:
         slot_streams(parts(1), read, slots=1, policy="longest")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="read"):
         slot_streams(parts(1), "read", slots=1)  # type: ignore[arg-type]
+
+
+def test_the_loader_refuses_settings_that_break_positions() -> None:
+    ds = slot_streams(parts(1, 1), read, slots=2)
+    with pytest.raises(ValueError, match=r"batch_size must equal the dataset's slots \(2\)"):
+        aioloader.DataLoader(ds, batch_size=3)
+    with pytest.raises(ValueError, match="in_order=False"):
+        aioloader.DataLoader(ds, batch_size=2, in_order=False)
+    with pytest.raises(ValueError, match="distributed=True"):
+        aioloader.DataLoader(ds, batch_size=2, distributed=True, rank=0, world_size=2)
