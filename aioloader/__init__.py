@@ -3,6 +3,8 @@
 Import everything from here; the ``_modules`` behind it are private.
 """
 
+from ._batcher import DynamicBatcher as DynamicBatcher
+from ._batcher_stats import BatcherStatistics as BatcherStatistics
 from ._collate import default_collate as default_collate
 from ._collate import default_convert as default_convert
 from ._dataset import AsyncDataset as AsyncDataset
@@ -10,6 +12,7 @@ from ._dataset import AsyncIterableDataset as AsyncIterableDataset
 from ._exceptions import AioLoaderError as AioLoaderError
 from ._exceptions import LoaderStateError as LoaderStateError
 from ._exceptions import LoaderTimeout as LoaderTimeout
+from ._exceptions import Overloaded as Overloaded
 from ._exceptions import RemoteError as RemoteError
 from ._exceptions import TransientError as TransientError
 from ._exceptions import WorkerCrashed as WorkerCrashed
@@ -47,13 +50,16 @@ __all__ = [
     "AsyncDataset",
     "AsyncIterableDataset",
     "BatchSampler",
+    "BatcherStatistics",
     "ConsumerStatistics",
     "DataLoader",
     "DistributedSampler",
+    "DynamicBatcher",
     "LatencySummary",
     "LoaderStateError",
     "LoaderStatistics",
     "LoaderTimeout",
+    "Overloaded",
     "PadCollate",
     "PaddedBatch",
     "RandomSampler",

@@ -13,7 +13,8 @@ Hierarchy::
           ├── LoaderStateError        (also RuntimeError) the loader is used outside its scope
           ├── LoaderTimeout           (also TimeoutError, RuntimeError) no batch within `timeout`
           ├── WorkerCrashed           (also RuntimeError) a worker process died mid-job
-          └── RemoteError             a worker's exception that could not be pickled
+          ├── RemoteError             a worker's exception that could not be pickled
+          └── Overloaded              (also RuntimeError) a batcher's queue is full: request refused
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "AioLoaderError",
     "LoaderStateError",
     "LoaderTimeout",
+    "Overloaded",
     "RemoteError",
     "TransientError",
     "WorkerCrashed",
@@ -86,6 +88,13 @@ class RemoteError(AioLoaderError):
     """Stands for an exception raised in a worker process that could not be pickled back: its
     message is the original type's qualified name and message, and its notes carry the
     original's notes and the worker's traceback."""
+
+
+class Overloaded(AioLoaderError, RuntimeError):
+    """A :class:`~aioloader.DynamicBatcher` refused a request at once because ``max_queue``
+    requests were already waiting (admission control: a fast, clear refusal rather than
+    unbounded latency). A server typically answers it with HTTP 503 and a ``Retry-After``.
+    """
 
 
 def _rebuild_crashed(

@@ -1,0 +1,190 @@
+"""How the dynamic batcher runs one batch: collate, device stage, model, split.
+
+Owns: :class:`BatchRunner`, which knows where each step runs — collation inline on the loop, in
+the batcher's threads or in worker processes (``_job.collate_only``, one round trip per batch);
+the device stage (the loader's: pinned pool, side stream, event) when a CUDA device is given;
+a blocking ``model_fn`` in a thread, an async one on the loop — and the resources that takes
+(opened and closed with the batcher's scope). A failure comes out with its original type and a
+note naming the step and the batch. Never: touches requests, the queue or statistics
+(``_batcher.py``), or runs blocking user code on the event loop unless told (inline collation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._accelerator import resolve_device
+from ._batching import split_outputs
+from ._device import DevicePlan, DeviceStage, hand_out, plan_for
+from ._exceptions import annotate
+from ._job import collate_only
+from ._offload import ThreadOffload
+from ._processes import ProcessWorkers
+from ._sampler import derive_seed
+from ._stats import WorkerRecorder
+
+__all__ = ["BatchRunner", "device_plan"]
+
+
+def device_plan(
+    device: object, *, pin_memory: bool, transform: Callable[[Any], Any] | None
+) -> DevicePlan | None:
+    """The device stage a batcher needs: one with a CUDA ``device``, else None (batches stay
+    where collation left them; ``transform`` then runs after collation).
+
+    Raises:
+        TypeError: ``device`` is not a str, ``torch.device`` or None; ``transform`` is not
+            callable.
+        ValueError: ``device`` is not a device, or names CUDA without CUDA available.
+    """
+    if transform is not None and not callable(transform):
+        raise TypeError(f"device_transform must be callable or None, got {transform!r}")
+    target = resolve_device(device)
+    if target is None or target.type != "cuda":
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn(
+                "pin_memory=True but no accelerator is available: batches stay unpinned",
+                UserWarning,
+                stacklevel=3,
+            )
+        return None
+    return plan_for(target, pin=pin_memory, transform=transform)
+
+
+class BatchRunner:
+    """Runs batches through ``collate_fn`` → ``model_fn`` → ``split_fn``.
+
+    Args:
+        model_fn: The model; a plain callable runs in a thread, an async one on the loop.
+        collate_fn: List of items → model input.
+        split_fn: ``(output, n)`` → ``n`` per-request outputs (checked to be ``n``).
+        collate_in_thread: Collate in a thread rather than on the loop.
+        num_workers: Collate in this many worker processes (0: not).
+        start_method: The worker processes' start method.
+        concurrency: The most batches run at once (threads to keep).
+        device: The device stage's plan, or None.
+        host_transform: Applied after collation when there is no device stage.
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[[Any], Any],
+        collate_fn: Callable[[list[Any]], Any],
+        split_fn: Callable[[Any, int], Sequence[Any]],
+        *,
+        collate_in_thread: bool,
+        num_workers: int,
+        start_method: str,
+        concurrency: int,
+        device: DevicePlan | None = None,
+        host_transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.model_fn = model_fn
+        self.collate_fn = collate_fn
+        self.split_fn = split_fn
+        self.collate_in_thread = collate_in_thread
+        self.num_workers = num_workers
+        self.start_method = start_method
+        self.concurrency = concurrency
+        self.async_model = _is_async_callable(model_fn)
+        self.device = device
+        self._finish = host_transform if device is None else None
+        self._threads: ThreadOffload | None = None
+        self._workers: ProcessWorkers | None = None
+        self._stage: DeviceStage | None = None
+
+    async def open(self, stack: contextlib.AsyncExitStack, stats: WorkerRecorder) -> None:
+        """Start the threads and worker processes this runner needs; ``stack`` closes them.
+
+        Raises:
+            WorkerCrashed: A worker process died while starting.
+
+        Cancellation: what was started is closed by ``stack``, which the caller unwinds.
+        """
+        if self.num_workers:
+            workers = ProcessWorkers(
+                self.num_workers,
+                context=self.start_method,
+                seed=0,  # collation draws no random numbers; jobs are sent unseeded
+                derive=derive_seed,
+                worker_init_fn=None,
+                stats=stats,
+            )
+            stack.push_async_callback(workers.aclose)
+            stack.callback(setattr, self, "_workers", None)
+            self._workers = workers
+            await workers.start()
+        if self.device is not None:
+            stage = DeviceStage(self.device, depth=self.concurrency)
+            stack.push_async_callback(stage.aclose)
+            stack.callback(setattr, self, "_stage", None)
+            self._stage = stage
+            await stage.open()
+        if not self.async_model or self.collate_in_thread:
+            threads = ThreadOffload(self.concurrency, "batcher")
+            stack.callback(threads.close)
+            stack.callback(setattr, self, "_threads", None)
+            self._threads = threads
+
+    async def run(self, items: list[Any], seq: int) -> Sequence[Any]:
+        """Collate ``items``, run the model, split its output: one output per item.
+
+        Raises:
+            ValueError: ``split_fn`` gave a different number of outputs than items.
+            Exception: What collation, the model or the split raised (original type), with a
+                note naming the stage (``collate``, ``model``, ``split``) and batch ``seq``.
+
+        Cancellation: a thread call already running is waited for and its result dropped
+        (``_offload.py``); a worker job likewise, up to its grace (``_processes.py``).
+        """
+        n = len(items)
+        stage = "collate"
+        try:
+            batch = await self._collate(items)
+            if self._finish is not None:
+                batch = self._finish(batch)
+            if self._stage is not None:
+                stage = "device"
+                batch = await self._stage.stage(batch)
+            stage = "model"
+            output = await self._call_model(batch)
+            stage = "split"
+            outputs = split_outputs(self.split_fn, output, n)
+        except Exception as exc:
+            annotate(exc, stage, batch=seq, detail=f"every caller of this batch of {n} gets it")
+            raise
+        return outputs
+
+    async def _collate(self, items: list[Any]) -> Any:
+        if self._workers is not None:
+            return await self._workers.run(collate_only, self.collate_fn, items, False, False)
+        if self.collate_in_thread and self._threads is not None:
+            return await self._threads.run(self.collate_fn, items)
+        return self.collate_fn(items)
+
+    async def _call_model(self, batch: Any) -> Any:
+        """Call the model; a staged batch is made ready on the thread the model runs on (its
+        current stream waits for the copy)."""
+        if self.async_model or self._threads is None:
+            output = self.model_fn(hand_out(batch))
+        else:
+            output = await self._threads.run(_call_ready, self.model_fn, batch)
+        if inspect.isawaitable(output):  # an async model, or a plain function returning one
+            output = await output
+        return output
+
+
+def _call_ready(model_fn: Callable[[Any], Any], batch: Any) -> Any:
+    return model_fn(hand_out(batch))
+
+
+def _is_async_callable(fn: object) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004  # an object with an async __call__
+    )

@@ -1,0 +1,340 @@
+"""The dynamic batcher's decisions: when to cut a batch and how big, which requests wait, which
+have expired, and how a model's output is split back per request.
+
+Owns: :class:`BatchPolicy` (cut now or wait until when), :class:`PendingQueue` (bounded FIFO of
+waiting requests with O(1) withdrawal), the split of a batch's output (:func:`default_split`,
+:func:`split_outputs`), and the checks of the batcher's arguments. Never: touches an event
+loop, awaits, sleeps or reads a clock; every time is passed in, so tests drive it with a fake
+clock.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from ._exceptions import Overloaded
+
+__all__ = [
+    "BatchPolicy",
+    "check_arguments",
+    "check_timeout",
+    "Decision",
+    "PendingQueue",
+    "Timed",
+    "default_split",
+    "positive_int",
+    "split_outputs",
+]
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value``, checked to be a positive int (the message names ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class Decision(NamedTuple):
+    """What the batcher does now: cut a batch of ``size`` requests (``size > 0``), or wait until
+    ``wake_at`` (clock time) or, when ``wake_at`` is None, until a request arrives."""
+
+    size: int
+    wake_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    """When to cut a batch, and how big.
+
+    A batch is cut as soon as ``max_batch_size`` requests wait, or once the oldest waiting
+    request has waited ``max_delay`` (or at once when flushing at shutdown). Its size is the
+    largest preferred size that fits (at most the requests waiting, at most ``max_batch_size``),
+    or, when none fits, every waiting request up to ``max_batch_size``.
+
+    Args:
+        max_batch_size: The most requests in one batch.
+        max_delay: Seconds the oldest request may wait for others to join its batch.
+        preferred_sizes: Batch sizes to prefer (e.g. those a compiled model or a CUDA graph was
+            captured for), each at most ``max_batch_size``; sorted and deduplicated.
+
+    Raises:
+        ValueError: An argument is out of range (the message names it).
+    """
+
+    max_batch_size: int
+    max_delay: float
+    preferred_sizes: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        positive_int("max_batch_size", self.max_batch_size)
+        if (
+            isinstance(self.max_delay, bool)
+            or not isinstance(self.max_delay, int | float)
+            or not math.isfinite(self.max_delay)
+            or self.max_delay < 0
+        ):
+            raise ValueError(
+                f"max_delay must be a finite number of seconds >= 0, got {self.max_delay!r}"
+            )
+        sizes = sorted({positive_int("preferred_batch_sizes", s) for s in self.preferred_sizes})
+        if sizes and sizes[-1] > self.max_batch_size:
+            raise ValueError(
+                f"preferred_batch_sizes must be <= max_batch_size={self.max_batch_size}, "
+                f"got {sizes[-1]}"
+            )
+        object.__setattr__(self, "preferred_sizes", tuple(sizes))
+
+    def size_for(self, available: int) -> int:
+        """The batch to cut from ``available`` waiting requests: the largest preferred size
+        that fits, else all of them (never more than ``max_batch_size``)."""
+        available = min(available, self.max_batch_size)
+        best = 0
+        for size in self.preferred_sizes:
+            if size > available:
+                break
+            best = size
+        return best or available
+
+    def decide(
+        self, queued: int, oldest_at: float | None, now: float, *, flush: bool = False
+    ) -> Decision:
+        """Cut a batch now, or say until when to wait.
+
+        Args:
+            queued: Requests waiting.
+            oldest_at: When the oldest of them arrived (None when none waits).
+            now: The current clock time.
+            flush: Shutting down: cut whatever waits without waiting for ``max_delay``.
+
+        Returns:
+            ``Decision(size)`` to cut ``size`` requests now; ``Decision(0, wake_at)`` to wait
+            until ``wake_at`` or a change; ``Decision(0)`` (nothing waits) to wait for a request.
+        """
+        if queued <= 0 or oldest_at is None:
+            return Decision(0)
+        if queued >= self.max_batch_size:
+            return Decision(self.size_for(self.max_batch_size))
+        due = oldest_at + self.max_delay
+        if flush or now >= due:
+            return Decision(self.size_for(queued))
+        return Decision(0, due)
+
+
+class Timed(Protocol):
+    """What the queue needs to know of a request: when it arrived and when it expires."""
+
+    @property
+    def enqueued_at(self) -> float: ...
+
+    @property
+    def deadline(self) -> float: ...
+
+
+E = TypeVar("E", bound=Timed)
+
+
+class PendingQueue(Generic[E]):
+    """Requests waiting for a batch, oldest first, at most ``capacity`` of them.
+
+    Withdrawing a request (its caller was cancelled or gave up) is O(1), so a crowd of
+    departing clients costs nothing and never leaves stale entries holding capacity.
+
+    Args:
+        capacity: The most requests that may wait (``max_queue``).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = positive_int("max_queue", capacity)
+        self._entries: OrderedDict[E, None] = OrderedDict()
+        self.max_len = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def push(self, entry: E) -> None:
+        """Append ``entry``.
+
+        Raises:
+            Overloaded: ``capacity`` requests already wait.
+        """
+        if len(self._entries) >= self.capacity:
+            raise Overloaded(
+                f"the batcher's queue is full ({self.capacity} requests waiting, max_queue="
+                f"{self.capacity}); try again later"
+            )
+        self._entries[entry] = None
+        self.max_len = max(self.max_len, len(self._entries))
+
+    def withdraw(self, entry: E) -> bool:
+        """Remove ``entry`` if it still waits; return whether it did."""
+        return self._entries.pop(entry, False) is None
+
+    def oldest_at(self) -> float | None:
+        """When the oldest waiting request arrived (None when none waits)."""
+        for entry in self._entries:
+            return entry.enqueued_at
+        return None
+
+    def take(self, n: int, now: float) -> tuple[list[E], list[E]]:
+        """Remove up to ``n`` live requests, oldest first.
+
+        Returns:
+            ``(batch, expired)``: the requests taken, and those met on the way whose deadline
+            had passed by ``now`` (removed too, not counted in ``n``).
+        """
+        batch: list[E] = []
+        expired: list[E] = []
+        entries = self._entries
+        while entries and len(batch) < n:
+            entry, _ = entries.popitem(last=False)
+            (expired if entry.deadline <= now else batch).append(entry)
+        return batch, expired
+
+    def take_all(self) -> list[E]:
+        """Remove and return every waiting request, oldest first."""
+        everything = list(self._entries)
+        self._entries.clear()
+        return everything
+
+
+# --------------------------------------------------------------------------------------------
+# Splitting a batch's output back per request
+# --------------------------------------------------------------------------------------------
+
+
+def default_split(output: Any, n: int) -> list[Any]:
+    """Split a model's output for a batch of ``n`` requests into ``n`` per-request outputs.
+
+    * a tensor (or NumPy array) -> its rows along dimension 0 (views, no copies);
+    * a list -> itself: its ``n`` elements are the per-request outputs;
+    * a mapping -> one ``dict`` per request, each value split by these rules;
+    * a tuple (named tuples included) -> one tuple of the same type per request, each element
+      split by these rules.
+
+    Raises:
+        ValueError: A tensor's first dimension or a list's length is not ``n``.
+        TypeError: The output (or a part of it) has another type; pass ``split_fn``.
+    """
+    return _split(output, n, "output")
+
+
+def _split(value: Any, n: int, path: str) -> list[Any]:
+    if isinstance(value, torch.Tensor | np.ndarray):
+        rows = value.shape[0] if value.ndim else None
+        if rows != n:
+            raise ValueError(
+                f"{path}: a tensor of shape {tuple(value.shape)} cannot be split into {n} "
+                "requests along dimension 0"
+            )
+        return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{path}: a list of {len(value)} outputs for {n} requests")
+        return value
+    if isinstance(value, Mapping):
+        columns = {k: _split(v, n, f"{path}[{k!r}]") for k, v in value.items()}
+        return [{k: col[i] for k, col in columns.items()} for i in range(n)]
+    if isinstance(value, tuple):
+        parts = [_split(v, n, f"{path}[{j}]") for j, v in enumerate(value)]
+        rebuild: Callable[[Iterable[Any]], Any] = (
+            (lambda xs: type(value)(*xs)) if hasattr(value, "_fields") else type(value)
+        )
+        return [rebuild(p[i] for p in parts) for i in range(n)]
+    raise TypeError(
+        f"{path}: cannot split a {type(value).__qualname__} into per-request outputs; "
+        "return a tensor, a list, a mapping or a tuple, or pass split_fn"
+    )
+
+
+def split_outputs(
+    split_fn: Callable[[Any, int], Sequence[Any]], output: Any, n: int
+) -> Sequence[Any]:
+    """``split_fn(output, n)``, checked to give exactly ``n`` outputs.
+
+    Raises:
+        ValueError: ``split_fn`` gave a different number of outputs.
+        Exception: Whatever ``split_fn`` raised.
+    """
+    outputs = split_fn(output, n)
+    if len(outputs) != n:
+        raise ValueError(f"split_fn gave {len(outputs)} outputs for a batch of {n} requests")
+    return outputs
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+def check_arguments(
+    *,
+    model_fn: object,
+    max_batch_size: int,
+    max_queue: object,
+    max_concurrent_batches: object,
+    collate_fn: object,
+    split_fn: object,
+    collate_in_thread: bool,
+    num_workers: object,
+    multiprocessing_context: object,
+    on_exit: object,
+    clock: object,
+) -> None:
+    """Check a :class:`DynamicBatcher`'s arguments (the policy's are checked by
+    :class:`BatchPolicy`).
+
+    Raises:
+        ValueError: An argument is out of range or unknown (the message names it).
+        TypeError: A function is not callable, or ``collate_fn`` does not pickle while
+            ``num_workers > 0``.
+    """
+    for name, fn in (("model_fn", model_fn), ("clock", clock)):
+        if not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__qualname__}")
+    for name, opt in (("collate_fn", collate_fn), ("split_fn", split_fn)):
+        if opt is not None and not callable(opt):
+            raise TypeError(f"{name} must be callable or None, got {type(opt).__qualname__}")
+    if positive_int("max_queue", max_queue) < max_batch_size:
+        raise ValueError(f"max_queue must be >= max_batch_size ({max_batch_size}), got {max_queue}")
+    positive_int("max_concurrent_batches", max_concurrent_batches)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
+    if num_workers and collate_in_thread:
+        raise ValueError("collate_in_thread=True and num_workers > 0 exclude each other")
+    if multiprocessing_context not in ("spawn", "forkserver"):  # never fork: see _processes.py
+        raise ValueError(
+            "multiprocessing_context must be 'spawn' or 'forkserver', "
+            f"got {multiprocessing_context!r}"
+        )
+    if on_exit not in ("drain", "cancel"):
+        raise ValueError(f"on_exit must be 'drain' or 'cancel', got {on_exit!r}")
+    if num_workers and collate_fn is not None:
+        try:
+            pickle.dumps(collate_fn)
+        except Exception as exc:
+            raise TypeError(
+                f"collate_fn={collate_fn!r} cannot be sent to the collation processes "
+                f"({type(exc).__name__}: {exc}); define it at module level (a lambda, closure "
+                "or local function does not pickle), or use num_workers=0"
+            ) from exc
+
+
+def check_timeout(name: str, value: object) -> float | None:
+    """``value`` as seconds: a positive number, or None for no limit.
+
+    Raises:
+        ValueError: Anything else (the message names ``name``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
