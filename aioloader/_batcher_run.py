@@ -163,7 +163,7 @@ class BatchRunner:
 
     async def _collate(self, items: list[Any]) -> Any:
         if self._workers is not None:
-            return await self._workers.run(collate_only, self.collate_fn, items, False, False)
+            return await self._workers.run(collate_only, self.collate_fn, items, False)
         if self.collate_in_thread and self._threads is not None:
             return await self._threads.run(self.collate_fn, items)
         return self.collate_fn(items)

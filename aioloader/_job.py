@@ -12,8 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._tree import pin_tree
-
 __all__ = ["JobResult", "collate_only", "run_batch"]
 
 
@@ -77,12 +75,8 @@ def collate_only(
     collate: Callable[[Any], Any],
     transformed: list[Any],
     unbatched: bool,
-    pin: bool = False,
     finish: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """Collate already transformed samples, apply ``finish`` to the batch, and copy it into
-    page-locked memory when ``pin`` (in this process only: pinned memory does not cross)."""
+    """Collate already transformed samples and apply ``finish`` to the batch."""
     batch = collate(transformed[0] if unbatched else transformed)
-    if finish is not None:
-        batch = finish(batch)
-    return pin_tree(batch) if pin else batch
+    return batch if finish is None else finish(batch)

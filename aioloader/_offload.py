@@ -67,7 +67,6 @@ class ThreadOffload:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.concurrency = threads
-        self.pins_results = True  # results are in this process: pinning them here is right
         ids = itertools.count()  # next() on a count is atomic under the GIL
 
         def init() -> None:

@@ -473,7 +473,6 @@ class Epoch:
                         cfg.collate_fn,
                         result.transformed,
                         unbatched,
-                        False,
                         cfg.finish,
                         seed=seed,
                     )

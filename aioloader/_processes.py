@@ -75,7 +75,6 @@ class ProcessWorkers:
         stats: WorkerRecorder,
     ) -> None:
         self.concurrency = workers
-        self.pins_results = False  # page-locked memory is per process: the parent pins
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
         self._seed = seed
         self._derive = derive
