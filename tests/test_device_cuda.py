@@ -1,6 +1,7 @@
 """The device stage on a real CUDA device: bit-exact batches, the consumer's stream waiting for
-the side stream, ``record_stream`` under allocator pressure, ``device_transform`` on the side
-stream, and the bound on batches ahead. Skipped as a whole without CUDA."""
+the side stream (pinned or not), ``record_stream`` while the consumer's stream lags behind,
+``device_transform`` on the side stream, and the bound on batches ahead. Skipped as a whole
+without CUDA; the tests that choose among devices need two."""
 
 from __future__ import annotations
 
@@ -94,18 +95,28 @@ def slow_double(batch: torch.Tensor) -> torch.Tensor:
     return batch * 2
 
 
-async def test_async_for_batches_are_ready_on_the_current_stream() -> None:
+@pytest.mark.parametrize("pin_memory", [True, False])
+async def test_async_for_batches_are_ready_on_the_current_stream(pin_memory: bool) -> None:
     dl = aioloader.DataLoader(
-        Rows(64, 1024), batch_size=8, device="cuda", device_transform=slow_double
+        Rows(64, 1024),
+        batch_size=8,
+        pin_memory=pin_memory,
+        device="cuda",
+        device_transform=slow_double,
     )
     async with dl:
         sums = [int(batch.sum()) async for batch in dl]  # int() syncs only this stream
     assert sums == [2 * s for s in expected_sums(64, 8, 1024)]
 
 
-def test_plain_for_waits_on_the_consumers_own_stream() -> None:
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_plain_for_waits_on_the_consumers_own_stream(pin_memory: bool) -> None:
     dl = aioloader.DataLoader(
-        Rows(64, 1024), batch_size=8, device="cuda", device_transform=slow_double
+        Rows(64, 1024),
+        batch_size=8,
+        pin_memory=pin_memory,
+        device="cuda",
+        device_transform=slow_double,
     )
     stream = torch.cuda.Stream()
     sums = []
@@ -128,12 +139,14 @@ async def test_freed_batches_are_not_reused_while_the_consumer_reads_them(
     sums: list[torch.Tensor] = []
     async with dl:
         async for batch in dl:
-            torch.cuda._sleep(SLEEP_CYCLES)  # the consumer's stream lags behind the copies
-            sums.append(batch.sum())  # queued behind the sleep
-            del batch  # freed while the sum is pending: only record_stream protects it
-            pressure = torch.empty(4 << 20, dtype=torch.uint8, device=cuda())
-            pressure.fill_(0xFF)
-            del pressure
+            # The consumer's stream falls further behind each batch (the host never waits).
+            torch.cuda._sleep(SLEEP_CYCLES)
+            sums.append(batch.sum())  # queued behind the sleeps
+            # Dropped while the sum is pending. The batch's memory came from the side stream's
+            # pool: without record_stream, the stage's next copies (same size, on that stream)
+            # would reuse it and overwrite it before the sum ran. (Allocations here, on the
+            # consumer's stream, could not take it: the allocator keeps free blocks per stream.)
+            del batch
     torch.cuda.synchronize()
     assert [int(s) for s in sums] == expected_sums(160, 8, width)
 
@@ -209,6 +222,12 @@ async def test_break_and_cancel_leave_nothing_behind() -> None:
     assert sums == expected_sums(400, 4, 4096)
 
 
+two_devices = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices (device 0 proves nothing)"
+)
+
+
+@two_devices
 def test_local_rank_names_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     last = torch.cuda.device_count() - 1
     monkeypatch.setenv("LOCAL_RANK", str(last))
@@ -216,18 +235,19 @@ def test_local_rank_names_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert aioloader.DataLoader(Counting(4), device="cuda:0").device == torch.device("cuda", 0)
 
 
-def test_the_stage_thread_allocates_on_the_chosen_device() -> None:
-    seen: list[int] = []
-
-    def where(batch: torch.Tensor) -> torch.Tensor:
-        seen.append(torch.cuda.current_device())
-        assert threading.current_thread().name == "aioloader-device_0"
-        return batch
+@two_devices
+async def test_the_stage_thread_allocates_on_the_chosen_device() -> None:
+    # Asked outside the side stream's context (which switches to the stream's device itself):
+    # only set_device at open() makes the stage thread's own current device the chosen one.
+    def where() -> tuple[str, int]:
+        return threading.current_thread().name, torch.cuda.current_device()
 
     last = torch.cuda.device_count() - 1
-    dl = aioloader.DataLoader(
-        Counting(8), batch_size=4, device=f"cuda:{last}", device_transform=where
-    )
-    got = list(dl)
-    assert seen == [last, last]
+    dl = aioloader.DataLoader(Counting(8), batch_size=4, device=f"cuda:{last}")
+    async with dl:
+        stage = dl._scope.device if dl._scope else None
+        assert stage is not None
+        assert await stage._thread.run(where) == ("aioloader-device_0", last)
+        got = [b async for b in dl]
+        assert await stage._thread.run(where) == ("aioloader-device_0", last)
     assert [b.device for b in got] == [torch.device("cuda", last)] * 2
