@@ -7,13 +7,12 @@ locks or reads a clock (times are passed in).
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
 from ._batching import PendingQueue
-from ._stats import LatencySummary, WorkerRecorder, WorkerStatistics
+from ._stats import LatencySummary, WorkerRecorder, WorkerStatistics, format_ms
 
 __all__ = ["BatcherRecorder", "BatcherStatistics"]
 
@@ -100,10 +99,8 @@ class BatcherStatistics:
             ("end to end", self.latency),
             ("batch", self.batch_time),
         ):
-            lines.append(
-                f"  {name:<12}{_ms(s.p50):>9}{_ms(s.p90):>9}{_ms(s.p99):>9}{_ms(s.max):>9}"
-                f"{s.count:>9,}"
-            )
+            cells = "".join(f"{format_ms(v):>9}" for v in (s.p50, s.p90, s.p99, s.max))
+            lines.append(f"  {name:<12}{cells}{s.count:>9,}")
         if self.workers is not None:
             w = self.workers
             lines.append(
@@ -111,10 +108,6 @@ class BatcherStatistics:
                 f" {w.jobs} jobs, {w.crashes} crashed, {w.restarts} restarted"
             )
         return "\n".join(lines)
-
-
-def _ms(seconds: float) -> str:
-    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
 
 
 class BatcherRecorder:

@@ -227,7 +227,7 @@ class LoaderStatistics:
                 f"  {s.name:<10}{f'{s.max_in_flight}/{limit}':>12}{f'{s.max_queued}/{cap}':>10}"
                 f"{s.completed:>9}{s.retries:>7}{s.failed:>6}{s.skipped:>6}"
                 f"{s.blocked_put_s:>9.3f}s{s.blocked_get_s:>9.3f}s"
-                f"{_ms(s.latency.p50):>9}{_ms(s.latency.p99):>9}"
+                f"{format_ms(s.latency.p50):>9}{format_ms(s.latency.p99):>9}"
             )
         if self.skipped_samples:
             shown = ", ".join(repr(k) for k in self.skipped_samples[:10])
@@ -247,7 +247,8 @@ class LoaderStatistics:
         return "\n".join(lines)
 
 
-def _ms(seconds: float) -> str:
+def format_ms(seconds: float) -> str:
+    """Seconds as milliseconds with two decimals, or ``-`` for NaN (no data)."""
     return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
 
 

@@ -25,9 +25,9 @@ from ._slots import SlotSample as SlotSample
 from ._slots import SlotStreams as SlotStreams
 from ._slots import slot_streams as slot_streams
 from ._streams import StallError as StallError
-from ._tar import CorruptShardError as CorruptShardError
 from ._tar import TarShards as TarShards
 from ._tar import tar_shards as tar_shards
+from ._tarfmt import CorruptShardError as CorruptShardError
 
 __all__ = [
     "CorruptShardError",
