@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ._accelerator import resolve_device
+from ._arguments import check_picklable
 from ._batching import split_outputs
 from ._device import DevicePlan, DeviceStage, hand_out, plan_for
 from ._exceptions import annotate
@@ -95,6 +96,8 @@ class BatchRunner:
         self.async_model = _is_async_callable(model_fn)
         self.device = device
         self._finish = host_transform if device is None else None
+        if num_workers and self._finish is not None:
+            check_picklable("device_transform", self._finish)  # it runs in the workers
         self._threads: ThreadOffload | None = None
         self._workers: ProcessWorkers | None = None
         self._stage: DeviceStage | None = None
@@ -147,8 +150,6 @@ class BatchRunner:
         stage = "collate"
         try:
             batch = await self._collate(items)
-            if self._finish is not None:
-                batch = self._finish(batch)
             if self._stage is not None:
                 stage = "device"
                 batch = await self._stage.stage(batch)
@@ -162,11 +163,13 @@ class BatchRunner:
         return outputs
 
     async def _collate(self, items: list[Any]) -> Any:
+        """Collate (and apply the host-side ``device_transform``) where collation runs."""
+        job = (collate_only, self.collate_fn, items, False, self._finish)
         if self._workers is not None:
-            return await self._workers.run(collate_only, self.collate_fn, items, False)
+            return await self._workers.run(*job)
         if self.collate_in_thread and self._threads is not None:
-            return await self._threads.run(self.collate_fn, items)
-        return self.collate_fn(items)
+            return await self._threads.run(*job)
+        return collate_only(*job[1:])
 
     async def _call_model(self, batch: Any) -> Any:
         """Call the model; a staged batch is made ready on the thread the model runs on (its

@@ -63,6 +63,7 @@ class FaultPlan:
         latency: Seconds every request waits before it is answered (or faulted).
         stall_s: How long a stall lasts at most (teardown ends it sooner).
         ignore_range: Answer ``Range`` requests with 200 and the whole body.
+        ignore_if_range: Honour ``Range`` even when ``If-Range`` names another ETag.
     """
 
     p: float = 0.0
@@ -71,6 +72,7 @@ class FaultPlan:
     latency: float = 0.0
     stall_s: float = 30.0
     ignore_range: bool = False
+    ignore_if_range: bool = False
     _queued: dict[str, deque[Fault]] = field(default_factory=dict)
     _always: dict[str, Fault] = field(default_factory=dict)
 
@@ -230,7 +232,8 @@ class FaultServer:
         etag = f'"{zlib.crc32(data):08x}-{len(data)}"'
         if_range = request.headers.get("If-Range")
         ranged = request.headers.get("Range") is not None and not self.plan.ignore_range
-        if not ranged or (if_range is not None and if_range != etag):
+        stale = if_range is not None and if_range != etag and not self.plan.ignore_if_range
+        if not ranged or stale:
             return web.Response(
                 body=data, content_type="application/octet-stream", headers={"ETag": etag}
             )
@@ -240,7 +243,9 @@ class FaultServer:
             raise web.HTTPRequestRangeNotSatisfiable from None
         start, stop, _ = rng.indices(len(data))
         if rng.start is not None and rng.start >= len(data):
-            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"*/{len(data)}"})
+            raise web.HTTPRequestRangeNotSatisfiable(
+                headers={"Content-Range": f"bytes */{len(data)}"}
+            )
         return web.Response(
             status=206,
             body=data[start:stop],

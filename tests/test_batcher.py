@@ -679,3 +679,22 @@ def test_device_arguments_are_checked() -> None:
             aioloader.DynamicBatcher(lambda b: b, pin_memory=True)
     with pytest.raises(TypeError, match="device_transform"):
         aioloader.DynamicBatcher(lambda b: b, device_transform=3)  # type: ignore[arg-type]
+
+
+async def test_host_device_transform_runs_where_collation_runs() -> None:
+    threads: list[str] = []
+
+    def transform(batch: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        return batch + 1
+
+    batcher = aioloader.DynamicBatcher(
+        lambda b: b,
+        max_batch_size=2,
+        max_delay=0.001,
+        collate_in_thread=True,
+        device_transform=transform,
+    )
+    async with batcher:
+        assert (await batcher.submit(torch.tensor([1]))).item() == 2
+    assert threads and all(name.startswith("aioloader-batcher") for name in threads)

@@ -109,3 +109,34 @@ async def test_s3_objects_in_flight_stay_under_the_bound(s3_endpoint: str) -> No
         got = [x async for batch in loader for x in batch]
     assert got == [bytes([i]) * (1000 + i) for i in range(24)]
     assert 1000 <= ds.peak_bytes_in_flight <= 2500
+
+
+async def test_bodies_without_content_length_are_read_alone() -> None:
+    from aiohttp import web
+
+    async def chunked(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        for _ in range(16):
+            await resp.write(b"x" * 1024)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/c/{i}", chunked)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        (host, port), *_ = runner.addresses
+        ds = urls([f"http://{host}:{port}/c/{i}" for i in range(4)], max_bytes_in_flight=6000)
+        async with ds:
+            with anyio.fail_after(10):  # counted chunk by chunk, two bodies would deadlock
+                async with anyio.create_task_group() as tg:
+                    for i in range(4):
+                        tg.start_soon(ds.get, i)
+            assert ds.peak_bytes_in_flight == 6000  # each held the whole bound, alone
+    finally:
+        await runner.cleanup()

@@ -124,6 +124,7 @@ async def test_throttling_is_retried_by_the_loader_and_counted() -> None:
             with pytest.raises(TransientStoreError, match="bucket/always") as info:
                 [b async for b in dl]
         assert "gave up after 3 attempts" in "\n".join(info.value.__notes__)
+        assert info.value.__cause__ is not None  # the store's own error, for its details
         assert attempts["always"] == 3
     finally:
         await runner.cleanup()

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import obstore
 import pytest
 from hypothesis import given
@@ -18,11 +19,12 @@ from obstore.store import from_url
 import aioloader
 from aioloader.sources import StallError, TarShards, TransientHTTPError, tar_shards
 from aioloader.sources._braces import expand_braces
-from aioloader.sources._streams import StoreReader, resumable
+from aioloader.sources._http import new_session
+from aioloader.sources._streams import HTTPReader, StoreReader, resumable
 from tests import http_server
-from tests.http_server import Fault, FaultServer
+from tests.http_server import Fault, FaultServer, body
 from tests.test_objects import CREDS
-from tests.test_tar import ALL_KEYS, collect, keys, make_shards
+from tests.test_tar import ALL_KEYS, collect, keys, make_shard, make_shards
 
 fault_server = http_server.fault_server
 
@@ -104,6 +106,50 @@ async def test_an_object_replaced_mid_read_is_not_spliced(
     policy = ReplaceThenRetry(attempts=3, initial_backoff=0.0)
     with pytest.raises(aioloader.sources.HTTPStatusError, match="changed while it was read"):
         await collect(tar_shards(urls, chunk_size=256, retry=policy))
+
+
+async def test_a_replaced_object_is_caught_even_when_the_server_ignores_if_range(
+    tmp_path: Path, fault_server: FaultServer
+) -> None:
+    paths = make_shards(tmp_path, n_shards=1, n_samples=20)
+    urls = serve_shards(fault_server, paths)
+    fault_server.plan.ignore_if_range = True  # it answers 206 from the new object
+    fault_server.plan.once(fault_server.path(0), Fault.TRUNCATE)
+
+    class ReplaceThenRetry(aioloader.RetryPolicy):
+        def should_retry(self, exc: BaseException, failures: int) -> bool:
+            fault_server.objects[0] = fault_server.objects[0][::-1]
+            return super().should_retry(exc, failures)
+
+    policy = ReplaceThenRetry(attempts=3, initial_backoff=0.0)
+    with pytest.raises(aioloader.sources.HTTPStatusError, match="changed while it was read"):
+        await collect(tar_shards(urls, chunk_size=256, retry=policy))
+
+
+async def test_a_resume_past_the_last_byte_ends_the_read(fault_server: FaultServer) -> None:
+    session = new_session()
+    try:
+        reader = HTTPReader(session, fault_server.url(3), 256, 5.0)
+        whole = b"".join([c async for c in reader.chunks(0)])
+        assert whole == body(3)
+        # A break after the last byte resumes at len(body): the server answers 416 */len.
+        assert [c async for c in reader.chunks(len(whole))] == []
+    finally:
+        await session.close()
+
+
+async def test_more_slot_streams_than_aiohttp_default_pool(
+    tmp_path: Path, fault_server: FaultServer
+) -> None:
+    n = 105
+    for i in range(n):
+        shard = make_shard(tmp_path / f"{i}.tar", [(f"k{i}.bin", bytes([i % 256]) * 10)])
+        fault_server.objects[i] = shard.read_bytes()
+    ds = tar_shards([fault_server.url(i) for i in range(n)], timeout=5.0).per_slot(n)
+    with anyio.fail_after(20):
+        got = [s async for s in ds]
+    assert [s.slot for s in got] == list(range(n))
+    assert [s.sample["bin"] for s in got] == [bytes([i % 256]) * 10 for i in range(n)]
 
 
 async def test_when_retries_run_out_the_error_names_the_shard_and_byte(

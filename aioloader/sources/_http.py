@@ -207,8 +207,8 @@ def urls(
         headers: Sent with every request (e.g. ``Authorization``); never shown in a ``repr`` or
             an error.
         max_bytes_in_flight: Bound on the bytes of bodies being received at once (each body
-            counted by its ``Content-Length`` once the headers arrive, or chunk by chunk when
-            the server does not send one). A body larger than the bound is read alone. None:
+            counted by its ``Content-Length`` once the headers arrive; a body without one is
+            read alone). A body larger than the bound is read alone too. None:
             only ``connections`` bounds the transfer; the loader's ``max_inflight_bytes`` bounds
             what is held after it.
 
@@ -468,25 +468,16 @@ class UrlDataset(AsyncDataset[bytes]):
         raise error from (None if _shows_secrets(cause, raw) else cause)
 
     async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
-        """The whole body, holding its bytes against ``max_bytes_in_flight`` while it arrives
-        (by ``Content-Length`` up front, else chunk by chunk)."""
+        """The whole body, holding its bytes against ``max_bytes_in_flight`` while it arrives:
+        its ``Content-Length``, or the whole bound when the server sends none (such a body is
+        read alone: counting it chunk by chunk could leave two bodies each waiting for the
+        other's bytes, or one waiting for its own)."""
         gate = self._gate
         if gate is None:
             return await resp.read()
         length = resp.content_length
-        if length is not None:
-            async with gate.hold(length):
-                return await resp.read()
-        held = 0
-        parts: list[bytes] = []
-        try:
-            async for chunk in resp.content.iter_any():
-                await gate.acquire(len(chunk))
-                held += len(chunk)
-                parts.append(chunk)
-        finally:
-            gate.release(held)
-        return b"".join(parts)
+        async with gate.hold(gate.limit if length is None else length):
+            return await resp.read()
 
 
 def new_session(**options: Any) -> aiohttp.ClientSession:

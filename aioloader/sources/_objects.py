@@ -115,7 +115,8 @@ class ObjectDataset(AsyncDataset[bytes]):
                 result = await obstore.get_async(self._store, key)
                 return bytes(await result.bytes_async())
         except Exception as exc:
-            raise self._failed(exc, key) from None
+            error = self._failed(exc, key)
+            raise error from error.__cause__
 
     async def get_range(self, index: int, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of object ``keys[index]``.
@@ -137,7 +138,8 @@ class ObjectDataset(AsyncDataset[bytes]):
             async with self._gate.hold(end - start):
                 return bytes(await obstore.get_range_async(self._store, key, start=start, end=end))
         except Exception as exc:
-            raise self._failed(exc, key) from None
+            error = self._failed(exc, key)
+            raise error from error.__cause__
 
 
 def store_error(exc: Exception, where: str) -> Exception:
@@ -327,7 +329,8 @@ class ObjectStream(AsyncIterableDataset[tuple[str, bytes]]):
                 result = await obstore.get_async(self._store, keys[i])
                 out[i] = bytes(await result.bytes_async())
             except Exception as exc:
-                raise store_error(exc, f"{self._url.rstrip('/')}/{keys[i]}") from None
+                error = store_error(exc, f"{self._url.rstrip('/')}/{keys[i]}")
+                raise error from error.__cause__
 
         try:
             async with anyio.create_task_group() as tg:

@@ -204,9 +204,11 @@ class SlotStreams(AsyncIterableDataset[SlotSample[T]], Generic[T]):
                         else:
                             yield SlotSample(slot, item[0], True, item[1])
             finally:
+                # Every stream is closed, even when closing one of them raises.
                 with anyio.CancelScope(shield=True):
-                    for stream in streams:
-                        await stream.aclose()
+                    async with contextlib.AsyncExitStack() as closing:
+                        for stream in streams:
+                            closing.push_async_callback(stream.aclose)
 
 
 async def _stream(

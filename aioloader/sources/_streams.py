@@ -37,6 +37,7 @@ from ._objects import store_error
 __all__ = ["ChunkReader", "FileReader", "HTTPReader", "StoreReader", "StallError", "resumable"]
 
 _CONTENT_RANGE_START = re.compile(r"^\s*bytes\s+(\d+)-", re.IGNORECASE)
+_UNSATISFIED = re.compile(r"^\s*bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
 
 
 class StallError(TimeoutError):
@@ -94,6 +95,8 @@ class HTTPReader:
                 headers["If-Range"] = self._etag
         try:
             async with self._session.get(self._raw, headers=headers) as resp:
+                if _ends_at(resp, offset):
+                    return  # the break came after the last byte: nothing is left to read
                 skip = self._check(resp, offset)
                 async for chunk in resp.content.iter_chunked(self._chunk):
                     if skip >= len(chunk):
@@ -122,6 +125,13 @@ class HTTPReader:
         if offset == 0:
             self._etag = etag
             return 0
+        if self._etag is not None and etag is not None and etag != self._etag:
+            raise HTTPStatusError(
+                f"{self.name} changed while it was read (ETag {self._etag} became {etag}); "
+                f"refusing to splice it at byte {offset}",
+                status=resp.status,
+                url=self.name,
+            )
         if resp.status == 206:
             match = _CONTENT_RANGE_START.match(resp.headers.get("Content-Range", ""))
             if match is None or int(match[1]) != offset:
@@ -132,14 +142,23 @@ class HTTPReader:
                     url=self.name,
                 )
             return 0
-        if self._etag is not None and etag != self._etag:
+        if self._etag is not None and etag is None:
             raise HTTPStatusError(
-                f"{self.name} changed while it was read (ETag {self._etag} became {etag}); "
-                f"refusing to splice it at byte {offset}",
+                f"{self.name} answered a resume at byte {offset} with the whole body and no "
+                "ETag: it cannot be told from a replaced object; refusing to splice it",
                 status=resp.status,
                 url=self.name,
             )
         return offset  # the server ignored Range: skip what was already delivered
+
+
+def _ends_at(resp: aiohttp.ClientResponse, offset: int) -> bool:
+    """Whether ``resp`` is a 416 saying the object is ``offset`` bytes long (a resume asked for
+    the bytes after its last one: the read was complete when the connection broke)."""
+    if resp.status != 416 or not offset:
+        return False
+    match = _UNSATISFIED.match(resp.headers.get("Content-Range", ""))
+    return match is not None and int(match[1]) == offset
 
 
 class StoreReader:
@@ -167,7 +186,8 @@ class StoreReader:
             async for chunk in result.stream(min_chunk_size=self._chunk):
                 yield bytes(chunk)
         except Exception as exc:
-            raise store_error(exc, self.name) from None
+            error = store_error(exc, self.name)
+            raise error from error.__cause__
 
 
 async def resumable(

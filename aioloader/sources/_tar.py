@@ -313,6 +313,9 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
             if scheme in _HTTP:
                 if session is None:
                     session = new_session(
+                        # One connection per stream being read (slot streams read many shards
+                        # at once; aiohttp's default pool of 100 would starve the 101st).
+                        connector=aiohttp.TCPConnector(limit=0),
                         headers=self._headers,
                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout),
                     )
