@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: aioloader demo [--samples N] [--epochs N] [--batch-size N] [--workers N]"
+USAGE = (
+    "usage: aioloader demo [--samples N] [--epochs N] [--batch-size N] [--workers N] "
+    "[--device DEVICE] [--url URL]"
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import sources
+from ._accelerator import resolve_device
 from ._dataset import AsyncDataset
 from ._loader import DataLoader
 from ._progress import Progress
@@ -53,7 +54,8 @@ def decode(raw: bytes) -> tuple[torch.Tensor, int]:
 
 async def train(args: argparse.Namespace) -> float:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, _CLASSES))
+    device = torch.device(args.device) if args.device else None
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, _CLASSES)).to(device)
     optimiser = torch.optim.SGD(model.parameters(), lr=0.5)
     loss_fn = nn.CrossEntropyLoss()
     with tempfile.TemporaryDirectory(prefix="aioloader-demo-") as tmp:
@@ -66,7 +68,7 @@ async def train(args: argparse.Namespace) -> float:
             where = f"{len(dataset)} files in {tmp}"
         print(
             f"demo: {where}, batch {args.batch_size}, max_inflight {args.max_inflight}, "
-            f"{args.workers} worker(s)"
+            f"{args.workers} worker(s)" + (f", batches on {device}" if device else "")
         )
         loader: DataLoader[tuple[torch.Tensor, torch.Tensor]] = DataLoader(
             dataset,
@@ -78,6 +80,8 @@ async def train(args: argparse.Namespace) -> float:
             max_inflight=args.max_inflight,
             prefetch=4,
             retry=RetryPolicy(),
+            pin_memory=device is not None and device.type == "cuda",
+            device=device,
         )
         started = time.perf_counter()
         accuracy = 0.0
@@ -93,7 +97,7 @@ async def train(args: argparse.Namespace) -> float:
                     optimiser.zero_grad()
                     loss.backward()
                     optimiser.step()
-                    correct += int((logits.argmax(1) == labels).sum())
+                    correct += int((logits.argmax(1) == labels).sum())  # waits for the device
                     seen += len(labels)
                     loss_sum += loss.item() * len(labels)
                     bar.update(len(labels), f"loss {loss_sum / seen:.3f}")
@@ -121,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-inflight", type=int, default=64)
     parser.add_argument(
+        "--device",
+        default=None,
+        help="train on this device (e.g. cuda): batches go through the loader's device stage",
+    )
+    parser.add_argument(
         "--url",
         default=None,
         help="read demo samples from an object store (s3://bucket/prefix/, with the usual "
@@ -128,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         "label byte followed by a 3x16x16 uint8 image",
     )
     args = parser.parse_args(argv)
+    try:
+        resolve_device(args.device)
+    except (TypeError, ValueError) as exc:
+        parser.error(f"--device: {exc}")
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency where it builds

@@ -8,6 +8,9 @@ import subprocess
 import sys
 import types
 
+import pytest
+import torch
+
 import aioloader
 
 
@@ -57,6 +60,16 @@ def test_demo_trains_and_prints_statistics() -> None:
     assert "samples/s" in result.stdout
     assert "LoaderStatistics: 16 batches, 1024 samples" in result.stdout
     assert "epoch 2/2" in result.stdout
+
+
+def test_demo_device_flag() -> None:
+    from aioloader import _demo
+
+    assert _demo.main(["--samples", "256", "--epochs", "1", "--device", "cpu"]) == 0
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as info:  # argparse's error: a message and status 2
+            _demo.main(["--device", "cuda"])
+        assert info.value.code == 2
 
 
 def test_cli_rejects_unknown_commands() -> None:
