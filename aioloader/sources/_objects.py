@@ -40,7 +40,7 @@ class TransientStoreError(TransientError):
     store's own exception is the ``__cause__``."""
 
 
-def _redact(url: str) -> str:
+def redact_store_url(url: str) -> str:
     """The URL without userinfo or query (signed URLs carry credentials there)."""
     url = re.sub(r"//[^/@]*@", "//", url)
     return url.split("?", 1)[0] + ("?<redacted>" if "?" in url else "")
@@ -66,7 +66,7 @@ class ObjectDataset(AsyncDataset[bytes]):
         max_bytes_in_flight: int | None = None,
     ) -> None:
         self._store = store
-        self._url = _redact(url)
+        self._url = redact_store_url(url)
         self.keys = list(keys)
         self.sizes = None if sizes is None else list(sizes)
         if self.sizes is not None and len(self.sizes) != len(self.keys):
@@ -232,7 +232,9 @@ def objects(
         and (glob is None or fnmatch.fnmatchcase(meta["path"], glob))
     )
     if not listed:
-        raise ValueError(f"no objects under {_redact(url)!r} match suffix={suffix!r} glob={glob!r}")
+        raise ValueError(
+            f"no objects under {redact_store_url(url)!r} match suffix={suffix!r} glob={glob!r}"
+        )
     keys, sizes = zip(*listed, strict=True)
     return ObjectDataset(store, url, keys, sizes, max_bytes_in_flight=max_bytes_in_flight)
 
@@ -283,7 +285,7 @@ class ObjectStream(AsyncIterableDataset[tuple[str, bytes]]):
         self, store: Any, url: str, suffixes: tuple[str, ...], glob: str | None, concurrency: int
     ) -> None:
         self._store = store
-        self._url = _redact(url)
+        self._url = redact_store_url(url)
         self._suffixes = suffixes
         self._glob = glob
         self.concurrency = concurrency

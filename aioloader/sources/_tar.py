@@ -26,7 +26,7 @@ from .._retry import RetryPolicy
 from .._sampler import derive_seed, epoch_parts, resolve_rank
 from ._braces import expand_braces
 from ._http import new_session, redact_url
-from ._objects import _redact, store_from_url
+from ._objects import redact_store_url, store_from_url
 from ._streams import ChunkReader, FileReader, HTTPReader, StoreReader, resumable
 from ._tarfmt import CorruptShardError, read_samples
 
@@ -384,7 +384,7 @@ def _display(shard: str) -> str:
     scheme = _scheme(shard)
     if scheme in _HTTP:
         return redact_url(shard)
-    return shard if scheme in _LOCAL else _redact(shard)
+    return shard if scheme in _LOCAL else redact_store_url(shard)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
