@@ -225,10 +225,12 @@ class DeviceStage:
         with torch.no_grad(), acc.side():
             moved, event = self._copy(acc, tensors_in(batch))
             out = map_tensors(lambda t: moved[id(t)], batch)
+            leaves = list(moved.values())  # the batch's tensors, now on the device
             if self._transform is not None:
                 out = self._transform(out)
                 event = acc.record()
-        on_device = tuple(t for t in tensors_in(out) if t.device == acc.device)
+                leaves = tensors_in(out)  # what the transform returned, walked once more
+        on_device = tuple(t for t in leaves if t.device == acc.device)
         return Staged(out, release=release, accelerator=acc, event=event, tensors=on_device)
 
     def _copy(
