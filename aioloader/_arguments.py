@@ -83,7 +83,7 @@ def start_method_of(context: object) -> str | multiprocessing.context.BaseContex
     return context if isinstance(context, multiprocessing.context.BaseContext) else method
 
 
-def check_picklable(name: str, value: object) -> None:
+def check_picklable(name: str, value: object, *, remedy: str = "pass worker_mode='thread'") -> None:
     """Fail now, not mid-epoch, when ``value`` cannot be sent to a worker process.
 
     Raises:
@@ -97,7 +97,7 @@ def check_picklable(name: str, value: object) -> None:
         raise TypeError(
             f"{name}={value!r} cannot be sent to worker processes ({type(exc).__name__}: "
             f"{exc}). Define it at module level (a lambda, a closure or a local function "
-            "cannot be pickled), make its object picklable, or pass worker_mode='thread'"
+            f"cannot be pickled), make its object picklable, or {remedy}"
         ) from exc
 
 

@@ -97,7 +97,9 @@ class BatchRunner:
         self.device = device
         self._finish = host_transform if device is None else None
         if num_workers and self._finish is not None:
-            check_picklable("device_transform", self._finish)  # it runs in the workers
+            check_picklable(
+                "device_transform", self._finish, remedy="use num_workers=0"
+            )  # it runs in the workers
         self._threads: ThreadOffload | None = None
         self._workers: ProcessWorkers | None = None
         self._stage: DeviceStage | None = None

@@ -11,7 +11,6 @@ clock.
 from __future__ import annotations
 
 import math
-import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 import numpy as np
 import torch
 
+from ._arguments import check_picklable, positive_int
 from ._exceptions import Overloaded
 
 __all__ = [
@@ -30,16 +30,8 @@ __all__ = [
     "PendingQueue",
     "Timed",
     "default_split",
-    "positive_int",
     "split_outputs",
 ]
-
-
-def positive_int(name: str, value: object) -> int:
-    """``value``, checked to be a positive int (the message names ``name``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class Decision(NamedTuple):
@@ -316,15 +308,8 @@ def check_arguments(
         )
     if on_exit not in ("drain", "cancel"):
         raise ValueError(f"on_exit must be 'drain' or 'cancel', got {on_exit!r}")
-    if num_workers and collate_fn is not None:
-        try:
-            pickle.dumps(collate_fn)
-        except Exception as exc:
-            raise TypeError(
-                f"collate_fn={collate_fn!r} cannot be sent to the collation processes "
-                f"({type(exc).__name__}: {exc}); define it at module level (a lambda, closure "
-                "or local function does not pickle), or use num_workers=0"
-            ) from exc
+    if num_workers:
+        check_picklable("collate_fn", collate_fn, remedy="use num_workers=0")
 
 
 def check_timeout(name: str, value: object) -> float | None:

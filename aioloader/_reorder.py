@@ -13,24 +13,11 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+from ._sampler import check_int
+
 __all__ = ["BatchAssembler", "ReorderBuffer"]
 
 T = TypeVar("T")
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    """Return ``value`` if it is an int (not a bool) of at least ``minimum`` (0 or 1).
-
-    Raises:
-        TypeError: If ``value`` is not an int or is a bool.
-        ValueError: If ``value`` is smaller than ``minimum``.
-    """
-    kind = "positive int" if minimum == 1 else "non-negative int"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a {kind}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be a {kind}, got {value!r}")
-    return value
 
 
 class ReorderBuffer(Generic[T]):
@@ -49,7 +36,7 @@ class ReorderBuffer(Generic[T]):
     """
 
     def __init__(self, start: int = 0) -> None:
-        self._next_seq = _check_int("start", start, minimum=0)
+        self._next_seq = check_int("start", start, minimum=0)
         self._items: dict[int, T] = {}
         self._skipped: set[int] = set()
         self._max_held = 0
@@ -140,7 +127,7 @@ class BatchAssembler(Generic[T]):
     """
 
     def __init__(self, batch_size: int) -> None:
-        self._batch_size = _check_int("batch_size", batch_size, minimum=1)
+        self._batch_size = check_int("batch_size", batch_size, minimum=1)
         self._pending: list[T] = []
 
     @property

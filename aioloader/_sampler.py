@@ -31,7 +31,7 @@ _SEED_BITS = 63
 _SEED_PERSON = b"aioloader.seed"
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
+def check_int(name: str, value: object, *, minimum: int) -> int:
     """Return ``value`` if it is an int (not a bool) of at least ``minimum``.
 
     Args:
@@ -54,7 +54,7 @@ def _check_int(name: str, value: object, *, minimum: int) -> int:
     return value
 
 
-def _check_bool(name: str, value: object) -> bool:
+def check_bool(name: str, value: object) -> bool:
     """Return ``value`` if it is a bool.
 
     Args:
@@ -135,8 +135,8 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
             rank = dist.get_rank() if initialised else 0
         if world_size is None:
             world_size = dist.get_world_size() if initialised else 1
-    world_size = _check_int("world_size", world_size, minimum=1)
-    rank = _check_int("rank", rank, minimum=0)
+    world_size = check_int("world_size", world_size, minimum=1)
+    rank = check_int("rank", rank, minimum=0)
     if rank >= world_size:
         raise ValueError(
             f"rank must be in [0, {world_size - 1}] for world_size {world_size}, got {rank}"
@@ -160,9 +160,9 @@ def shard_length(n_items: int, world_size: int, drop_last: bool) -> int:
         TypeError: If an argument has the wrong type.
         ValueError: If ``n_items < 0`` or ``world_size < 1``.
     """
-    n_items = _check_int("n_items", n_items, minimum=0)
-    world_size = _check_int("world_size", world_size, minimum=1)
-    _check_bool("drop_last", drop_last)
+    n_items = check_int("n_items", n_items, minimum=0)
+    world_size = check_int("world_size", world_size, minimum=1)
+    check_bool("drop_last", drop_last)
     return n_items // world_size if drop_last else -(-n_items // world_size)
 
 
@@ -236,7 +236,7 @@ def epoch_parts(
         TypeError, ValueError: ``epoch`` is not an int >= 0, or a bad rank or world size (see
             :func:`resolve_rank`).
     """
-    epoch = _check_int("epoch", epoch, minimum=0)
+    epoch = check_int("epoch", epoch, minimum=0)
     rank, world = resolve_rank(rank, world_size)
     order = list(parts)
     if shuffle:
@@ -257,7 +257,7 @@ class SequentialSampler(Sampler[int]):
     """
 
     def __init__(self, length: int) -> None:
-        self._length = _check_int("length", length, minimum=0)
+        self._length = check_int("length", length, minimum=0)
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self._length))
@@ -272,7 +272,7 @@ class SequentialSampler(Sampler[int]):
             TypeError: If ``epoch`` is not an int.
             ValueError: If ``epoch`` is negative.
         """
-        _check_int("epoch", epoch, minimum=0)
+        check_int("epoch", epoch, minimum=0)
 
 
 class RandomSampler(Sampler[int]):
@@ -302,7 +302,7 @@ class RandomSampler(Sampler[int]):
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        self._length = _check_int("length", length, minimum=0)
+        self._length = check_int("length", length, minimum=0)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
         if seed is None:
@@ -334,7 +334,7 @@ class RandomSampler(Sampler[int]):
             TypeError: If ``epoch`` is not an int.
             ValueError: If ``epoch`` is negative.
         """
-        self._epoch = _check_int("epoch", epoch, minimum=0)
+        self._epoch = check_int("epoch", epoch, minimum=0)
 
     def __iter__(self) -> Iterator[int]:
         return iter(_epoch_permutation(self._length, self._seed, self._epoch))
@@ -377,13 +377,13 @@ class DistributedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        self._length = _check_int("length", length, minimum=0)
+        self._length = check_int("length", length, minimum=0)
         self._rank, self._world_size = resolve_rank(rank, world_size)
-        self._shuffle = _check_bool("shuffle", shuffle)
+        self._shuffle = check_bool("shuffle", shuffle)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self._seed = seed
-        self._drop_last = _check_bool("drop_last", drop_last)
+        self._drop_last = check_bool("drop_last", drop_last)
         self._epoch = 0
 
     @property
@@ -426,7 +426,7 @@ class DistributedSampler(Sampler[int]):
             TypeError: If ``epoch`` is not an int.
             ValueError: If ``epoch`` is negative.
         """
-        self._epoch = _check_int("epoch", epoch, minimum=0)
+        self._epoch = check_int("epoch", epoch, minimum=0)
 
     def __iter__(self) -> Iterator[int]:
         if self._shuffle:
@@ -461,8 +461,8 @@ class BatchSampler(Sampler[list[int]]):
         if not isinstance(sampler, Iterable):
             raise TypeError(f"sampler must be an iterable of indices, got {sampler!r}")
         self._sampler = sampler
-        self._batch_size = _check_int("batch_size", batch_size, minimum=1)
-        self._drop_last = _check_bool("drop_last", drop_last)
+        self._batch_size = check_int("batch_size", batch_size, minimum=1)
+        self._drop_last = check_bool("drop_last", drop_last)
 
     @property
     def sampler(self) -> Iterable[int]:

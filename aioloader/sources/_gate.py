@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 
 import anyio
 
-__all__ = ["ByteGate"]
+__all__ = ["ByteGate", "holding"]
 
 
 class _Waiter:
@@ -100,3 +101,8 @@ class ByteGate:
             yield
         finally:
             self.release(n)
+
+
+def holding(gate: ByteGate | None, n: int) -> AbstractAsyncContextManager[None]:
+    """``gate.hold(n)``, or nothing to hold when a source has no byte bound."""
+    return contextlib.nullcontext() if gate is None else gate.hold(n)

@@ -32,7 +32,7 @@ from multidict import CIMultiDictProxy
 
 from .._dataset import AsyncDataset
 from .._exceptions import AioLoaderError, LoaderStateError, TransientError
-from ._gate import ByteGate
+from ._gate import ByteGate, holding
 
 __all__ = [
     "HTTPConnectionError",
@@ -472,11 +472,9 @@ class UrlDataset(AsyncDataset[bytes]):
         its ``Content-Length``, or the whole bound when the server sends none (such a body is
         read alone: counting it chunk by chunk could leave two bodies each waiting for the
         other's bytes, or one waiting for its own)."""
-        gate = self._gate
-        if gate is None:
-            return await resp.read()
-        length = resp.content_length
-        async with gate.hold(gate.limit if length is None else length):
+        gate, length = self._gate, resp.content_length
+        size = gate.limit if gate is not None and length is None else (length or 0)
+        async with holding(gate, size):
             return await resp.read()
 
 

@@ -24,7 +24,7 @@ import anyio
 
 from .._dataset import AsyncDataset, AsyncIterableDataset
 from .._exceptions import TransientError
-from ._gate import ByteGate
+from ._gate import ByteGate, holding
 
 __all__ = ["ObjectDataset", "ObjectStream", "TransientStoreError", "object_stream", "objects"]
 
@@ -108,10 +108,7 @@ class ObjectDataset(AsyncDataset[bytes]):
 
         key = self.keys[index]
         try:
-            if self._gate is None or self.sizes is None:
-                result = await obstore.get_async(self._store, key)
-                return bytes(await result.bytes_async())
-            async with self._gate.hold(self.sizes[index]):
+            async with holding(self._gate, self.sizes[index] if self.sizes else 0):
                 result = await obstore.get_async(self._store, key)
                 return bytes(await result.bytes_async())
         except Exception as exc:
@@ -133,9 +130,7 @@ class ObjectDataset(AsyncDataset[bytes]):
             raise ValueError(f"need 0 <= start < end, got start={start}, end={end}")
         key = self.keys[index]
         try:
-            if self._gate is None:
-                return bytes(await obstore.get_range_async(self._store, key, start=start, end=end))
-            async with self._gate.hold(end - start):
+            async with holding(self._gate, end - start):
                 return bytes(await obstore.get_range_async(self._store, key, start=start, end=end))
         except Exception as exc:
             error = self._failed(exc, key)

@@ -239,7 +239,6 @@ async def _next(
     chunks: AsyncIterator[bytes], stall: float | None, reader: ChunkReader, at: int
 ) -> bytes | None:
     """The next chunk, None at the end; :class:`StallError` when it takes over ``stall`` s."""
-    with anyio.move_on_after(stall) as scope:
+    with anyio.move_on_after(stall):
         return await anext(chunks, None)
-    assert scope.cancelled_caught
     raise StallError(f"no bytes from {reader.name} for {stall}s (stalled at byte {at})")

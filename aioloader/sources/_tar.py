@@ -23,7 +23,7 @@ import anyio
 
 from .._dataset import AsyncIterableDataset
 from .._retry import RetryPolicy
-from .._sampler import derive_seed, epoch_parts, resolve_rank
+from .._sampler import check_bool, check_int, derive_seed, epoch_parts, resolve_rank
 from ._braces import expand_braces
 from ._http import new_session, redact_url
 from ._objects import redact_store_url, store_from_url
@@ -38,48 +38,6 @@ __all__ = ["CorruptShardError", "TarShards", "tar_shards"]
 _HTTP = ("http", "https")
 _LOCAL = ("", "file")
 _DEFAULT_RETRY = RetryPolicy(attempts=5)
-
-
-def tar_shards(
-    shards: str | Sequence[str | os.PathLike[str]],
-    *,
-    shuffle_shards: bool = False,
-    shuffle_buffer: int = 0,
-    seed: int = 0,
-    rank: int | None = None,
-    world_size: int | None = None,
-    chunk_size: int = 1 << 20,
-    retry: RetryPolicy | None = _DEFAULT_RETRY,
-    timeout: float = 60.0,
-    headers: Mapping[str, str] | None = None,
-    config: Mapping[str, Any] | None = None,
-    client_options: Mapping[str, Any] | None = None,
-    store: Any = None,
-) -> TarShards:
-    """A dataset streaming the samples of WebDataset tar shards, local or remote.
-
-    Example::
-
-        ds = aioloader.sources.tar_shards("s3://bucket/train-{000000..000127}.tar",
-                                          shuffle_shards=True, shuffle_buffer=1000)
-
-    See :class:`TarShards` for the arguments, the sample format and the policies.
-    """
-    return TarShards(
-        shards,
-        shuffle_shards=shuffle_shards,
-        shuffle_buffer=shuffle_buffer,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
-        chunk_size=chunk_size,
-        retry=retry,
-        timeout=timeout,
-        headers=headers,
-        config=config,
-        client_options=client_options,
-        store=store,
-    )
 
 
 class TarShards(AsyncIterableDataset[dict[str, Any]]):
@@ -192,9 +150,9 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         for s in self._shards:
             if not isinstance(s, str):
                 raise TypeError(f"shards must be str paths or URLs, got {s!r}")
-        self._shuffle_shards = _check_bool("shuffle_shards", shuffle_shards)
-        self._shuffle_buffer = _check_int("shuffle_buffer", shuffle_buffer, minimum=0)
-        self._chunk_size = _check_int("chunk_size", chunk_size, minimum=1)
+        self._shuffle_shards = check_bool("shuffle_shards", shuffle_shards)
+        self._shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, minimum=0)
+        self._chunk_size = check_int("chunk_size", chunk_size, minimum=1)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self._seed = seed
@@ -240,7 +198,7 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
             TypeError: ``epoch`` is not an int.
             ValueError: ``epoch`` is negative.
         """
-        self._next_epoch = _check_int("epoch", epoch, minimum=0)
+        self._next_epoch = check_int("epoch", epoch, minimum=0)
 
     def epoch_shards(self, epoch: int) -> list[str]:
         """The shards this rank reads in ``epoch``, in reading order.
@@ -372,6 +330,14 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
                 yield buffer.pop()
 
 
+#: ``aioloader.sources.tar_shards(...)``: the constructor under the name the other sources use
+#: (``objects``, ``files``, ``urls``). Example::
+#:
+#:     ds = aioloader.sources.tar_shards("s3://bucket/train-{000000..000127}.tar",
+#:                                       shuffle_shards=True, shuffle_buffer=1000)
+tar_shards = TarShards
+
+
 def _scheme(shard: str) -> str:
     """The URL scheme of ``shard``, lower case; "" for a plain path (a Windows drive letter is
     not a scheme)."""
@@ -385,17 +351,3 @@ def _display(shard: str) -> str:
     if scheme in _HTTP:
         return redact_url(shard)
     return shard if scheme in _LOCAL else redact_store_url(shard)
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
