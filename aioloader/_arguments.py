@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._accelerator import resolve_device
-from ._processes import START_METHODS
+from ._processes import DEFAULT_START_METHOD, START_METHODS
 from ._retry import RetryPolicy
 from ._source import Kind, classify
 
@@ -55,14 +55,14 @@ class Checked(NamedTuple):
 
 def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
     """The worker processes' start method: ``context`` (a name or a multiprocessing context)
-    when given, else spawn.
+    when given, else forkserver.
 
     Raises:
         ValueError: The method is fork, or unknown.
         TypeError: ``context`` is neither a string nor a multiprocessing context.
     """
     if context is None:
-        return "spawn"
+        return DEFAULT_START_METHOD
     if isinstance(context, str):
         method = context
     elif isinstance(context, multiprocessing.context.BaseContext):
@@ -75,8 +75,8 @@ def start_method_of(context: object) -> str | multiprocessing.context.BaseContex
     if method == "fork":
         raise ValueError(
             "multiprocessing_context='fork' is not supported: forking a process that runs an "
-            "event loop, threads, obstore/tokio or CUDA can hang or corrupt it; use 'spawn' "
-            "(the default) or 'forkserver'"
+            "event loop, threads, obstore/tokio or CUDA can hang or corrupt it; use "
+            "'forkserver' (the default: workers start as fast as forked ones) or 'spawn'"
         )
     if method not in START_METHODS:
         raise ValueError(f"multiprocessing_context must be one of {START_METHODS}, got {method!r}")
@@ -163,9 +163,13 @@ def check_arguments(
     kind = classify(dataset)
     if batch_size is not None:
         positive_int("batch_size", batch_size)
-    num_workers = non_negative_int("num_workers", num_workers)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(  # torch's words (its tests match them), and the value given
+            "num_workers option should be non-negative; use num_workers=0 to disable "
+            f"multiprocessing (got num_workers={num_workers!r})"
+        )
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
-        raise ValueError(f"timeout must be a non-negative number, got {timeout!r}")
+        raise ValueError(f"timeout option should be non-negative, got timeout={timeout!r}")
     for name, fn in (
         ("collate_fn", collate_fn),
         ("worker_init_fn", worker_init_fn),

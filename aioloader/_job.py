@@ -1,34 +1,80 @@
-"""The work done for one batch on a worker: transform each sample, then collate.
+"""The work done for one batch on a worker: read (when the dataset lives there), transform each
+sample, then collate.
 
-Owns: the function a worker runs, and its result type. It is module-level and takes only
-picklable arguments, so a thread runs it today and a worker process can run it unchanged. Never:
+Owns: the functions a worker runs, and their result type. They are module-level and take only
+picklable arguments, so a thread runs them and a worker process can run them unchanged. Never:
 touches the event loop, the loader or any shared state; decisions about failures (skip or raise)
 are made by the caller on the event loop, where the failure budget lives.
+
+Two shapes of job:
+
+* :func:`run_batch`: the samples were read in the event loop (an async dataset, a source) and
+  travel with the job.
+* :func:`run_indices` and :func:`next_stream_batch`: a torch user's blocking dataset lives in
+  the worker (:func:`~aioloader._worker.worker_dataset`); the job carries a batch's indices, or
+  asks the worker's own iterator for its next batch, as torch's workers do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JobResult", "collate_only", "run_batch"]
+from ._exceptions import annotate
+from ._retry import RetryPolicy
+from ._worker import worker_dataset
+
+__all__ = [
+    "JobResult",
+    "close_stream",
+    "collate_only",
+    "next_stream_batch",
+    "open_stream",
+    "run_batch",
+    "run_indices",
+]
+
+Failure = tuple[int, str, Exception]  # (position in the batch, stage, exception)
 
 
 @dataclass(slots=True)
 class JobResult:
-    """The outcome of :func:`run_batch`.
+    """The outcome of a batch job.
 
     Attributes:
-        batch: The collated batch, when every sample transformed; else None.
+        batch: The collated batch, when every sample was read and transformed; else None.
         transformed: The samples that did transform, when some did not (so the caller can
             collate the survivors after deciding to skip the failures).
-        failures: ``(position in the batch, exception)`` for each sample whose transform raised.
+        failures: ``(position in the batch, stage, exception)`` for each sample that could not be
+            read (stage ``"fetch"``) or transformed (``"transform"``).
+        retries: Reads retried under the loader's retry policy (worker-side datasets).
+        size: Samples in the batch (for a stream's batch, which the worker sized).
     """
 
     batch: Any = None
     transformed: list[Any] = field(default_factory=list)
-    failures: list[tuple[int, Exception]] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    retries: int = 0
+    size: int = 0
+
+
+def _transform_all(
+    transform: Callable[[Any], Any] | None, samples: Sequence[Any], positions: Sequence[int]
+) -> tuple[list[Any], list[Failure]]:
+    if transform is None:
+        return list(samples), []
+    transformed: list[Any] = []
+    failures: list[Failure] = []
+    for position, sample in zip(positions, samples, strict=True):
+        try:
+            transformed.append(transform(sample))
+        except Exception as exc:
+            failures.append((position, "transform", exc))
+    return transformed, failures
 
 
 def run_batch(
@@ -37,6 +83,9 @@ def run_batch(
     samples: Sequence[Any],
     unbatched: bool,
     finish: Callable[[Any], Any] | None = None,
+    *,
+    failures: Sequence[Failure] = (),
+    positions: Sequence[int] | None = None,
 ) -> JobResult:
     """Transform every sample, then collate them into one batch.
 
@@ -48,27 +97,25 @@ def run_batch(
         unbatched: ``batch_size=None``: ``samples`` holds one sample, collated on its own.
         finish: Applied to the collated batch (``device_transform`` when batches stay on the
             host), or None.
+        failures: Failures found before the transform (reads that failed); the batch is then
+            left uncollated, as for a transform failure.
+        positions: Each sample's position in the batch (default: its place in ``samples``),
+            for the failures reported.
 
     Returns:
-        A :class:`JobResult`. A transform failure does not raise: it is reported in ``failures``
-        and the batch is left uncollated.
+        A :class:`JobResult`. A failure does not raise: it is reported in ``failures`` (in batch
+        order) and the batch is left uncollated, its surviving samples in ``transformed``.
 
     Raises:
         Exception: Whatever ``collate`` or ``finish`` raises.
     """
-    if transform is None:
-        transformed = list(samples)
-    else:
-        transformed = []
-        failures: list[tuple[int, Exception]] = []
-        for position, sample in enumerate(samples):
-            try:
-                transformed.append(transform(sample))
-            except Exception as exc:
-                failures.append((position, exc))
-        if failures:
-            return JobResult(transformed=transformed, failures=failures)
-    return JobResult(batch=collate_only(collate, transformed, unbatched, finish=finish))
+    at = range(len(samples)) if positions is None else positions
+    transformed, failed = _transform_all(transform, samples, at)
+    if failures or failed:
+        every = sorted([*failures, *failed], key=lambda failure: failure[0])
+        return JobResult(transformed=transformed, failures=every, size=len(transformed))
+    batch = collate_only(collate, transformed, unbatched, finish=finish)
+    return JobResult(batch=batch, size=len(transformed))
 
 
 def collate_only(
@@ -80,3 +127,147 @@ def collate_only(
     """Collate already transformed samples and apply ``finish`` to the batch."""
     batch = collate(transformed[0] if unbatched else transformed)
     return batch if finish is None else finish(batch)
+
+
+# -- a blocking dataset that lives in the worker --------------------------------------------------
+
+
+def _read(
+    dataset: Any, index: int, retry: RetryPolicy | None, rng: random.Random
+) -> tuple[Any, int]:
+    """``dataset[index]`` under the retry policy; returns ``(sample, retries)``."""
+    failures = 0
+    while True:
+        try:
+            return dataset[index], failures
+        except Exception as exc:
+            failures += 1
+            if retry is None or not retry.should_retry(exc, failures):
+                if failures > 1:
+                    exc.add_note(f"aioloader: gave up after {failures} attempts")
+                raise
+            time.sleep(retry.backoff(failures, rng))
+
+
+def run_indices(
+    indices: Sequence[int],
+    transform: Callable[[Any], Any] | None,
+    collate: Callable[[Any], Any],
+    unbatched: bool,
+    finish: Callable[[Any], Any] | None,
+    retry: RetryPolicy | None,
+    isolate: bool,
+) -> JobResult:
+    """Read a batch from the worker's copy of the dataset, then transform and collate it.
+
+    The dataset's ``__getitems__`` (torch's batched protocol) is called once for the batch when
+    it has one, else ``__getitem__`` per index.
+
+    Args:
+        indices: The batch's dataset indices, in batch order.
+        transform, collate, unbatched, finish: As :func:`run_batch`.
+        retry: Retries failed reads (``TransientError`` and the like), sleeping in the worker.
+        isolate: The loader may skip failed samples (``max_failures > 0``): a failed read is
+            reported in ``failures`` (and a failed ``__getitems__`` is retried index by index
+            so that only the bad samples go) instead of raising.
+
+    Raises:
+        Exception: A read failed and ``isolate`` is off (with a note naming the sample), or
+            ``collate``/``finish`` raised.
+    """
+    dataset = worker_dataset()
+    rng = random.Random()  # retry jitter only: never affects which data is produced
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:
+        try:
+            samples = list(getitems(list(indices)))
+        except Exception as exc:
+            if not isolate:
+                annotate(exc, "fetch", index=list(indices))
+                raise
+        else:
+            if len(samples) != len(indices):
+                raise ValueError(
+                    f"{type(dataset).__qualname__}.__getitems__ returned {len(samples)} items "
+                    f"for {len(indices)} indices {list(indices)}"
+                )
+            return run_batch(transform, collate, samples, unbatched, finish)
+    read: list[Any] = []
+    positions: list[int] = []
+    failures: list[Failure] = []
+    retries = 0
+    for position, index in enumerate(indices):
+        try:
+            sample, tries = _read(dataset, index, retry, rng)
+        except Exception as exc:
+            annotate(exc, "fetch", index=index)
+            if not isolate:
+                raise
+            failures.append((position, "fetch", exc))
+            continue
+        retries += tries
+        read.append(sample)
+        positions.append(position)
+    result = run_batch(
+        transform, collate, read, unbatched, finish, failures=failures, positions=positions
+    )
+    result.retries = retries
+    return result
+
+
+# -- a blocking iterable dataset iterated in the worker --------------------------------------
+
+_stream: Iterator[Any] | None = None  # this worker's iterator over its copy of the dataset
+
+
+def open_stream() -> None:
+    """Start a new pass over the worker's copy of the dataset (``iter(dataset)``), as torch's
+    worker does at each epoch; an unfinished earlier pass is closed first."""
+    global _stream
+    close_stream()
+    _stream = iter(worker_dataset())
+
+
+def close_stream() -> None:
+    """End the worker's current pass (a generator's ``finally`` blocks run here, now)."""
+    global _stream
+    stream, _stream = _stream, None
+    close = getattr(stream, "close", None)
+    if close is not None:
+        close()
+
+
+def next_stream_batch(
+    batch_size: int | None,
+    drop_last: bool,
+    transform: Callable[[Any], Any] | None,
+    collate: Callable[[Any], Any],
+    finish: Callable[[Any], Any] | None,
+) -> JobResult | None:
+    """The next batch of the worker's own pass: up to ``batch_size`` samples (one, collated
+    alone, when None), transformed and collated; None once the pass is over (a short last batch
+    comes first unless ``drop_last``).
+
+    Raises:
+        Exception: The dataset's iterator, ``transform``, ``collate`` or ``finish`` raised (with
+            a note naming the stage); the pass is over after an iterator's failure.
+        RuntimeError: No pass is open (:func:`open_stream` was not called).
+    """
+    global _stream
+    if _stream is None:
+        return None
+    want = 1 if batch_size is None else batch_size
+    try:
+        samples = list(itertools.islice(_stream, want))
+    except Exception as exc:
+        _stream = None
+        annotate(exc, "source")
+        raise
+    if not samples or (drop_last and len(samples) < want):
+        close_stream()
+        return None
+    result = run_batch(transform, collate, samples, batch_size is None, finish)
+    if result.failures:  # no budget to skip within a worker's stream: the first one raises
+        _position, stage, error = result.failures[0]
+        raise annotate(error, stage)
+    return result

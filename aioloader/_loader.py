@@ -2,10 +2,9 @@
 
 Owns: validating arguments (at construction, naming the argument), building the epoch's batches
 of indices, the loader's scope (``async with`` / ``with``: task group, worker threads, device
-stage), starting
-and stopping epochs, the consumer side of iteration (``async for`` and a plain ``for``), and
-statistics. Never: runs pipeline stages itself (``_pipeline.py``) or decides order
-(``_sampler.py``).
+stage), starting and stopping epochs, the consumer side of iteration (``async for``, and a plain
+``for`` through :mod:`._session`'s background loop), and statistics. Never: runs pipeline stages
+itself (``_pipeline.py``) or decides order (``_sampler.py``).
 """
 
 from __future__ import annotations
@@ -14,17 +13,16 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
 import anyio
 import torch
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ._arguments import check_arguments, non_negative_int
 from ._collate import default_collate, default_convert
-from ._device import hand_out, plan_for
+from ._device import plan_for
 from ._exceptions import LoaderStateError
 from ._offload import ThreadOffload
 from ._pipeline import PipelineConfig
@@ -37,6 +35,7 @@ from ._sampler import (
     resolve_rank,
 )
 from ._scope import EpochIterator, Scope
+from ._session import PlainIterator, Session
 from ._source import dataset_length, open_source
 from ._stats import LoaderStatistics, Recorders
 
@@ -58,16 +57,6 @@ def _is_async_context(obj: object) -> bool:
     return callable(getattr(obj, "__aenter__", None)) and callable(getattr(obj, "__aexit__", None))
 
 
-def _portal_options() -> dict[str, Any]:
-    """The background loop of a plain ``for``: uvloop when installed, set as that loop's factory
-    only (never as the application's event loop policy)."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-        return {}
-    return {"loop_factory": uvloop.new_event_loop}
-
-
 class DataLoader(Generic[T_Batch]):
     """Batches from an async or ordinary dataset, fetched concurrently, yielded by ``async for``.
 
@@ -78,17 +67,22 @@ class DataLoader(Generic[T_Batch]):
         dataset: An :class:`~aioloader.AsyncDataset`, an async iterable (an
             :class:`~aioloader.AsyncIterableDataset`, any object with ``__aiter__``, or an async
             generator function, called once per epoch), a torch ``Dataset`` or ``IterableDataset``,
-            or a sequence. Blocking datasets are read on the loader's I/O threads. A dataset that
-            is an async context manager (one holding a client session) is entered when the
-            loader's scope opens and exited when it closes.
+            or a sequence. Async datasets run in the event loop. A blocking (torch) dataset runs
+            where torch runs it: with ``num_workers > 0`` process workers, each worker gets its
+            own copy when it starts and reads batches from it (``get_worker_info()`` works in
+            ``__getitem__``/``__iter__``); otherwise it is read on the loader's I/O threads.
+            A dataset that is an async context manager (one holding a client session) is
+            entered when the loader's scope opens and exited when it closes.
         batch_size: Samples per batch; None disables batching (each sample is converted with
             :func:`default_convert` or ``collate_fn`` and yielded alone).
         shuffle: Reshuffle every epoch (map-style datasets only).
         sampler: Yields the indices of an epoch (mutually exclusive with ``shuffle``).
         batch_sampler: Yields lists of indices (mutually exclusive with ``batch_size``,
             ``shuffle``, ``sampler`` and ``drop_last``).
-        num_workers: Worker processes that run ``transform`` and ``collate_fn``, one batch per
-            job, tensors returned through shared memory; 0 runs them on one thread off the
+        num_workers: Worker processes, one batch per job, tensors returned through shared
+            memory. They read a blocking dataset (its copy lives in each worker) and run
+            ``transform`` and ``collate_fn``; an async dataset's samples are read in the event
+            loop and sent to them. 0 reads in this process and transforms on one thread off the
             event loop.
         collate_fn: Turns a list of samples into a batch (default: :func:`default_collate`).
         pin_memory: Copy batches into page-locked memory (only with an accelerator; warns once
@@ -99,15 +93,18 @@ class DataLoader(Generic[T_Batch]):
         timeout: Seconds to wait for a batch before raising :class:`~aioloader.LoaderTimeout`
             (0: wait for ever).
         worker_init_fn: Called once in each worker as it starts, with the worker's id.
-        multiprocessing_context: The workers' start method: ``"spawn"`` (the default) or
-            ``"forkserver"``, or a context using one; ``"fork"`` is refused (it hangs or
-            corrupts a process with an event loop, threads or CUDA). Needs ``num_workers > 0``.
+        multiprocessing_context: The workers' start method: ``"forkserver"`` (the default: the
+            fork server preloads torch once, then each worker starts in tens of milliseconds)
+            or ``"spawn"``, or a context using one; ``"fork"`` is refused (it hangs or corrupts
+            a process with an event loop, threads or CUDA). Needs ``num_workers > 0``.
         generator: A ``torch.Generator`` the random sampler draws its base seed from.
         prefetch_factor: Torch's name for ready batches per worker; sets ``prefetch`` to
             ``prefetch_factor * num_workers`` when ``prefetch`` is not given.
-        persistent_workers: Accepted for torch compatibility (needs ``num_workers > 0``):
-            workers always live as long as the loader's scope (``async with`` / ``with``); a
-            plain ``for`` without ``with`` opens a scope per epoch.
+        persistent_workers: Keep the workers (and, for a plain ``for``, the background event
+            loop) from one epoch to the next until :meth:`close`, or the interpreter's exit, as
+            torch does (needs ``num_workers > 0``). Without it a plain ``for`` outside ``with
+            loader:`` starts its workers each epoch. Inside ``async with`` / ``with`` the
+            workers always live as long as the scope.
         pin_memory_device: Accepted for torch compatibility (``device`` says where batches go).
         in_order: Yield batches in sampler order (through a reorder buffer); False yields each
             batch as soon as it is complete.
@@ -225,7 +222,7 @@ class DataLoader(Generic[T_Batch]):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_workers = num_workers
-        self.timeout = float(timeout)
+        self.timeout = timeout
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.generator = generator
@@ -248,25 +245,23 @@ class DataLoader(Generic[T_Batch]):
             draw = torch.empty((), dtype=torch.int64)
             self.base_seed = int(draw.random_(generator=generator).item())
         self._kind = kind
-        self._length = dataset_length(dataset)
 
         self.sampler: Iterable[int] | None = None
         self.batch_sampler: Iterable[Sequence[int]] | None = batch_sampler
         if kind.is_map and batch_sampler is None:
-            n = len(dataset)
             if sampler is None:
                 if distributed:
                     sampler = DistributedSampler(
-                        n,
+                        len(dataset),
                         rank=self.rank,
                         world_size=self.world_size,
                         shuffle=bool(shuffle),
                         seed=0 if seed is None else seed,
                     )
-                elif shuffle:
-                    sampler = RandomSampler(n, seed=seed, generator=generator)
+                elif shuffle:  # the dataset itself: its length is read each epoch, as torch's
+                    sampler = RandomSampler(dataset, seed=seed, generator=generator)
                 else:
-                    sampler = SequentialSampler(n)
+                    sampler = SequentialSampler(dataset)
             self.sampler = sampler
             if batch_size is not None:
                 self.batch_sampler = BatchSampler(sampler, batch_size, drop_last)
@@ -289,8 +284,9 @@ class DataLoader(Generic[T_Batch]):
         self._config = PipelineConfig(
             batch_size=_batch_size_hint(batch_size, batch_sampler),
             unbatched=batch_size is None and batch_sampler is None,
-            # A blocking dataset is read in slices spread over the I/O threads: few thread hops
-            # for fast local reads, yet every thread busy when items are slow.
+            # A blocking dataset read in this process is read in slices spread over the I/O
+            # threads: few thread hops for fast local reads, yet every thread busy when items
+            # are slow.
             fetch_chunk=-(-max_inflight // io_threads) if kind.is_blocking else None,
             drop_last=drop_last,
             max_inflight=max_inflight,
@@ -307,10 +303,10 @@ class DataLoader(Generic[T_Batch]):
             world_size=self.world_size,
             seed=self.base_seed,
         )
-        self._source = open_source(dataset, kind, self._offload)
+        in_workers = worker_mode == "process" and num_workers > 0
+        self._source = open_source(dataset, kind, self._offload, in_workers=in_workers)
         self._scope: Scope | None = None
-        self._portal_stack: contextlib.ExitStack | None = None
-        self._portal: BlockingPortal | None = None
+        self._session: Session | None = None  # the background loop of `with` / plain `for`
         self._next_epoch = 0
         self._stats = self._new_recorders()
         self._stopped_at: float | None = 0.0
@@ -327,9 +323,9 @@ class DataLoader(Generic[T_Batch]):
             return len(self.batch_sampler)  # type: ignore[arg-type]  # torch's: may raise TypeError
         if self.sampler is not None:
             return len(self.sampler)  # type: ignore[arg-type]
-        if self._length is None:
+        n = dataset_length(self.dataset)  # read now: a dataset whose length changes is followed
+        if n is None:
             raise TypeError(f"object of type {type(self.dataset).__qualname__!r} has no len()")
-        n = self._length
         if self.world_size > 1:
             n //= self.world_size
         if self.batch_size is None:
@@ -435,26 +431,30 @@ class DataLoader(Generic[T_Batch]):
 
     def __enter__(self) -> DataLoader[T_Batch]:
         """Open the scope for plain ``for`` loops: one background event loop (and one set of
-        workers, one device stage) serves every epoch until ``__exit__``."""
-        if self._portal is not None or self._scope is not None:
+        workers, one device stage) serves every epoch until ``__exit__``. A scope kept open by
+        ``persistent_workers`` is taken over (``__exit__`` closes it).
+
+        Raises:
+            LoaderStateError: The scope is already open (``async with`` or ``with``).
+            Exception: As :meth:`__aenter__`.
+        """
+        session = self._session
+        if session is not None and session.persistent:
+            session.persistent = False
+            return self
+        if session is not None or self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
-        stack = contextlib.ExitStack()
-        portal = stack.enter_context(start_blocking_portal("asyncio", _portal_options()))
-        try:
-            stack.enter_context(portal.wrap_async_context_manager(self))
-        except BaseException:
-            stack.close()
-            raise
-        self._portal_stack, self._portal = stack, portal
+        self._session = Session(self, persistent=False)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        stack, self._portal_stack, self._portal = self._portal_stack, None, None
-        if stack is not None:
-            stack.close()
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
 
     def close(self) -> None:
-        """Close a scope opened by ``with loader:`` (no-op otherwise)."""
+        """Close the scope opened by ``with loader:`` or kept open by ``persistent_workers``:
+        stop the workers and the background loop (no-op when none is open)."""
         self.__exit__(None, None, None)
 
     # -- iteration -------------------------------------------------------------------------------
@@ -473,45 +473,29 @@ class DataLoader(Generic[T_Batch]):
         number, self._next_epoch = self._next_epoch, self._next_epoch + 1
         return EpochIterator(self, self._scope, number)
 
-    def __iter__(self) -> Iterator[T_Batch]:
+    def __iter__(self) -> PlainIterator[T_Batch]:
         """Iterate one epoch from synchronous code: the pipeline runs on an event loop in a
-        background thread. Leaving the loop (``break``, an exception) stops it; without an open
-        ``with loader:`` scope, the scope (and its workers) lives for this epoch only.
+        background thread. Leaving the loop early (``break``, an exception, dropping the
+        iterator) stops the epoch. Without ``with loader:``, the scope (and its workers) lives
+        for this epoch only, unless ``persistent_workers=True`` keeps it for the next.
 
         Raises:
             LoaderStateError: The loader's ``async with`` scope is open on this thread (the
                 loop would block the event loop that runs the pipeline).
         """
-        if self._scope is not None and self._portal is None:
+        if self._scope is not None and self._session is None:
             if self._scope.thread == threading.get_ident():
                 raise LoaderStateError(
                     "a plain `for` inside `async with loader:` would block the event loop; "
                     "use `async for`"
                 )
             raise LoaderStateError("the loader's scope is open in another thread")
-        if self._portal is not None:
-            return self._iterate(self._portal)
-        return self._iterate_once()
-
-    def _iterate_once(self) -> Iterator[T_Batch]:
-        with (
-            start_blocking_portal("asyncio", _portal_options()) as portal,
-            portal.wrap_async_context_manager(self),
-        ):
-            yield from self._iterate(portal)
-
-    def _iterate(self, portal: BlockingPortal) -> Iterator[T_Batch]:
-        iterator = portal.call(self.__aiter__)
-        try:
-            while True:
-                try:
-                    batch = portal.call(iterator.receive)
-                except StopAsyncIteration:
-                    return
-                # This thread is the consumer: its current stream must wait for the copy.
-                yield hand_out(batch)
-        finally:
-            portal.call(iterator.aclose)
+        if self._session is not None:
+            return PlainIterator(self._session, owned=False)
+        session = Session(self, persistent=self.persistent_workers)
+        if session.persistent:
+            self._session = session
+        return PlainIterator(session, owned=not session.persistent)
 
     def __repr__(self) -> str:
         return (

@@ -15,8 +15,16 @@ streams, and the bounds that make backpressure work:
 
 A slow consumer fills the output stream, the emitter blocks, slots stop coming back, the
 scheduler stops, and fetching stops. End of data is the closing of a stream, never a value in
-it; a failure is recorded on the :class:`Epoch` and the output stream is closed after it, so the
-consumer sees every good batch before it and then the failure with its original type.
+it. A batch that failed (its fetch, transform or collate) is a :class:`Raised` item in its turn:
+the consumer raises it, and its next call goes on with the following batch, as torch's does. A
+failed stream (a source that raised) cannot go on, so its failure is the last item before the
+end. A failure of the pipeline itself is recorded on the :class:`Epoch` and the output stream
+is closed after it.
+
+Where a blocking (torch) dataset lives in the worker processes (:class:`~._source.InWorkers`)
+there is no fetch stage: a map-style batch's indices go to a worker, which reads, transforms and
+collates them; an iterable dataset is iterated by every worker on its own copy, and the batches
+come round-robin across the workers (``in_order``) or as they are ready.
 
 Never: decides order or sharding itself (``_sampler.py``, ``_reorder.py`` do), or lets a task
 outlive the epoch's task group.
@@ -39,16 +47,23 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._device import DeviceStage, Staged
 from ._exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
 from ._flow import ByteBudget, blocked, get, nbytes_of, put
-from ._job import JobResult, collate_only, run_batch
+from ._job import (
+    JobResult,
+    collate_only,
+    next_stream_batch,
+    open_stream,
+    run_batch,
+    run_indices,
+)
 from ._offload import ThreadOffload
 from ._processes import ProcessWorkers
 from ._reorder import BatchAssembler, ReorderBuffer
 from ._retry import RetryPolicy
 from ._sampler import derive_seed
-from ._source import MapSource, StreamSource
+from ._source import InWorkers, MapSource, StreamSource
 from ._stats import Recorders
 
-__all__ = ["Epoch", "PipelineConfig"]
+__all__ = ["Epoch", "PipelineConfig", "Raised"]
 
 logger = logging.getLogger("aioloader")
 
@@ -91,10 +106,14 @@ class PipelineConfig:
         """Concurrent fetch calls: as many as fit in ``max_inflight`` samples (at least one)."""
         return max(1, self.max_inflight // self.chunk(batched_source))
 
-    def window(self, workers: int) -> int:
+    def window(self, workers: int, *, in_workers: bool = False) -> int:
         """Batches in progress at once: twice what keeps every fetch busy (a batch waiting on
         its slowest sample must not idle the fetches, so the next ones start meanwhile), plus
-        one per transform worker, plus one so the next batch starts while one is handed out."""
+        one per transform worker, plus one so the next batch starts while one is handed out.
+        Where the workers read the dataset there is no fetch stage: two batches per worker
+        (one running, one sent behind it, as torch's ``prefetch_factor=2``), plus one."""
+        if in_workers:
+            return 2 * workers + 1
         fetching = math.ceil(self.max_inflight / self.per_batch)
         return 2 * fetching + workers + 1
 
@@ -108,6 +127,13 @@ class _Batch:
     failed: set[int] = field(default_factory=set)  # positions skipped under max_failures
     nbytes: int = 0
     error: Exception | None = None  # ends the epoch when the batch's turn to be yielded comes
+
+
+@dataclass(frozen=True, slots=True)
+class Raised:
+    """An output item: the batch in this turn failed; the consumer raises ``error``."""
+
+    error: BaseException
 
 
 @dataclass(slots=True, eq=False)
@@ -136,7 +162,7 @@ class Epoch:
         self,
         number: int,
         config: PipelineConfig,
-        source: MapSource | StreamSource,
+        source: MapSource | StreamSource | InWorkers,
         batches: Iterable[Sequence[int]] | None,
         work: ThreadOffload | ProcessWorkers,
         stats: Recorders,
@@ -157,7 +183,8 @@ class Epoch:
         batched = isinstance(source, MapSource) and source.batched
         self._chunk = config.chunk(batched)
         self._fetch_workers = config.fetch_workers(batched)
-        self.window = config.window(work.concurrency)
+        in_workers = isinstance(source, InWorkers)
+        self.window = config.window(work.concurrency, in_workers=in_workers)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
         self._skips_left = config.max_failures
@@ -204,7 +231,18 @@ class Epoch:
         ready_send, ready_recv = anyio.create_memory_object_stream[_Batch](window)
         done_send, done_recv = anyio.create_memory_object_stream[_Done](window)
         async with anyio.create_task_group() as tg:
-            if isinstance(self.source, MapSource):
+            if isinstance(self.source, InWorkers) and not self.source.is_map:
+                # Each worker iterates its own copy: batches come ready-made from the workers.
+                ready_send.close()
+                ready_recv.close()
+                tg.start_soon(self._worker_streams, done_send)
+                tg.start_soon(self._emit, done_recv, out)
+                return
+            if isinstance(self.source, InWorkers):
+                if self.batches is None:
+                    raise TypeError("a map-style epoch needs its batches of indices")
+                tg.start_soon(self._schedule_indices, self.batches, ready_send.clone())
+            elif isinstance(self.source, MapSource):
                 if self.batches is None:
                     raise TypeError("a map-style epoch needs its batches of indices")
                 # Jobs of admitted batches only (the window bounds them); buffered so that the
@@ -255,6 +293,110 @@ class Epoch:
                 step = self._chunk
                 for start in range(0, len(ids), step):
                     await put(jobs, (batch, start, min(len(ids), start + step)), self.stats.window)
+
+    async def _schedule_indices(
+        self, batches: Iterable[Sequence[int]], ready: MemoryObjectSendStream[_Batch]
+    ) -> None:
+        """Batches of indices straight to the workers, which read them (no fetch stage)."""
+        async with ready:
+            seq = 0
+            for indices in batches:
+                ids = list(indices)
+                if not ids:
+                    continue
+                batch = _Batch(seq, ids, [])
+                seq += 1
+                await self._admit(batch)
+                await put(ready, batch, self.stats.fetch)
+
+    async def _worker_streams(self, done: MemoryObjectSendStream[_Done]) -> None:
+        """Every worker iterates its own copy of an iterable dataset (torch's semantics: it
+        shards itself with ``get_worker_info()``). Batches go out round-robin over the workers
+        still going (``in_order``) or as they come; a worker whose pass ends stops contributing.
+        A failed batch is raised in its turn and its worker goes on, as in torch."""
+        work = self.work
+        if not isinstance(work, ProcessWorkers):
+            raise TypeError("an iterable dataset in workers needs process workers")
+        n = work.concurrency
+        async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
+            if self.config.in_order:
+                lanes = [anyio.create_memory_object_stream[_Done](1) for _ in range(n)]
+                for worker_id, (send, _) in enumerate(lanes):
+                    tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
+                receivers = [recv for _, recv in lanes]
+                seq = 0
+                while receivers:
+                    for recv in list(receivers):
+                        try:
+                            item = await recv.receive()
+                        except anyio.EndOfStream:
+                            receivers.remove(recv)
+                            continue
+                        await self._pass_on(item, seq, done)
+                        seq += 1
+            else:
+                merged_send, merged_recv = anyio.create_memory_object_stream[_Done](n)
+                async with merged_send:
+                    for worker_id in range(n):
+                        tg.start_soon(
+                            self._pull_worker_stream, run_on, worker_id, merged_send.clone()
+                        )
+                async with merged_recv:
+                    seq = 0
+                    async for item in merged_recv:
+                        await self._pass_on(item, seq, done)
+                        seq += 1
+
+    async def _pass_on(self, item: _Done, seq: int, done: MemoryObjectSendStream[_Done]) -> None:
+        item.batch.seq = seq  # its place in the epoch, now that the order is decided
+        await self._admit(item.batch)
+        await put(done, item, self.stats.transform)
+
+    async def _pull_worker_stream(
+        self,
+        run_on: Callable[..., Awaitable[Any]],
+        worker_id: int,
+        results: MemoryObjectSendStream[_Done],
+    ) -> None:
+        cfg, rec = self.config, self.stats.transform
+        batch_size = None if cfg.unbatched else cfg.batch_size
+        seq = 0  # this worker's batches; the epoch's order is given when they go out
+        async with results:
+            await run_on(worker_id, open_stream, seed=derive_seed(cfg.seed, self.number, worker_id))
+            while True:
+                started = time.perf_counter()
+                rec.start()
+                try:
+                    result: JobResult | None = await run_on(
+                        worker_id,
+                        next_stream_batch,
+                        batch_size,
+                        cfg.drop_last,
+                        cfg.transform,
+                        cfg.collate_fn,
+                        cfg.finish,
+                    )
+                except WorkerCrashed:  # its copy of the stream is gone with it
+                    rec.finish(time.perf_counter() - started, ok=False)
+                    raise
+                except Exception as exc:
+                    rec.finish(time.perf_counter() - started, ok=False)
+                    rec.failed += 1
+                    exc.add_note(
+                        f"aioloader: in worker {worker_id}'s pass over its copy of the dataset, "
+                        f"its batch {seq}, epoch {self.number}"
+                    )
+                    await results.send(_Done(_Batch(seq, [worker_id], []), None, 0, exc))
+                    seq += 1
+                    continue
+                except BaseException:  # cancelled
+                    rec.in_flight -= 1
+                    raise
+                rec.finish(time.perf_counter() - started)
+                if result is None:
+                    return
+                await results.send(_Done(_Batch(seq, [worker_id], []), result.batch, result.size))
+                seq += 1
 
     async def _schedule_stream(
         self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]
@@ -453,19 +595,40 @@ class Epoch:
         keep = [p for p in range(len(batch.ids)) if p not in batch.failed]
         if not keep:
             return _Done(batch, None, 0)
-        samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
         unbatched = cfg.unbatched
         seed = derive_seed(cfg.seed, self.number, batch.seq)
         started = time.perf_counter()
         rec.start()
         try:
-            result: JobResult = await self.work.run(
-                run_batch, cfg.transform, cfg.collate_fn, samples, unbatched, cfg.finish, seed=seed
-            )
-            value, size = result.batch, len(samples)
+            result: JobResult
+            if isinstance(self.source, InWorkers):  # the worker reads the indices itself
+                result = await self.work.run(
+                    run_indices,
+                    batch.ids,
+                    cfg.transform,
+                    cfg.collate_fn,
+                    unbatched,
+                    cfg.finish,
+                    cfg.retry,
+                    self._skips_left > 0,
+                    seed=seed,
+                )
+                self.stats.fetch.retries += result.retries
+            else:
+                samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
+                result = await self.work.run(
+                    run_batch,
+                    cfg.transform,
+                    cfg.collate_fn,
+                    samples,
+                    unbatched,
+                    cfg.finish,
+                    seed=seed,
+                )
+            value, size = result.batch, result.size
             if result.failures:
-                for position, exc in result.failures:
-                    self._skip_or_raise(exc, "transform", batch, batch.ids[keep[position]])
+                for position, stage, exc in result.failures:
+                    self._skip_or_raise(exc, stage, batch, batch.ids[keep[position]])
                 size = len(result.transformed)
                 if size:
                     value = await self.work.run(
@@ -504,9 +667,8 @@ class Epoch:
                 )
                 for d in deliverable:
                     if d.error is not None:  # its turn has come: every batch before it is out
-                        self.error = d.error  # the object itself, whatever its type
-                        raise d.error
-                    if d.size:
+                        await put(out, Raised(d.error), self.stats.output)
+                    elif d.size:
                         value = d.value if self.device is None else await self._stage(d)
                         await put(out, (value, d.size), self.stats.output)
                         self.stats.output.completed += 1

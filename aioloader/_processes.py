@@ -1,9 +1,15 @@
-"""A pool of spawned worker processes, driven from the event loop without threads or polling.
+"""A pool of worker processes, driven from the event loop without threads or polling.
 
-Owns: starting workers (spawn or forkserver: never fork, which hangs or corrupts once threads,
-an event loop, obstore/tokio or CUDA exist), handing one job at a time to an idle worker over
-its pipe, awaiting the reply by the pipe's readability, noticing a dead worker through its pipe's
-EOF and its process sentinel (so a crash surfaces in milliseconds, named), and stopping them.
+Owns: starting workers (forkserver, the default, or spawn: never fork, which hangs or corrupts
+once threads, an event loop, obstore/tokio or CUDA exist), handing one job at a time to an idle
+worker (or, for a worker's own stream, to that worker) over its pipe, awaiting the reply by the
+pipe's readability, noticing a dead worker through its pipe's EOF and its process sentinel (so a
+crash surfaces in milliseconds, named), and stopping them.
+
+Start-up: the forkserver is told to preload torch and the worker module, so the first worker
+start of a process pays one import of torch (in the fork server) and every later start is a fork
+of it (tens of milliseconds, pages shared copy-on-write), where spawn imports torch in every
+worker, every time.
 
 Cancellation policy: a job already sent to a worker is awaited, shielded, for up to
 ``CANCEL_GRACE`` seconds and its reply dropped; a worker still busy after that is terminated and
@@ -16,10 +22,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.forkserver
 import pickle
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -32,11 +39,13 @@ from ._exceptions import WorkerCrashed, first_leaf
 from ._stats import WorkerRecorder
 from ._worker import worker_main
 
-__all__ = ["CANCEL_GRACE", "START_METHODS", "ProcessWorkers"]
+__all__ = ["CANCEL_GRACE", "DEFAULT_START_METHOD", "START_METHODS", "ProcessWorkers"]
 
 R = TypeVar("R")
 
 START_METHODS = ("spawn", "forkserver")
+DEFAULT_START_METHOD = "forkserver"
+_PRELOAD = ("aioloader._worker",)  # imports torch and NumPy: what every worker needs
 CANCEL_GRACE = 5.0  # seconds a cancelled job may still run before its worker is terminated
 _STOP_GRACE = 5.0  # seconds a worker may take to exit after its pipe closes
 
@@ -62,6 +71,8 @@ class ProcessWorkers:
         derive: Derives a worker's seed from ``(seed, worker_id)``.
         worker_init_fn: Called once in each worker as it starts, with its id.
         stats: Where start-up time, restarts and pipe bytes are counted.
+        dataset: A blocking dataset each worker keeps its own copy of (sent once, as each
+            worker starts), or None.
     """
 
     def __init__(
@@ -73,9 +84,11 @@ class ProcessWorkers:
         derive: Callable[..., int],
         worker_init_fn: Callable[[int], object] | None,
         stats: WorkerRecorder,
+        dataset: object = None,
     ) -> None:
         self.concurrency = workers
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
+        self._dataset = dataset
         self._seed = seed
         self._derive = derive
         self._init_fn = worker_init_fn
@@ -86,6 +99,8 @@ class ProcessWorkers:
     # -- life ------------------------------------------------------------------------------------
 
     def _spawn(self, worker_id: int) -> _Worker:
+        if self._ctx.get_start_method() == "forkserver":
+            _preload(self._ctx)
         ours, theirs = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has Process
             target=worker_main,
@@ -95,12 +110,24 @@ class ProcessWorkers:
                 self.concurrency,
                 self._derive(self._seed, worker_id),
                 self._init_fn,
+                self._dataset,
             ),
             name=f"aioloader-worker-{worker_id}",
             daemon=True,  # a last resort only: aclose() stops every worker deterministically
         )
-        process.start()
-        theirs.close()  # only the child holds its end: its death is EOF on ours
+        try:
+            process.start()
+        except Exception as exc:
+            ours.close()
+            if self._dataset is not None and _is_pickling_error(exc):
+                exc.add_note(
+                    f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
+                    "each worker process and must pickle, as with torch's spawn and forkserver "
+                    "start methods; or pass worker_mode='thread' to read it in this process"
+                )
+            raise
+        finally:
+            theirs.close()  # only the child holds its end: its death is EOF on ours
         return _Worker(worker_id, process, ours)
 
     async def _ready(self, worker: _Worker) -> None:
@@ -228,22 +255,50 @@ class ProcessWorkers:
         """
         worker = await self._idle_recv.receive()
         try:
-            if not worker.alive:
-                worker = await self._replace(worker)
-            payload = ForkingPickler.dumps((fn, args, seed))
-            worker.conn.send_bytes(payload)
-            self._stats.bytes_sent += len(payload)
-            self._stats.jobs += 1
-            try:
-                ok, value = await self._reply(worker)
-            except anyio.get_cancelled_exc_class():
-                await self._drain_cancelled(worker)
-                raise
-            if not ok:
-                raise value
-            return value  # type: ignore[no-any-return]
+            return await self._exchange(worker, fn, args, seed)
         finally:
-            self._idle_send.send_nowait(worker)
+            self._idle_send.send_nowait(self._workers[worker.id])
+
+    @contextlib.asynccontextmanager
+    async def reserved(self) -> AsyncIterator[Callable[..., Any]]:
+        """Take every worker out of the pool for one owner, which sends each job to a worker of
+        its choice (a worker's own iterator lives there): yields ``run_on(worker_id, fn, *args,
+        seed=None)``, awaited like :meth:`run`. The workers go back to the pool on exit.
+
+        Cancellation: waiting for the workers can be cancelled; the ones taken go back.
+        """
+        taken: list[_Worker] = []
+        try:
+            for _ in range(self.concurrency):
+                taken.append(await self._idle_recv.receive())
+
+            async def run_on(
+                worker_id: int, fn: Callable[..., R], *args: Any, seed: int | None = None
+            ) -> R:
+                return await self._exchange(self._workers[worker_id], fn, args, seed)
+
+            yield run_on
+        finally:
+            for worker in taken:
+                self._idle_send.send_nowait(self._workers[worker.id])
+
+    async def _exchange(
+        self, worker: _Worker, fn: Callable[..., R], args: tuple[Any, ...], seed: int | None
+    ) -> R:
+        if not worker.alive:
+            worker = await self._replace(worker)
+        payload = ForkingPickler.dumps((fn, args, seed))
+        worker.conn.send_bytes(payload)
+        self._stats.bytes_sent += len(payload)
+        self._stats.jobs += 1
+        try:
+            ok, value = await self._reply(worker)
+        except anyio.get_cancelled_exc_class():
+            await self._drain_cancelled(worker)
+            raise
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
     async def _drain_cancelled(self, worker: _Worker) -> None:
         if not worker.alive:
@@ -253,3 +308,17 @@ class ProcessWorkers:
                 await self._reply(worker)
                 return
             await self._stop(worker, grace=0.0)  # still busy: don't let it run on unseen
+
+
+def _is_pickling_error(exc: BaseException) -> bool:
+    return isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))
+
+
+def _preload(ctx: multiprocessing.context.BaseContext) -> None:
+    """Ask the fork server (not started yet) to import what every worker needs, besides what the
+    application asked it to preload. Once the server runs this changes nothing."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    current = list(getattr(server, "_preload_modules", ["__main__"]))
+    wanted = current + [m for m in _PRELOAD if m not in current]
+    if wanted != current:
+        ctx.set_forkserver_preload(wanted)

@@ -245,25 +245,39 @@ def epoch_parts(
     return order[rank:usable:world]
 
 
+def _length_source(length: object) -> int | Sized:
+    """An int, checked; or a data source (anything with ``__len__``), whose length is read at
+    each use, as torch's samplers read ``len(data_source)``: a dataset that grows is followed."""
+    if isinstance(length, int) and not isinstance(length, bool):
+        return check_int("length", length, minimum=0)
+    if isinstance(length, Sized):
+        return length
+    raise TypeError(f"length must be an int or a sized data source, got {length!r}")
+
+
+def _current_length(length: int | Sized) -> int:
+    return length if isinstance(length, int) else len(length)
+
+
 class SequentialSampler(Sampler[int]):
     """Yields ``0, 1, ..., length - 1`` every epoch.
 
     Args:
-        length: The dataset length.
+        length: The dataset length, or the dataset itself (its length is read each epoch).
 
     Raises:
-        TypeError: If ``length`` is not an int.
+        TypeError: If ``length`` is neither an int nor sized.
         ValueError: If ``length`` is negative.
     """
 
-    def __init__(self, length: int) -> None:
-        self._length = check_int("length", length, minimum=0)
+    def __init__(self, length: int | Sized) -> None:
+        self._length = _length_source(length)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self._length))
+        return iter(range(_current_length(self._length)))
 
     def __len__(self) -> int:
-        return self._length
+        return _current_length(self._length)
 
     def set_epoch(self, epoch: int) -> None:
         """Accept an epoch for interface compatibility; the order never changes.
@@ -283,7 +297,7 @@ class RandomSampler(Sampler[int]):
     the same order, in any process.
 
     Args:
-        length: The dataset length.
+        length: The dataset length, or the dataset itself (its length is read each epoch).
         seed: The base seed. If given, ``generator`` is ignored.
         generator: Used once, at construction, to draw the base seed when
             ``seed`` is None. If both are None, the base seed is drawn from torch's
@@ -297,12 +311,12 @@ class RandomSampler(Sampler[int]):
 
     def __init__(
         self,
-        length: int,
+        length: int | Sized,
         *,
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        self._length = check_int("length", length, minimum=0)
+        self._length = _length_source(length)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
         if seed is None:
@@ -337,10 +351,11 @@ class RandomSampler(Sampler[int]):
         self._epoch = check_int("epoch", epoch, minimum=0)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(_epoch_permutation(self._length, self._seed, self._epoch))
+        n = _current_length(self._length)
+        return iter(_epoch_permutation(n, self._seed, self._epoch))
 
     def __len__(self) -> int:
-        return self._length
+        return _current_length(self._length)
 
 
 class DistributedSampler(Sampler[int]):

@@ -23,9 +23,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from ._device import DeviceStage, Staged, hand_out
 from ._exceptions import LoaderStateError, LoaderTimeout
 from ._offload import ThreadOffload
-from ._pipeline import Epoch
+from ._pipeline import Epoch, Raised
 from ._processes import ProcessWorkers
 from ._sampler import derive_seed
+from ._source import InWorkers
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -53,6 +54,7 @@ class Scope:
                 derive=derive_seed,
                 worker_init_fn=loader.worker_init_fn,
                 stats=loader._stats.workers,
+                dataset=loader.dataset if isinstance(loader._source, InWorkers) else None,
             )
         else:
             self.work = ThreadOffload(
@@ -146,8 +148,9 @@ class EpochIterator(Generic[T_Batch]):
         Raises:
             StopAsyncIteration: The epoch ended.
             LoaderTimeout: No batch within the loader's ``timeout``.
-            Exception: A stage failed: the original exception, with notes naming the stage,
-                the sample and the batch. The epoch is over after it.
+            Exception: This batch failed: the original exception, with notes naming the stage,
+                the sample and the batch. The next call goes on with the following batch (as
+                torch's iterator does), except after a failed stream source, which is over.
 
         Cancellation: safe; no batch is lost (the next call returns the batch this one would
         have returned).
@@ -188,6 +191,8 @@ class EpochIterator(Generic[T_Batch]):
             if error is not None:
                 raise error
             raise StopAsyncIteration
+        if isinstance(item, Raised):
+            raise item.error
         batch, size = item
         if isinstance(batch, Staged):
             batch.release()  # taken: no longer ahead of the consumer

@@ -24,7 +24,7 @@ from ._dataset import AsyncDataset, AsyncIterableDataset
 from ._exceptions import LoaderStateError, annotate
 from ._offload import ThreadOffload
 
-__all__ = ["Kind", "MapSource", "StreamSource", "classify", "open_source"]
+__all__ = ["InWorkers", "Kind", "MapSource", "StreamSource", "classify", "open_source"]
 
 _STREAM_CHUNK = 64  # items pulled from a blocking iterator per thread call
 
@@ -101,6 +101,24 @@ class StreamSource(ABC):
     @abstractmethod
     def open(self) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Any]]:
         """An iterator for one epoch, closed (``aclose``) when the context exits."""
+
+
+class InWorkers:
+    """A blocking (torch) dataset whose copies live in the worker processes, as in torch: the
+    epoch sends each worker a batch's indices (map-style) or asks it for the next batch of its
+    own iterator (iterable), and gets collated batches back. Nothing of it runs in this process.
+
+    Attributes:
+        dataset: The dataset (each worker was sent a copy when it started).
+        is_map: Map-style (indices) rather than iterable.
+    """
+
+    def __init__(self, dataset: object, kind: Kind) -> None:
+        self.dataset = dataset
+        self.is_map = kind.is_map
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]  # map-style: it has a length
 
 
 class _AsyncMap(MapSource):
@@ -228,16 +246,20 @@ class _BlockingStream(StreamSource):
 
 
 def open_source(
-    dataset: object, kind: Kind, offload: Callable[[], ThreadOffload]
-) -> MapSource | StreamSource:
+    dataset: object, kind: Kind, offload: Callable[[], ThreadOffload], *, in_workers: bool
+) -> MapSource | StreamSource | InWorkers:
     """Wrap ``dataset`` (already classified as ``kind``) once, for the loader's whole life.
 
     Args:
         dataset: The user's dataset.
         kind: What :func:`classify` said of it.
         offload: Gives the thread pool of the loader's current scope, for blocking datasets
-            (called at each blocking call, never at construction).
+            read in this process (called at each blocking call, never at construction).
+        in_workers: A blocking dataset lives in the worker processes (``num_workers > 0``
+            with process workers); ignored for async datasets, which run in the event loop.
     """
+    if kind.is_blocking and in_workers:
+        return InWorkers(dataset, kind)
     if kind is Kind.ASYNC_MAP:
         return _AsyncMap(dataset)  # type: ignore[arg-type]  # classify() checked the type
     if kind is Kind.BLOCKING_MAP:

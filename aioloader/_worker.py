@@ -1,11 +1,13 @@
 """The worker process side: who a worker is, how it is seeded, and its job loop.
 
-Owns: :class:`WorkerInfo` and :func:`get_worker_info`, the per-worker and per-batch seeding of
-``random``, NumPy and torch, and :func:`worker_main`, the loop a spawned worker runs: receive a
-job (a function and its arguments, pickled), run it, send the result back. Tensors in results
-travel through shared memory (torch's reductions in ``ForkingPickler``): only handles cross
-the pipe. Never: touches an event loop, opens network clients or imports user code it was not
-sent.
+Owns: :class:`WorkerInfo` and :func:`get_worker_info` (also answered by torch's own
+``torch.utils.data.get_worker_info()`` inside a worker, so a torch user's dataset finds out who
+it runs in without changing a line), the worker's copy of a blocking dataset (sent once, when the
+worker starts, as torch does), the per-worker and per-batch seeding of ``random``, NumPy and
+torch, and :func:`worker_main`, the loop a worker runs: receive a job (a function and its
+arguments, pickled), run it, send the result back. Tensors in results travel through shared
+memory (torch's reductions in ``ForkingPickler``): only handles cross the pipe. Never: touches
+an event loop, opens network clients or imports user code it was not sent.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -24,10 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.multiprocessing  # registers torch's shared-memory reductions
+import torch.utils.data
 
 from ._exceptions import RemoteError
 
-__all__ = ["WorkerInfo", "get_worker_info", "seed_everything", "worker_main"]
+__all__ = ["WorkerInfo", "get_worker_info", "seed_everything", "worker_dataset", "worker_main"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +43,15 @@ class WorkerInfo:
         num_workers: Workers in the pool.
         seed: This worker's seed (``random``, NumPy and torch were seeded with it at start;
             each batch's work is then seeded from the loader's seed, epoch and batch index).
+        dataset: The worker's own copy of the loader's dataset when it is a blocking (torch)
+            dataset that runs in the workers, else None (as torch's ``WorkerInfo.dataset``:
+            ``worker_init_fn`` may configure it, e.g. give each worker its share of a stream).
     """
 
     id: int
     num_workers: int
     seed: int
+    dataset: Any = None
 
 
 _info: WorkerInfo | None = None
@@ -53,6 +61,31 @@ def get_worker_info() -> WorkerInfo | None:
     """The :class:`WorkerInfo` of the worker process this runs in, or None in the main process
     (and in the loader's threads)."""
     return _info
+
+
+def worker_dataset() -> Any:
+    """The worker's copy of the loader's dataset.
+
+    Raises:
+        RuntimeError: Called outside a worker, or in a worker that was given no dataset.
+    """
+    if _info is None or _info.dataset is None:
+        raise RuntimeError("no dataset lives in this process: it is not a loader's worker")
+    return _info.dataset
+
+
+def _tell_torch(info: WorkerInfo) -> None:
+    """Make ``torch.utils.data.get_worker_info()`` answer inside this worker, as it does in
+    torch's own: a torch user's dataset calls torch's function, not ours. torch keeps the
+    answer in a module global with no public setter; a torch without it only loses this."""
+    module = getattr(torch.utils.data, "_utils", None)
+    worker = getattr(module, "worker", None)
+    torch_info = getattr(worker, "WorkerInfo", None)
+    if worker is None or torch_info is None:  # pragma: no cover - every torch we support has it
+        return
+    worker._worker_info = torch_info(
+        id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -82,10 +115,10 @@ def _with_worker_note(exc: BaseException) -> BaseException:
 
 
 def _prepare_failures(result: Any) -> Any:
-    """Exceptions inside a job's result (per-sample transform failures) must survive pickling."""
+    """Exceptions inside a job's result (per-sample failures) must survive pickling."""
     failures = getattr(result, "failures", None)
     if failures:
-        result.failures = [(pos, _with_worker_note(exc)) for pos, exc in failures]
+        result.failures = [(pos, stage, _with_worker_note(exc)) for pos, stage, exc in failures]
     return result
 
 
@@ -97,34 +130,49 @@ def _exit_now() -> None:
     os._exit(0)
 
 
+def _send(conn: Connection, payload: bytes | memoryview) -> None:
+    try:
+        conn.send_bytes(payload)
+    except OSError:  # the main process is gone (or stopped us): nobody is left to tell
+        _exit_now()
+
+
 def worker_main(
     conn: Connection,
     worker_id: int,
     num_workers: int,
     seed: int,
     worker_init_fn: Callable[[int], object] | None,
+    dataset: Any = None,
 ) -> None:
-    """Run in a spawned worker: set up, then serve jobs until the main process closes the pipe.
+    """Run in a worker process: set up, then serve jobs until the main process closes the pipe.
 
     Each job is ``(fn, args, batch_seed)``; the reply is ``(ok, value)``: the function's result,
     or the exception it raised (with the worker's traceback in a note). The loop ends at EOF:
     closing the pipe is the shutdown signal, so no control value shares the data path.
+
+    ``dataset`` is this worker's copy of a blocking dataset (None when the dataset runs in the
+    main process); ``worker_init_fn`` sees it in :func:`get_worker_info` and may change it.
+    Ctrl-C is the main process's to handle: the worker ignores SIGINT (the main process stops
+    it by closing the pipe), so an interrupted script prints one traceback, not one per worker.
     """
     global _info
-    _info = WorkerInfo(worker_id, num_workers, seed)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _info = WorkerInfo(worker_id, num_workers, seed, dataset)
+    _tell_torch(_info)
     torch.set_num_threads(1)  # N workers on N cores: intra-op threads would oversubscribe
     seed_everything(seed)
     try:
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException as exc:
-        conn.send_bytes(ForkingPickler.dumps((False, _with_worker_note(exc))))
+        _send(conn, ForkingPickler.dumps((False, _with_worker_note(exc))))
         return
-    conn.send_bytes(ForkingPickler.dumps((True, os.getpid())))
+    _send(conn, ForkingPickler.dumps((True, os.getpid())))
     while True:
         try:
             fn, args, batch_seed = pickle.loads(conn.recv_bytes())
-        except EOFError:
+        except (EOFError, OSError):
             _exit_now()
         if batch_seed is not None:
             seed_everything(batch_seed)
@@ -133,4 +181,4 @@ def worker_main(
             payload = ForkingPickler.dumps(reply)
         except BaseException as exc:
             payload = ForkingPickler.dumps((False, _with_worker_note(exc)))
-        conn.send_bytes(payload)
+        _send(conn, payload)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 import anyio
@@ -199,6 +199,7 @@ async def test_worker_init_failure_surfaces_from_the_scope() -> None:
 @pytest.mark.parametrize("how", ["break", "exception", "cancel"])
 async def test_leaving_the_scope_leaves_no_process_fd_or_shared_memory(how: str) -> None:
     resource_tracker.ensure_running()  # multiprocessing's helper: started once, it lives on
+    forkserver.ensure_running()  # the default start method's server: likewise, once a process
     gc.collect()
     fds, segments = open_fds(), shm()
     dl = aioloader.DataLoader(Counting(400), batch_size=4, num_workers=2, transform=worker_fns.slow)
@@ -231,18 +232,19 @@ def test_plain_for_with_worker_processes() -> None:
     assert children() == []
 
 
-def test_forkserver_start_method_works() -> None:
+def test_spawn_gives_the_batches_the_default_forkserver_gives() -> None:
     dl = aioloader.DataLoader(
+        Counting(12), batch_size=4, num_workers=1, transform=worker_fns.augment, seed=5
+    )
+    spawn = aioloader.DataLoader(
         Counting(12),
         batch_size=4,
         num_workers=1,
         transform=worker_fns.augment,
         seed=5,
-        multiprocessing_context="forkserver",
+        multiprocessing_context="spawn",
     )
-    spawn = aioloader.DataLoader(
-        Counting(12), batch_size=4, num_workers=1, transform=worker_fns.augment, seed=5
-    )
+    assert dl.start_method == "forkserver"
     got, want = list(dl), list(spawn)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert children() == []

@@ -1,0 +1,204 @@
+"""The background event loop behind a plain ``for`` (and ``with loader:``), and the iterator a
+plain ``for`` gets.
+
+Owns: :class:`Session`, a daemon thread running an event loop (uvloop when installed) that holds
+the loader's scope open; :class:`PlainIterator`, torch's iterator protocol over one epoch
+(``next()`` after a failed batch goes on with the following batch); and the interpreter-exit
+hook that closes every session still open, so a script that ends with a loader or an iterator
+open exits cleanly: workers stopped by us, nothing printed. Never: validates arguments or runs
+stages.
+
+Why a daemon thread of our own rather than anyio's ``start_blocking_portal``: at interpreter
+exit Python joins non-daemon threads *before* ``atexit`` handlers run, so a loop left running in
+one would hang the exit (or be torn down under the workers). A daemon loop is still alive when
+our ``atexit`` hook runs; the hook is registered after ``multiprocessing``'s, so it runs first
+and stops the workers before ``multiprocessing`` would terminate them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from ._device import hand_out
+
+if TYPE_CHECKING:
+    from ._loader import DataLoader
+    from ._scope import EpochIterator
+
+__all__ = ["PlainIterator", "Session"]
+
+T_Batch = TypeVar("T_Batch")
+
+_open: weakref.WeakSet[Session] = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hooked = False
+
+
+def _close_all_at_exit() -> None:
+    for session in list(_open):
+        with contextlib.suppress(Exception):
+            session.close()
+
+
+def _hook_exit() -> None:
+    global _hooked
+    with _hook_lock:
+        if not _hooked:
+            atexit.register(_close_all_at_exit)
+            _hooked = True
+
+
+def _loop_options() -> dict[str, Any]:
+    """uvloop when installed, as that loop's factory only (never the application's policy)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+        return {}
+    return {"loop_factory": uvloop.new_event_loop}
+
+
+def _start_loop() -> tuple[BlockingPortal, threading.Thread]:
+    ready: Future[BlockingPortal] = Future()
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            ready.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    def run() -> None:
+        try:
+            anyio.run(serve, backend="asyncio", backend_options=_loop_options())
+        except BaseException as exc:  # the loop failed to start: tell the caller
+            if not ready.done():
+                ready.set_exception(exc)
+            else:
+                raise
+
+    thread = threading.Thread(target=run, name="aioloader-loop", daemon=True)
+    thread.start()
+    return ready.result(), thread
+
+
+class Session:
+    """A background event loop holding a loader's scope open.
+
+    Args:
+        loader: The loader whose scope (``async with``) opens on the loop, now.
+        persistent: Kept open across epochs by ``persistent_workers`` (not by ``with``).
+
+    Raises:
+        Exception: Whatever opening the scope raised (the loop is stopped again first).
+    """
+
+    def __init__(self, loader: DataLoader[Any], *, persistent: bool) -> None:
+        self.persistent = persistent
+        self.portal, self._thread = _start_loop()
+        self._stack = contextlib.ExitStack()
+        self._stack.callback(self._stop_loop)
+        try:
+            self._stack.enter_context(self.portal.wrap_async_context_manager(loader))
+        except BaseException:
+            self._stack.close()
+            raise
+        self.loader = loader
+        self.closed = False
+        _hook_exit()
+        _open.add(self)
+
+    def _stop_loop(self) -> None:
+        self.portal.call(self.portal.stop)
+        self._thread.join()
+
+    def close(self) -> None:
+        """Close the loader's scope (workers stopped, tasks gone), then stop the loop.
+
+        Cancellation: not cancellable; it returns once everything is stopped. Called from the
+        loop's own thread it does nothing (the exit hook closes the session later).
+        """
+        if self.closed or threading.current_thread() is self._thread:
+            return
+        self.closed = True
+        _open.discard(self)
+        self._stack.close()
+
+
+class PlainIterator(Generic[T_Batch]):
+    """One epoch for a plain ``for``: torch's iterator protocol over the background loop.
+
+    A batch that failed raises from ``next()``; the next ``next()`` goes on with the following
+    batch, as torch's iterator does. The epoch (and a session owned by this iterator) is closed
+    when the epoch ends, when :meth:`close` is called, or when the iterator is dropped.
+    """
+
+    def __init__(self, session: Session, *, owned: bool) -> None:
+        self._session = session
+        self._owned = owned
+        self._loader: DataLoader[T_Batch] = session.loader
+        self._done = False
+        try:
+            self._epoch: EpochIterator[T_Batch] = session.portal.call(self._loader.__aiter__)
+        except BaseException:
+            self._done = True
+            if owned:
+                session.close()
+            raise
+
+    def __iter__(self) -> PlainIterator[T_Batch]:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __next__(self) -> T_Batch:
+        """The next batch, on the host or (with a device stage) safe on this thread's stream.
+
+        Raises:
+            StopIteration: The epoch is over.
+            Exception: This batch failed (see :meth:`EpochIterator.__anext__`); the next call
+                goes on.
+        """
+        if self._done:
+            raise StopIteration
+        try:
+            batch = self._session.portal.call(self._epoch.receive)
+        except StopAsyncIteration:
+            self.close()
+            raise StopIteration from None
+        except BaseException as exc:
+            if not isinstance(exc, Exception) or self._session.closed:
+                self.close()  # KeyboardInterrupt and the like: the epoch stops here
+            error = exc
+        else:
+            # This thread is the consumer: its current stream must wait for the copy.
+            return hand_out(batch)  # type: ignore[no-any-return]
+        # The error's traceback holds this frame: without `self` in it, a caller that keeps the
+        # error (a log, a test) does not keep the epoch running; dropping the iterator stops it.
+        del self
+        raise error
+
+    def close(self) -> None:
+        """Stop the epoch (and the session, when this iterator owns it). Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        session = self._session
+        try:
+            if not session.closed:
+                session.portal.call(self._epoch.aclose)
+        finally:
+            if self._owned:
+                session.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_done", True):
+            return
+        with contextlib.suppress(Exception):
+            self.close()
