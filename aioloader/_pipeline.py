@@ -32,6 +32,7 @@ outlive the epoch's task group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -318,9 +319,22 @@ class Epoch:
         if not isinstance(work, ProcessWorkers):
             raise TypeError("an iterable dataset in workers needs process workers")
         n = work.concurrency
+        lanes = [anyio.create_memory_object_stream[_Done](1) for _ in range(n)]
+        with contextlib.ExitStack() as streams:
+            for send, recv in lanes:
+                streams.callback(send.close)
+                streams.callback(recv.close)
+            await self._merge_worker_streams(work, lanes, done)
+
+    async def _merge_worker_streams(
+        self,
+        work: ProcessWorkers,
+        lanes: list[tuple[MemoryObjectSendStream[_Done], MemoryObjectReceiveStream[_Done]]],
+        done: MemoryObjectSendStream[_Done],
+    ) -> None:
+        n = len(lanes)
         async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
             if self.config.in_order:
-                lanes = [anyio.create_memory_object_stream[_Done](1) for _ in range(n)]
                 for worker_id, (send, _) in enumerate(lanes):
                     tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
                 receivers = [recv for _, recv in lanes]
@@ -667,7 +681,12 @@ class Epoch:
                 )
                 for d in deliverable:
                     if d.error is not None:  # its turn has come: every batch before it is out
-                        await put(out, Raised(d.error), self.stats.output)
+                        # Handed over, not kept: raised in the consumer, the error's traceback
+                        # holds the consumer's frames (and its iterator), which no task of ours
+                        # may keep alive.
+                        error, d.error, d.batch.error = d.error, None, None
+                        await put(out, Raised(error), self.stats.output)
+                        del error
                     elif d.size:
                         value = d.value if self.device is None else await self._stage(d)
                         await put(out, (value, d.size), self.stats.output)

@@ -297,7 +297,10 @@ class ProcessWorkers:
             await self._drain_cancelled(worker)
             raise
         if not ok:
-            raise value
+            try:
+                raise value
+            finally:  # no reference cycle through this frame
+                del value
         return value  # type: ignore[no-any-return]
 
     async def _drain_cancelled(self, worker: _Worker) -> None:

@@ -192,7 +192,12 @@ class EpochIterator(Generic[T_Batch]):
                 raise error
             raise StopAsyncIteration
         if isinstance(item, Raised):
-            raise item.error
+            error = item.error
+            del item
+            try:
+                raise error
+            finally:  # no cycle through this frame: the traceback will hold the caller's
+                del error
         batch, size = item
         if isinstance(batch, Staged):
             batch.release()  # taken: no longer ahead of the consumer

@@ -1,0 +1,279 @@
+"""A torch user's blocking dataset runs where torch runs it: in the worker processes.
+
+The datasets (``tests/worker_datasets.py``) are written as for torch: their work is in
+``__getitem__``/``__iter__`` and they ask ``torch.utils.data.get_worker_info()`` who they run in.
+Where the expected batches are torch's own, torch's ``DataLoader`` computes them in the test."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data
+
+import aioloader
+from tests import worker_datasets as wd
+from tests.conftest import aioloader_threads
+
+
+def children() -> list[Any]:
+    import multiprocessing
+
+    return multiprocessing.active_children()
+
+
+def rows(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-sample rows of collated ``WhoReads`` batches."""
+    out = []
+    for batch in batches:
+        for k in range(len(batch["index"])):
+            out.append({key: value[k] for key, value in batch.items()})
+    return [
+        {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in r.items()} for r in out
+    ]
+
+
+def test_getitem_runs_in_the_workers_and_torch_says_which() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(24), batch_size=4, num_workers=2)
+    got = rows(list(dl))
+    assert [r["index"] for r in got] == list(range(24))  # in order, each once
+    assert {r["pid"] for r in got}.isdisjoint({os.getpid()})
+    assert len({r["pid"] for r in got}) == 2
+    assert all(r["torch_id"] == r["our_id"] in (0, 1) for r in got)
+    assert all(r["torch_workers"] == 2 and r["dataset_is_self"] for r in got)
+    # A batch is one job: all its samples were read by one worker.
+    for start in range(0, 24, 4):
+        assert len({r["pid"] for r in got[start : start + 4]}) == 1
+    assert children() == []
+
+
+async def test_async_for_reads_in_the_workers_too() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(12), batch_size=4, num_workers=2)
+    async with dl:
+        got = rows([b async for b in dl])
+    assert [r["index"] for r in got] == list(range(12))
+    assert all(r["torch_id"] in (0, 1) for r in got)
+
+
+def test_without_workers_the_dataset_is_read_in_this_process() -> None:
+    for kwargs in ({"num_workers": 0}, {"num_workers": 2, "worker_mode": "thread"}):
+        got = rows(list(aioloader.DataLoader(wd.WhoReads(8), batch_size=4, **kwargs)))
+        assert {r["pid"] for r in got} == {os.getpid()}
+        assert all(r["torch_id"] == -1 for r in got)
+
+
+def test_worker_init_fn_configures_the_workers_copy() -> None:
+    dataset = wd.WhoReads(16)
+    dl = aioloader.DataLoader(
+        dataset, batch_size=4, num_workers=2, worker_init_fn=wd.offset_by_worker
+    )
+    got = rows(list(dl))
+    assert all(r["value"] == r["index"] + 1000 * (r["torch_id"] + 1) for r in got)
+    assert dataset.offset == 0 and dataset.reads == 0  # the main process's copy is untouched
+
+
+def test_persistent_workers_keep_their_copy_across_plain_for_epochs() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(8), batch_size=4, num_workers=1, persistent_workers=True)
+    try:
+        first, second = rows(list(dl)), rows(list(dl))
+        assert {r["pid"] for r in first} == {r["pid"] for r in second}
+        assert [r["reads"] for r in second] == list(range(9, 17))  # the same copy read on
+        assert len(children()) == 1  # kept between epochs
+    finally:
+        dl.close()
+    assert children() == [] and aioloader_threads() == []
+
+
+def test_without_persistent_workers_each_plain_for_epoch_starts_fresh_workers() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(8), batch_size=4, num_workers=1)
+    first, second = rows(list(dl)), rows(list(dl))
+    assert {r["pid"] for r in first}.isdisjoint({r["pid"] for r in second})
+    assert [r["reads"] for r in second] == list(range(1, 9))  # a fresh copy
+    assert children() == []
+    stats = dl.statistics().workers
+    assert stats is not None and stats.processes == 1
+
+
+# torch's side runs with forkserver: its default (fork) hangs in a test process with threads.
+TORCH_CONTEXT = {"multiprocessing_context": "fork"}
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize("split", ["contiguous", "strided", "skewed"])
+@pytest.mark.parametrize(
+    ("batch_size", "drop_last"), [(None, False), (1, False), (4, False), (4, True)]
+)
+def test_iterable_dataset_shards_itself_per_worker_like_torch(
+    split: str, batch_size: int | None, drop_last: bool
+) -> None:
+    def make(cls: Any, **kwargs: Any) -> Any:
+        return cls(
+            wd.Ranges(0, 23, split=split),
+            batch_size=batch_size,
+            num_workers=3,
+            drop_last=drop_last,
+            **kwargs,
+        )
+
+    want = [torch.as_tensor(b).tolist() for b in make(torch.utils.data.DataLoader, **TORCH_CONTEXT)]
+    got = [torch.as_tensor(b).tolist() for b in make(aioloader.DataLoader)]
+    assert got == want  # round-robin over the workers still going, a worker's tail included
+    assert children() == []
+
+
+async def test_iterable_dataset_in_workers_with_in_order_false_yields_each_sample_once() -> None:
+    dl = aioloader.DataLoader(wd.Ranges(0, 50), batch_size=4, num_workers=2, in_order=False)
+    async with dl:
+        got = [b.tolist() async for b in dl]
+        again = [b.tolist() async for b in dl]  # a new pass per epoch
+    assert sorted(x for b in got for x in b) == list(range(50))
+    assert sorted(x for b in again for x in b) == list(range(50))
+    # Each batch comes from one worker's share: 0..24 or 25..49, never mixed.
+    assert all(len({x // 25 for x in b}) == 1 for b in got)
+
+
+def test_a_failed_batch_raises_and_the_next_call_goes_on() -> None:
+    for kwargs in ({"num_workers": 2}, {"num_workers": 0}):
+        dl = aioloader.DataLoader(wd.FailsAt(16, {5}), batch_size=4, **kwargs)
+        it = iter(dl)
+        assert next(it).tolist() == [0, 1, 2, 3]
+        with pytest.raises(KeyError, match="bad sample 5") as info:
+            next(it)
+        assert "sample 5" in "\n".join(info.value.__notes__)
+        assert [next(it).tolist(), next(it).tolist()] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+        with pytest.raises(StopIteration):
+            next(it)
+        del info, it
+        gc.collect()
+        assert children() == [] and aioloader_threads() == []
+
+
+def test_torch_counts_the_same_errors() -> None:
+    """torch's test_error pattern: every failing batch raises once, the others arrive."""
+
+    def outcomes(cls: Any, **kwargs: Any) -> list[str]:
+        it = iter(cls(wd.FailsAt(20, {1, 9, 10, 19}), batch_size=2, num_workers=2, **kwargs))
+        seen = []
+        for _ in range(len(it)):
+            try:
+                seen.append(str(next(it).tolist()))
+            except KeyError:
+                seen.append("error")
+        return seen
+
+    want = outcomes(torch.utils.data.DataLoader, **TORCH_CONTEXT)
+    assert want.count("error") == 4  # batches [0, 1], [8, 9], [10, 11], [18, 19]
+    assert outcomes(aioloader.DataLoader) == want
+    # The errors' tracebacks hold the frame that held the iterator, in reference cycles
+    # (through anyio's and concurrent.futures' frames); the collector frees them, as for torch.
+    gc.collect()
+    assert children() == [] and aioloader_threads() == []
+
+
+async def test_async_for_a_failed_batch_raises_and_anext_goes_on() -> None:
+    dl = aioloader.DataLoader(wd.FailsAt(12, {4}), batch_size=4, num_workers=2)
+    async with dl:
+        it = dl.__aiter__()
+        assert (await anext(it)).tolist() == [0, 1, 2, 3]
+        with pytest.raises(KeyError):
+            await anext(it)
+        assert (await anext(it)).tolist() == [8, 9, 10, 11]
+        with pytest.raises(StopAsyncIteration):
+            await anext(it)
+
+
+def test_a_failed_batch_of_a_worker_stream_raises_and_the_stream_goes_on() -> None:
+    it = iter(aioloader.DataLoader(wd.BadItemStream(12, bad=5), batch_size=4, num_workers=2))
+    assert next(it).tolist() == [0, 1, 2, 3]
+    with pytest.raises(TypeError) as info:
+        next(it)
+    assert "worker 0's pass" in "\n".join(info.value.__notes__)
+    assert next(it).tolist() == [8, 9, 10, 11]
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_transient_reads_are_retried_in_the_worker_and_counted() -> None:
+    dl = aioloader.DataLoader(
+        wd.FlakyOnce(16, {2, 7, 11}),
+        batch_size=4,
+        num_workers=2,
+        retry=aioloader.RetryPolicy(attempts=2, initial_backoff=0.0),
+    )
+    assert [x for b in dl for x in b.tolist()] == list(range(16))
+    assert dl.statistics().stages[1].retries == 3  # stage 1 is fetch
+
+
+def test_max_failures_skips_a_bad_read_in_the_worker() -> None:
+    dl = aioloader.DataLoader(wd.FailsAt(12, {6}), batch_size=4, num_workers=2, max_failures=1)
+    got = [b.tolist() for b in dl]
+    assert got == [[0, 1, 2, 3], [4, 5, 7], [8, 9, 10, 11]]
+    assert dl.statistics().skipped_samples == (6,)
+
+
+def test_augmentations_in_getitem_are_the_same_whatever_num_workers() -> None:
+    def epoch(workers: int) -> list[list[int]]:
+        return [
+            b.tolist()
+            for b in aioloader.DataLoader(
+                wd.Augmenting(), batch_size=4, num_workers=workers, seed=3
+            )
+        ]
+
+    one, two = epoch(1), epoch(2)
+    assert one == two
+    assert len({tuple(r[1:]) for b in one for r in b}) == 24  # no two samples drew alike
+
+
+def test_a_dataset_that_cannot_be_sent_to_the_workers_is_named() -> None:
+    dl = aioloader.DataLoader(wd.HoldsALock(), batch_size=2, num_workers=1)
+    with pytest.raises(TypeError, match="pickle") as info:
+        list(dl)
+    assert "the dataset (HoldsALock)" in "\n".join(info.value.__notes__)
+    assert children() == [] and aioloader_threads() == []
+
+
+def test_len_follows_a_dataset_whose_length_changes() -> None:
+    dataset = wd.WhoReads(10)
+    dl = aioloader.DataLoader(dataset, batch_size=4)
+    assert len(dl) == 3
+    dataset.n = 17
+    assert len(dl) == 5
+    assert len(list(dl)) == 5
+
+
+SCRIPT = """
+import sys
+import torch.utils.data
+import aioloader
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return i * i
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(Squares(), batch_size=4, num_workers=2, {extra})
+    it = iter(loader)
+    print(next(it).tolist(), flush=True)
+    # ...and the script ends, the iterator open, the workers busy.
+"""
+
+
+@pytest.mark.parametrize("extra", ["", "persistent_workers=True"])
+def test_a_script_ending_with_an_open_iterator_exits_cleanly(tmp_path: Path, extra: str) -> None:
+    script = tmp_path / "ends_early.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(extra=extra)))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == "[0, 1, 4, 9]\n"

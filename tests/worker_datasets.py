@@ -1,0 +1,139 @@
+"""torch datasets that the tests hand to the loader as a torch user would: their work is in
+``__getitem__``/``__iter__``, and they ask torch (not aioloader) who they run in. Module-level,
+so each worker process can be sent its own copy."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils.data
+
+import aioloader
+
+
+class WhoReads(torch.utils.data.Dataset[dict[str, Any]]):
+    """Sample ``i`` says where it was read: the pid, torch's and aioloader's worker info."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.offset = 0  # worker_init_fn may change a worker's copy
+        self.reads = 0  # reads made by this copy
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self.reads += 1
+        torch_info = torch.utils.data.get_worker_info()
+        ours = aioloader.get_worker_info()
+        return {
+            "index": index,
+            "value": index + self.offset,
+            "pid": os.getpid(),
+            "torch_id": -1 if torch_info is None else torch_info.id,
+            "torch_workers": -1 if torch_info is None else torch_info.num_workers,
+            "our_id": -1 if ours is None else ours.id,
+            "dataset_is_self": torch_info is not None and torch_info.dataset is self,
+            "reads": self.reads,
+        }
+
+
+def offset_by_worker(worker_id: int) -> None:
+    """A torch-style ``worker_init_fn``: configure this worker's copy of the dataset."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None and info.id == worker_id
+    info.dataset.offset = 1000 * (worker_id + 1)
+
+
+class Ranges(torch.utils.data.IterableDataset[int]):
+    """torch's documented pattern: each worker iterates its own share of ``[start, end)``."""
+
+    def __init__(self, start: int, end: int, *, split: str = "contiguous") -> None:
+        self.start, self.end, self.split = start, end, split
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return iter(range(self.start, self.end))
+        if self.split == "strided":  # worker k takes every num_workers-th item
+            return iter(range(self.start + info.id, self.end, info.num_workers))
+        if self.split == "skewed":  # worker 0 runs dry first; the last takes the rest
+            edges = [self.start, self.start + 2, self.start + 9, self.end]
+            edges = [*edges[: info.num_workers], self.end]
+            return iter(range(edges[info.id], edges[info.id + 1]))
+        per = -(-(self.end - self.start) // info.num_workers)
+        lo = self.start + info.id * per
+        return iter(range(lo, min(lo + per, self.end)))
+
+
+class FailsAt(torch.utils.data.Dataset[int]):
+    """``__getitem__`` raises for the indices in ``bad``; others read as themselves."""
+
+    def __init__(self, n: int, bad: set[int]) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index in self.bad:
+            raise KeyError(f"bad sample {index}")
+        return index
+
+
+class FlakyOnce(torch.utils.data.Dataset[int]):
+    """Each index in ``flaky`` fails once per worker copy with a transient error, then reads."""
+
+    def __init__(self, n: int, flaky: set[int]) -> None:
+        self.n, self.flaky = n, flaky
+        self.failed: set[int] = set()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index in self.flaky and index not in self.failed:
+            self.failed.add(index)
+            raise aioloader.TransientError(f"flaky read of {index}")
+        return index
+
+
+class Augmenting(torch.utils.data.Dataset[torch.Tensor]):
+    """Random augmentation inside ``__getitem__``, from torch's and Python's generators."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, random.randint(0, 2**30), int(torch.randint(0, 2**30, ()))])
+
+
+class HoldsALock(torch.utils.data.Dataset[int]):
+    """Cannot be sent to a worker process: locks do not pickle."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class BadItemStream(torch.utils.data.IterableDataset[Any]):
+    """Yields ``0..n-1`` but ``"bad"`` at ``bad``, which default collation refuses."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id != 0:
+            return iter(())
+        return iter("bad" if i == self.bad else i for i in range(self.n))
