@@ -6,9 +6,9 @@ worker (or, for a worker's own stream, to that worker) over its pipe, awaiting t
 pipe's readability, noticing a dead worker through its pipe's EOF and its process sentinel (so a
 crash surfaces in milliseconds, named), and stopping them.
 
-Start-up: the forkserver is told to preload torch and the worker module, so the first worker
-start of a process pays one import of torch (in the fork server) and every later start is a fork
-of it (tens of milliseconds, pages shared copy-on-write), where spawn imports torch in every
+Start-up: the fork server is a fork of this process when that is safe (``_forkserver.py``), or
+else the stdlib's, told to preload torch and the worker module; either way every worker start
+after the server's is a fork of it (tens of milliseconds), where spawn imports torch in every
 worker, every time.
 
 Cancellation policy: a job already sent to a worker is awaited, shielded, for up to
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.context
-import multiprocessing.forkserver
 import pickle
 import signal
 import time
@@ -36,6 +35,7 @@ import anyio
 import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory reductions
 
 from ._exceptions import WorkerCrashed, first_leaf
+from ._forkserver import prepare_forkserver
 from ._stats import WorkerRecorder
 from ._worker import worker_main
 
@@ -45,7 +45,6 @@ R = TypeVar("R")
 
 START_METHODS = ("spawn", "forkserver")
 DEFAULT_START_METHOD = "forkserver"
-_PRELOAD = ("aioloader._worker",)  # imports torch and NumPy: what every worker needs
 CANCEL_GRACE = 5.0  # seconds a cancelled job may still run before its worker is terminated
 _STOP_GRACE = 5.0  # seconds a worker may take to exit after its pipe closes
 
@@ -99,8 +98,7 @@ class ProcessWorkers:
     # -- life ------------------------------------------------------------------------------------
 
     def _spawn(self, worker_id: int) -> _Worker:
-        if self._ctx.get_start_method() == "forkserver":
-            _preload(self._ctx)
+        prepare_forkserver(self._ctx)
         ours, theirs = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has Process
             target=worker_main,
@@ -315,13 +313,3 @@ class ProcessWorkers:
 
 def _is_pickling_error(exc: BaseException) -> bool:
     return isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))
-
-
-def _preload(ctx: multiprocessing.context.BaseContext) -> None:
-    """Ask the fork server (not started yet) to import what every worker needs, besides what the
-    application asked it to preload. Once the server runs this changes nothing."""
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    current = list(getattr(server, "_preload_modules", ["__main__"]))
-    wanted = current + [m for m in _PRELOAD if m not in current]
-    if wanted != current:
-        ctx.set_forkserver_preload(wanted)

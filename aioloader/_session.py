@@ -28,6 +28,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._device import hand_out
+from ._forkserver import prepare_forkserver
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -100,6 +101,8 @@ class Session:
 
     def __init__(self, loader: DataLoader[Any], *, persistent: bool) -> None:
         self.persistent = persistent
+        if loader.worker_mode == "process" and loader.num_workers > 0:
+            prepare_forkserver(loader.start_method)  # while this may be the only thread
         self.portal, self._thread = _start_loop()
         self._stack = contextlib.ExitStack()
         self._stack.callback(self._stop_loop)
