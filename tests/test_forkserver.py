@@ -20,7 +20,7 @@ class Pids(torch.utils.data.Dataset):
     def __len__(self):
         return 8
     def __getitem__(self, i):
-        return os.getpid()
+        return [os.getpid(), os.getppid()]
 
 def cmdline(pid):
     with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -36,7 +36,7 @@ if __name__ == "__main__":
         stop = threading.Event()
         threading.Thread(target=stop.wait, daemon=True).start()
     loader = aioloader.DataLoader(Pids(), batch_size=4, num_workers=2)
-    workers = sorted({int(p) for batch in loader for p in batch})
+    workers = {tuple(row) for batch in loader for row in torch.stack(batch, 1).tolist()}
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     server_fds = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
     print(json.dumps({
@@ -46,7 +46,7 @@ if __name__ == "__main__":
         "server_cmdline": cmdline(server),
         "server_holds_app_file": os.path.realpath(held.name) in server_fds,
         "workers": len(workers),
-        "workers_children_of_server": all(ppid(w) == server for w in workers),
+        "workers_children_of_server": all(parent == server for _, parent in workers),
     }))
 """
 
