@@ -132,7 +132,8 @@ class DynamicBatcher:
             (for heavy collation; light collation is faster inline).
         num_workers: Collate in this many worker processes instead (``collate_fn`` must
             pickle; items travel pickled, batch tensors come back through shared memory).
-        multiprocessing_context: The workers' start method (``"spawn"`` or ``"forkserver"``).
+        multiprocessing_context: The workers' start method (``"forkserver"``, the default, as
+            the loader's, or ``"spawn"``).
         on_exit: ``"drain"`` or ``"cancel"``: what leaving ``async with`` does to requests
             not yet served (see above).
         device: Move each collated batch to this device before ``model_fn`` sees it (the
@@ -165,7 +166,7 @@ class DynamicBatcher:
         split_fn: Callable[[Any, int], Sequence[Any]] | None = None,
         collate_in_thread: bool = False,
         num_workers: int = 0,
-        multiprocessing_context: str = "spawn",
+        multiprocessing_context: str = "forkserver",
         on_exit: Literal["drain", "cancel"] = "drain",
         device: str | torch.device | None = None,
         pin_memory: bool = False,
