@@ -6,6 +6,7 @@ Where the expected batches are torch's own, torch's ``DataLoader`` computes them
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -14,6 +15,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 import torch
 import torch.utils.data
@@ -21,6 +24,14 @@ import torch.utils.data
 import aioloader
 from tests import worker_datasets as wd
 from tests.conftest import aioloader_threads
+
+
+def open_fds() -> dict[int, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the directory's own descriptor, closed by now
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+    return out
 
 
 def children() -> list[Any]:
@@ -277,3 +288,47 @@ def test_a_script_ending_with_an_open_iterator_exits_cleanly(tmp_path: Path, ext
     )
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == "[0, 1, 4, 9]\n"
+
+
+def test_with_takes_over_a_persistent_scope_and_closes_it() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(8), batch_size=4, num_workers=1, persistent_workers=True)
+    first = rows(list(dl))
+    with dl:
+        second = rows(list(dl))
+    assert {r["pid"] for r in first} == {r["pid"] for r in second}
+    assert children() == [] and aioloader_threads() == []
+    dl.close()  # nothing open: no-op
+
+
+@pytest.mark.parametrize("dataset", ["map", "iterable"])
+@pytest.mark.parametrize("how", ["break", "cancel"])
+async def test_leaving_early_leaves_nothing_behind(dataset: str, how: str) -> None:
+    data: Any = wd.WhoReads(400) if dataset == "map" else wd.Ranges(0, 400)
+    dl = aioloader.DataLoader(data, batch_size=4, num_workers=2)
+    async with dl:  # once: the fork server (process-wide, it stays) is up after it
+        pass
+    gc.collect()
+    fds = open_fds()
+    async with dl:
+        with anyio.CancelScope() as scope:
+            async for batch in dl:
+                del batch
+                if how == "break":
+                    break
+                scope.cancel()
+                await anyio.lowlevel.checkpoint()
+        async for batch in dl:  # the next epoch still works, from its start
+            first = batch["index"][0] if dataset == "map" else batch[0]
+            assert first.item() == 0
+            del batch, first
+            break
+    gc.collect()
+    assert children() == [] and aioloader_threads() == []
+    assert open_fds() == fds
+
+
+def test_plain_for_break_leaves_nothing_behind() -> None:
+    for data in (wd.WhoReads(400), wd.Ranges(0, 400)):
+        for _ in aioloader.DataLoader(data, batch_size=4, num_workers=2):
+            break
+        assert children() == [] and aioloader_threads() == []
