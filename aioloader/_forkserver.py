@@ -15,8 +15,9 @@ event loop, an I/O client or CUDA. Anything we cannot check (another Python's
 server protocol, more threads, CUDA initialised) falls back to the stdlib's own start, with
 torch and the worker module preloaded in it.
 
-The server inherits this process's memory, but not its open files: every descriptor but the two
-it serves on is closed in it, so no worker holds a socket or file of the application's.
+The server inherits this process's memory, but not its open files: every descriptor but stdio
+and the two it serves on is pointed at /dev/null in it, so no worker holds a socket or file of
+the application's.
 """
 
 from __future__ import annotations
@@ -72,12 +73,21 @@ def _server_protocol_known(server: object) -> bool:
 
 
 def _serve_in_child(listener_fd: int, alive_r: int) -> None:
-    """In the forked child: keep only the two descriptors the server needs, then serve."""
+    """In the forked child: let go of the application's files, then serve.
+
+    Every inherited descriptor but stdio and the two the server needs is pointed at /dev/null
+    rather than closed: Python objects inherited with the memory still think they own their
+    descriptors, and one collected later would close whatever reused the number (a worker's
+    pipe). /dev/null in its place makes that close harmless and holds no socket or file open.
+    """
     try:
-        for fd in range(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024):
-            if fd not in (listener_fd, alive_r):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd > 2 and fd not in (listener_fd, alive_r, devnull):
+                with contextlib.suppress(OSError):  # the listing's own descriptor, gone
+                    os.dup2(devnull, fd)
+        os.close(devnull)
         stdlib_forkserver.main(listener_fd, alive_r, [])
     finally:
         os._exit(0)

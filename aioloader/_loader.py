@@ -32,6 +32,7 @@ from ._sampler import (
     DistributedSampler,
     RandomSampler,
     SequentialSampler,
+    draw_seed,
     resolve_rank,
 )
 from ._scope import EpochIterator, Scope
@@ -239,11 +240,11 @@ class DataLoader(Generic[T_Batch]):
         self.start_method = start_method
         self.device = target
         self.device_transform = device_transform
+        self.seed = seed
         if seed is not None:
             self.base_seed = seed
-        else:  # drawn once, as torch draws its base seed: torch.manual_seed makes it repeatable
-            draw = torch.empty((), dtype=torch.int64)
-            self.base_seed = int(draw.random_(generator=generator).item())
+        else:  # drawn as torch draws its base seed: torch.manual_seed makes it repeatable
+            self.base_seed = draw_seed(generator)
         self._kind = kind
 
         self.sampler: Iterable[int] | None = None
@@ -302,6 +303,7 @@ class DataLoader(Generic[T_Batch]):
             rank=self.rank,
             world_size=self.world_size,
             seed=self.base_seed,
+            seeded=seed is not None,
         )
         in_workers = worker_mode == "process" and num_workers > 0
         self._source = open_source(dataset, kind, self._offload, in_workers=in_workers)

@@ -33,6 +33,7 @@ outlive the epoch's task group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -92,6 +93,7 @@ class PipelineConfig:
     rank: int
     world_size: int
     seed: int  # base seed: each batch's work is seeded from (seed, epoch, batch index)
+    seeded: bool  # the user gave `seed=`: reseed per batch (else workers keep torch's streams)
 
     @property
     def per_batch(self) -> int:
@@ -261,10 +263,15 @@ class Epoch:
             else:
                 tg.start_soon(self._schedule_stream, self.source, ready_send.clone())
             ready_send.close()
-            for _ in range(self.work.concurrency):
-                tg.start_soon(self._transform_worker, ready_recv.clone(), done_send.clone())
-            ready_recv.close()
-            done_send.close()
+            work = self.work
+            if isinstance(self.source, InWorkers) and isinstance(work, ProcessWorkers):
+                # torch's rule for a dataset in workers: batch i goes to worker i % n.
+                tg.start_soon(self._round_robin, work, ready_recv, done_send)
+            else:
+                for _ in range(work.concurrency):
+                    tg.start_soon(self._transform_worker, ready_recv.clone(), done_send.clone())
+                ready_recv.close()
+                done_send.close()
             tg.start_soon(self._emit, done_recv, out)
 
     # -- schedule -------------------------------------------------------------------------------
@@ -376,7 +383,8 @@ class Epoch:
         batch_size = None if cfg.unbatched else cfg.batch_size
         seq = 0  # this worker's batches; the epoch's order is given when they go out
         async with results:
-            await run_on(worker_id, open_stream, seed=derive_seed(cfg.seed, self.number, worker_id))
+            seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
+            await run_on(worker_id, open_stream, seed=seed)
             while True:
                 started = time.perf_counter()
                 rec.start()
@@ -600,9 +608,45 @@ class Epoch:
         async with ready, done:
             while (batch := await get(ready, self.stats.transform)) is not None:
                 self.stats.fetch.set_queued(ready.statistics().current_buffer_used)
-                await put(done, await self._transform(batch), self.stats.transform)
+                await put(done, await self._transform(batch, self.work.run), self.stats.transform)
 
-    async def _transform(self, batch: _Batch) -> _Done:
+    async def _round_robin(
+        self,
+        work: ProcessWorkers,
+        ready: MemoryObjectReceiveStream[_Batch],
+        done: MemoryObjectSendStream[_Done],
+    ) -> None:
+        """Batch ``k`` of the epoch to worker ``k % n``, as torch deals a dataset's batches (a
+        worker's copy may keep state, e.g. what ``worker_init_fn`` seeded, and torch's users
+        rely on which worker read which batch). One batch queued and one running per worker."""
+        n = work.concurrency
+        lanes = [anyio.create_memory_object_stream[_Batch](1) for _ in range(n)]
+        with contextlib.ExitStack() as streams:
+            for send, recv in lanes:
+                streams.callback(send.close)
+                streams.callback(recv.close)
+            async with ready, done, work.reserved() as run_on, anyio.create_task_group() as tg:
+                for worker_id, (_, recv) in enumerate(lanes):
+                    run = functools.partial(run_on, worker_id)
+                    tg.start_soon(self._lane, run, recv, done.clone())
+                k = 0
+                while (batch := await get(ready, self.stats.transform)) is not None:
+                    await lanes[k % n][0].send(batch)
+                    k += 1
+                for send, _ in lanes:
+                    send.close()
+
+    async def _lane(
+        self,
+        run: Callable[..., Awaitable[Any]],
+        lane: MemoryObjectReceiveStream[_Batch],
+        done: MemoryObjectSendStream[_Done],
+    ) -> None:
+        async with lane, done:
+            async for batch in lane:
+                await put(done, await self._transform(batch, run), self.stats.transform)
+
+    async def _transform(self, batch: _Batch, run: Callable[..., Awaitable[Any]]) -> _Done:
         cfg, rec = self.config, self.stats.transform
         if batch.error is not None:
             return _Done(batch, None, 0, batch.error)
@@ -610,13 +654,13 @@ class Epoch:
         if not keep:
             return _Done(batch, None, 0)
         unbatched = cfg.unbatched
-        seed = derive_seed(cfg.seed, self.number, batch.seq)
+        seed = derive_seed(cfg.seed, self.number, batch.seq) if cfg.seeded else None
         started = time.perf_counter()
         rec.start()
         try:
             result: JobResult
             if isinstance(self.source, InWorkers):  # the worker reads the indices itself
-                result = await self.work.run(
+                result = await run(
                     run_indices,
                     batch.ids,
                     cfg.transform,
@@ -630,7 +674,7 @@ class Epoch:
                 self.stats.fetch.retries += result.retries
             else:
                 samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
-                result = await self.work.run(
+                result = await run(
                     run_batch,
                     cfg.transform,
                     cfg.collate_fn,
@@ -645,7 +689,7 @@ class Epoch:
                     self._skip_or_raise(exc, stage, batch, batch.ids[keep[position]])
                 size = len(result.transformed)
                 if size:
-                    value = await self.work.run(
+                    value = await run(
                         collate_only,
                         cfg.collate_fn,
                         result.transformed,

@@ -286,8 +286,11 @@ class ProcessWorkers:
         if not worker.alive:
             worker = await self._replace(worker)
         payload = ForkingPickler.dumps((fn, args, seed))
-        worker.conn.send_bytes(payload)
-        self._stats.bytes_sent += len(payload)
+        try:
+            worker.conn.send_bytes(payload)
+            self._stats.bytes_sent += len(payload)
+        finally:  # a view of a BytesIO: let go now, not when a traceback is collected
+            payload.release()
         self._stats.jobs += 1
         try:
             ok, value = await self._reply(worker)

@@ -72,6 +72,14 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """A 64-bit seed drawn from ``generator`` (torch's default generator when None), as torch's
+    DataLoader draws its base seed: ``torch.manual_seed`` makes it repeatable."""
+    device = generator.device if generator is not None else None
+    draw = torch.empty((), dtype=torch.int64, device=device)
+    return int(draw.random_(generator=generator).item())
+
+
 def derive_seed(*parts: int) -> int:
     """Derive a deterministic 63-bit seed from integer parts.
 

@@ -25,7 +25,7 @@ from ._exceptions import LoaderStateError, LoaderTimeout
 from ._offload import ThreadOffload
 from ._pipeline import Epoch, Raised
 from ._processes import ProcessWorkers
-from ._sampler import derive_seed
+from ._sampler import derive_seed, draw_seed
 from ._source import InWorkers
 
 if TYPE_CHECKING:
@@ -50,7 +50,9 @@ class Scope:
             self.work = ProcessWorkers(
                 loader.num_workers,
                 context=loader.start_method,
-                seed=loader.base_seed,
+                # Without `seed=`, each scope's workers draw anew, as each torch iterator does
+                # (a plain `for` without `with` is a scope per epoch: new augmentations each).
+                seed=loader.base_seed if loader.seed is not None else draw_seed(loader.generator),
                 derive=derive_seed,
                 worker_init_fn=loader.worker_init_fn,
                 stats=loader._stats.workers,

@@ -130,11 +130,13 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _send(conn: Connection, payload: bytes | memoryview) -> None:
+def _send(conn: Connection, payload: memoryview) -> None:
     try:
         conn.send_bytes(payload)
     except OSError:  # the main process is gone (or stopped us): nobody is left to tell
         _exit_now()
+    finally:
+        payload.release()
 
 
 def worker_main(

@@ -30,12 +30,25 @@ def ppid(pid):
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
+FILES = []
+
+
+def close_inherited(worker_id):
+    # Objects inherited with the memory close "their" descriptors (as a collected one would):
+    # that must not close what the worker's pipe reuses.
+    for f in FILES:
+        f.close()
+
+
 if __name__ == "__main__":
     held = open(__file__)  # an application file the server must not keep open
+    FILES.extend(open(__file__) for _ in range(16))
     if sys.argv[1] == "thread":  # another Python thread: forking is not safe
         stop = threading.Event()
         threading.Thread(target=stop.wait, daemon=True).start()
-    loader = aioloader.DataLoader(Pids(), batch_size=4, num_workers=2)
+    loader = aioloader.DataLoader(
+        Pids(), batch_size=4, num_workers=2, worker_init_fn=close_inherited
+    )
     workers = {tuple(row) for batch in loader for row in torch.stack(batch, 1).tolist()}
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     server_fds = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
