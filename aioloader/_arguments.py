@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
+import os
 import pickle
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -69,8 +71,9 @@ def start_method_of(context: object) -> str | multiprocessing.context.BaseContex
         method = context.get_start_method()
     else:
         raise TypeError(
-            "multiprocessing_context must be a start method name or a multiprocessing context, "
-            f"got {type(context).__qualname__}"
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context!r} "
+            f"(a {type(context).__qualname__})"
         )
     if method == "fork":
         raise ValueError(
@@ -79,7 +82,10 @@ def start_method_of(context: object) -> str | multiprocessing.context.BaseContex
             "'forkserver' (the default: workers start as fast as forked ones) or 'spawn'"
         )
     if method not in START_METHODS:
-        raise ValueError(f"multiprocessing_context must be one of {START_METHODS}, got {method!r}")
+        raise ValueError(
+            f"multiprocessing_context option should specify a valid start method in "
+            f"{START_METHODS!r}, but got multiprocessing_context={method!r}"
+        )
     return context if isinstance(context, multiprocessing.context.BaseContext) else method
 
 
@@ -120,6 +126,52 @@ def _check_slots(
         raise ValueError(
             "distributed=True would split a stream-per-slot dataset's rounds; its parts are "
             "already split by rank (pass rank/world_size to it)"
+        )
+
+
+def _check_combinations(
+    kind: Kind,
+    dataset: object,
+    batch_size: int | None,
+    shuffle: object,
+    sampler: object,
+    batch_sampler: object,
+    drop_last: object,
+) -> None:
+    """torch's rules about which arguments go together, in torch's order and words (torch's own
+    tests match them), each message ending with the value given.
+
+    Raises:
+        ValueError: Two arguments conflict.
+    """
+    if not kind.is_map:
+        name = type(dataset).__qualname__
+        for option, value, absent in (
+            ("shuffle", shuffle, shuffle in (None, False)),
+            ("sampler", sampler, sampler is None),
+            ("batch_sampler", batch_sampler, batch_sampler is None),
+        ):
+            if not absent:
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified {option} option, "
+                    f"but got {option}={value!r} ({name} is iterable: it decides its own "
+                    "order; shuffle it in the source, e.g. with a shuffle buffer)"
+                )
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                f"and drop_last (got batch_size={batch_size!r}, shuffle={shuffle!r}, "
+                f"sampler={sampler!r}, drop_last={drop_last!r})"
+            )
+    elif sampler is not None and shuffle:
+        raise ValueError(
+            f"sampler option is mutually exclusive with shuffle (got shuffle={shuffle!r})"
+        )
+    elif batch_size is None and drop_last:
+        raise ValueError(
+            "batch_size=None option disables auto-batching and is mutually exclusive with "
+            f"drop_last (got drop_last={drop_last!r})"
         )
 
 
@@ -177,6 +229,7 @@ def check_arguments(
         ("device_transform", device_transform),
     ):
         callable_or_none(name, fn)
+    _check_combinations(kind, dataset, batch_size, shuffle, sampler, batch_sampler, drop_last)
     if shuffle not in (None, True, False):
         raise TypeError(f"shuffle must be a bool or None, got {shuffle!r}")
     if not isinstance(drop_last, bool):
@@ -190,11 +243,11 @@ def check_arguments(
                 "bound ready batches with num_workers=0"
             )
         if persistent_workers:
-            raise ValueError("persistent_workers needs num_workers > 0")
+            raise ValueError("persistent_workers option needs num_workers > 0")
         if multiprocessing_context is not None:
             raise ValueError(
-                "multiprocessing_context can only be used with num_workers > 0, "
-                f"got num_workers={num_workers}"
+                "multiprocessing_context can only be used with multi-process loading "
+                f"(num_workers > 0), but got num_workers={num_workers}"
             )
     if prefetch_factor is not None:
         positive_int("prefetch_factor", prefetch_factor)
@@ -223,29 +276,8 @@ def check_arguments(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__qualname__}")
 
-    if not kind.is_map:
-        if shuffle:
-            raise ValueError(
-                f"shuffle=True needs a map-style dataset; {type(dataset).__qualname__} is "
-                "iterable (shuffle it in the source, e.g. a shuffle buffer)"
-            )
-        if sampler is not None:
-            raise ValueError("sampler needs a map-style dataset; the dataset is iterable")
-        if batch_sampler is not None:
-            raise ValueError("batch_sampler needs a map-style dataset; the dataset is iterable")
     if batch_sampler is not None:
-        if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise ValueError(
-                "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
-                "drop_last"
-            )
         batch_size = None  # torch's convention: batching is the batch_sampler's
-    elif batch_size is None and drop_last:
-        raise ValueError(
-            "batch_size=None disables batching and is mutually exclusive with drop_last"
-        )
-    if sampler is not None and shuffle:
-        raise ValueError("sampler is mutually exclusive with shuffle")
     _check_slots(dataset, batch_size, in_order, distributed)
     if sampler is not None and distributed:
         raise ValueError("sampler is mutually exclusive with distributed")
@@ -264,4 +296,20 @@ def check_arguments(
             ("device_transform", device_transform if on_host else None),
         ):
             check_picklable(name, fn)
+    _warn_if_more_workers_than_cpus(num_workers)
     return Checked(kind, batch_size, prefetch, start_method, target)
+
+
+def _warn_if_more_workers_than_cpus(num_workers: int) -> None:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        cpus = os.cpu_count() or 0
+    if cpus and num_workers > cpus:
+        warnings.warn(
+            f"This DataLoader will create {num_workers} worker processes in total, more than "
+            f"the {cpus} CPUs this process may run on: excessive worker creation might get "
+            "DataLoader running slow or even freeze; lower num_workers if it does",
+            UserWarning,
+            stacklevel=4,  # the caller of DataLoader(...)
+        )

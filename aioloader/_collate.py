@@ -159,8 +159,8 @@ def _collate_tensors(batch: Sequence[Any], path: str) -> torch.Tensor:
     elem = tensors[0]
     if elem.is_nested:
         raise RuntimeError(
-            f"{path}: batches of nested tensors are not supported by default_collate; "
-            "pass a custom collate function"
+            "Batches of nested tensors are not currently supported by the default collate_fn "
+            f"(at {path}); pass a custom collate_fn that handles them"
         )
     if elem.layout in _SPARSE_LAYOUTS:
         raise RuntimeError(

@@ -19,6 +19,7 @@ Hierarchy::
 
 from __future__ import annotations
 
+import signal as _signal
 from typing import Any
 
 __all__ = [
@@ -60,21 +61,36 @@ class LoaderTimeout(AioLoaderError, TimeoutError, RuntimeError):
 class WorkerCrashed(AioLoaderError, RuntimeError):
     """A worker process died while running a job (killed by a signal, segfault, OOM kill, exit).
 
+    The message starts as torch's does (``DataLoader worker (pid N) is killed by signal: ...``)
+    and names the worker and the signal.
+
     Attributes:
-        worker_id: The worker's id.
+        worker_id: The worker's id (-1 when rebuilt from a message alone).
         pid: Its process id.
         exitcode: Its exit code (negative: killed by that signal), or None if unknown.
         signal: The signal's name (``"SIGKILL"``), or None when it exited on its own.
     """
 
     def __init__(
-        self, worker_id: int, pid: int, *, exitcode: int | None, signal: str | None
+        self,
+        worker_id: int | str,
+        pid: int | None = None,
+        *,
+        exitcode: int | None = None,
+        signal: str | None = None,
     ) -> None:
-        how = f"killed by {signal}" if signal else f"exited with code {exitcode}"
-        hint = (
-            " (SIGKILL is often the kernel's out-of-memory killer)" if signal == "SIGKILL" else ""
-        )
-        super().__init__(f"worker {worker_id} (pid {pid}) {how}{hint}")
+        if isinstance(worker_id, str):  # rebuilt from its message, as `type(exc)(str(exc))`
+            super().__init__(worker_id)
+            self.worker_id, self.pid, self.exitcode, self.signal = -1, pid, exitcode, signal
+            return
+        # torch's words first (code and tests match them), then ours.
+        if signal:
+            description = _describe_signal(signal)
+            how = f"is killed by signal: {description}. (aioloader worker {worker_id}, {signal}"
+        else:
+            how = f"exited unexpectedly with exit code {exitcode}. (aioloader worker {worker_id}"
+        hint = "; SIGKILL is often the kernel's out-of-memory killer" if signal == "SIGKILL" else ""
+        super().__init__(f"DataLoader worker (pid {pid}) {how}{hint})")
         self.worker_id = worker_id
         self.pid = pid
         self.exitcode = exitcode
@@ -97,8 +113,15 @@ class Overloaded(AioLoaderError, RuntimeError):
     """
 
 
+def _describe_signal(name: str) -> str:
+    try:
+        return _signal.strsignal(_signal.Signals[name]) or name
+    except (KeyError, ValueError):
+        return name
+
+
 def _rebuild_crashed(
-    worker_id: int, pid: int, exitcode: int | None, signal: str | None
+    worker_id: int | str, pid: int | None, exitcode: int | None, signal: str | None
 ) -> WorkerCrashed:
     return WorkerCrashed(worker_id, pid, exitcode=exitcode, signal=signal)
 

@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
@@ -312,6 +313,20 @@ class DataLoader(Generic[T_Batch]):
         self._next_epoch = 0
         self._stats = self._new_recorders()
         self._stopped_at: float | None = 0.0
+        self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope
+        self.iterable_len_called: int | None = None  # len(dataset) an iterable reported
+        self._initialized = True
+
+    # torch's rule: these define the epochs; changing them under a running loader is refused.
+    _FROZEN = frozenset({"dataset", "batch_size", "batch_sampler", "sampler", "drop_last"})
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in self._FROZEN and getattr(self, "_initialized", False):
+            raise ValueError(
+                f"{name} attribute should not be set after DataLoader is initialized "
+                "(build a new DataLoader instead)"
+            )
+        super().__setattr__(name, value)
 
     # -- torch's surface -----------------------------------------------------------------------
 
@@ -328,6 +343,7 @@ class DataLoader(Generic[T_Batch]):
         n = dataset_length(self.dataset)  # read now: a dataset whose length changes is followed
         if n is None:
             raise TypeError(f"object of type {type(self.dataset).__qualname__!r} has no len()")
+        self.iterable_len_called = n  # batches past it warn, as torch's
         if self.world_size > 1:
             n //= self.world_size
         if self.batch_size is None:
@@ -485,6 +501,9 @@ class DataLoader(Generic[T_Batch]):
             LoaderStateError: The loader's ``async with`` scope is open on this thread (the
                 loop would block the event loop that runs the pipeline).
         """
+        owner = self._plain() if self._plain is not None else None
+        if owner is not None and self._session is None:
+            owner.close()  # torch starts a new epoch; ours ends the earlier iterator's first
         if self._scope is not None and self._session is None:
             if self._scope.thread == threading.get_ident():
                 raise LoaderStateError(
@@ -497,7 +516,10 @@ class DataLoader(Generic[T_Batch]):
         session = Session(self, persistent=self.persistent_workers)
         if session.persistent:
             self._session = session
-        return PlainIterator(session, owned=not session.persistent)
+            return PlainIterator(session, owned=False)
+        iterator: PlainIterator[T_Batch] = PlainIterator(session, owned=True)
+        self._plain = weakref.ref(iterator)
+        return iterator
 
     def __repr__(self) -> str:
         return (

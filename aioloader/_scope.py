@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -109,6 +110,7 @@ class EpochIterator(Generic[T_Batch]):
         self._recv: MemoryObjectReceiveStream[Any] | None = None
         self._last_yield: float | None = None
         self._closed = False
+        self._yielded = 0
 
     def __aiter__(self) -> EpochIterator[T_Batch]:
         return self
@@ -205,8 +207,28 @@ class EpochIterator(Generic[T_Batch]):
             batch.release()  # taken: no longer ahead of the consumer
         stats.batches += 1
         stats.samples += size
+        self._yielded += 1
+        reported = self._loader.iterable_len_called
+        if reported is not None and self._yielded > reported and not self._loader._kind.is_map:
+            self._warn_past_length(reported)
         self._last_yield = time.perf_counter()
         return batch
+
+    def _warn_past_length(self, reported: int) -> None:
+        """torch's warning: an iterable yielded more than ``len(loader)`` said it would (as
+        torch does, the dataset's length is compared with the batches yielded)."""
+        loader = self._loader
+        text = (
+            f"Length of IterableDataset {loader.dataset!r} was reported to be {reported} (when "
+            f"accessing len(dataloader)), but {self._yielded} samples have been fetched."
+        )
+        if loader.num_workers > 0:
+            text += (
+                " For multiprocessing data-loading, this could be caused by not properly "
+                "configuring the IterableDataset replica at each worker (each worker iterates "
+                "its own copy: shard it with get_worker_info())."
+            )
+        warnings.warn(text, UserWarning, stacklevel=4)
 
     def close_stream(self) -> None:
         self._closed = True

@@ -631,6 +631,7 @@ async def test_async_map_style_batches_equal_torch(
     assert_same(got, want)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 @pytest.mark.parametrize("num_workers", [0, 3])
 async def test_async_sampler_and_collate_equal_torch(num_workers: int) -> None:
     dataset = Records()

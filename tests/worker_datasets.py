@@ -137,3 +137,17 @@ class BadItemStream(torch.utils.data.IterableDataset[Any]):
         if info is not None and info.id != 0:
             return iter(())
         return iter("bad" if i == self.bad else i for i in range(self.n))
+
+
+class InitialSeed(torch.utils.data.Dataset[int]):
+    """Each sample is torch's initial seed where it was read."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return torch.initial_seed()
+
+
+def seed_12345(worker_id: int) -> None:
+    torch.manual_seed(12345)

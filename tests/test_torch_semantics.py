@@ -1,0 +1,168 @@
+"""torch's public semantics that its own test_dataloader.py checks, each against torch's
+``DataLoader`` in the same test where torch can run it: argument errors in torch's words,
+frozen attributes, a second ``iter()``, the length warning of an iterable, which worker reads
+which batch, seeds set in ``worker_init_fn``, the worker-crash message."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data
+
+import aioloader
+from tests import worker_datasets as wd
+
+TORCH_CONTEXT = {"multiprocessing_context": "fork"}  # torch's default; ours refuses it
+
+
+class Iterable(torch.utils.data.IterableDataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+MAP = list(range(20))
+SAMPLER = torch.utils.data.SequentialSampler(MAP)
+BATCHES = torch.utils.data.BatchSampler(SAMPLER, 3, False)
+
+# (dataset, arguments, a phrase of torch's message that its tests match)
+EXCLUSIVE = "batch_sampler option is mutually exclusive with"
+UNSPECIFIED = "DataLoader with IterableDataset: expected unspecified"
+BAD = [
+    (MAP, {"batch_size": None, "drop_last": True}, "option disables auto-batching and is"),
+    (MAP, {"multiprocessing_context": "forkserver"}, r"loading \(num_workers > 0\), but got"),
+    (MAP, {"num_workers": 1, "multiprocessing_context": "bad"}, "should specify a valid start"),
+    (MAP, {"num_workers": 1, "multiprocessing_context": object()}, "should be a valid context "),
+    (MAP, {"sampler": SAMPLER, "shuffle": True}, "sampler option is mutually exclusive with"),
+    (MAP, {"batch_sampler": BATCHES, "sampler": SAMPLER, "shuffle": True}, EXCLUSIVE),
+    (MAP, {"batch_sampler": BATCHES, "sampler": SAMPLER, "shuffle": 3}, EXCLUSIVE),
+    (MAP, {"batch_sampler": BATCHES, "batch_size": 11}, EXCLUSIVE),
+    (MAP, {"batch_sampler": BATCHES, "drop_last": 3}, EXCLUSIVE),
+    (Iterable(5), {"shuffle": True}, UNSPECIFIED + " shuffle"),
+    (Iterable(5), {"shuffle": 3}, UNSPECIFIED + " shuffle"),
+    (Iterable(5), {"sampler": SAMPLER}, UNSPECIFIED + " sampler"),
+    (Iterable(5), {"batch_sampler": BATCHES}, UNSPECIFIED + " batch_sampler"),
+    (MAP, {"num_workers": -1}, "num_workers option should be non-negative"),
+    (MAP, {"timeout": -1}, "timeout option should be non-negative"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dataset", "kwargs", "phrase"), BAD)
+def test_argument_errors_have_torchs_type_and_words(
+    dataset: Any, kwargs: dict[str, Any], phrase: str
+) -> None:
+    with pytest.raises(Exception) as theirs:
+        torch.utils.data.DataLoader(dataset, **kwargs)
+    with pytest.raises(type(theirs.value), match=phrase):
+        aioloader.DataLoader(dataset, **kwargs)
+    assert type(theirs.value) in (ValueError, TypeError)
+
+
+@pytest.mark.parametrize("name", ["dataset", "batch_size", "batch_sampler", "sampler", "drop_last"])
+def test_attributes_that_define_the_epochs_are_frozen_like_torchs(name: str) -> None:
+    for cls in (torch.utils.data.DataLoader, aioloader.DataLoader):
+        dl = cls(MAP, batch_size=2)
+        with pytest.raises(ValueError, match=f"{name} attribute should not be set after"):
+            setattr(dl, name, {})
+    dl = aioloader.DataLoader(MAP, batch_size=2)
+    dl.timeout = 3  # others may change, as in torch
+    assert dl.timeout == 3
+
+
+def test_more_workers_than_cpus_warns_like_torch() -> None:
+    for cls in (torch.utils.data.DataLoader, aioloader.DataLoader):
+        with pytest.warns(UserWarning, match="excessive worker creation might get DataLoader"):
+            cls(MAP, batch_size=2, num_workers=1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        aioloader.DataLoader(MAP, batch_size=2, num_workers=1)
+
+
+def test_a_second_iter_starts_a_new_epoch() -> None:
+    dl = aioloader.DataLoader(MAP, batch_size=4, num_workers=1)
+    first = iter(dl)
+    assert next(first).tolist() == [0, 1, 2, 3]
+    second = iter(dl)  # torch: a new epoch. Ours ends the first iterator's epoch first.
+    assert [b.tolist() for b in second] == [list(range(k, k + 4)) for k in range(0, 20, 4)]
+    with pytest.raises(StopIteration):
+        next(first)
+
+
+def test_an_iterable_yielding_past_its_length_warns_like_torch() -> None:
+    class Longer(Iterable):
+        def __iter__(self) -> Any:
+            return iter(range(self.n + 3))
+
+    for cls in (torch.utils.data.DataLoader, aioloader.DataLoader):
+        dl = cls(Longer(4), batch_size=1)
+        assert len(dl) == 4
+        it = iter(dl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(4):
+                next(it)
+        for _ in range(3):
+            with pytest.warns(UserWarning, match="was reported to be 4"):
+                next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def test_batch_k_is_read_by_worker_k_mod_n_like_torch() -> None:
+    def worker_ids(cls: Any, **kwargs: Any) -> list[int]:
+        dl = cls(wd.WhoReads(64), batch_size=8, num_workers=2, **kwargs)
+        return [int(batch["torch_id"][0]) for batch in dl]
+
+    want = worker_ids(torch.utils.data.DataLoader, **TORCH_CONTEXT)
+    assert want == [0, 1] * 4
+    assert worker_ids(aioloader.DataLoader) == want
+
+
+def test_a_seed_set_in_worker_init_fn_sticks_without_seed() -> None:
+    """torch seeds each worker once, then runs worker_init_fn: what it seeds, stays. Per-batch
+    reseeding (bit-identical augmentation whatever num_workers) comes with `seed=`."""
+
+    def seeds(cls: Any, **kwargs: Any) -> list[int]:
+        dl = cls(wd.InitialSeed(), batch_size=2, num_workers=2, worker_init_fn=wd.seed_12345)
+        return [int(x) for batch in dl for x in batch]
+
+    want = seeds(torch.utils.data.DataLoader, **TORCH_CONTEXT)
+    assert want == [12345] * 8
+    assert seeds(aioloader.DataLoader) == want
+    seeded = aioloader.DataLoader(
+        wd.InitialSeed(), batch_size=2, num_workers=2, worker_init_fn=wd.seed_12345, seed=0
+    )
+    assert 12345 not in [int(x) for batch in seeded for x in batch]
+
+
+def test_unseeded_plain_for_epochs_draw_new_worker_seeds() -> None:
+    dl = aioloader.DataLoader(wd.Augmenting(), batch_size=4, num_workers=2)
+    first, second = [b.tolist() for b in dl], [b.tolist() for b in dl]
+    assert first != second  # new workers each epoch, and new seeds, as torch's
+
+
+def test_worker_crash_reads_like_torchs_and_rebuilds_from_its_message() -> None:
+    crash = aioloader.WorkerCrashed(1, 4242, exitcode=-11, signal="SIGSEGV")
+    assert str(crash).startswith("DataLoader worker (pid 4242) is killed by signal: ")
+    assert "aioloader worker 1, SIGSEGV" in str(crash)
+    again = type(crash)(str(crash))  # how code re-raises an exception it caught
+    assert str(again) == str(crash) and isinstance(again, RuntimeError)
+    copy = pickle.loads(pickle.dumps(crash))
+    assert (copy.worker_id, copy.pid, copy.signal) == (1, 4242, "SIGSEGV")
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+def test_nested_tensor_collate_error_reads_like_torchs() -> None:
+    nested = [torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]) for _ in range(2)]
+    for collate in (torch.utils.data.default_collate, aioloader.default_collate):
+        with pytest.raises(RuntimeError, match="not currently supported by the default collate"):
+            collate(nested)
