@@ -475,6 +475,14 @@ class DataLoader(Generic[T_Batch]):
         stop the workers and the background loop (no-op when none is open)."""
         self.__exit__(None, None, None)
 
+    def __del__(self) -> None:
+        # Persistent workers go with their loader, as torch's do. (A scope opened by `with`
+        # or `async with` holds the loader itself: it closes when its block ends.)
+        session = self.__dict__.get("_session")
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+
     # -- iteration -------------------------------------------------------------------------------
 
     def __aiter__(self) -> EpochIterator[T_Batch]:
@@ -512,12 +520,12 @@ class DataLoader(Generic[T_Batch]):
                 )
             raise LoaderStateError("the loader's scope is open in another thread")
         if self._session is not None:
-            return PlainIterator(self._session, owned=False)
+            return PlainIterator(self, self._session, owned=False)
         session = Session(self, persistent=self.persistent_workers)
         if session.persistent:
             self._session = session
-            return PlainIterator(session, owned=False)
-        iterator: PlainIterator[T_Batch] = PlainIterator(session, owned=True)
+            return PlainIterator(self, session, owned=False)
+        iterator: PlainIterator[T_Batch] = PlainIterator(self, session, owned=True)
         self._plain = weakref.ref(iterator)
         return iterator
 

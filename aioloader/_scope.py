@@ -32,7 +32,7 @@ from ._source import InWorkers
 if TYPE_CHECKING:
     from ._loader import DataLoader
 
-__all__ = ["EpochIterator", "Scope"]
+__all__ = ["EpochIterator", "Running", "Scope"]
 
 T_Batch = TypeVar("T_Batch")
 
@@ -42,7 +42,9 @@ class Scope:
     running epoch."""
 
     def __init__(self, loader: DataLoader[Any], stack: contextlib.AsyncExitStack) -> None:
-        self.loader = loader
+        # Nothing here keeps the loader: a loop thread holding the scope must not keep a
+        # dropped loader (and its persistent workers) alive.
+        self.io_threads = loader.io_threads
         self.stack = stack
         self.thread = threading.get_ident()
         self.task_group: anyio.abc.TaskGroup | None = None
@@ -66,11 +68,11 @@ class Scope:
         self.io: ThreadOffload | None = None
         plan = loader._device_plan
         self.device = DeviceStage(plan, depth=max(1, loader.prefetch)) if plan is not None else None
-        self.current: EpochIterator[Any] | None = None
+        self.current: Running | None = None
 
     def offload(self) -> ThreadOffload:
         if self.io is None:
-            self.io = ThreadOffload(self.loader.io_threads, "io")
+            self.io = ThreadOffload(self.io_threads, "io")
         return self.io
 
     def close_iteration(self) -> None:
@@ -98,6 +100,33 @@ class Scope:
                 await self.device.aclose()
 
 
+class Running:
+    """An epoch in progress and the consumer's end of its output. It refers to no loader, so the
+    scope can stop it (a new epoch starting, the scope closing) whoever holds the iterator."""
+
+    def __init__(self, epoch: Epoch, recv: MemoryObjectReceiveStream[Any]) -> None:
+        self.epoch = epoch
+        self.recv = recv
+        self.closed = False
+
+    def close_stream(self) -> None:
+        self.closed = True
+        # Ready batches (perhaps on the device) are dropped now, not when the iterator is.
+        with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            while True:
+                self.recv.receive_nowait()
+        self.recv.close()
+
+    async def aclose(self) -> None:
+        """Stop the epoch and wait until its tasks are gone. Cancellation: the wait is shielded."""
+        self.close_stream()
+        epoch = self.epoch
+        if not epoch.finished.is_set():
+            epoch.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await epoch.finished.wait()
+
+
 class EpochIterator(Generic[T_Batch]):
     """The consumer's end of one epoch. Created by ``DataLoader.__aiter__``; the epoch's tasks
     start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
@@ -106,8 +135,7 @@ class EpochIterator(Generic[T_Batch]):
         self._loader = loader
         self._scope = scope
         self._number = number
-        self._epoch: Epoch | None = None
-        self._recv: MemoryObjectReceiveStream[Any] | None = None
+        self._running: Running | None = None
         self._last_yield: float | None = None
         self._closed = False
         self._yielded = 0
@@ -139,9 +167,8 @@ class EpochIterator(Generic[T_Batch]):
         epoch = Epoch(
             self._number, config, loader._source, batches, scope.work, loader._stats, scope.device
         )
-        scope.current = self
+        self._running = scope.current = Running(epoch, recv)
         loader._stats.epochs += 1
-        self._epoch, self._recv = epoch, recv
         await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
         return recv
 
@@ -168,9 +195,10 @@ class EpochIterator(Generic[T_Batch]):
 
         Raises and cancellation: as :meth:`__anext__`.
         """
-        if self._closed:
-            raise StopAsyncIteration
-        recv = self._recv if self._recv is not None else await self._start()
+        running = self._running
+        if self._closed or (running is not None and running.closed):
+            raise StopAsyncIteration  # ended (or stopped by a newer epoch, or the scope)
+        recv = running.recv if running is not None else await self._start()
         stats = self._loader._stats.consumer
         now = time.perf_counter()
         if self._last_yield is not None:
@@ -191,7 +219,7 @@ class EpochIterator(Generic[T_Batch]):
         if item is None:
             self._closed = True
             recv.close()
-            error = self._epoch.error if self._epoch is not None else None
+            error = self._running.epoch.error if self._running is not None else None
             if error is not None:
                 raise error
             raise StopAsyncIteration
@@ -232,24 +260,14 @@ class EpochIterator(Generic[T_Batch]):
 
     def close_stream(self) -> None:
         self._closed = True
-        recv = self._recv
-        if recv is not None:
-            # Ready batches (perhaps on the device) are dropped now, not when this iterator is.
-            with contextlib.suppress(
-                anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError
-            ):
-                while True:
-                    recv.receive_nowait()
-            recv.close()
+        if self._running is not None:
+            self._running.close_stream()
 
     async def aclose(self) -> None:
         """Stop the epoch early and wait until its tasks are gone.
 
         Cancellation: the wait is shielded.
         """
-        self.close_stream()
-        epoch = self._epoch
-        if epoch is not None and not epoch.finished.is_set():
-            epoch.cancel_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await epoch.finished.wait()
+        self._closed = True
+        if self._running is not None:
+            await self._running.aclose()

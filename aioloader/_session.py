@@ -28,11 +28,12 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._device import hand_out
+from ._exceptions import LoaderStateError
 from ._forkserver import prepare_forkserver
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
-    from ._scope import EpochIterator
+    from ._scope import EpochIterator, Scope
 
 __all__ = ["PlainIterator", "Session"]
 
@@ -88,6 +89,31 @@ def _start_loop() -> tuple[BlockingPortal, threading.Thread]:
     return ready.result(), thread
 
 
+class _LoaderScope:
+    """The loader's ``async with``, as the loop's task holds it: by a weak reference, so a
+    loader dropped by its user (with persistent workers open) can be collected; its
+    ``__del__`` closes the session. A scope whose loader is gone closes through its own stack.
+    """
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        self._loader = weakref.ref(loader)
+        self._scope: Scope | None = None
+
+    async def __aenter__(self) -> None:
+        loader = self._loader()
+        if loader is None:  # pragma: no cover - the caller holds it
+            raise LoaderStateError("the loader was collected before its scope opened")
+        await loader.__aenter__()
+        self._scope = loader._scope
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        loader = self._loader()
+        if loader is not None:
+            await loader.__aexit__(None, None, None)
+        elif self._scope is not None:  # collected: close what it owned
+            await self._scope.stack.aclose()
+
+
 class Session:
     """A background event loop holding a loader's scope open.
 
@@ -107,11 +133,10 @@ class Session:
         self._stack = contextlib.ExitStack()
         self._stack.callback(self._stop_loop)
         try:
-            self._stack.enter_context(self.portal.wrap_async_context_manager(loader))
+            self._stack.enter_context(self.portal.wrap_async_context_manager(_LoaderScope(loader)))
         except BaseException:
             self._stack.close()
             raise
-        self.loader = loader
         self.closed = False
         _hook_exit()
         _open.add(self)
@@ -141,10 +166,10 @@ class PlainIterator(Generic[T_Batch]):
     when the epoch ends, when :meth:`close` is called, or when the iterator is dropped.
     """
 
-    def __init__(self, session: Session, *, owned: bool) -> None:
+    def __init__(self, loader: DataLoader[T_Batch], session: Session, *, owned: bool) -> None:
         self._session = session
         self._owned = owned
-        self._loader: DataLoader[T_Batch] = session.loader
+        self._loader = loader  # as torch's iterator: the loader lives as long as it
         self._done = False
         try:
             self._epoch: EpochIterator[T_Batch] = session.portal.call(self._loader.__aiter__)

@@ -332,3 +332,13 @@ def test_plain_for_break_leaves_nothing_behind() -> None:
         for _ in aioloader.DataLoader(data, batch_size=4, num_workers=2):
             break
         assert children() == [] and aioloader_threads() == []
+
+
+def test_persistent_workers_go_with_their_loader() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(8), batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(dl)
+    next(it)
+    assert len(children()) == 2
+    del it, dl  # torch's persistent workers end with their loader; so do ours
+    gc.collect()
+    assert children() == [] and aioloader_threads() == []
