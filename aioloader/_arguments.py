@@ -157,6 +157,10 @@ def _check_combinations(
                     f"but got {option}={value!r} ({name} is iterable: it decides its own "
                     "order; shuffle it in the source, e.g. with a shuffle buffer)"
                 )
+    if sampler is not None and shuffle:
+        raise ValueError(
+            f"sampler option is mutually exclusive with shuffle (got shuffle={shuffle!r})"
+        )
     if batch_sampler is not None:
         if batch_size != 1 or shuffle or sampler is not None or drop_last:
             raise ValueError(
@@ -164,10 +168,6 @@ def _check_combinations(
                 f"and drop_last (got batch_size={batch_size!r}, shuffle={shuffle!r}, "
                 f"sampler={sampler!r}, drop_last={drop_last!r})"
             )
-    elif sampler is not None and shuffle:
-        raise ValueError(
-            f"sampler option is mutually exclusive with shuffle (got shuffle={shuffle!r})"
-        )
     elif batch_size is None and drop_last:
         raise ValueError(
             "batch_size=None option disables auto-batching and is mutually exclusive with "
