@@ -25,6 +25,7 @@ from ._arguments import check_arguments, non_negative_int
 from ._collate import default_collate, default_convert
 from ._device import plan_for
 from ._exceptions import LoaderStateError
+from ._forkserver import prepare_forkserver
 from ._offload import ThreadOffload
 from ._pipeline import PipelineConfig
 from ._retry import RetryPolicy
@@ -307,6 +308,8 @@ class DataLoader(Generic[T_Batch]):
             seeded=seed is not None,
         )
         in_workers = worker_mode == "process" and num_workers > 0
+        if in_workers:  # now, while this process may have one thread: see _forkserver.py
+            prepare_forkserver(start_method)
         self._source = open_source(dataset, kind, self._offload, in_workers=in_workers)
         self._scope: Scope | None = None
         self._session: Session | None = None  # the background loop of `with` / plain `for`
