@@ -1,7 +1,7 @@
 """CPU-bound benchmark: aioloader's worker processes vs torch's DataLoader on compute-heavy work.
 
-Two workloads, each a map-style dataset whose samples are cheap to fetch and expensive to turn
-into tensors, batched ``--batch-size`` (default 32) at a time:
+Two transform workloads, each a map-style dataset whose samples are cheap to fetch and expensive
+to turn into tensors, batched ``--batch-size`` (default 32) at a time:
 
 * ``gil``: 4,000 samples, each an ``int``; the transform runs ~2 ms of pure-Python arithmetic
   (a loop calibrated at start-up so one call takes about 2 ms on this machine) and returns a
@@ -12,7 +12,19 @@ into tensors, batched ``--batch-size`` (default 32) at a time:
   ``numpy.frombuffer``), takes a 192x192 crop at an offset derived from the index, flips odd
   indices, and returns ``(3x192x192 uint8 CHW tensor, index)``.
 
-Configurations, measured one after another in one run:
+Two drop-in workloads, each a ``torch.utils.data.Dataset`` doing all its work in
+``__getitem__`` (no aioloader ``transform=``), as a torch user's dataset does:
+
+* ``dropin-py``: 4,000 samples; ``__getitem__(i)`` runs the gil spin (the same calibration)
+  and returns ``tensor([i, spin(i, loops)])``.
+* ``dropin-jpeg``: 4,000 samples over 128 distinct 256x256 JPEGs (quality 90, about 18 KiB
+  each) encoded once at start-up with Pillow and held in memory, sample ``i`` referencing image
+  ``i % 128``; ``__getitem__`` decodes with Pillow, takes a random resized crop to 160x160
+  (torchvision's ``RandomResizedCrop`` parameters, scale (0.08, 1), ratio (3/4, 4/3), drawn
+  with Python's ``random``; bilinear), flips half the samples at random, and returns
+  ``(3x160x160 uint8 CHW tensor, i)``. Needs Pillow (the ``bench`` extra).
+
+Configurations of the transform workloads, measured one after another in one run:
 
 * ``aio-nw0``: ``aioloader.DataLoader(..., transform=fn, num_workers=0)``: transform + collate
   on one thread off the event loop.
@@ -25,8 +37,19 @@ Configurations, measured one after another in one run:
   pickled to each worker).
 * ``torch-nw2-fork``: the same with torch's default (fork) context.
 
-Each configuration runs two epochs in one loader scope (aioloader: one ``async with``; torch:
-``persistent_workers=True`` when ``num_workers > 0``) and reports:
+Configurations of the drop-in workloads: the code a torch user has, with only the loader class
+swapped: ``DataLoader(dataset, batch_size=32, num_workers=N)``, plus ``persistent_workers=True``
+when ``N > 0``, the same dataset object for every row, and two epochs of a plain ``for batch in
+loader:`` (no ``with``, no ``async``, no ``transform=``); the loader is then dropped (``del``,
+no shutdown call) and its workers must be gone within 15 s:
+
+* ``torch-nw0``, ``torch-nw2-fork`` (torch's default context on Linux), ``torch-nw2-spawn``
+  (``multiprocessing_context="spawn"``): ``torch.utils.data.DataLoader``;
+* ``aio-nw0``, ``aio-nw2``: ``aioloader.DataLoader`` with its default context.
+
+Each transform configuration runs two epochs in one loader scope (aioloader: one ``async
+with``; torch: ``persistent_workers=True`` when ``num_workers > 0``). Every configuration
+reports:
 
 * ``cold/s``: samples/s of epoch 1 timed from constructing the loader, so worker start-up is
   included;
@@ -37,6 +60,9 @@ Each configuration runs two epochs in one loader scope (aioloader: one ``async w
   shutdown included). Shared pages (shared-memory batches, fork's copy-on-write pages) count
   once per process that maps them, so this over-states what the machine actually spent;
   ``+MiB`` is that peak minus the same sum just before the configuration started;
+* ``peak PSS`` / ``+PSS``: the same for the proportional set size (``Pss`` of
+  ``/proc/<pid>/smaps_rollup``, what psutil's ``memory_full_info().pss`` reports: a shared page
+  divided among the processes mapping it), sampled every 0.2 s;
 * ``main CPU s`` / ``workers CPU s``: CPU-seconds of this process (the transform itself with
   ``num_workers=0``; otherwise the loader's own overhead plus the checks) and of its worker
   processes, over both epochs;
@@ -48,23 +74,32 @@ Each configuration runs two epochs in one loader scope (aioloader: one ``async w
 The main process runs torch with ``--main-threads`` (default 1) intra-op threads, as both
 loaders' workers do: on two loaded cores torch's OpenMP threads in the consumer stall.
 
-Ratios are against ``aio-nw1`` and ``torch-nw2-spawn``, as cold/steady pairs. The statistics of
-``aio-nw2`` are printed for each workload, with the bytes per job that crossed the worker pipes.
+Ratios are against ``aio-nw1`` and ``torch-nw2-spawn`` (drop-in: ``aio-nw0`` and
+``torch-nw2-fork``), as cold/steady pairs. The statistics of ``aio-nw2`` are printed for each
+workload (drop-in: of its last scope, after the second epoch), with the bytes per job that
+crossed the worker pipes. Each drop-in workload then prints its goals beside the figures:
+``aio-nw2`` over ``torch-nw2-fork`` samples/s >= 1.0x, over ``aio-nw0`` >= 1.8x (steady and
+cold, each marked met or MISSED), over ``torch-nw2-spawn`` for reference, and peak PSS of
+``aio-nw2`` over ``torch-nw2-fork`` <= 1.2x. A missed goal is reported, not a failure.
 
 A last check (``pipe``) sends one 64x3x224x224 uint8 batch (9,633,792 bytes of pixels) through
 one aioloader worker and prints ``statistics().workers.bytes_received / jobs``: what crossed the
 pipe for that batch, which should be a few shared-memory handles, not the pixels.
 
 Every epoch is checked: each index delivered exactly once, the right number of batches, well
-formed batches, and the transform's output right (every pixel sum for ``decode``, a spread of
-recomputed results for ``gil``); worker processes must be gone once a loader is closed. The
-script exits non-zero when a check fails or a configuration raises or times out.
+formed batches, and the output right (every pixel sum for ``decode``, a spread of recomputed
+results for ``gil`` and ``dropin-py``, for ``dropin-jpeg`` every crop's channel means within 12
+levels of its image's base colour: the crop is random); worker processes must be gone once a
+loader is closed (or dropped). The script exits non-zero when a check fails or a configuration
+raises or times out.
 
 Run it from the repository root::
 
-    python benchmarks/bench_cpu.py            # the full run (~2 min on 2 cores)
-    python benchmarks/bench_cpu.py --quick    # a smoke test (gil 640 samples, decode 320)
+    python benchmarks/bench_cpu.py            # the full run (~5.5 min on 2 cores)
+    python benchmarks/bench_cpu.py --quick    # a smoke test (gil 640 samples, decode 320,
+                                              # each drop-in 640: those rows ~45 s)
     python benchmarks/bench_cpu.py --only gil
+    python benchmarks/bench_cpu.py --quick --only dropin-py dropin-jpeg
 """
 
 from __future__ import annotations
@@ -73,12 +108,14 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import functools
 import gc
 import importlib
 import io
 import math
 import multiprocessing.resource_tracker
 import os
+import random
 import statistics
 import sys
 import threading
@@ -87,7 +124,7 @@ import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -103,20 +140,29 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 GIL_ITEMS = 4000
 DECODE_ITEMS = 2000
+DROPIN_PY_ITEMS = 4000
+DROPIN_JPEG_ITEMS = 4000
 QUICK_GIL_ITEMS = 640
 QUICK_DECODE_ITEMS = 320
+QUICK_DROPIN_ITEMS = 640  # each drop-in workload under --quick
 SPIN_TARGET_S = 0.002  # pure-Python work per gil sample
 GIL_SPOT_EVERY = 37  # recompute the gil result of every 37th index to check it
 IMAGE_SIDE = 224
 CROP_SIDE = 192
 DISTINCT_IMAGES = 128  # images encoded at start-up; every sample holds its own copy
+JPEG_SIDE = 256  # dropin-jpeg: the encoded images
+JPEG_CROP = 160  # dropin-jpeg: the output of the random resized crop
+JPEG_QUALITY = 90
+JPEG_TOLERANCE = 12  # most a crop's channel mean may differ from its image's base colour
 EPOCHS = 2
 SPEED_PROBE_LOOPS = 4000
 POLL_S = 0.05
+PSS_EVERY = 4  # PSS (smaps_rollup, ~1 ms a process) is read every 4th poll: every 0.2 s
 PIPE_BATCH = 64
 PIPE_DATA_BYTES = PIPE_BATCH * 3 * IMAGE_SIDE * IMAGE_SIDE  # 9,633,792
 PIPE_MAX_FRACTION = 0.01  # more than 1% of the pixels through the pipe: they were pickled
 EXIT_WAIT_S = 15.0  # how long closed loaders' worker processes may take to exit
+WORKLOADS = ("gil", "decode", "dropin-py", "dropin-jpeg", "pipe")
 
 
 # -- the transforms and the torch dataset (module level: spawned workers import them by name) -----
@@ -168,10 +214,18 @@ def full_image(index: int) -> torch.Tensor:
     return torch.full((3, IMAGE_SIDE, IMAGE_SIDE), index % 256, dtype=torch.uint8)
 
 
+class Samples(Protocol):
+    """A workload's samples: a sequence, or a drop-in workload's torch ``Dataset``."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
 class TransformedDataset(torch.utils.data.Dataset[Any]):
     """torch's side: ``__getitem__`` applies the transform to the stored sample."""
 
-    def __init__(self, samples: Sequence[Any], transform: Callable[[Any], Any]) -> None:
+    def __init__(self, samples: Samples, transform: Callable[[Any], Any]) -> None:
         self.samples = samples
         self.transform = transform
 
@@ -180,6 +234,77 @@ class TransformedDataset(torch.utils.data.Dataset[Any]):
 
     def __getitem__(self, index: int) -> Any:
         return self.transform(self.samples[index])
+
+
+class DropinSpinDataset(torch.utils.data.Dataset[torch.Tensor]):
+    """dropin-py: a torch ``Dataset`` doing the gil work in ``__getitem__``: ``i`` ->
+    ``tensor([i, spin(i, loops)])``."""
+
+    def __init__(self, items: int, loops: int) -> None:
+        self.items = items
+        self.loops = loops
+
+    def __len__(self) -> int:
+        return self.items
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, spin(index, self.loops)], dtype=torch.int64)
+
+
+def random_resized_crop_box(
+    width: int,
+    height: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> tuple[int, int, int, int]:
+    """torchvision's ``RandomResizedCrop.get_params`` drawn with Python's ``random``: the crop as
+    a Pillow box ``(left, top, right, bottom)``."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * random.uniform(*scale)
+        aspect = math.exp(random.uniform(*log_ratio))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = random.randint(0, height - h)
+            left = random.randint(0, width - w)
+            return left, top, left + w, top + h
+    in_ratio = width / height  # fallback: the centre crop
+    if in_ratio < min(ratio):
+        w, h = width, round(width / min(ratio))
+    elif in_ratio > max(ratio):
+        w, h = round(height * max(ratio)), height
+    else:
+        w, h = width, height
+    top, left = (height - h) // 2, (width - w) // 2
+    return left, top, left + w, top + h
+
+
+class DropinJpegDataset(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """dropin-jpeg: a torch ``Dataset`` over JPEG bytes held in memory (sample ``i`` references
+    ``payloads[i % len(payloads)]``); ``__getitem__`` decodes with Pillow, takes a random resized
+    crop to 160x160 (bilinear), flips half the samples, and returns ``(3x160x160 uint8 CHW
+    tensor, i)``: torchvision's ``RandomResizedCrop(160)`` + ``RandomHorizontalFlip()`` +
+    ``PILToTensor()`` written with Pillow and NumPy."""
+
+    def __init__(self, payloads: Sequence[bytes], items: int) -> None:
+        self.payloads = list(payloads)
+        self.items = items
+
+    def __len__(self) -> int:
+        return self.items
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        payload = self.payloads[index % len(self.payloads)]
+        with Image.open(io.BytesIO(payload)) as image:
+            rgb = image.convert("RGB")
+        box = random_resized_crop_box(*rgb.size)
+        crop = rgb.resize((JPEG_CROP, JPEG_CROP), Image.Resampling.BILINEAR, box=box)
+        if random.random() < 0.5:
+            crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        chw = torch.from_numpy(np.array(crop)).permute(2, 0, 1).contiguous()
+        return chw, index
 
 
 # -- the data, made at start-up ----------------------------------------------------------------
@@ -237,6 +362,21 @@ def make_decode_samples(items: int) -> list[tuple[int, bytes]]:
     return [(i, bytes(bytearray(encoded[i % len(encoded)]))) for i in range(items)]
 
 
+def make_jpeg(k: int) -> tuple[bytes, np.ndarray]:
+    """A 256x256 JPEG (quality 90, about 18 KiB) and its base colour: the colour plus a smooth
+    pattern (a random 32x32 grid upscaled bicubic, +-40) plus +-8 of pixel noise, so that any
+    crop's channel means stay within a few levels of the base colour."""
+    rng = np.random.default_rng(1000 + k)
+    base = rng.integers(64, 193, 3)
+    grid = rng.integers(88, 169, (JPEG_SIDE // 8, JPEG_SIDE // 8, 3), dtype=np.uint8)
+    smooth = Image.fromarray(grid).resize((JPEG_SIDE, JPEG_SIDE), Image.Resampling.BICUBIC)
+    noise = rng.integers(-8, 9, (JPEG_SIDE, JPEG_SIDE, 3))
+    pixels = np.clip(base + (np.asarray(smooth, dtype=np.int16) - 128) + noise, 0, 255)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, format="JPEG", quality=JPEG_QUALITY)
+    return out.getvalue(), base
+
+
 # -- checks ------------------------------------------------------------------------------------
 
 
@@ -261,6 +401,27 @@ def unpack_decode(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return indices, torch.from_numpy(pixel_sums(images))
 
 
+def unpack_jpeg(bases: np.ndarray, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """dropin-jpeg: value 1 where every channel mean of the crop is within ``JPEG_TOLERANCE`` of
+    its image's base colour (``bases[index % len(bases)]``), else 0 (the crop is random, so the
+    pixels cannot be checked exactly)."""
+    if not isinstance(batch, list | tuple) or len(batch) != 2:
+        raise ValueError(f"malformed dropin-jpeg batch: {_describe(batch)}")
+    images, indices = batch
+    if (
+        not isinstance(images, torch.Tensor)
+        or not isinstance(indices, torch.Tensor)
+        or images.dtype != torch.uint8
+        or tuple(images.shape[1:]) != (3, JPEG_CROP, JPEG_CROP)
+        or indices.shape != images.shape[:1]
+    ):
+        raise ValueError(f"malformed dropin-jpeg batch: {_describe(batch)}")
+    means = images.numpy().reshape(images.shape[0], 3, -1).mean(axis=2)
+    expected = bases[indices.numpy() % len(bases)]
+    close = (np.abs(means - expected) <= JPEG_TOLERANCE).all(axis=1)
+    return indices, torch.from_numpy(close.astype(np.int64))
+
+
 def pixel_sums(images: torch.Tensor) -> np.ndarray:
     """Per-image sums of a uint8 batch, by NumPy (single-threaded, whatever ``--main-threads``)."""
     sums: np.ndarray = images.numpy().reshape(images.shape[0], -1).sum(axis=1, dtype=np.int64)
@@ -277,13 +438,14 @@ def _describe(batch: Any) -> str:
 
 @dataclass(frozen=True)
 class Workload:
-    """What a configuration loads: ``samples`` (aioloader's dataset as-is) and ``transform``;
+    """What a configuration loads: ``samples`` (aioloader's dataset as-is) and ``transform``
+    (None for a drop-in workload, whose ``samples`` is a torch ``Dataset`` doing all the work);
     ``unpack`` turns a batch into (indices, per-sample values), checked against ``expected``
     (index -> value, for every index or a spread of them)."""
 
     name: str
-    samples: Sequence[Any]
-    transform: Callable[[Any], Any]
+    samples: Samples
+    transform: Callable[[Any], Any] | None
     batch_size: int
     unpack: Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
     expected: dict[int, int]
@@ -339,7 +501,7 @@ class EpochCheck:
         return None
 
 
-# -- peak RSS of this process and its descendants ----------------------------------------------
+# -- peak RSS and PSS of this process and its descendants --------------------------------------
 
 
 def _children_files_work() -> bool:
@@ -385,6 +547,16 @@ def rss_kib(pid: int) -> int:
     return 0  # gone, or a zombie
 
 
+def pss_kib(pid: int) -> int:
+    """Proportional set size: each resident page divided by the number of processes mapping it
+    (what ``psutil.Process(pid).memory_full_info().pss`` reports, read from the same file)."""
+    for name in ("smaps_rollup", "smaps"):  # smaps_rollup: Linux 4.14+
+        with contextlib.suppress(OSError, ValueError):
+            text = Path(f"/proc/{pid}/{name}").read_text()
+            return sum(int(line.split()[1]) for line in text.splitlines() if line[:4] == "Pss:")
+    return 0  # gone
+
+
 def _machine_busy_s() -> float:
     """CPU-seconds the whole machine has spent busy (all CPUs; steal included) since boot."""
     ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
@@ -418,34 +590,43 @@ class CpuMeter:
         self.other = max(0.0, other / capacity) if capacity > 0 else math.nan
 
 
-class RssSampler:
+class MemorySampler:
     """Polls the summed VmRSS of this process and its descendants every ``POLL_S`` seconds in a
-    background thread while the ``with`` block runs; ``peak_mib`` is the highest sum seen."""
+    background thread while the ``with`` block runs, and their summed PSS every ``PSS_EVERY``
+    polls; ``peak_mib`` / ``peak_pss_mib`` are the highest sums seen, ``start_mib`` /
+    ``start_pss_mib`` the sums on entry."""
 
     def __init__(self) -> None:
         self.root = os.getpid()
         self.by_children_file = _children_files_work()
-        self.peak_kib = 0
-        self.start_kib = 0
+        self.peak_kib = self.start_kib = 0
+        self.peak_pss_kib = self.start_pss_kib = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
 
-    def total_kib(self) -> int:
-        return sum(rss_kib(pid) for pid in descendants(self.root, self.by_children_file))
+    def _sample(self, pss: bool) -> tuple[int, int]:
+        pids = descendants(self.root, self.by_children_file)
+        rss = sum(rss_kib(pid) for pid in pids)
+        self.peak_kib = max(self.peak_kib, rss)
+        total_pss = sum(pss_kib(pid) for pid in pids) if pss else 0
+        self.peak_pss_kib = max(self.peak_pss_kib, total_pss)
+        return rss, total_pss
 
     def _run(self) -> None:
+        polls = 0
         while not self._stop.wait(POLL_S):
-            self.peak_kib = max(self.peak_kib, self.total_kib())
+            polls += 1
+            self._sample(pss=polls % PSS_EVERY == 0)
 
-    def __enter__(self) -> RssSampler:
-        self.start_kib = self.peak_kib = self.total_kib()
+    def __enter__(self) -> MemorySampler:
+        self.start_kib, self.start_pss_kib = self._sample(pss=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak_kib = max(self.peak_kib, self.total_kib())
+        self._sample(pss=True)
 
     @property
     def peak_mib(self) -> float:
@@ -454,6 +635,14 @@ class RssSampler:
     @property
     def start_mib(self) -> float:
         return self.start_kib / 1024
+
+    @property
+    def peak_pss_mib(self) -> float:
+        return self.peak_pss_kib / 1024
+
+    @property
+    def start_pss_mib(self) -> float:
+        return self.start_pss_kib / 1024
 
 
 # -- the configurations ------------------------------------------------------------------------
@@ -475,6 +664,8 @@ class Result:
     timing: Timing
     peak_mib: float = 0.0
     start_mib: float = 0.0
+    peak_pss_mib: float = 0.0
+    start_pss_mib: float = 0.0
     main_cpu_s: float = math.nan
     worker_cpu_s: float = math.nan
     other_load: float = math.nan
@@ -556,6 +747,7 @@ def run_aio(
 def run_torch(
     workload: Workload, num_workers: int, context: str | None, timing: Timing, errors: list[str]
 ) -> None:
+    assert workload.transform is not None
     dataset = TransformedDataset(workload.samples, workload.transform)
     extra: dict[str, Any] = {}
     if num_workers:
@@ -574,6 +766,31 @@ def run_torch(
     del loader
 
 
+def run_dropin(
+    loader_class: Any,
+    workload: Workload,
+    num_workers: int,
+    timing: Timing,
+    errors: list[str],
+    **context: Any,
+) -> aioloader.LoaderStatistics | None:
+    """A drop-in row: a torch user's code as written, ``loader_class`` (torch's or aioloader's
+    DataLoader) the only difference: the dataset as-is, ``batch_size``, ``num_workers``,
+    ``persistent_workers=True`` with workers, two epochs of a plain ``for`` over the loader
+    object (no ``with``). ``context`` only names torch's ``multiprocessing_context``."""
+    options: dict[str, Any] = {"batch_size": workload.batch_size, "num_workers": num_workers}
+    if num_workers:
+        options["persistent_workers"] = True
+    loader = loader_class(workload.samples, **options, **context)
+    for _ in range(EPOCHS):
+        _consume(loader, workload, timing, errors)
+    stats = loader.statistics() if isinstance(loader, aioloader.DataLoader) else None
+    # Dropped like a user's loader going out of scope (no private shutdown call): measure()
+    # then gives the workers EXIT_WAIT_S to be gone.
+    del loader
+    return stats
+
+
 Runner = Callable[[Workload, Timing, list[str]], aioloader.LoaderStatistics | None]
 
 CONFIGS: dict[str, Runner] = {
@@ -586,6 +803,25 @@ CONFIGS: dict[str, Runner] = {
 }
 BASELINES = ("aio-nw1", "torch-nw2-spawn")
 STATS_CONFIG = "aio-nw2"
+
+TorchLoader = torch.utils.data.DataLoader
+DROPIN_CONFIGS: dict[str, Runner] = {
+    "torch-nw0": lambda w, t, e: run_dropin(TorchLoader, w, 0, t, e),
+    "torch-nw2-fork": lambda w, t, e: run_dropin(TorchLoader, w, 2, t, e),
+    "torch-nw2-spawn": lambda w, t, e: run_dropin(
+        TorchLoader, w, 2, t, e, multiprocessing_context="spawn"
+    ),
+    "aio-nw0": lambda w, t, e: run_dropin(aioloader.DataLoader, w, 0, t, e),
+    "aio-nw2": lambda w, t, e: run_dropin(aioloader.DataLoader, w, 2, t, e),
+}
+DROPIN_BASELINES = ("aio-nw0", "torch-nw2-fork")
+# The drop-in goals: (row, over row, "samples/s" or "PSS", goal, higher is better)
+DROPIN_GOALS = (
+    ("aio-nw2", "torch-nw2-fork", "samples/s", 1.0, True),
+    ("aio-nw2", "torch-nw2-spawn", "samples/s", None, True),
+    ("aio-nw2", "aio-nw0", "samples/s", 1.8, True),
+    ("aio-nw2", "torch-nw2-fork", "peak PSS", 1.2, False),
+)
 
 
 def _wait_for_children(baseline: set[int], by_children_file: bool) -> set[int]:
@@ -604,19 +840,20 @@ def _wait_for_children(baseline: set[int], by_children_file: bool) -> set[int]:
         time.sleep(0.05)
 
 
-def measure(name: str, workload: Workload, reference_probe_s: float) -> Result:
+def measure(name: str, runner: Runner, workload: Workload, reference_probe_s: float) -> Result:
     """Run one configuration (two epochs) under a watchdog that dumps every thread's stack and
-    exits the process if it hangs well past ``workload.timeout``; sample RSS throughout."""
+    exits the process if it hangs well past ``workload.timeout``; sample RSS and PSS
+    throughout."""
     errors: list[str] = []
     stats: aioloader.LoaderStatistics | None = None
     probe_before = speed_probe()
     by_children_file = _children_files_work()
     before = set(descendants(os.getpid(), by_children_file))
     faulthandler.dump_traceback_later(workload.timeout + 30, exit=True)
-    with CpuMeter() as cpu, RssSampler() as rss:
+    with CpuMeter() as cpu, MemorySampler() as memory:
         timing = Timing()
         try:
-            stats = CONFIGS[name](workload, timing, errors)
+            stats = runner(workload, timing, errors)
         except Exception as exc:  # report it, go on with the other configurations
             errors.append(f"{type(exc).__qualname__}: {exc}")
         finally:
@@ -630,8 +867,10 @@ def measure(name: str, workload: Workload, reference_probe_s: float) -> Result:
         name,
         workload.items,
         timing,
-        peak_mib=rss.peak_mib,
-        start_mib=rss.start_mib,
+        peak_mib=memory.peak_mib,
+        start_mib=memory.start_mib,
+        peak_pss_mib=memory.peak_pss_mib,
+        start_pss_mib=memory.start_pss_mib,
         main_cpu_s=cpu.main_s,
         worker_cpu_s=cpu.children_s,
         other_load=cpu.other,
@@ -701,32 +940,76 @@ def _ratio(result: Result, baseline: Result | None) -> str:
     )
 
 
-def format_table(results: Iterable[Result]) -> str:
+def format_table(results: Iterable[Result], baselines: Sequence[str] = BASELINES) -> str:
     results = list(results)
     by_name = {r.name: r for r in results}
+    widths = [max(14, len(b) + 5) for b in baselines]
     header = (
         f"{'config':<17}{'cold/s':>9}{'steady/s':>10}{'1st batch s':>13}{'peak MiB':>10}"
-        f"{'+MiB':>7}{'main CPU s':>12}{'workers CPU s':>15}{'other CPU':>11}{'speed':>7}"
-        f"{'vs aio-nw1':>14}{'vs torch-nw2-spawn':>20}  check"
+        f"{'+MiB':>7}{'peak PSS':>10}{'+PSS':>7}{'main CPU s':>12}{'workers CPU s':>15}"
+        f"{'other CPU':>11}{'speed':>7}"
+        + "".join(f"{'vs ' + b:>{w}}" for b, w in zip(baselines, widths, strict=True))
+        + "  check"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(
             f"{r.name:<17}{r.cold_per_s:>9,.0f}{r.steady_per_s:>10,.0f}{r.first_batch_s:>13.2f}"
-            f"{r.peak_mib:>10,.0f}{r.peak_mib - r.start_mib:>7,.0f}{r.main_cpu_s:>12.1f}"
-            f"{r.worker_cpu_s:>15.1f}{r.other_load:>11.0%}{r.speed:>7.2f}"
+            f"{r.peak_mib:>10,.0f}{r.peak_mib - r.start_mib:>7,.0f}"
+            f"{r.peak_pss_mib:>10,.0f}{r.peak_pss_mib - r.start_pss_mib:>7,.0f}"
+            f"{r.main_cpu_s:>12.1f}{r.worker_cpu_s:>15.1f}{r.other_load:>11.0%}{r.speed:>7.2f}"
             + "".join(
-                f"{_ratio(r, by_name.get(b)):>{w}}"
-                for b, w in zip(BASELINES, (14, 20), strict=True)
+                f"{_ratio(r, by_name.get(b)):>{w}}" for b, w in zip(baselines, widths, strict=True)
             )
             + f"  {'ok' if r.ok else 'FAIL: ' + str(r.error)}"
         )
     lines.append(
-        "(ratios: cold/steady samples/s of the row over the column's; CPU s: both epochs, "
-        "start-up and shutdown included;\n other CPU: share of the machine's CPU used by other "
-        "processes meanwhile; speed: single-core speed\n around the run over that at "
-        "start-up (1.00 = the same))"
+        "(ratios: cold/steady samples/s of the row over the column's; MiB: summed RSS, PSS: "
+        "summed proportional set size,\n both in MiB over this process and its workers, "
+        "+: peak minus the sum before the row;\n CPU s: both epochs, start-up and shutdown "
+        "included; other CPU: share of the machine's CPU used by other\n processes "
+        "meanwhile; speed: single-core speed around the run over that at start-up (1.00 = the "
+        "same))"
     )
+    return "\n".join(lines)
+
+
+def _verdict(value: float, goal: float | None, higher_is_better: bool) -> str:
+    if goal is None:
+        return "(no goal)"
+    if math.isnan(value):
+        return "n/a"
+    met = value >= goal if higher_is_better else value <= goal
+    return "met" if met else "MISSED"
+
+
+def format_goals(results: Iterable[Result]) -> str:
+    """The drop-in goals, each ratio beside its goal: samples/s as steady and cold (cold
+    includes constructing the loader and starting its workers), peak PSS as is."""
+    by_name = {r.name: r for r in results}
+    lines = []
+    for row, over, what, goal, higher in DROPIN_GOALS:
+        a, b = by_name.get(row), by_name.get(over)
+        label = f"  {what:<10} {row} / {over}"
+        sign = ">=" if higher else "<="
+        goal_text = f"goal {sign} {goal:.1f}x" if goal is not None else "(for reference)"
+        if a is None or b is None or not a.ok or not b.ok:
+            lines.append(f"{label:<44} n/a (a row is missing or failed)")
+            continue
+        if what == "peak PSS":
+            value = a.peak_pss_mib / b.peak_pss_mib if b.peak_pss_mib else math.nan
+            figures = f"{value:.2f}x ({a.peak_pss_mib:,.0f} / {b.peak_pss_mib:,.0f} MiB)"
+            verdict = _verdict(value, goal, higher)
+        else:
+            steady = a.steady_per_s / b.steady_per_s if b.steady_per_s else math.nan
+            cold = a.cold_per_s / b.cold_per_s if b.cold_per_s else math.nan
+            figures = f"steady {steady:.2f}x, cold {cold:.2f}x"
+            verdict = (
+                f"steady {_verdict(steady, goal, higher)}, cold {_verdict(cold, goal, higher)}"
+                if goal is not None
+                else ""
+            )
+        lines.append(f"{label:<44} {figures:<30} {goal_text:<16} {verdict}".rstrip())
     return "\n".join(lines)
 
 
@@ -753,6 +1036,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--decode-items", type=int, default=None, help=f"decode samples (default {DECODE_ITEMS})"
     )
+    parser.add_argument(
+        "--dropin-py-items",
+        type=int,
+        default=None,
+        help=f"dropin-py samples (default {DROPIN_PY_ITEMS})",
+    )
+    parser.add_argument(
+        "--dropin-jpeg-items",
+        type=int,
+        default=None,
+        help=f"dropin-jpeg samples (default {DROPIN_JPEG_ITEMS})",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="samples per batch")
     parser.add_argument(
         "--main-threads",
@@ -765,14 +1060,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"smoke test: gil {QUICK_GIL_ITEMS} samples, decode {QUICK_DECODE_ITEMS}",
+        help=f"smoke test: gil {QUICK_GIL_ITEMS} samples, decode {QUICK_DECODE_ITEMS}, each "
+        f"drop-in workload {QUICK_DROPIN_ITEMS}",
     )
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["gil", "decode", "pipe"],
+        choices=WORKLOADS,
         metavar="WORKLOAD",
-        help="workloads to run: gil, decode, pipe (default: all)",
+        help=f"workloads to run: {', '.join(WORKLOADS)} (default: all)",
     )
     parser.add_argument(
         "--timeout",
@@ -785,10 +1081,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.gil_items = QUICK_GIL_ITEMS if args.quick else GIL_ITEMS
     if args.decode_items is None:
         args.decode_items = QUICK_DECODE_ITEMS if args.quick else DECODE_ITEMS
-    if min(args.gil_items, args.decode_items, args.batch_size, args.main_threads) <= 0:
-        parser.error(
-            "--gil-items, --decode-items, --batch-size and --main-threads must be positive"
-        )
+    if args.dropin_py_items is None:
+        args.dropin_py_items = QUICK_DROPIN_ITEMS if args.quick else DROPIN_PY_ITEMS
+    if args.dropin_jpeg_items is None:
+        args.dropin_jpeg_items = QUICK_DROPIN_ITEMS if args.quick else DROPIN_JPEG_ITEMS
+    sizes = (args.gil_items, args.decode_items, args.dropin_py_items, args.dropin_jpeg_items)
+    if min(*sizes, args.batch_size, args.main_threads) <= 0:
+        parser.error("the --*-items, --batch-size and --main-threads must be positive")
     return args
 
 
@@ -796,8 +1095,14 @@ def _timeout(args: argparse.Namespace, serial_s: float) -> float:
     return float(args.timeout or max(120.0, 4 * EPOCHS * serial_s))
 
 
+@functools.cache
+def spin_calibration() -> tuple[int, float]:
+    """``calibrate_spin(SPIN_TARGET_S)``, once for gil and dropin-py."""
+    return calibrate_spin(SPIN_TARGET_S)
+
+
 def gil_workload(args: argparse.Namespace) -> Workload:
-    loops, per_call = calibrate_spin(SPIN_TARGET_S)
+    loops, per_call = spin_calibration()
     transform = SpinTransform(loops)
     items = args.gil_items
     expected = {i: spin(i, loops) for i in range(0, items, GIL_SPOT_EVERY)}
@@ -850,15 +1155,82 @@ def decode_workload(args: argparse.Namespace) -> Workload:
     )
 
 
-def run_workload(workload: Workload, reference_probe_s: float) -> list[Result]:
+def dropin_py_workload(args: argparse.Namespace) -> Workload:
+    loops, per_call = spin_calibration()
+    items = args.dropin_py_items
+    expected = {i: spin(i, loops) for i in range(0, items, GIL_SPOT_EVERY)}
+    serial = items * per_call
+    print(
+        f"dropin-py: a torch Dataset whose __getitem__ runs the gil spin ({loops:,} loop rounds "
+        f"= {per_call * 1e3:.2f} ms); {items} samples, ~{serial:.1f} s serial per epoch; "
+        f"{len(expected)} results recomputed to check",
+        flush=True,
+    )
+    return Workload(
+        name="dropin-py",
+        samples=DropinSpinDataset(items, loops),
+        transform=None,
+        batch_size=args.batch_size,
+        unpack=unpack_gil,
+        expected=expected,
+        timeout=_timeout(args, serial),
+    )
+
+
+def dropin_jpeg_workload(args: argparse.Namespace) -> Workload:
+    items = args.dropin_jpeg_items
+    start = time.perf_counter()
+    made = [make_jpeg(k) for k in range(min(items, DISTINCT_IMAGES))]
+    payloads = [payload for payload, _ in made]
+    bases = np.stack([base for _, base in made])
+    encode_s = time.perf_counter() - start
+    dataset = DropinJpegDataset(payloads, items)
+    state = random.getstate()
+    random.seed(0)
+    start = time.perf_counter()
+    probe = min(items, 256)
+    for i in range(probe):
+        dataset[i]
+    per_sample = (time.perf_counter() - start) / probe
+    random.setstate(state)
+    kib = sum(len(p) for p in payloads) / len(payloads) / 1024
+    print(
+        f"dropin-jpeg: a torch Dataset over {len(payloads)} distinct {JPEG_SIDE}x{JPEG_SIDE} "
+        f"JPEGs in memory (quality {JPEG_QUALITY}, {kib:,.1f} KiB each, encoded in "
+        f"{encode_s:.1f} s); __getitem__: Pillow decode, random resized crop to "
+        f"{JPEG_CROP}x{JPEG_CROP}, random flip, CHW uint8 tensor: {per_sample * 1e3:.2f} ms per "
+        f"sample serial; {items} samples, ~{items * per_sample:.1f} s per epoch; every crop's "
+        f"channel means checked against its image's colour (+-{JPEG_TOLERANCE})",
+        flush=True,
+    )
+    return Workload(
+        name="dropin-jpeg",
+        samples=dataset,
+        transform=None,
+        batch_size=args.batch_size,
+        unpack=functools.partial(unpack_jpeg, bases),
+        expected=dict.fromkeys(range(items), 1),
+        timeout=_timeout(args, items * per_sample),
+    )
+
+
+def run_workload(
+    workload: Workload,
+    configs: dict[str, Runner],
+    baselines: Sequence[str],
+    reference_probe_s: float,
+) -> list[Result]:
+    dropin = workload.transform is None
     print(
         f"\n== {workload.name}: {workload.items} samples, batch {workload.batch_size}, "
-        f"{EPOCHS} epochs per configuration ==",
+        f"{EPOCHS} epochs per configuration"
+        + (" (drop-in: plain `for` over the loader, persistent_workers=True)" if dropin else "")
+        + " ==",
         flush=True,
     )
     results: list[Result] = []
-    for name in CONFIGS:
-        result = measure(name, workload, reference_probe_s)
+    for name, runner in configs.items():
+        result = measure(name, runner, workload, reference_probe_s)
         results.append(result)
         status = "ok" if result.ok else f"FAIL: {result.error}"
         startup = ""
@@ -867,16 +1239,22 @@ def run_workload(workload: Workload, reference_probe_s: float) -> list[Result]:
         print(
             f"  done {name:<16} cold {result.cold_per_s:>7,.0f}/s  steady "
             f"{result.steady_per_s:>7,.0f}/s  1st batch {result.first_batch_s:5.2f} s  "
-            f"peak {result.peak_mib:,.0f} MiB{startup}  {status}",
+            f"peak {result.peak_mib:,.0f} MiB RSS, {result.peak_pss_mib:,.0f} MiB PSS{startup}  "
+            f"{status}",
             flush=True,
         )
     print()
     print(f"{workload.name} ({workload.items} samples, batch {workload.batch_size}):")
-    print(format_table(results))
+    print(format_table(results, baselines))
+    if dropin:
+        print()
+        print(f"{workload.name} goals (aio-nw2: aioloader.DataLoader, num_workers=2):")
+        print(format_goals(results))
     stats = next((r.statistics for r in results if r.name == STATS_CONFIG), None)
     if stats is not None:
         print()
-        print(f"{workload.name} {STATS_CONFIG} statistics (both epochs):")
+        which = "after the second epoch" if dropin else "both epochs"
+        print(f"{workload.name} {STATS_CONFIG} statistics ({which}):")
         print(repr(stats))
         print(f"pipe: {_job_bytes(stats)}")
     return results
@@ -884,24 +1262,40 @@ def run_workload(workload: Workload, reference_probe_s: float) -> list[Result]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    only: list[str] = args.only or ["gil", "decode", "pipe"]
+    only: list[str] = args.only or list(WORKLOADS)
     torch.set_num_threads(args.main_threads)
     load1, load5 = Path("/proc/loadavg").read_text().split()[:2]
     print(
-        f"aioloader {aioloader.__version__}, torch {torch.__version__}, numpy {np.__version__}, "
+        f"aioloader {aioloader.__version__} ({Path(aioloader.__file__).parent}), torch "
+        f"{torch.__version__}, numpy {np.__version__}, "
         f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (load average {load1} {load5}), "
         f"{torch.get_num_threads()} torch thread(s) in the main process",
         flush=True,
     )
     # Start multiprocessing's resource tracker now, so every configuration's RSS includes it.
     multiprocessing.resource_tracker.ensure_running()
+    # Likewise aioloader's process-wide fork server: a first loader with workers starts it (a
+    # fork of this process, as no other thread runs yet), as a training script's first loader
+    # would. Its start is in bench_startup.py's figures, not in a configuration's here.
+    with aioloader.DataLoader(list(range(4)), batch_size=2, num_workers=1) as warm_up:
+        list(warm_up)
     reference_probe_s = speed_probe()
     failed: list[str] = []
     builders = {"gil": gil_workload, "decode": decode_workload}
     for name in ("gil", "decode"):
         if name in only:
-            results = run_workload(builders[name](args), reference_probe_s)
+            results = run_workload(builders[name](args), CONFIGS, BASELINES, reference_probe_s)
             failed.extend(f"{name}/{r.name}" for r in results if not r.ok)
+    dropins = {"dropin-py": dropin_py_workload, "dropin-jpeg": dropin_jpeg_workload}
+    for name, build in dropins.items():
+        if name not in only:
+            continue
+        if name == "dropin-jpeg" and Image is None:
+            print("\ndropin-jpeg: needs Pillow (pip install -e '.[bench]'); not run", flush=True)
+            failed.append(name)
+            continue
+        results = run_workload(build(args), DROPIN_CONFIGS, DROPIN_BASELINES, reference_probe_s)
+        failed.extend(f"{name}/{r.name}" for r in results if not r.ok)
     if "pipe" in only:
         pipe = measure_pipe(_timeout(args, 1.0))
         print()
