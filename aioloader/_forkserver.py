@@ -23,7 +23,6 @@ the application's.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import inspect
 import multiprocessing.context
 import multiprocessing.forkserver as stdlib_forkserver
@@ -34,6 +33,8 @@ import threading
 from multiprocessing import connection, resource_tracker, util
 
 import torch
+
+from ._worker import name_this_process
 
 __all__ = ["prepare_forkserver"]
 
@@ -82,7 +83,7 @@ def _serve_in_child(listener_fd: int, alive_r: int) -> None:
     pipe). /dev/null in its place makes that close harmless and holds no socket or file open.
     """
     try:
-        _name_this_process(b"aioloader-fs")  # else it shows as a second copy of the app
+        name_this_process("aioloader-fs")  # else it shows as a second copy of the app
         devnull = os.open(os.devnull, os.O_RDWR)
         for name in os.listdir("/proc/self/fd"):
             fd = int(name)
@@ -93,12 +94,6 @@ def _serve_in_child(listener_fd: int, alive_r: int) -> None:
         stdlib_forkserver.main(listener_fd, alive_r, [])
     finally:
         os._exit(0)
-
-
-def _name_this_process(name: bytes) -> None:
-    """Set this process's name as ``ps -o comm``, top and /proc show it (Linux; best effort)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
 
 
 def _fork_server() -> bool:
