@@ -201,7 +201,7 @@ def check_arguments(
     sample_timeout: float | None,
     max_failures: int,
     distributed: bool,
-    io_threads: int,
+    io_threads: int | None,
     worker_mode: str,
     device: object = None,
     device_transform: Callable[[Any], Any] | None = None,
@@ -258,7 +258,8 @@ def check_arguments(
     if max_inflight_bytes is not None:
         positive_int("max_inflight_bytes", max_inflight_bytes)
     non_negative_int("max_failures", max_failures)
-    positive_int("io_threads", io_threads)
+    if io_threads is not None:
+        positive_int("io_threads", io_threads)
     if sample_timeout is not None and (
         not isinstance(sample_timeout, (int, float)) or isinstance(sample_timeout, bool)
     ):

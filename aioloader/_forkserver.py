@@ -15,9 +15,11 @@ event loop, an I/O client or CUDA. Anything we cannot check (another Python's
 server protocol, more threads, CUDA initialised) falls back to the stdlib's own start, with
 torch and the worker module preloaded in it.
 
-The server inherits this process's memory, but not its open files: every descriptor but stdio
-and the two it serves on is pointed at /dev/null in it, so no worker holds a socket or file of
-the application's.
+The server inherits this process's memory and open regular files, as torch's fork workers do: a
+file a module opened at import is readable in a worker (pipes and sockets it lets go of). It
+keeps the memory it shares with this process for the life of the process: memory this process
+frees after the server was forked (when the first loader with process workers was built) stays
+mapped in the server.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import multiprocessing.context
 import multiprocessing.forkserver as stdlib_forkserver
 import os
 import socket
+import stat
 import sys
 import threading
 from multiprocessing import connection, resource_tracker, util
@@ -74,21 +77,30 @@ def _server_protocol_known(server: object) -> bool:
     return params[:3] == ["listener_fd", "alive_r", "preload"]
 
 
-def _serve_in_child(listener_fd: int, alive_r: int) -> None:
-    """In the forked child: let go of the application's files, then serve.
+def _serve_in_child(listener_fd: int, alive_r: int, alive_w: int) -> None:
+    """In the forked child: let go of the application's pipes and sockets, then serve.
 
-    Every inherited descriptor but stdio and the two the server needs is pointed at /dev/null
-    rather than closed: Python objects inherited with the memory still think they own their
-    descriptors, and one collected later would close whatever reused the number (a worker's
-    pipe). /dev/null in its place makes that close harmless and holds no socket or file open.
+    Regular files stay open, as with torch's fork workers: a module that opened a file at import
+    reads it in a worker. Pipes and sockets must not: the server lives as long as this process,
+    and a pipe's write end held here would keep its reader from ever seeing EOF (a subprocess's
+    stdin, this server's own alive pipe). They are pointed at /dev/null rather than closed:
+    Python objects inherited with the memory still think they own their descriptors, and one
+    collected later would close whatever reused the number (a worker's pipe).
     """
     try:
-        name_this_process("aioloader-fs")  # else it shows as a second copy of the app
+        os.close(alive_w)  # the parent's end: its close (or death) is our EOF
+        name_this_process("aioloader-fs")
+        server = getattr(stdlib_forkserver, "_forkserver", None)
+        if server is not None:  # forked while held: a fresh one, as the stdlib's fork handlers do
+            server._lock = threading.Lock()
         devnull = os.open(os.devnull, os.O_RDWR)
         for name in os.listdir("/proc/self/fd"):
             fd = int(name)
-            if fd > 2 and fd not in (listener_fd, alive_r, devnull):
-                with contextlib.suppress(OSError):  # the listing's own descriptor, gone
+            if fd in (listener_fd, alive_r, devnull):
+                continue
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
                     os.dup2(devnull, fd)
         os.close(devnull)
         stdlib_forkserver.main(listener_fd, alive_r, [])
@@ -114,9 +126,12 @@ def _fork_server() -> bool:
                 os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
+            for stream in (sys.stdout, sys.stderr):  # else the children print it again
+                with contextlib.suppress(Exception):
+                    stream.flush()
             pid = os.fork()
             if pid == 0:  # pragma: no cover - the child never returns
-                _serve_in_child(listener.fileno(), alive_r)
+                _serve_in_child(listener.fileno(), alive_r, alive_w)
             os.close(alive_r)
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w

@@ -17,6 +17,7 @@ Two shapes of job:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import time
@@ -132,14 +133,14 @@ def collate_only(
 # -- a blocking dataset that lives in the worker --------------------------------------------------
 
 
-def _read(
-    dataset: Any, index: int, retry: RetryPolicy | None, rng: random.Random
+def _retrying(
+    call: Callable[[], Any], retry: RetryPolicy | None, rng: random.Random
 ) -> tuple[Any, int]:
-    """``dataset[index]`` under the retry policy; returns ``(sample, retries)``."""
+    """``call()`` under the retry policy, sleeping between attempts; ``(result, retries)``."""
     failures = 0
     while True:
         try:
-            return dataset[index], failures
+            return call(), failures
         except Exception as exc:
             failures += 1
             if retry is None or not retry.should_retry(exc, failures):
@@ -178,9 +179,11 @@ def run_indices(
     dataset = worker_dataset()
     rng = random.Random()  # retry jitter only: never affects which data is produced
     getitems = getattr(dataset, "__getitems__", None)
+    retries = 0
     if getitems is not None:
         try:
-            samples = list(getitems(list(indices)))
+            got, retries = _retrying(lambda: getitems(list(indices)), retry, rng)
+            samples = list(got)
         except Exception as exc:
             if not isolate:
                 annotate(exc, "fetch", index=list(indices))
@@ -191,14 +194,15 @@ def run_indices(
                     f"{type(dataset).__qualname__}.__getitems__ returned {len(samples)} items "
                     f"for {len(indices)} indices {list(indices)}"
                 )
-            return run_batch(transform, collate, samples, unbatched, finish)
+            result = run_batch(transform, collate, samples, unbatched, finish)
+            result.retries = retries
+            return result
     read: list[Any] = []
     positions: list[int] = []
     failures: list[Failure] = []
-    retries = 0
     for position, index in enumerate(indices):
         try:
-            sample, tries = _read(dataset, index, retry, rng)
+            sample, tries = _retrying(functools.partial(dataset.__getitem__, index), retry, rng)
         except Exception as exc:
             annotate(exc, "fetch", index=index)
             if not isolate:

@@ -38,7 +38,7 @@ from ._sampler import (
     resolve_rank,
 )
 from ._scope import EpochIterator, Scope
-from ._session import PlainIterator, Session
+from ._session import PlainIterator, Session, close_from_anywhere
 from ._source import dataset_length, open_source
 from ._stats import LoaderStatistics, Recorders
 
@@ -130,7 +130,11 @@ class DataLoader(Generic[T_Batch]):
             datasets, round-robin positions for iterables.
         rank: This process's rank (default: ``torch.distributed`` when initialised, else 0).
         world_size: The number of ranks (default: ``torch.distributed``, else 1).
-        io_threads: Threads for blocking (torch) datasets.
+        io_threads: Threads that call a blocking (torch) dataset read in this process
+            (``num_workers=0`` or ``worker_mode="thread"``). Default 1: as in torch, one thread
+            calls ``__getitem__`` at a time, so a dataset that is not thread-safe (a shared file
+            handle, an HDF5 file) reads correctly. More overlap blocking reads (slow storage,
+            network): only for a dataset that can be called from several threads at once.
         worker_mode: ``"process"`` (default): ``num_workers`` spawned processes;
             ``"thread"``: ``num_workers`` threads (for GIL-releasing code or free-threaded
             Python). Processes need ``transform``, ``collate_fn`` and ``worker_init_fn`` to be
@@ -184,7 +188,7 @@ class DataLoader(Generic[T_Batch]):
         distributed: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
-        io_threads: int = 8,
+        io_threads: int | None = None,
         worker_mode: Literal["process", "thread"] = "process",
         device: str | torch.device | None = None,
         device_transform: Callable[[Any], Any] | None = None,
@@ -237,7 +241,7 @@ class DataLoader(Generic[T_Batch]):
         self.transform = transform
         self.max_inflight = max_inflight
         self.prefetch = prefetch
-        self.io_threads = io_threads
+        self.io_threads = 1 if io_threads is None else io_threads
         self.worker_mode = worker_mode
         self.start_method = start_method
         self.device = target
@@ -290,7 +294,7 @@ class DataLoader(Generic[T_Batch]):
             # A blocking dataset read in this process is read in slices spread over the I/O
             # threads: few thread hops for fast local reads, yet every thread busy when items
             # are slow.
-            fetch_chunk=-(-max_inflight // io_threads) if kind.is_blocking else None,
+            fetch_chunk=-(-max_inflight // self.io_threads) if kind.is_blocking else None,
             drop_last=drop_last,
             max_inflight=max_inflight,
             prefetch=prefetch,
@@ -483,8 +487,7 @@ class DataLoader(Generic[T_Batch]):
         # or `async with` holds the loader itself: it closes when its block ends.)
         session = self.__dict__.get("_session")
         if session is not None:
-            with contextlib.suppress(Exception):
-                session.close()
+            close_from_anywhere(session.close)
 
     # -- iteration -------------------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ from ._exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
 from ._flow import ByteBudget, blocked, get, nbytes_of, put
 from ._job import (
     JobResult,
+    close_stream,
     collate_only,
     next_stream_batch,
     open_stream,
@@ -58,7 +59,7 @@ from ._job import (
     run_indices,
 )
 from ._offload import ThreadOffload
-from ._processes import ProcessWorkers
+from ._processes import CANCEL_GRACE, ProcessWorkers
 from ._reorder import BatchAssembler, ReorderBuffer
 from ._retry import RetryPolicy
 from ._sampler import derive_seed
@@ -264,8 +265,10 @@ class Epoch:
                 tg.start_soon(self._schedule_stream, self.source, ready_send.clone())
             ready_send.close()
             work = self.work
-            if isinstance(self.source, InWorkers) and isinstance(work, ProcessWorkers):
-                # torch's rule for a dataset in workers: batch i goes to worker i % n.
+            in_workers = isinstance(self.source, InWorkers)
+            if in_workers and isinstance(work, ProcessWorkers) and self.config.in_order:
+                # torch's rule for a dataset in workers: batch i goes to worker i % n (with
+                # in_order=False, as torch, to whichever worker is free).
                 tg.start_soon(self._round_robin, work, ready_recv, done_send)
             else:
                 for _ in range(work.concurrency):
@@ -379,46 +382,64 @@ class Epoch:
         worker_id: int,
         results: MemoryObjectSendStream[_Done],
     ) -> None:
+        cfg = self.config
+        async with results:
+            seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
+            await run_on(worker_id, open_stream, seed=seed)  # a dead worker is replaced here
+            try:
+                await self._pull_batches(run_on, worker_id, results)
+            finally:  # ended early (a break, a failure): the pass's `finally` blocks run now
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(CANCEL_GRACE),
+                    contextlib.suppress(Exception),
+                ):
+                    await run_on(worker_id, close_stream, replace=False)
+
+    async def _pull_batches(
+        self,
+        run_on: Callable[..., Awaitable[Any]],
+        worker_id: int,
+        results: MemoryObjectSendStream[_Done],
+    ) -> None:
         cfg, rec = self.config, self.stats.transform
         batch_size = None if cfg.unbatched else cfg.batch_size
         seq = 0  # this worker's batches; the epoch's order is given when they go out
-        async with results:
-            seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
-            await run_on(worker_id, open_stream, seed=seed)
-            while True:
-                started = time.perf_counter()
-                rec.start()
-                try:
-                    result: JobResult | None = await run_on(
-                        worker_id,
-                        next_stream_batch,
-                        batch_size,
-                        cfg.drop_last,
-                        cfg.transform,
-                        cfg.collate_fn,
-                        cfg.finish,
-                    )
-                except WorkerCrashed:  # its copy of the stream is gone with it
-                    rec.finish(time.perf_counter() - started, ok=False)
-                    raise
-                except Exception as exc:
-                    rec.finish(time.perf_counter() - started, ok=False)
-                    rec.failed += 1
-                    exc.add_note(
-                        f"aioloader: in worker {worker_id}'s pass over its copy of the dataset, "
-                        f"its batch {seq}, epoch {self.number}"
-                    )
-                    await results.send(_Done(_Batch(seq, [worker_id], []), None, 0, exc))
-                    seq += 1
-                    continue
-                except BaseException:  # cancelled
-                    rec.in_flight -= 1
-                    raise
-                rec.finish(time.perf_counter() - started)
-                if result is None:
-                    return
-                await results.send(_Done(_Batch(seq, [worker_id], []), result.batch, result.size))
+        while True:
+            started = time.perf_counter()
+            rec.start()
+            try:
+                result: JobResult | None = await run_on(
+                    worker_id,
+                    next_stream_batch,
+                    batch_size,
+                    cfg.drop_last,
+                    cfg.transform,
+                    cfg.collate_fn,
+                    cfg.finish,
+                    replace=False,  # a fresh worker would have no pass: it would end silently
+                )
+            except WorkerCrashed:  # its copy of the stream is gone with it
+                rec.finish(time.perf_counter() - started, ok=False)
+                raise
+            except Exception as exc:
+                rec.finish(time.perf_counter() - started, ok=False)
+                rec.failed += 1
+                exc.add_note(
+                    f"aioloader: in worker {worker_id}'s pass over its copy of the dataset, "
+                    f"its batch {seq}, epoch {self.number}"
+                )
+                await results.send(_Done(_Batch(seq, [worker_id], []), None, 0, exc))
                 seq += 1
+                continue
+            except BaseException:  # cancelled
+                rec.in_flight -= 1
+                raise
+            rec.finish(time.perf_counter() - started)
+            if result is None:
+                return
+            await results.send(_Done(_Batch(seq, [worker_id], []), result.batch, result.size))
+            seq += 1
 
     async def _schedule_stream(
         self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]

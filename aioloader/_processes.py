@@ -221,20 +221,29 @@ class ProcessWorkers:
         try:
             data = worker.conn.recv_bytes()
         except (EOFError, OSError):
-            worker.alive = False
-            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                await anyio.wait_readable(worker.process.sentinel)
-            # The sentinel closes as the process exits, a moment before it can be reaped: this
-            # join is that moment (a crash path, never a job's).
-            worker.process.join(1.0)
+            await self._mark_dead(worker)
             raise self._crashed(worker) from None
         self._stats.bytes_received += len(data)
         reply: tuple[bool, Any] = pickle.loads(data)
         return reply
 
+    async def _mark_dead(self, worker: _Worker) -> None:
+        """Its pipe broke: the process is dead or dying. Wait (briefly) until it can be reaped."""
+        worker.alive = False
+        if worker.stopped:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+            await anyio.wait_readable(worker.process.sentinel)
+        # The sentinel closes as the process exits, a moment before it can be reaped: this
+        # join is that moment (a crash path, never a job's).
+        worker.process.join(1.0)
+
     def _crashed(self, worker: _Worker) -> WorkerCrashed:
-        code = worker.process.exitcode
-        pid = worker.pid or worker.process.pid or 0
+        try:
+            code = worker.process.exitcode
+            pid = worker.pid or worker.process.pid or 0
+        except ValueError:  # stopped and closed already
+            code, pid = None, worker.pid
         self._stats.crashes += 1
         if code is not None and code < 0:
             name = signal.Signals(-code).name
@@ -261,7 +270,9 @@ class ProcessWorkers:
     async def reserved(self) -> AsyncIterator[Callable[..., Any]]:
         """Take every worker out of the pool for one owner, which sends each job to a worker of
         its choice (a worker's own iterator lives there): yields ``run_on(worker_id, fn, *args,
-        seed=None)``, awaited like :meth:`run`. The workers go back to the pool on exit.
+        seed=None, replace=True)``, awaited like :meth:`run`; with ``replace=False`` a dead
+        worker raises :class:`WorkerCrashed` instead of being replaced (what lived in it, an
+        iterator, is gone with it). The workers go back to the pool on exit.
 
         Cancellation: waiting for the workers can be cancelled; the ones taken go back.
         """
@@ -271,9 +282,14 @@ class ProcessWorkers:
                 taken.append(await self._idle_recv.receive())
 
             async def run_on(
-                worker_id: int, fn: Callable[..., R], *args: Any, seed: int | None = None
+                worker_id: int,
+                fn: Callable[..., R],
+                *args: Any,
+                seed: int | None = None,
+                replace: bool = True,
             ) -> R:
-                return await self._exchange(self._workers[worker_id], fn, args, seed)
+                worker = self._workers[worker_id]
+                return await self._exchange(worker, fn, args, seed, replace=replace)
 
             yield run_on
         finally:
@@ -281,13 +297,28 @@ class ProcessWorkers:
                 self._idle_send.send_nowait(self._workers[worker.id])
 
     async def _exchange(
-        self, worker: _Worker, fn: Callable[..., R], args: tuple[Any, ...], seed: int | None
+        self,
+        worker: _Worker,
+        fn: Callable[..., R],
+        args: tuple[Any, ...],
+        seed: int | None,
+        *,
+        replace: bool = True,
     ) -> R:
         if not worker.alive:
+            if not replace:
+                raise self._crashed(worker)
             worker = await self._replace(worker)
         payload = ForkingPickler.dumps((fn, args, seed))
         try:
-            worker.conn.send_bytes(payload)
+            try:
+                worker.conn.send_bytes(payload)
+            except OSError:  # it died while idle: the job never reached it
+                await self._mark_dead(worker)
+                if not replace:
+                    raise self._crashed(worker) from None
+                worker = await self._replace(worker)
+                worker.conn.send_bytes(payload)
             self._stats.bytes_sent += len(payload)
         finally:  # a view of a BytesIO: let go now, not when a traceback is collected
             payload.release()

@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from ._loader import DataLoader
     from ._scope import EpochIterator, Scope
 
-__all__ = ["PlainIterator", "Session"]
+__all__ = ["PlainIterator", "Session", "close_from_anywhere"]
 
 T_Batch = TypeVar("T_Batch")
 
@@ -56,6 +57,23 @@ def _hook_exit() -> None:
         if not _hooked:
             atexit.register(_close_all_at_exit)
             _hooked = True
+
+
+def close_from_anywhere(close: Callable[[], object]) -> None:
+    """Run ``close`` (which waits on a loader's loop) now, or, when called on a thread of ours
+    (the garbage collector can run a ``__del__`` on the loop's thread, where waiting on the loop
+    deadlocks, or on an I/O thread the loop is waiting for), on a short-lived thread of its own.
+    """
+    if not threading.current_thread().name.startswith("aioloader-"):
+        with contextlib.suppress(Exception):
+            close()
+        return
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            close()
+
+    threading.Thread(target=run, name="aioloader-closer", daemon=True).start()
 
 
 def _loop_options() -> dict[str, Any]:
@@ -149,7 +167,7 @@ class Session:
         """Close the loader's scope (workers stopped, tasks gone), then stop the loop.
 
         Cancellation: not cancellable; it returns once everything is stopped. Called from the
-        loop's own thread it does nothing (the exit hook closes the session later).
+        loop's own thread it does nothing (see :func:`close_from_anywhere`).
         """
         if self.closed or threading.current_thread() is self._thread:
             return
@@ -232,5 +250,4 @@ class PlainIterator(Generic[T_Batch]):
     def __del__(self) -> None:
         if getattr(self, "_done", True):
             return
-        with contextlib.suppress(Exception):
-            self.close()
+        close_from_anywhere(self.close)

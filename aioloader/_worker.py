@@ -116,11 +116,25 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def _with_worker_note(exc: BaseException) -> BaseException:
+    if not isinstance(exc, Exception):
+        # SystemExit, KeyboardInterrupt, GeneratorExit from user code: in the main process they
+        # would read as its own exit or cancellation. The job failed; say so as an Exception.
+        stand_in = RemoteError(
+            f"{type(exc).__qualname__} raised in a worker{': ' + str(exc) if str(exc) else ''}"
+        )
+        stand_in.__cause__ = None
+        exc = _attach_traceback(stand_in, exc)
     info = _info
     where = f"worker {info.id} (pid {os.getpid()})" if info else f"pid {os.getpid()}"
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc.add_note(f"aioloader: raised in {where}; the worker's traceback:\n{tb.rstrip()}")
     return _picklable(exc)
+
+
+def _attach_traceback(stand_in: Exception, original: BaseException) -> Exception:
+    tb = "".join(traceback.format_exception(type(original), original, original.__traceback__))
+    stand_in.add_note(f"aioloader: the original, in the worker:\n{tb.rstrip()}")
+    return stand_in
 
 
 def _prepare_failures(result: Any) -> Any:

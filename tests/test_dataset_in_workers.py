@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -342,3 +344,74 @@ def test_persistent_workers_go_with_their_loader() -> None:
     del it, dl  # torch's persistent workers end with their loader; so do ours
     gc.collect()
     assert children() == [] and aioloader_threads() == []
+
+
+def test_a_worker_killed_while_idle_is_replaced_for_the_next_batch() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(16), batch_size=4, num_workers=2, persistent_workers=True)
+    try:
+        first = rows(list(dl))
+        os.kill(first[-1]["pid"], signal.SIGKILL)  # between epochs, as an OOM kill would
+        time.sleep(0.2)
+        second = rows(list(dl))
+        assert [r["index"] for r in second] == list(range(16))
+        assert dl.statistics().workers.restarts == 1  # type: ignore[union-attr]
+    finally:
+        dl.close()
+
+
+def test_an_iterable_worker_killed_while_idle_ends_the_epoch_with_its_crash() -> None:
+    dl = aioloader.DataLoader(wd.Ranges(0, 400), batch_size=4, num_workers=2)
+    it = iter(dl)
+    next(it)
+    for pid in {p.pid for p in children()}:
+        os.kill(pid, signal.SIGKILL)
+    errors: list[str] = []
+    for _ in range(200):  # bounded: it must end, not raise for ever
+        try:
+            next(it)
+        except StopIteration:
+            break
+        except Exception as exc:  # a reply cut short by the kill may fail on its own first
+            errors.append(type(exc).__name__)
+    else:
+        pytest.fail(f"the epoch did not end after its workers died: {errors[:5]}")
+    assert errors[-1] == "WorkerCrashed" and len(errors) <= 3
+    del it
+    gc.collect()
+
+
+def test_a_non_thread_safe_dataset_reads_right_without_workers(tmp_path: Path) -> None:
+    path = tmp_path / "records.bin"
+    path.write_bytes(b"".join(i.to_bytes(4, "little") for i in range(64)))
+    dataset = wd.SharedHandle(str(path), 64)
+    dl = aioloader.DataLoader(dataset, batch_size=8)
+    assert [x for b in dl for x in b.tolist()] == list(range(64))  # one thread, as in torch
+    dataset.handle.close()
+
+
+def test_system_exit_in_getitem_fails_its_batch_only() -> None:
+    it = iter(aioloader.DataLoader(wd.ExitsAt(), batch_size=4, num_workers=2))
+    assert next(it).tolist() == [0, 1, 2, 3]
+    with pytest.raises(aioloader.RemoteError, match="SystemExit raised in a worker"):
+        next(it)
+    assert next(it).tolist() == [8, 9, 10, 11]
+    del it
+    gc.collect()  # the error's traceback cycles held the iterator's frame
+
+
+def test_retry_applies_to_getitems_too() -> None:
+    subset = torch.utils.data.Subset(wd.FlakyOnce(8, {1, 6}), range(8))  # has __getitems__
+    dl = aioloader.DataLoader(
+        subset,
+        batch_size=4,
+        num_workers=2,
+        retry=aioloader.RetryPolicy(attempts=2, initial_backoff=0.0),
+    )
+    assert [x for b in dl for x in b.tolist()] == list(range(8))
+    assert dl.statistics().stages[1].retries == 2
+
+
+def test_a_workers_generator_finally_runs_after_break(tmp_path: Path) -> None:
+    for _ in aioloader.DataLoader(wd.MarksFinally(str(tmp_path)), batch_size=4, num_workers=2):
+        break
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done-0", "done-1"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 PROBE = """
-import json, multiprocessing.forkserver, os, sys, threading
+import json, multiprocessing.forkserver, os, select, sys, threading
 import torch.utils.data
 import aioloader
 
@@ -41,8 +41,9 @@ def close_inherited(worker_id):
 
 
 if __name__ == "__main__":
-    held = open(__file__)  # an application file the server must not keep open
+    held = open(__file__)  # an application file: kept, as torch's fork workers keep it
     FILES.extend(open(__file__) for _ in range(16))
+    pipe_r, pipe_w = os.pipe()  # a pipe's write end: let go of, or its reader never sees EOF
     if sys.argv[1] == "thread":  # another Python thread: forking is not safe
         stop = threading.Event()
         threading.Thread(target=stop.wait, daemon=True).start()
@@ -52,7 +53,11 @@ if __name__ == "__main__":
     workers = {tuple(row) for batch in loader for row in torch.stack(batch, 1).tolist()}
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     server_fds = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
+    os.close(pipe_w)
+    readable, _, _ = select.select([pipe_r], [], [], 5.0)
+    pipe_eof = bool(readable) and os.read(pipe_r, 1) == b""
     print(json.dumps({
+        "pipe_eof": pipe_eof,
         "me": os.getpid(),
         "my_cmdline": cmdline(os.getpid()),
         "server_parent": ppid(server),
@@ -80,7 +85,8 @@ def test_the_server_is_a_fork_of_a_single_threaded_process(tmp_path: Path) -> No
     assert got["workers"] == 2 and got["workers_children_of_server"]
     assert got["server_parent"] == got["me"]
     assert got["server_cmdline"] == got["my_cmdline"]  # forked, not a fresh interpreter
-    assert not got["server_holds_app_file"]
+    assert got["server_holds_app_file"]  # a module's open file reads in a worker, as with fork
+    assert got["pipe_eof"]
 
 
 def test_with_another_thread_the_stdlib_starts_its_server(tmp_path: Path) -> None:
@@ -88,4 +94,4 @@ def test_with_another_thread_the_stdlib_starts_its_server(tmp_path: Path) -> Non
     assert got["workers"] == 2
     assert "multiprocessing.forkserver import main" in got["server_cmdline"]
     assert "aioloader._worker" in got["server_cmdline"]  # torch preloaded in it
-    assert not got["server_holds_app_file"]
+    assert got["pipe_eof"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,3 +152,52 @@ class InitialSeed(torch.utils.data.Dataset[int]):
 
 def seed_12345(worker_id: int) -> None:
     torch.manual_seed(12345)
+
+
+class SharedHandle(torch.utils.data.Dataset[int]):
+    """Not thread-safe, like most torch datasets: seek then read on one shared file handle."""
+
+    def __init__(self, path: str, n: int) -> None:
+        self.path, self.n = path, n
+        self.handle: Any = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if self.handle is None:
+            self.handle = open(self.path, "rb")  # noqa: SIM115 - lives as long as the dataset
+        self.handle.seek(4 * index)
+        time.sleep(0.0005)  # another thread, if any, seeks meanwhile
+        return int.from_bytes(self.handle.read(4), "little")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "handle": None}
+
+
+class ExitsAt(torch.utils.data.Dataset[int]):
+    """``__getitem__`` raises SystemExit at ``bad`` (user code calling sys.exit)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        if index == 5:
+            raise SystemExit(3)
+        return index
+
+
+class MarksFinally(torch.utils.data.IterableDataset[int]):
+    """Each worker's pass writes ``<folder>/done-<id>`` in its generator's ``finally``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        worker = 0 if info is None else info.id
+        try:
+            yield from range(worker * 1000, worker * 1000 + 500)
+        finally:
+            with open(os.path.join(self.folder, f"done-{worker}"), "w") as f:
+                f.write("ok")
