@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -415,3 +416,40 @@ def test_a_workers_generator_finally_runs_after_break(tmp_path: Path) -> None:
     for _ in aioloader.DataLoader(wd.MarksFinally(str(tmp_path)), batch_size=4, num_workers=2):
         break
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done-0", "done-1"]
+
+
+def test_an_iterator_collected_on_the_loop_thread_still_closes_its_epoch() -> None:
+    dropped = threading.Event()
+    collected_on: list[str] = []
+
+    class CollectingSampler:  # iterated on the loader's loop thread
+        def __len__(self) -> int:
+            return 40
+
+        def __iter__(self) -> Any:
+            for i in range(40):
+                if i == 12:
+                    dropped.wait(10)
+                    collected_on.append(threading.current_thread().name)
+                    gc.collect()  # the dropped iterator's __del__ runs here, on the loop
+                yield i
+
+    gc.disable()  # the cycle below is collected where the sampler says, not before
+    try:
+        dl = aioloader.DataLoader(
+            wd.WhoReads(40), batch_size=2, sampler=CollectingSampler(), num_workers=2, prefetch=8
+        )
+        it = iter(dl)
+        next(it)
+        cycle: list[Any] = [it]
+        cycle.append(cycle)
+        del it, cycle
+        dropped.set()
+        deadline = time.monotonic() + 20
+        while aioloader_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+    assert collected_on == ["aioloader-loop"]
+    assert aioloader_threads() == [] and children() == []
+    assert len(list(dl)) == 20  # the loader is usable again
