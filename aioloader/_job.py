@@ -247,10 +247,13 @@ def next_stream_batch(
     transform: Callable[[Any], Any] | None,
     collate: Callable[[Any], Any],
     finish: Callable[[Any], Any] | None,
+    isolate: bool = False,
 ) -> JobResult | None:
     """The next batch of the worker's own pass: up to ``batch_size`` samples (one, collated
     alone, when None), transformed and collated; None once the pass is over (a short last batch
-    comes first unless ``drop_last``).
+    comes first unless ``drop_last``). With ``isolate`` (the loader may skip failed samples) a
+    transform failure is reported in the result, its survivors left uncollated, as
+    :func:`run_batch` does.
 
     Raises:
         Exception: The dataset's iterator, ``transform``, ``collate`` or ``finish`` raised (with
@@ -271,7 +274,7 @@ def next_stream_batch(
         close_stream()
         return None
     result = run_batch(transform, collate, samples, batch_size is None, finish)
-    if result.failures:  # no budget to skip within a worker's stream: the first one raises
+    if result.failures and not isolate:  # no budget to skip: the first one raises
         _position, stage, error = result.failures[0]
         raise annotate(error, stage)
     return result

@@ -417,8 +417,11 @@ class Epoch:
                     cfg.transform,
                     cfg.collate_fn,
                     cfg.finish,
+                    self._skips_left > 0,
                     replace=False,  # a fresh worker would have no pass: it would end silently
                 )
+                if result is not None and result.failures:
+                    result = await self._skip_stream_failures(run_on, worker_id, seq, result)
             except WorkerCrashed:  # its copy of the stream is gone with it
                 rec.finish(time.perf_counter() - started, ok=False)
                 raise
@@ -438,8 +441,33 @@ class Epoch:
             rec.finish(time.perf_counter() - started)
             if result is None:
                 return
-            await results.send(_Done(_Batch(seq, [worker_id], []), result.batch, result.size))
+            if result.size:  # else every sample of it was skipped
+                done = _Done(_Batch(seq, [worker_id], []), result.batch, result.size)
+                await results.send(done)
             seq += 1
+
+    async def _skip_stream_failures(
+        self, run_on: Callable[..., Awaitable[Any]], worker_id: int, seq: int, result: JobResult
+    ) -> JobResult:
+        """Spend the skip budget on a worker-stream batch's failed samples (or raise the first
+        one past it), then collate the survivors in the same worker."""
+        batch = _Batch(seq, [worker_id], [])
+        for position, stage, exc in result.failures:
+            key = f"worker {worker_id}, its batch {seq}, position {position}"
+            self._skip_or_raise(exc, stage, batch, key)
+        if not result.transformed:
+            return JobResult(size=0)
+        cfg = self.config
+        value = await run_on(
+            worker_id,
+            collate_only,
+            cfg.collate_fn,
+            result.transformed,
+            cfg.unbatched,
+            cfg.finish,
+            replace=False,
+        )
+        return JobResult(batch=value, size=len(result.transformed))
 
     async def _schedule_stream(
         self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]

@@ -453,3 +453,25 @@ def test_an_iterator_collected_on_the_loop_thread_still_closes_its_epoch() -> No
     assert collected_on == ["aioloader-loop"]
     assert aioloader_threads() == [] and children() == []
     assert len(list(dl)) == 20  # the loader is usable again
+
+
+def test_max_failures_skips_a_failed_transform_in_a_worker_stream() -> None:
+    from tests import worker_fns
+
+    dl = aioloader.DataLoader(
+        wd.Ranges(0, 12),
+        batch_size=4,
+        num_workers=2,
+        transform=worker_fns.bad_value,  # raises for sample 5
+        max_failures=1,
+    )
+    assert [b.tolist() for b in dl] == [[0, 1, 2, 3], [6, 7, 8, 9], [4], [10, 11]]
+    assert dl.statistics().skipped_samples == ("worker 0, its batch 1, position 1",)
+    strict = aioloader.DataLoader(
+        wd.Ranges(0, 12), batch_size=4, num_workers=2, transform=worker_fns.bad_value
+    )
+    it = iter(strict)
+    assert [next(it).tolist(), next(it).tolist()] == [[0, 1, 2, 3], [6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="cannot decode sample 5"):
+        next(it)
+    assert [b.tolist() for b in it] == [[10, 11]]
