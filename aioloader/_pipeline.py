@@ -38,9 +38,9 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
@@ -146,6 +146,23 @@ class _Done:
     value: Any
     size: int  # samples in the collated batch; 0: nothing left, the batch is skipped
     error: Exception | None = None
+
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def _lanes(
+    item: type[T], n: int
+) -> Iterator[list[tuple[MemoryObjectSendStream[T], MemoryObjectReceiveStream[T]]]]:
+    """``n`` one-item streams, one per worker, every end closed on exit (a task that never
+    started would otherwise leave its end open)."""
+    lanes = [anyio.create_memory_object_stream[T](1) for _ in range(n)]
+    with contextlib.ExitStack() as streams:
+        for send, recv in lanes:
+            streams.callback(send.close)
+            streams.callback(recv.close)
+        yield lanes
 
 
 class Epoch:
@@ -328,12 +345,7 @@ class Epoch:
         work = self.work
         if not isinstance(work, ProcessWorkers):
             raise TypeError("an iterable dataset in workers needs process workers")
-        n = work.concurrency
-        lanes = [anyio.create_memory_object_stream[_Done](1) for _ in range(n)]
-        with contextlib.ExitStack() as streams:
-            for send, recv in lanes:
-                streams.callback(send.close)
-                streams.callback(recv.close)
+        with _lanes(_Done, work.concurrency) as lanes:
             await self._merge_worker_streams(work, lanes, done)
 
     async def _merge_worker_streams(
@@ -669,11 +681,7 @@ class Epoch:
         worker's copy may keep state, e.g. what ``worker_init_fn`` seeded, and torch's users
         rely on which worker read which batch). One batch queued and one running per worker."""
         n = work.concurrency
-        lanes = [anyio.create_memory_object_stream[_Batch](1) for _ in range(n)]
-        with contextlib.ExitStack() as streams:
-            for send, recv in lanes:
-                streams.callback(send.close)
-                streams.callback(recv.close)
+        with _lanes(_Batch, n) as lanes:
             async with ready, done, work.reserved() as run_on, anyio.create_task_group() as tg:
                 for worker_id, (_, recv) in enumerate(lanes):
                     run = functools.partial(run_on, worker_id)
