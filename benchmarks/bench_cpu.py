@@ -65,9 +65,13 @@ reports:
   divided among the processes mapping it), sampled every 0.2 s;
 * ``main CPU s`` / ``workers CPU s``: CPU-seconds of this process (the transform itself with
   ``num_workers=0``; otherwise the loader's own overhead plus the checks) and of its worker
-  processes, over both epochs;
+  processes, over both epochs (reaped children only: aioloader's workers are children of its
+  fork server, so they read 0 here and their CPU shows as ``other CPU``);
 * ``other CPU``: the share of the machine's CPU used meanwhile by processes outside this
   benchmark (steal included): on a shared machine, rows with a high figure are slowed by it;
+* before the configurations, one small aioloader loader with a worker starts the process-wide
+  fork server (as the resource tracker is started), as a training script's first loader would:
+  its start is in ``bench_startup.py``'s figures, not in a row here;
 * ``speed``: the single-core speed just before and after the configuration (a fixed ``spin``)
   relative to start-up: a VM's vCPU can run at very different speeds from minute to minute.
 
