@@ -34,6 +34,7 @@ import stat
 import sys
 import threading
 from multiprocessing import connection, resource_tracker, util
+from typing import Any
 
 import torch
 
@@ -108,16 +109,22 @@ def _serve_in_child(listener_fd: int, alive_r: int, alive_w: int) -> None:
         os._exit(0)
 
 
+def _running(server: Any) -> bool:
+    return server._forkserver_pid is not None
+
+
 def _fork_server() -> bool:
     """Fork the server now, if it is safe and not running; True when this process has one."""
     server = getattr(stdlib_forkserver, "_forkserver", None)
     if server is None or not _server_protocol_known(server):
         return False
+    if _running(server):
+        return True  # the usual case, checked before reading /proc for every worker
     if not _safe_to_fork():
         return False
     with server._lock:
-        if server._forkserver_pid is not None:
-            return True  # running already (forked by us, or started by the stdlib)
+        if _running(server):  # another thread started it meanwhile (by us, or the stdlib)
+            return True
         resource_tracker.ensure_running()  # before the fork: the server's children share it
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         with socket.socket(socket.AF_UNIX) as listener:

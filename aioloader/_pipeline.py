@@ -345,40 +345,31 @@ class Epoch:
         work = self.work
         if not isinstance(work, ProcessWorkers):
             raise TypeError("an iterable dataset in workers needs process workers")
-        with _lanes(_Done, work.concurrency) as lanes:
-            await self._merge_worker_streams(work, lanes, done)
-
-    async def _merge_worker_streams(
-        self,
-        work: ProcessWorkers,
-        lanes: list[tuple[MemoryObjectSendStream[_Done], MemoryObjectReceiveStream[_Done]]],
-        done: MemoryObjectSendStream[_Done],
-    ) -> None:
-        n = len(lanes)
-        async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
-            if self.config.in_order:
-                for worker_id, (send, _) in enumerate(lanes):
-                    tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
-                receivers = [recv for _, recv in lanes]
-                seq = 0
-                while receivers:
-                    for recv in list(receivers):
-                        try:
-                            item = await recv.receive()
-                        except anyio.EndOfStream:
-                            receivers.remove(recv)
-                            continue
-                        await self._pass_on(item, seq, done)
-                        seq += 1
-            else:
+        n, in_order = work.concurrency, self.config.in_order
+        seq = 0
+        # The lanes outlive the task group: no pull task ever sends into a closed lane.
+        with _lanes(_Done, n if in_order else 0) as lanes:
+            async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
+                if in_order:  # one lane per worker, taken in turn
+                    for worker_id, (send, _) in enumerate(lanes):
+                        tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
+                    receivers = [recv for _, recv in lanes]
+                    while receivers:
+                        for recv in list(receivers):
+                            try:
+                                item = await recv.receive()
+                            except anyio.EndOfStream:  # that worker's pass is over
+                                receivers.remove(recv)
+                                continue
+                            await self._pass_on(item, seq, done)
+                            seq += 1
+                    return
                 merged_send, merged_recv = anyio.create_memory_object_stream[_Done](n)
                 async with merged_send:
                     for worker_id in range(n):
-                        tg.start_soon(
-                            self._pull_worker_stream, run_on, worker_id, merged_send.clone()
-                        )
+                        send = merged_send.clone()
+                        tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
                 async with merged_recv:
-                    seq = 0
                     async for item in merged_recv:
                         await self._pass_on(item, seq, done)
                         seq += 1
@@ -433,7 +424,13 @@ class Epoch:
                     replace=False,  # a fresh worker would have no pass: it would end silently
                 )
                 if result is not None and result.failures:
-                    result = await self._skip_stream_failures(run_on, worker_id, seq, result)
+                    keys = [
+                        f"worker {worker_id}, its batch {seq}, position {position}"
+                        for position, _, _ in result.failures
+                    ]
+                    run = functools.partial(run_on, worker_id, replace=False)
+                    batch = _Batch(seq, [worker_id], [])
+                    result = await self._skip_then_collate(batch, result, keys, run)
             except WorkerCrashed:  # its copy of the stream is gone with it
                 rec.finish(time.perf_counter() - started, ok=False)
                 raise
@@ -458,26 +455,33 @@ class Epoch:
                 await results.send(done)
             seq += 1
 
-    async def _skip_stream_failures(
-        self, run_on: Callable[..., Awaitable[Any]], worker_id: int, seq: int, result: JobResult
+    async def _skip_then_collate(
+        self,
+        batch: _Batch,
+        result: JobResult,
+        keys: Sequence[object],
+        run: Callable[..., Awaitable[Any]],
+        *,
+        seed: int | None = None,
     ) -> JobResult:
-        """Spend the skip budget on a worker-stream batch's failed samples (or raise the first
-        one past it), then collate the survivors in the same worker."""
-        batch = _Batch(seq, [worker_id], [])
-        for position, stage, exc in result.failures:
-            key = f"worker {worker_id}, its batch {seq}, position {position}"
+        """Spend the skip budget on a job's failed samples (``keys`` name them), or raise the
+        first one past it; then collate the survivors where the job ran (``run``).
+
+        Raises:
+            Exception: A failure past the ``max_failures`` budget, or the collation's own.
+        """
+        for (_, stage, exc), key in zip(result.failures, keys, strict=True):
             self._skip_or_raise(exc, stage, batch, key)
         if not result.transformed:
             return JobResult(size=0)
         cfg = self.config
-        value = await run_on(
-            worker_id,
+        value = await run(
             collate_only,
             cfg.collate_fn,
             result.transformed,
             cfg.unbatched,
             cfg.finish,
-            replace=False,
+            seed=seed,
         )
         return JobResult(batch=value, size=len(result.transformed))
 
@@ -740,20 +744,10 @@ class Epoch:
                     cfg.finish,
                     seed=seed,
                 )
-            value, size = result.batch, result.size
             if result.failures:
-                for position, stage, exc in result.failures:
-                    self._skip_or_raise(exc, stage, batch, batch.ids[keep[position]])
-                size = len(result.transformed)
-                if size:
-                    value = await run(
-                        collate_only,
-                        cfg.collate_fn,
-                        result.transformed,
-                        unbatched,
-                        cfg.finish,
-                        seed=seed,
-                    )
+                keys = [batch.ids[keep[position]] for position, _, _ in result.failures]
+                result = await self._skip_then_collate(batch, result, keys, run, seed=seed)
+            value, size = result.batch, result.size
         except Exception as exc:
             rec.finish(time.perf_counter() - started, ok=False)
             rec.failed += 1

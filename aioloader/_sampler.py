@@ -328,9 +328,7 @@ class RandomSampler(Sampler[int]):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
         if seed is None:
-            device = generator.device if generator is not None else None
-            draw = torch.empty((), dtype=torch.int64, device=device)
-            seed = int(draw.random_(generator=generator).item())
+            seed = draw_seed(generator)
         elif isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self._seed = seed
