@@ -16,10 +16,13 @@ from ._exceptions import Overloaded as Overloaded
 from ._exceptions import RemoteError as RemoteError
 from ._exceptions import TransientError as TransientError
 from ._exceptions import WorkerCrashed as WorkerCrashed
+from ._lanes import OpensEpochs as OpensEpochs
 from ._loader import DataLoader as DataLoader
 from ._padding import PadCollate as PadCollate
 from ._padding import PaddedBatch as PaddedBatch
 from ._padding import pad_collate as pad_collate
+from ._parts import Interleaved as Interleaved
+from ._parts import interleave as interleave
 from ._retry import RetryPolicy as RetryPolicy
 from ._sampler import BatchSampler as BatchSampler
 from ._sampler import DistributedSampler as DistributedSampler
@@ -55,10 +58,12 @@ __all__ = [
     "DataLoader",
     "DistributedSampler",
     "DynamicBatcher",
+    "Interleaved",
     "LatencySummary",
     "LoaderStateError",
     "LoaderStatistics",
     "LoaderTimeout",
+    "OpensEpochs",
     "Overloaded",
     "PadCollate",
     "PaddedBatch",
@@ -74,5 +79,6 @@ __all__ = [
     "default_collate",
     "default_convert",
     "get_worker_info",
+    "interleave",
     "pad_collate",
 ]

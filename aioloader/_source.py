@@ -22,6 +22,7 @@ import torch.utils.data
 
 from ._dataset import AsyncDataset, AsyncIterableDataset
 from ._exceptions import LoaderStateError, annotate
+from ._lanes import OpensEpochs
 from ._offload import ThreadOffload
 
 __all__ = ["InWorkers", "Kind", "MapSource", "StreamSource", "classify", "open_source"]
@@ -201,6 +202,10 @@ class _AsyncStream(StreamSource):
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[AsyncIterator[Any]]:
+        if isinstance(self._dataset, OpensEpochs):  # its readers' task group lives here
+            async with self._dataset.open_epoch() as items:
+                yield items
+            return
         iterator = self._iterator()
         try:
             yield iterator

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import io
+import logging
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import aioloader
@@ -61,7 +64,7 @@ ALL_KEYS = sorted(f"s{s}/{j:04d}" for s in range(3) for j in range(10))
 
 async def test_grouping_keys_extensions_and_bytes(tmp_path: Path) -> None:
     paths = make_shards(tmp_path)
-    got = await collect(tar_shards(paths))
+    got = await collect(tar_shards(paths, shards_in_flight=1))
     assert len(got) == 30
     for i, sample in enumerate(got):
         s, j = divmod(i, 10)
@@ -126,9 +129,39 @@ async def test_shuffle_is_a_seeded_permutation(tmp_path: Path) -> None:
 
 
 async def test_no_shuffle_keeps_the_stream_order(tmp_path: Path) -> None:
-    ds = tar_shards(make_shards(tmp_path))
-    assert keys(await collect(ds)) == ALL_KEYS
-    assert keys(await collect(ds)) == ALL_KEYS
+    paths = make_shards(tmp_path)
+    one_by_one = tar_shards(paths, shards_in_flight=1)
+    assert keys(await collect(one_by_one)) == ALL_KEYS
+    assert keys(await collect(one_by_one)) == ALL_KEYS
+    # Several shards at once: a round-robin over them, whatever the timing.
+    round_robin = [f"s{s}/{j:04d}" for j in range(10) for s in range(3)]
+    ds = tar_shards(paths)
+    assert ds.shards_in_flight(3) == 3
+    assert keys(await collect(ds)) == round_robin
+    assert keys(await collect(tar_shards(paths, shards_in_flight=8))) == round_robin
+
+
+async def test_shards_in_flight_interleave_and_the_next_shard_takes_the_place(
+    tmp_path: Path,
+) -> None:
+    paths = make_shards(tmp_path, n_shards=3, n_samples=10)
+    short = make_shard(tmp_path / "short.tar", [("t/0000.cls", b"0"), ("t/0001.cls", b"1")])
+    ds = tar_shards([paths[0], short, paths[1], paths[2]], shards_in_flight=2)
+    got = keys(await collect(ds))
+    assert got[:6] == ["s0/0000", "t/0000", "s0/0001", "t/0001", "s0/0002", "s1/0000"]
+    assert sorted(got) == sorted([*ALL_KEYS, "t/0000", "t/0001"])
+
+
+async def test_the_seeded_interleave_is_the_same_for_the_same_seed(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path, n_shards=3, n_samples=10)
+
+    async def run(seed: int) -> list[str]:
+        return keys(await collect(tar_shards(paths, shuffle_shards=True, seed=seed)))
+
+    first = await run(4)
+    assert first == await run(4)
+    assert sorted(first) == ALL_KEYS
+    assert first != await run(5)
 
 
 async def test_rank_split_is_disjoint_and_even(tmp_path: Path) -> None:
@@ -242,13 +275,49 @@ async def test_long_escaping_name_is_rejected(tmp_path: Path) -> None:
 
 async def test_early_stop_closes_the_shard(tmp_path: Path) -> None:
     paths = make_shards(tmp_path)
-    ds = tar_shards(paths, shuffle_buffer=3)
+    # Small buffers, so the readers still hold their shards open when the first sample comes.
+    ds = tar_shards(paths, shuffle_buffer=3, chunk_size=512, buffer_bytes=1024)
     it = ds.__aiter__()
     first = await it.__anext__()
-    assert first["__key__"].startswith("s0/")
+    assert first["__key__"] in ALL_KEYS
+    assert open_shards(paths) > 0
     await it.aclose()  # type: ignore[attr-defined]
+    assert open_shards(paths) == 0
     # A fresh epoch after an early stop starts from the beginning.
     assert sorted(keys(await collect(ds))) == ALL_KEYS
+
+
+async def test_an_iterator_dropped_unclosed_closes_its_shards(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``async for ... break`` with no ``aclose``: the epoch's task is cancelled when the
+    iterator goes, from whatever task collects it, and no error is logged."""
+    paths = make_shards(tmp_path)
+    ds = tar_shards(paths, chunk_size=512, buffer_bytes=1024)
+    async for _ in ds:
+        break
+    assert open_shards(paths) > 0
+    gc.collect()
+    for _ in range(50):
+        if open_shards(paths) == 0:
+            break
+        await anyio.sleep(0.01)
+    assert open_shards(paths) == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def open_shards(paths: Sequence[Path]) -> int:
+    """How many file descriptors of this process are open on ``paths``."""
+    names = {str(p) for p in paths}
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if _target(fd) in names)
+
+
+def _target(fd: Path) -> str:
+    try:
+        return str(fd.readlink())
+    except OSError:
+        return ""
 
 
 def test_arguments_are_checked(tmp_path: Path) -> None:
@@ -261,6 +330,12 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
         tar_shards(["a.tar"], shuffle_buffer=-1)
     with pytest.raises(ValueError, match="chunk_size"):
         tar_shards(["a.tar"], chunk_size=0)
+    with pytest.raises(ValueError, match="shards_in_flight must be a positive int"):
+        tar_shards(["a.tar"], shards_in_flight=0)
+    with pytest.raises(TypeError, match="shards_in_flight"):
+        tar_shards(["a.tar"], shards_in_flight=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        tar_shards(["a.tar"], buffer_bytes=0)
     with pytest.raises(ValueError, match="rank"):
         tar_shards(["a.tar"], rank=2, world_size=2)
 

@@ -14,16 +14,16 @@ event loop, and workers get bytes, never clients.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import anyio
-
-from .._dataset import AsyncDataset, AsyncIterableDataset
+from .._dataset import AsyncDataset
 from .._exceptions import TransientError
+from .._lanes import OpensEpochs, interleaved
 from ._gate import ByteGate, holding
 
 __all__ = ["ObjectDataset", "ObjectStream", "TransientStoreError", "object_stream", "objects"]
@@ -252,7 +252,8 @@ def object_stream(
 
     Args:
         url, suffix, glob, config, client_options, store: As for :func:`objects`.
-        concurrency: Objects read at once (a window read together, then yielded in order).
+        concurrency: Objects read or held at once: a read starts as soon as an earlier object
+            is handed over, so ``concurrency`` reads stay in flight while the consumer works.
 
     Raises:
         TypeError, ValueError: ``concurrency`` is not an int >= 1.
@@ -272,7 +273,7 @@ def object_stream(
     return ObjectStream(store, url, suffixes, glob, concurrency)
 
 
-class ObjectStream(AsyncIterableDataset[tuple[str, bytes]]):
+class ObjectStream(OpensEpochs[tuple[str, bytes]]):
     """``(key, bytes)`` of every object under a prefix, listed anew each epoch; see
     :func:`object_stream`."""
 
@@ -293,46 +294,46 @@ class ObjectStream(AsyncIterableDataset[tuple[str, bytes]]):
             self._glob is None or fnmatch.fnmatchcase(key, self._glob)
         )
 
-    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
-        """One epoch: list, then read window by window.
+    def open_epoch(
+        self,
+    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[tuple[str, bytes]]]:
+        """One epoch: list, and read ``concurrency`` objects ahead of the consumer, in listing
+        order (a read starts as soon as an earlier object is handed over: no pause between
+        windows).
 
-        Cancellation: the window being read is abandoned; nothing is left running.
+        Cancellation: leaving the block cancels the reads in flight; nothing is left running.
         """
-        return self._epoch()
+        return interleaved(
+            self._listing(),
+            self._read,
+            width=1,
+            ahead=self.concurrency - 1,
+            part_limit=1,
+            name=self._name,
+        )
 
-    async def _epoch(self) -> AsyncGenerator[tuple[str, bytes], None]:
+    def _name(self, key: str) -> str:
+        return f"{self._url.rstrip('/')}/{key}"
+
+    async def _listing(self) -> AsyncGenerator[str, None]:
         import obstore
-
-        window: list[str] = []
-        async for chunk in obstore.list(self._store, chunk_size=1000):
-            for meta in chunk:
-                if self._wanted(meta["path"]):
-                    window.append(meta["path"])
-                if len(window) == self.concurrency:
-                    for item in await self._read(window):
-                        yield item
-                    window = []
-        for item in await self._read(window):
-            yield item
-
-    async def _read(self, keys: list[str]) -> list[tuple[str, bytes]]:
-        """Read ``keys`` concurrently (a task group that ends before anything is yielded)."""
-        import obstore
-
-        out: list[bytes] = [b""] * len(keys)
-
-        async def one(i: int) -> None:
-            try:
-                result = await obstore.get_async(self._store, keys[i])
-                out[i] = bytes(await result.bytes_async())
-            except Exception as exc:
-                error = store_error(exc, f"{self._url.rstrip('/')}/{keys[i]}")
-                raise error from error.__cause__
 
         try:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(keys)):
-                    tg.start_soon(one, i)
-        except ExceptionGroup as group:  # the first failure, as itself
-            raise group.exceptions[0] from None
-        return list(zip(keys, out, strict=True))
+            async for chunk in obstore.list(self._store, chunk_size=1000):
+                for meta in chunk:
+                    if self._wanted(meta["path"]):
+                        yield meta["path"]
+        except Exception as exc:
+            error = store_error(exc, self._url)
+            raise error from error.__cause__
+
+    async def _read(self, key: str) -> AsyncGenerator[tuple[str, bytes], None]:
+        import obstore
+
+        try:
+            result = await obstore.get_async(self._store, key)
+            data = bytes(await result.bytes_async())
+        except Exception as exc:
+            error = store_error(exc, self._name(key))
+            raise error from error.__cause__
+        yield key, data

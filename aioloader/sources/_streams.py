@@ -67,11 +67,18 @@ class FileReader:
         self._chunk = chunk_size
 
     async def chunks(self, offset: int) -> AsyncGenerator[bytes, None]:
-        async with aiofiles.open(self.name, "rb") as f:
+        # Opening and closing are shielded: a cancellation while the thread opens the file
+        # would leave it open, and one while it closes would skip the close.
+        with anyio.CancelScope(shield=True):
+            f = await aiofiles.open(self.name, "rb")
+        try:
             if offset:
                 await f.seek(offset)
             while chunk := await f.read(self._chunk):
                 yield chunk
+        finally:
+            with anyio.CancelScope(shield=True):
+                await f.close()
 
 
 class HTTPReader:

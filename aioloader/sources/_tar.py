@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import anyio
 
-from .._dataset import AsyncIterableDataset
+from .._lanes import OpensEpochs, interleaved
 from .._retry import RetryPolicy
 from .._sampler import check_bool, check_int, derive_seed, epoch_parts, resolve_rank
 from ._braces import expand_braces
@@ -40,8 +40,8 @@ _LOCAL = ("", "file")
 _DEFAULT_RETRY = RetryPolicy(attempts=5)
 
 
-class TarShards(AsyncIterableDataset[dict[str, Any]]):
-    """Streams the samples of WebDataset-style tar shards, one shard after the other.
+class TarShards(OpensEpochs[dict[str, Any]]):
+    """Streams the samples of WebDataset-style tar shards, several shards read at once.
 
     Shards are named by local paths, ``file://`` URLs, ``http(s)://`` URLs, or object-store
     URLs (``s3://bucket/key``, ``gs://``, ``az://``, ... read through obstore, configured from
@@ -50,10 +50,19 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
     (see :func:`~aioloader.sources._braces.expand_braces`).
 
     Each shard is read start to end in chunks of about ``chunk_size`` bytes and parsed
-    incrementally: nothing is downloaded whole, and only the members of the current sample (and
-    the shuffle buffer) are held in memory. A transfer that breaks (a reset, a 5xx, throttling, a
-    body cut short, no byte for ``timeout`` seconds) resumes at the byte where it stopped, with a
-    range request, as ``retry`` allows; :attr:`retries` counts the resumptions.
+    incrementally: nothing is downloaded whole. ``shards_in_flight`` shards are read at once,
+    each into a read-ahead buffer of its own, and their samples are interleaved: a seeded
+    round-robin over the open shards (each round visits every open shard once, in slot order,
+    or, with ``shuffle_shards``, in an order drawn for the round), a shard that ends giving its
+    place to the next shard of the epoch's order. The order depends only on the seed, the epoch
+    and ``shards_in_flight``, never on which bytes arrive first. A few more shards (a quarter of
+    ``shards_in_flight``, at least one) are opened ahead, so the next shard is already flowing
+    when one ends. Memory: the samples read ahead hold at most ``buffer_bytes`` in all (split
+    evenly over the open shards, at least one ``chunk_size`` each), plus one chunk per open shard
+    being parsed, plus the shuffle buffer; a slow consumer stops the reads. A transfer that
+    breaks (a reset, a 5xx, throttling, a body cut short, no byte for ``timeout`` seconds)
+    resumes at the byte where it stopped, with a range request, as ``retry`` allows;
+    :attr:`retries` counts the resumptions.
 
     Samples: consecutive regular-file members with the same key (the member path up to the first
     dot of its last component, folders included) form one sample, a dict::
@@ -71,9 +80,10 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
     :meth:`set_epoch` chooses the epoch of the next call.
 
     Shuffling: with ``shuffle_shards`` the epoch's shard order is a permutation drawn with
-    ``random.Random(derive_seed(seed, epoch))``; with ``shuffle_buffer > 1`` samples pass through a
-    buffer of that size (filled first, then each new sample takes a random slot and the evicted
-    sample is yielded; what is left is yielded in random order at the end), drawn with
+    ``random.Random(derive_seed(seed, epoch))``, and the interleave's rounds are drawn with
+    ``random.Random(derive_seed(seed, epoch, 2))``; with ``shuffle_buffer > 1`` samples pass
+    through a buffer of that size (filled first, then each new sample takes a random slot and
+    the evicted sample is yielded; what is left is yielded in random order at the end), drawn with
     ``random.Random(derive_seed(seed, epoch, 1))``. The same seed and epoch give the same order.
 
     Ranks: after the shuffle, shard ``j`` of the epoch's order goes to rank ``j % world_size``
@@ -92,6 +102,11 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         shards: Paths or URLs of tar files, or one brace pattern.
         shuffle_shards: Shuffle the shard order each epoch.
         shuffle_buffer: Size of the sample shuffle buffer; 0 or 1 keeps the stream order.
+        shards_in_flight: Shards read at once, or None for the default: 16 for remote shards
+            (HTTP, object stores: enough connections for a fast link with tens of ms to the
+            first byte), 4 for local files; never more than the epoch has. 1 reads the shards
+            one after the other.
+        buffer_bytes: Bytes of samples held read ahead, over all open shards.
         seed: The base seed of both shuffles.
         rank: This rank, or None to detect it.
         world_size: The number of ranks, or None to detect it.
@@ -107,12 +122,14 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
     Raises:
         TypeError: An argument has the wrong type.
         ValueError: ``shards`` is empty or a bad brace pattern, ``shuffle_buffer < 0``,
-            ``chunk_size < 1``, ``timeout`` is not positive, or ``rank``/``world_size`` are out
-            of range.
+            ``shards_in_flight < 1``, ``buffer_bytes < 1``, ``chunk_size < 1``, ``timeout`` is
+            not positive, or ``rank``/``world_size`` are out of range.
 
     Iterating raises:
         ValueError: A member name is absolute, has a ``..`` component or a NUL, or a sample has
             the same extension twice (naming the shard, the member and its header offset).
+        Every error of a shard is raised where its samples would have come, after the samples
+        before it, with a note naming the shard; the other open shards are closed.
         CorruptShardError: A shard is truncated (including a missing end-of-archive block), a
             header checksum does not match, or a size field is not a number (naming the shard
             and the byte offset).
@@ -128,6 +145,8 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         *,
         shuffle_shards: bool = False,
         shuffle_buffer: int = 0,
+        shards_in_flight: int | None = None,
+        buffer_bytes: int = 64 << 20,
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
@@ -153,6 +172,10 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         self._shuffle_shards = check_bool("shuffle_shards", shuffle_shards)
         self._shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, minimum=0)
         self._chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        if shards_in_flight is not None:
+            check_int("shards_in_flight", shards_in_flight, minimum=1)
+        self._in_flight = shards_in_flight
+        self._buffer_bytes = check_int("buffer_bytes", buffer_bytes, minimum=1)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self._seed = seed
@@ -215,6 +238,13 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
             world_size=self._world_size,
         )
 
+    def shards_in_flight(self, shards: int) -> int:
+        """How many shards are read at once in an epoch of ``shards`` shards (see the class)."""
+        if self._in_flight is not None:
+            return max(1, min(self._in_flight, shards))
+        remote = self._store is not None or _scheme(self._shards[0]) not in _LOCAL
+        return max(1, min(16 if remote else 4, shards))
+
     def per_slot(
         self, slots: int, *, policy: SlotPolicy = "shortest", fill: Any = None
     ) -> SlotStreams[dict[str, Any]]:
@@ -245,15 +275,15 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
         self._next_epoch = epoch + 1
         return epoch
 
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        """Start the next epoch: an async generator over this rank's samples.
+    def open_epoch(self) -> contextlib.AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
+        """Start the next epoch: an async context manager giving an iterator over this rank's
+        samples; the shards' readers run until the ``async with`` is left.
 
-        Cancellation: closing the generator early (``aclose``) closes the open shard (its file
-        or connection).
+        Cancellation: leaving the block early (``break``, an error, cancellation) closes every
+        open shard (its file or connection) before the block is left.
         """
         epoch = self._take_epoch()
-        shards = self.epoch_shards(epoch)
-        return self._epoch(shards, epoch)
+        return self._samples(self.epoch_shards(epoch), epoch)
 
     @contextlib.asynccontextmanager
     async def _open_reader(
@@ -305,29 +335,55 @@ class TarShards(AsyncIterableDataset[dict[str, Any]]):
 
         return resumable(reader, self._retry, stall_timeout=self._timeout, on_retry=count)
 
-    async def _epoch(self, shards: list[str], epoch: int) -> AsyncGenerator[dict[str, Any], None]:
-        async with self._open_reader() as read:
-            size = self._shuffle_buffer
-            if size <= 1:
-                for shard in shards:
-                    async with aclosing(read(shard)) as samples:
-                        async for sample in samples:
-                            yield sample
+    @contextlib.asynccontextmanager
+    async def _samples(
+        self, shards: list[str], epoch: int
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        width = self.shards_in_flight(len(shards))
+        ahead = max(1, width // 4) if width < len(shards) else 0
+        per_shard = max(self._chunk_size, self._buffer_bytes // (width + ahead))
+        order = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle_shards else None
+        async with (
+            self._open_reader() as read,
+            interleaved(
+                shards,
+                read,
+                width=width,
+                ahead=ahead,
+                part_limit=per_shard,
+                size=_sample_bytes,
+                rng=order,
+                name=_display,
+            ) as samples,
+        ):
+            if self._shuffle_buffer <= 1:
+                yield samples
                 return
             rng = random.Random(derive_seed(self._seed, epoch, 1))
-            buffer: list[dict[str, Any]] = []
-            for shard in shards:
-                async with aclosing(read(shard)) as samples:
-                    async for sample in samples:
-                        if len(buffer) < size:
-                            buffer.append(sample)
-                            continue
-                        slot = rng.randrange(size)
-                        evicted, buffer[slot] = buffer[slot], sample
-                        yield evicted
-            rng.shuffle(buffer)
-            while buffer:
-                yield buffer.pop()
+            async with aclosing(_shuffled(samples, self._shuffle_buffer, rng)) as shuffled:
+                yield shuffled
+
+
+async def _shuffled(
+    samples: AsyncIterator[dict[str, Any]], size: int, rng: random.Random
+) -> AsyncGenerator[dict[str, Any], None]:
+    """``samples`` through a shuffle buffer of ``size``: filled first, then each new sample takes
+    a random slot and the evicted one is yielded; the rest in random order at the end."""
+    buffer: list[dict[str, Any]] = []
+    async for sample in samples:
+        if len(buffer) < size:
+            buffer.append(sample)
+            continue
+        slot = rng.randrange(size)
+        evicted, buffer[slot] = buffer[slot], sample
+        yield evicted
+    rng.shuffle(buffer)
+    while buffer:
+        yield buffer.pop()
+
+
+def _sample_bytes(sample: dict[str, Any]) -> int:
+    return sum(len(v) for v in sample.values() if isinstance(v, bytes))
 
 
 #: ``aioloader.sources.tar_shards(...)``: the constructor under the name the other sources use

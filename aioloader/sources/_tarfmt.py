@@ -22,6 +22,7 @@ _PAX = b"x"
 _PAX_GLOBAL = b"g"
 _MAX_META = 1 << 20  # the largest GNU long name or pax header accepted, in bytes
 _OCTAL = frozenset(b"01234567")
+_HIGH_BYTES = bytes(range(128, 256))
 _SKIP_STEP = 1 << 20  # bytes discarded per step when skipping a member
 
 
@@ -93,8 +94,11 @@ def _checksum_ok(header: bytes, shard: str, offset: int) -> bool:
     stored = int(digits, 8)
     blanked = header[:148] + b" " * 8 + header[156:]
     unsigned = sum(blanked)
-    signed = sum(b - 256 if b > 127 else b for b in blanked)
-    return stored in (unsigned, signed)
+    if stored == unsigned:
+        return True
+    # Some old tars summed signed chars: every byte >= 128 counts 256 less.
+    high = len(blanked) - len(blanked.translate(None, _HIGH_BYTES))
+    return stored == unsigned - 256 * high
 
 
 def _size(header: bytes, shard: str, offset: int) -> int:

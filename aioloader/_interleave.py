@@ -1,0 +1,119 @@
+"""Which open part (shard, file, key range) an interleaved stream takes its next item from.
+
+Owns: the order of an interleave over ``width`` slots, each holding one part at a time, parts
+taken in plan order as slots free up, visited round by round (in slot order, or in a seeded
+permutation each round). The order depends only on the parts' lengths and the seed, never on
+which part's bytes arrive first, so the same seed gives the same epoch however fast the network
+is, and a position in it can be written down. Never: reads anything or waits (``_lanes.py``
+carries the order out).
+
+The consumer asks :meth:`Interleave.turn` for the part to draw from, then says what happened:
+:meth:`~Interleave.drew` (an item came), :meth:`~Interleave.ended` (that part has no more) or
+:meth:`~Interleave.missing` (the part index it asked for does not exist: the plan ran out).
+"""
+
+from __future__ import annotations
+
+import random
+
+__all__ = ["Interleave"]
+
+_EMPTY = -1  # a slot that will take the next part of the plan when its turn comes
+_CLOSED = -2  # a slot the plan ran out for
+
+
+class Interleave:
+    """The draw order of an interleave of parts over ``width`` slots.
+
+    Slots are visited round by round; in each round every open slot gets one turn, in slot
+    order, or, with ``rng``, in an order drawn with ``rng.shuffle`` at the start of the round.
+    A slot that is empty when its turn comes takes the next part of the plan (parts are numbered
+    0, 1, ... in the order they are taken); a slot whose part ends takes the next part in the same
+    turn. So at most ``width`` parts are open at once, and they open in plan order (a reader can
+    open parts ahead of the turns that need them).
+
+    With ``width=1`` the parts are read one after the other; with ``width >= parts`` and no
+    ``rng`` it is a round-robin over all of them.
+
+    Raises:
+        TypeError, ValueError: ``width`` is not an int >= 1.
+    """
+
+    __slots__ = ("_closed", "_order", "_pos", "_rng", "_slots", "next_part")
+
+    def __init__(self, width: int, rng: random.Random | None = None) -> None:
+        if isinstance(width, bool) or not isinstance(width, int):
+            raise TypeError(f"width must be an int, got {width!r}")
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        self._slots = [_EMPTY] * width
+        self._rng = rng
+        self._order = list(range(width))
+        self._pos = 0
+        self._closed = 0
+        #: The index of the part the next empty slot takes (= how many parts were taken).
+        self.next_part = 0
+        self._new_round()
+
+    @property
+    def done(self) -> bool:
+        """True once every slot is closed: the plan ran out and every part ended."""
+        return self._closed == len(self._slots)
+
+    @property
+    def open_parts(self) -> list[int]:
+        """The parts in the slots now, in slot order (empty and closed slots left out)."""
+        return [p for p in self._slots if p >= 0]
+
+    def turn(self) -> int:
+        """The part to draw the next item from. A part index equal to :attr:`next_part` - 1 that
+        was just taken may not exist yet: the caller says :meth:`missing` if the plan has no
+        such part.
+
+        Raises:
+            RuntimeError: :attr:`done` is true.
+        """
+        if self.done:
+            raise RuntimeError("the interleave is done: every part ended")
+        slot = self._order[self._pos]
+        part = self._slots[slot]
+        if part == _EMPTY:
+            part = self._slots[slot] = self.next_part
+            self.next_part += 1
+        return part
+
+    def drew(self) -> None:
+        """An item came from :meth:`turn`'s part: the next slot's turn."""
+        self._advance()
+
+    def ended(self) -> None:
+        """:meth:`turn`'s part has no more items: its slot takes the next part, in this turn."""
+        self._slots[self._order[self._pos]] = _EMPTY
+
+    def missing(self) -> None:
+        """The part :meth:`turn` named does not exist (the plan ran out): its slot closes, and no
+        slot takes a part again."""
+        slot = self._order[self._pos]
+        if self._slots[slot] != self.next_part - 1:
+            raise RuntimeError("missing() is only for the part just taken")
+        self.next_part -= 1  # it was never a part
+        self._slots[slot] = _CLOSED
+        self._closed += 1
+        self._advance()
+
+    def _advance(self) -> None:
+        if self.done:
+            return
+        while True:
+            self._pos += 1
+            if self._pos == len(self._order):
+                self._new_round()
+            if self._slots[self._order[self._pos]] != _CLOSED:
+                return
+
+    def _new_round(self) -> None:
+        self._pos = 0
+        if self._closed:
+            self._order = [s for s in range(len(self._slots)) if self._slots[s] != _CLOSED]
+        if self._rng is not None:
+            self._rng.shuffle(self._order)
