@@ -12,9 +12,12 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import aioloader
 from aioloader.sources._tar import CorruptShardError, TarShards, tar_shards
+from aioloader.sources._tarfmt import TarParser
 
 EXTS = ("jpg", "cls", "seg.png")
 
@@ -366,3 +369,51 @@ async def test_missing_shard_is_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as info:
         await collect(tar_shards([tmp_path / "nope.tar"]))
     assert "nope.tar" in "\n".join(info.value.__notes__)
+
+
+# -- the parser, fed any split of bytes tarfile wrote --------------------------------------------
+
+member_names = st.tuples(
+    st.text("abcxyz_-", min_size=1, max_size=6).map(lambda d: "d" * 120 + d),  # long: GNU/pax
+    st.text("abc0123", min_size=1, max_size=8),
+).map(lambda t: "/".join(t)) | st.text("abc0123", min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    samples=st.lists(
+        st.tuples(member_names, st.lists(st.binary(max_size=1500), min_size=1, max_size=3)),
+        min_size=1,
+        max_size=6,
+        unique_by=lambda s: s[0],
+    ),
+    fmt=st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT]),
+    cuts=st.lists(st.integers(min_value=1, max_value=3000), min_size=1, max_size=40),
+)
+def test_parser_gives_tarfiles_members_for_any_chunking(
+    samples: list[tuple[str, list[bytes]]], fmt: int, cuts: list[int]
+) -> None:
+    if fmt == tarfile.USTAR_FORMAT:
+        samples = [(key[-20:], values) for key, values in samples]  # ustar: short names only
+        if len({key for key, _ in samples}) < len(samples):
+            return
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt) as tar:
+        for key, values in samples:
+            for n, value in enumerate(values):
+                add(tar, f"{key}.e{n}", value)
+    data = buffer.getvalue()
+    parser = TarParser("mem.tar")
+    got: list[dict[str, Any]] = []
+    at = 0
+    for cut in cuts * (len(data) // sum(cuts) + 1):
+        got += parser.feed(data[at : at + cut])
+        at += cut
+        if at >= len(data):
+            break
+    got += parser.finish()
+    want = [
+        {"__key__": key, "__shard__": "mem.tar", **{f"e{n}": v for n, v in enumerate(values)}}
+        for key, values in samples
+    ]
+    assert got == want

@@ -2,17 +2,18 @@
 
 Owns: an incremental parser of tar headers (ustar, GNU long names, pax ``path``/``size``,
 base-256 sizes, checksums), rejecting member names that escape, and grouping members with the
-same key into sample dicts. Never: opens or reads anything (it is given chunks), decodes member
-bytes, holds more than one sample, or uses :mod:`tarfile`.
+same key into sample dicts, one chunk at a time. Never: opens or reads anything (it is given
+chunks), decodes member bytes, or uses :mod:`tarfile`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+import zlib
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
-__all__ = ["CorruptShardError", "read_samples"]
+__all__ = ["CorruptShardError", "TarParser", "read_samples"]
 
 _BLOCK = 512
 _REGULAR = (b"0", b"\0")
@@ -21,61 +22,14 @@ _GNU_LONGLINK = b"K"
 _PAX = b"x"
 _PAX_GLOBAL = b"g"
 _MAX_META = 1 << 20  # the largest GNU long name or pax header accepted, in bytes
-_OCTAL = frozenset(b"01234567")
+_OCTAL_DIGITS = b"01234567"
 _HIGH_BYTES = bytes(range(128, 256))
-_SKIP_STEP = 1 << 20  # bytes discarded per step when skipping a member
+_ZERO_BLOCK = bytes(_BLOCK)
 
 
 class CorruptShardError(ValueError):
     """A shard is truncated or not a valid tar file; the message names the shard and the byte
     offset where the problem was found."""
-
-
-class _Stream:
-    """Exact-size reads over a stream of chunks, tracking the byte offset."""
-
-    def __init__(self, chunks: AsyncIterator[bytes], shard: str) -> None:
-        self._chunks = chunks
-        self._shard = shard
-        self._buf = bytearray()
-        self._pos = 0
-        self.offset = 0  # the offset in the file of the next byte returned
-
-    async def _fill(self, n: int) -> bool:
-        """Make ``n`` bytes available; False at end of file before that."""
-        if self._pos:
-            del self._buf[: self._pos]
-            self._pos = 0
-        while len(self._buf) < n:
-            chunk = await anext(self._chunks, None)
-            if chunk is None:
-                return False
-            self._buf += chunk
-        return True
-
-    async def read(self, n: int, what: str) -> bytes:
-        """Return exactly ``n`` bytes; raise CorruptShardError naming ``what`` at end of file."""
-        if len(self._buf) - self._pos < n and not await self._fill(n):
-            have = len(self._buf) - self._pos
-            raise CorruptShardError(
-                f"tar shard {self._shard!r} is truncated: {what} needs {n} bytes at offset "
-                f"{self.offset}, only {have} left"
-            )
-        out = bytes(self._buf[self._pos : self._pos + n])
-        self._pos += n
-        self.offset += n
-        return out
-
-    async def at_eof(self) -> bool:
-        """True if no byte is left."""
-        return len(self._buf) - self._pos == 0 and not await self._fill(1)
-
-    async def skip(self, n: int, what: str) -> None:
-        """Discard ``n`` bytes, one chunk at a time."""
-        while n > 0:
-            step = min(n, _SKIP_STEP)
-            await self.read(step, what)
-            n -= step
 
 
 def _padding(size: int) -> int:
@@ -86,17 +40,27 @@ def _corrupt(shard: str, offset: int, problem: str) -> CorruptShardError:
     return CorruptShardError(f"tar shard {shard!r} is corrupt at offset {offset}: {problem}")
 
 
+def _octal(digits: bytes) -> bool:
+    return bool(digits) and not digits.translate(None, _OCTAL_DIGITS)
+
+
+def _byte_sum(block: bytes) -> int:
+    """The sum of a 512-byte block's bytes, in C: Adler-32's first sum, started at 0, is the
+    byte sum mod 65521, exact for 256 bytes (at most 65,280)."""
+    return (zlib.adler32(block[:256], 0) & 0xFFFF) + (zlib.adler32(block[256:], 0) & 0xFFFF)
+
+
 def _checksum_ok(header: bytes, shard: str, offset: int) -> bool:
     field = header[148:156]
     digits = field.replace(b"\0", b" ").strip()
-    if not digits or not set(digits) <= _OCTAL:
+    if not _octal(digits):
         raise _corrupt(shard, offset, f"checksum field is not octal: {field!r}")
     stored = int(digits, 8)
-    blanked = header[:148] + b" " * 8 + header[156:]
-    unsigned = sum(blanked)
+    unsigned = _byte_sum(header) - sum(field) + 8 * 0x20  # the field counts as 8 spaces
     if stored == unsigned:
         return True
     # Some old tars summed signed chars: every byte >= 128 counts 256 less.
+    blanked = header[:148] + b" " * 8 + header[156:]
     high = len(blanked) - len(blanked.translate(None, _HIGH_BYTES))
     return stored == unsigned - 256 * high
 
@@ -110,7 +74,7 @@ def _size(header: bytes, shard: str, offset: int) -> int:
     digits = field.replace(b"\0", b" ").strip()
     if not digits:
         return 0
-    if not set(digits) <= _OCTAL:
+    if not _octal(digits):
         raise _corrupt(shard, offset, f"size field is not octal: {field!r}")
     return int(digits, 8)
 
@@ -183,86 +147,167 @@ def _split(name: str) -> tuple[str, str] | None:
     return (f"{folder}/{stem}" if folder else stem), ext
 
 
-async def _members(stream: _Stream, shard: str) -> AsyncGenerator[tuple[str, int, bytes], None]:
-    """Yield ``(name, header offset, data)`` for each regular member of one shard."""
-    long_name: bytes | None = None
-    pax: dict[bytes, bytes] = {}
-    while True:
-        offset = stream.offset
-        if await stream.at_eof():
+class TarParser:
+    """An incremental parser of one shard: :meth:`feed` it chunks as they come, and it returns
+    the samples they completed; :meth:`finish` at the end of the bytes.
+
+    Work is per chunk, not per member read: a chunk is parsed in one synchronous pass over its
+    members, by index, and each member's bytes are copied once (into the sample). A member
+    larger than a chunk waits in a list of chunks that is joined once, when it is whole.
+    """
+
+    def __init__(self, shard: str) -> None:
+        self._shard = shard
+        self._pending: list[bytes] = []
+        self._have = 0  # bytes in _pending
+        self._offset = 0  # the offset in the shard of _pending's first byte
+        self._need = _BLOCK  # bytes the next unit needs
+        self._header: tuple[bytes, int, int, str | None] | None = None  # kind, size, offset, name
+        self._long_name: bytes | None = None
+        self._pax: dict[bytes, bytes] = {}
+        self._sample: dict[str, Any] | None = None
+        #: True once the end-of-archive block was read: what follows is not parsed.
+        self.done = False
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """Parse ``chunk``, the shard's next bytes; return the samples it completed.
+
+        Raises:
+            ValueError, CorruptShardError: As :func:`read_samples`.
+        """
+        if self.done or not chunk:
+            return []
+        self._pending.append(chunk)
+        self._have += len(chunk)
+        if self._have < self._need:
+            return []
+        buf = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        out: list[dict[str, Any]] = []
+        at = self._units(buf, out)
+        rest = buf[at:] if at < len(buf) else b""
+        self._pending = [rest] if rest else []
+        self._offset += at
+        self._have = len(rest)
+        return out
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The end of the bytes: the last sample, or an error if the shard is cut short.
+
+        Raises:
+            CorruptShardError: The bytes end inside a member or before the end-of-archive block.
+        """
+        if not self.done:
+            if self._header is None and self._have == 0:
+                raise CorruptShardError(
+                    f"tar shard {self._shard!r} is truncated: it ends at offset {self._offset} "
+                    "without an end-of-archive block"
+                )
+            what = "a header" if self._header is None else self._what()
             raise CorruptShardError(
-                f"tar shard {shard!r} is truncated: it ends at offset {offset} without an "
-                "end-of-archive block"
+                f"tar shard {self._shard!r} is truncated: {what} needs {self._need} bytes at "
+                f"offset {self._offset}, only {self._have} left"
             )
-        header = await stream.read(_BLOCK, "a header")
-        if header == bytes(_BLOCK):
-            return  # end of archive (the second zero block and the padding are not read)
+        return [] if self._sample is None else [self._sample]
+
+    def _what(self) -> str:
+        assert self._header is not None
+        _kind, _size, offset, name = self._header
+        if name is None:
+            return "a metadata member"
+        return f"member {name!r} (header at offset {offset})"
+
+    def _units(self, buf: bytes, out: list[dict[str, Any]]) -> int:
+        """Parse every whole unit (header, member) of ``buf``; return where the rest starts."""
+        at = 0
+        end = len(buf)
+        shard = self._shard
+        while end - at >= self._need:
+            if self._header is None:
+                header = buf[at : at + _BLOCK]
+                if header == _ZERO_BLOCK:
+                    self.done = True  # the second zero block and the padding are not read
+                    return end
+                self._start_member(header, self._offset + at)
+                at += _BLOCK
+                continue
+            kind, size, offset, name = self._header
+            data = buf[at : at + size]
+            at += self._need
+            self._header = None
+            self._need = _BLOCK
+            if name is None:
+                if kind == _GNU_LONGNAME:
+                    self._long_name = data.rstrip(b"\0")
+                elif kind == _PAX:
+                    self._pax = _parse_pax(data, shard, offset)
+            elif kind in _REGULAR:
+                self._add(name, offset, data, out)
+        return at
+
+    def _start_member(self, header: bytes, offset: int) -> None:
+        shard = self._shard
         if not _checksum_ok(header, shard, offset):
             raise _corrupt(shard, offset, "header checksum mismatch")
         size = _size(header, shard, offset)
         kind = header[156:157]
+        name: str | None = None
         if kind in (_GNU_LONGNAME, _GNU_LONGLINK, _PAX, _PAX_GLOBAL):
             if size > _MAX_META:
                 raise _corrupt(shard, offset, f"metadata member of {size} bytes")
-            data = await stream.read(size, "a metadata member")
-            await stream.skip(_padding(size), "padding")
-            if kind == _GNU_LONGNAME:
-                long_name = data.rstrip(b"\0")
-            elif kind == _PAX:
-                pax = _parse_pax(data, shard, offset)
-            continue
-        raw = long_name if long_name is not None else _header_name(header)
-        raw = pax.get(b"path", raw)
-        if b"size" in pax:
-            text = pax[b"size"]
-            if not text.isdigit():
-                raise _corrupt(shard, offset, f"pax size is not a number: {text!r}")
-            size = int(text)
-        long_name, pax = None, {}
-        name = _check_name(_decode(raw), shard, offset)
-        if kind in _REGULAR:
-            data = await stream.read(size, f"member {name!r} (header at offset {offset})")
-            await stream.skip(_padding(size), "padding")
-            yield name, offset, data
         else:
-            await stream.skip(size + _padding(size), f"member {name!r}")
+            raw = self._long_name if self._long_name is not None else _header_name(header)
+            raw = self._pax.get(b"path", raw)
+            if b"size" in self._pax:
+                text = self._pax[b"size"]
+                if not text.isdigit():
+                    raise _corrupt(shard, offset, f"pax size is not a number: {text!r}")
+                size = int(text)
+            self._long_name, self._pax = None, {}
+            name = _check_name(_decode(raw), shard, offset)
+        self._header = (kind, size, offset, name)
+        self._need = size + _padding(size)
+
+    def _add(self, member: str, offset: int, data: bytes, out: list[dict[str, Any]]) -> None:
+        parts = _split(member)
+        if parts is None:
+            return
+        key, ext = parts
+        sample = self._sample
+        if sample is not None and sample["__key__"] != key:
+            out.append(sample)
+            sample = None
+        if sample is None:
+            sample = self._sample = {"__key__": key, "__shard__": self._shard}
+        if ext in sample:
+            raise ValueError(
+                f"tar shard {self._shard!r}: member {member!r} at offset {offset} repeats "
+                f"extension {ext!r} of sample {key!r}"
+            )
+        sample[ext] = data
 
 
 async def read_samples(
     name: str, chunks: AsyncGenerator[bytes, None]
 ) -> AsyncGenerator[dict[str, Any], None]:
     """Yield the samples of one shard (``name``: as shown in samples and errors) from its
-    bytes; ``chunks`` is closed when the generator ends or closes.
+    bytes; ``chunks`` is closed when the generator ends or closes (at the end-of-archive block,
+    before the padding after it is read).
 
     Raises:
         ValueError: A member name escapes or a sample repeats an extension.
         CorruptShardError: The bytes are not a whole, valid tar file.
         OSError: Reading failed, with a note naming the shard.
     """
+    parser = TarParser(name)
     try:
-        async with (
-            aclosing(chunks),
-            aclosing(_members(_Stream(chunks, name), name)) as members,
-        ):
-            sample: dict[str, Any] | None = None
-            async for member, offset, data in members:
-                parts = _split(member)
-                if parts is None:
-                    continue
-                key, ext = parts
-                if sample is not None and sample["__key__"] != key:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                for sample in parser.feed(chunk):
                     yield sample
-                    sample = None
-                if sample is None:
-                    sample = {"__key__": key, "__shard__": name}
-                if ext in sample:
-                    raise ValueError(
-                        f"tar shard {name!r}: member {member!r} at offset {offset} repeats "
-                        f"extension {ext!r} of sample {key!r}"
-                    )
-                sample[ext] = data
-            if sample is not None:
-                yield sample
+                if parser.done:
+                    break
+        for sample in parser.finish():
+            yield sample
     except OSError as exc:
         exc.add_note(f"aioloader.sources.tar_shards: reading {name!r}")
         raise
