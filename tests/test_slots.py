@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -188,3 +190,36 @@ def test_the_loader_refuses_settings_that_break_positions() -> None:
         aioloader.DataLoader(ds, batch_size=2, in_order=False)
     with pytest.raises(ValueError, match="distributed=True"):
         aioloader.DataLoader(ds, batch_size=2, distributed=True, rank=0, world_size=2)
+
+
+async def test_streams_read_ahead_of_the_rounds_and_open_their_next_part_early() -> None:
+    progress: dict[str, int] = {}
+
+    async def counted(part: Part) -> AsyncIterator[tuple[str, int]]:
+        async for item in read(part):
+            progress[part[0]] = item[1] + 1
+            yield item
+
+    ds = SlotStreams(
+        lambda epoch: parts(3, 3, 3, 3),
+        _reader(counted),
+        slots=2,
+        buffer=2,
+    )
+    async with ds.open_epoch() as it:
+        first = await anext(it)
+        for _ in range(50):
+            await anyio.lowlevel.checkpoint()
+        assert first == SlotSample(0, True, True, ("p0", 0))
+        # Stream 0 (p0, then p2) and stream 1 (p1, then p3) read while no round was taken:
+        # each part to its buffer (2) plus the sample in hand, the next part opened already.
+        assert progress["p0"] == 3 and progress["p1"] >= 2
+        assert set(progress) == {"p0", "p1", "p2", "p3"}
+
+
+def _reader(fn: Any) -> Any:
+    @contextlib.asynccontextmanager
+    async def open_reader() -> AsyncIterator[Any]:
+        yield fn
+
+    return open_reader

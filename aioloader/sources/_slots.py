@@ -13,12 +13,14 @@ epoch's parts (``epoch_parts`` does, shuffled and split by rank) or reads bytes 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import anyio
 
-from .._dataset import AsyncIterableDataset
+from .._lanes import OpensEpochs, interleaved
 from .._sampler import epoch_parts
 
 __all__ = ["SlotPolicy", "SlotSample", "SlotStreams", "slot_streams"]
@@ -94,7 +96,7 @@ def slot_streams(
     return SlotStreams(parts_of, open_reader, slots=slots, policy=policy, fill=fill)
 
 
-class SlotStreams(AsyncIterableDataset[SlotSample[T]], Generic[T]):
+class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
     """Rounds of one sample from each of ``slots`` streams, stream ``0`` first.
 
     Use it with ``DataLoader(dataset, batch_size=slots)`` (the loader refuses another batch size,
@@ -112,7 +114,9 @@ class SlotStreams(AsyncIterableDataset[SlotSample[T]], Generic[T]):
       ``SlotSample(slot, first=False, valid=False, sample=fill)``. ``fill`` must collate with
       the real samples (e.g. a zero tensor of the same shape).
 
-    A round is read concurrently: stream ``i``'s next sample does not wait for stream ``j``'s.
+    Streams read concurrently and ahead of the rounds: each holds up to ``buffer`` of its
+    samples (counted by ``size``, default 1 each) and opens its next part before the current
+    one ends.
 
     Iterating raises:
         ValueError: An epoch has fewer parts than ``slots`` (for this rank), so some stream
@@ -133,6 +137,8 @@ class SlotStreams(AsyncIterableDataset[SlotSample[T]], Generic[T]):
         policy: SlotPolicy = "shortest",
         fill: Any = None,
         start_epoch: Callable[[], int] | None = None,
+        buffer: int = 64,
+        size: Callable[[T], int] | None = None,
     ) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int):
             raise TypeError(f"slots must be an int, got {slots!r}")
@@ -147,6 +153,8 @@ class SlotStreams(AsyncIterableDataset[SlotSample[T]], Generic[T]):
         self._open_reader = open_reader
         self._start_epoch = start_epoch
         self._next_epoch = 0
+        self._buffer = buffer
+        self._size = size
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(slots={self.slots}, policy={self.policy!r})"
@@ -177,11 +185,15 @@ class SlotStreams(AsyncIterableDataset[SlotSample[T]], Generic[T]):
             )
         return [parts[i :: self.slots] for i in range(self.slots)]
 
-    def __aiter__(self) -> AsyncIterator[SlotSample[T]]:
-        """Start the next epoch: an async generator of rounds, flattened.
+    def open_epoch(self) -> contextlib.AbstractAsyncContextManager[AsyncIterator[SlotSample[T]]]:
+        """Start the next epoch: an async context manager giving its rounds, flattened. Every
+        stream reads ahead of the rounds into a buffer of its own (its next part opened before
+        the current one ends), so a round does not wait for a stream to start a read.
 
         Raises:
             ValueError: As :meth:`shares`, at once.
+
+        Cancellation: leaving the block closes every stream's open parts before it is left.
         """
         if self._start_epoch is not None:
             epoch = self._start_epoch()
@@ -189,70 +201,67 @@ class SlotStreams(AsyncIterableDataset[SlotSample[T]], Generic[T]):
             epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         return self._rounds(self.shares(epoch))
 
-    async def _rounds(self, shares: list[list[Any]]) -> AsyncGenerator[SlotSample[T], None]:
-        async with self._open_reader() as read:
-            streams = [_stream(read, share) for share in shares]
-            try:
-                alive = [True] * len(streams)
-                while True:
-                    got = await _round(streams, alive)
-                    if not any(alive) or (self.policy == "shortest" and not all(alive)):
-                        return
-                    for slot, item in enumerate(got):
-                        if item is None:
-                            yield SlotSample(slot, False, False, self.fill)
-                        else:
-                            yield SlotSample(slot, item[0], True, item[1])
-            finally:
-                # Every stream is closed, even when closing one of them raises.
-                with anyio.CancelScope(shield=True):
-                    async with contextlib.AsyncExitStack() as closing:
-                        for stream in streams:
-                            closing.push_async_callback(stream.aclose)
+    @contextlib.asynccontextmanager
+    async def _rounds(self, shares: list[list[Any]]) -> AsyncIterator[AsyncIterator[SlotSample[T]]]:
+        size = self._size
+
+        def measure(item: tuple[bool, T]) -> int:
+            return 1 if size is None else size(item[1])
+
+        async with self._open_reader() as read, contextlib.AsyncExitStack() as stack:
+            streams = [
+                await stack.enter_async_context(
+                    interleaved(
+                        share,
+                        functools.partial(_marked, read),
+                        width=1,
+                        ahead=1,
+                        part_limit=self._buffer,
+                        size=measure,
+                    )
+                )
+                for share in shares
+            ]
+            async with aclosing(self._flatten(streams)) as rounds:
+                yield rounds
+
+    async def _flatten(
+        self, streams: list[AsyncIterator[tuple[bool, T]]]
+    ) -> AsyncGenerator[SlotSample[T], None]:
+        alive = [True] * len(streams)
+        while True:
+            got: list[tuple[bool, T] | None] = []
+            for slot, stream in enumerate(streams):
+                item = None
+                if alive[slot]:
+                    try:
+                        item = await anext(stream, None)
+                    except Exception as exc:
+                        exc.add_note(f"aioloader: slot stream {slot} of {len(streams)}")
+                        raise
+                    alive[slot] = item is not None
+                got.append(item)
+            if not any(alive) or (self.policy == "shortest" and not all(alive)):
+                return
+            for slot, item in enumerate(got):
+                if item is None:
+                    yield SlotSample(slot, False, False, self.fill)
+                else:
+                    yield SlotSample(slot, item[0], True, item[1])
 
 
-async def _stream(
-    read: Callable[[Any], AsyncIterator[T]], share: list[Any]
+async def _marked(
+    read: Callable[[Any], AsyncIterator[T]], part: Any
 ) -> AsyncGenerator[tuple[bool, T], None]:
-    """One stream: its parts one after the other, each sample with whether it starts a part."""
-    for part in share:
-        first = True
-        samples = read(part)
-        try:
-            async for sample in samples:
-                yield first, sample
-                first = False
-        finally:
-            aclose = getattr(samples, "aclose", None)
-            if aclose is not None:
+    """A part's samples, each with whether it is the part's first."""
+    first = True
+    samples = read(part)
+    try:
+        async for sample in samples:
+            yield first, sample
+            first = False
+    finally:
+        aclose = getattr(samples, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
                 await aclose()
-
-
-async def _round(
-    streams: list[AsyncGenerator[tuple[bool, T], None]], alive: list[bool]
-) -> list[tuple[bool, T] | None]:
-    """The next sample of every live stream, read concurrently; a stream found dry is marked
-    in ``alive``. The first failure (by slot) is raised, noting its slot."""
-    got: list[tuple[bool, T] | None] = [None] * len(streams)
-    errors: list[tuple[int, Exception]] = []
-
-    async def pull(slot: int) -> None:
-        try:
-            got[slot] = await anext(streams[slot])
-        except StopAsyncIteration:
-            alive[slot] = False
-        except Exception as exc:
-            errors.append((slot, exc))
-
-    live = [slot for slot, ok in enumerate(alive) if ok]
-    if len(live) == 1:
-        await pull(live[0])
-    else:
-        async with anyio.create_task_group() as tg:
-            for slot in live:
-                tg.start_soon(pull, slot)
-    if errors:
-        slot, exc = min(errors, key=lambda e: e[0])
-        exc.add_note(f"aioloader: slot stream {slot} of {len(streams)}")
-        raise exc
-    return got

@@ -253,8 +253,9 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         batch continues stream ``i``. See :class:`~aioloader.sources.SlotStreams`.
 
         Each epoch, this rank's shards (shuffled as :meth:`epoch_shards` says) are dealt out:
-        stream ``i`` reads shards ``i, i + slots, ...`` of that order, one after the other; the
-        sample shuffle buffer does not apply (it would mix the streams).
+        stream ``i`` reads shards ``i, i + slots, ...`` of that order, one after the other (its
+        next shard opened before the current one ends; ``buffer_bytes`` shared by the open
+        shards); the sample shuffle buffer does not apply (it would mix the streams).
 
         Raises:
             TypeError, ValueError: ``slots`` is not an int >= 1, or ``policy`` is unknown.
@@ -268,6 +269,8 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             policy=policy,
             fill=fill,
             start_epoch=lambda: self._take_epoch(),
+            buffer=max(self._chunk_size, self._buffer_bytes // (2 * slots)),
+            size=_sample_bytes,
         )
 
     def _take_epoch(self) -> int:
