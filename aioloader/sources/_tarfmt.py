@@ -238,8 +238,8 @@ class TarParser:
             if name is None:
                 if kind == _GNU_LONGNAME:
                     self._long_name = data.rstrip(b"\0")
-                elif kind == _PAX:
-                    self._pax = _parse_pax(data, shard, offset)
+                elif kind == _PAX and (b" path=" in data or b" size=" in data):
+                    self._pax = _parse_pax(data, shard, offset)  # else: mtime and such only
             elif kind in _REGULAR:
                 self._add(name, offset, data, out)
         return at
