@@ -354,3 +354,30 @@ def test_tar_shards_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="shard pattern"):
         tar_shards("a-{0..2.tar")
     assert isinstance(tar_shards("a-{0..1}.tar"), TarShards)
+
+
+async def test_shards_in_flight_over_http_give_the_local_order(
+    tmp_path: Path, fault_server: FaultServer
+) -> None:
+    """Several shards are requested at once (``shards_in_flight`` and one opened ahead), and
+    the samples come in the same order as from local files, whatever the network's timing."""
+    paths = make_shards(tmp_path, n_shards=8, n_samples=4)
+    urls = serve_shards(fault_server, paths)
+    fault_server.plan.latency = 0.05
+    local = keys(await collect(tar_shards(paths, shards_in_flight=3, shuffle_shards=True)))
+    remote = tar_shards(urls, shards_in_flight=3, shuffle_shards=True)
+    assert keys(await collect(remote)) == local
+    assert fault_server.max_active == 4  # 3 open shards and the next one
+
+
+async def test_a_failing_shard_among_several_in_flight_is_named(
+    tmp_path: Path, fault_server: FaultServer
+) -> None:
+    paths = make_shards(tmp_path, n_shards=4, n_samples=400)
+    urls = serve_shards(fault_server, paths)
+    fault_server.plan.always(fault_server.path(2), Fault.S500)
+    ds = tar_shards(urls, shards_in_flight=4, retry=None, chunk_size=1024, buffer_bytes=4096)
+    with pytest.raises(TransientHTTPError) as info:
+        await collect(ds)
+    assert f"reading part 2 ({urls[2]})" in "\n".join(info.value.__notes__)
+    assert info.value.status == 500

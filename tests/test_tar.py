@@ -309,6 +309,17 @@ async def test_an_iterator_dropped_unclosed_closes_its_shards(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+async def test_a_corrupt_shard_closes_the_others_still_open(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path, n_shards=4, n_samples=200)
+    data = paths[2].read_bytes()
+    paths[2].write_bytes(data[:3000])  # cut inside its first members
+    ds = tar_shards(paths, shards_in_flight=4, chunk_size=512, buffer_bytes=2048)
+    with pytest.raises(CorruptShardError, match=r"shard-2\.tar.*truncated"):
+        async for _ in ds:
+            assert open_shards(paths) > 0
+    assert open_shards(paths) == 0
+
+
 def open_shards(paths: Sequence[Path]) -> int:
     """How many file descriptors of this process are open on ``paths``."""
     names = {str(p) for p in paths}
