@@ -217,7 +217,7 @@ class Rows(aioloader.AsyncIterableDataset[str]):
     def __init__(self, name: str, n: int) -> None:
         self.name, self.n = name, n
 
-    async def __aiter__(self) -> AsyncIterator[str]:  # type: ignore[override]
+    async def __aiter__(self) -> AsyncIterator[str]:
         for i in range(self.n):
             yield f"{self.name}{i}"
 
@@ -225,7 +225,9 @@ class Rows(aioloader.AsyncIterableDataset[str]):
 async def test_interleave_through_the_loader_in_a_seeded_order() -> None:
     parts: list[Any] = [counting_part("a", 3), Rows("b", 2), counting_part("c", 4)]
     ds = aioloader.interleave(parts, in_flight=2)
-    loader = aioloader.DataLoader(ds, batch_size=4, collate_fn=list)
+    loader: aioloader.DataLoader[list[str]] = aioloader.DataLoader(
+        ds, batch_size=4, collate_fn=list
+    )
     async with loader:
         epoch = [x async for batch in loader for x in batch]
     assert epoch == ["a0", "b0", "a1", "b1", "a2", "c0", "c1", "c2", "c3"]
@@ -263,7 +265,7 @@ def test_interleave_arguments() -> None:
     with pytest.raises(ValueError, match="at least one part"):
         aioloader.interleave([])
     with pytest.raises(TypeError, match=r"parts\[1\] must be an async iterable"):
-        aioloader.interleave([counting_part("a", 1), 3])  # type: ignore[list-item]
+        aioloader.interleave([counting_part("a", 1), 3])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="in_flight"):
         aioloader.interleave([counting_part("a", 1)], in_flight=0)
     with pytest.raises(ValueError, match="buffer"):
@@ -273,6 +275,9 @@ def test_interleave_arguments() -> None:
 
 
 async def test_interleave_refuses_a_part_that_gives_no_async_iterator() -> None:
-    ds = aioloader.interleave([lambda: [1, 2]])  # type: ignore[list-item]
+    def not_async() -> Any:
+        return [1, 2]
+
+    ds: aioloader.Interleaved[int] = aioloader.interleave([not_async])
     with pytest.raises(TypeError, match=r"parts\[0\]\(\) must return an async iterator"):
         [x async for x in ds]
