@@ -25,6 +25,7 @@ mapped in the server.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import multiprocessing.context
 import multiprocessing.forkserver as stdlib_forkserver
@@ -89,6 +90,10 @@ def _serve_in_child(listener_fd: int, alive_r: int, alive_w: int) -> None:
     collected later would close whatever reused the number (a worker's pipe).
     """
     try:
+        # Every object inherited from the application goes to the collector's permanent
+        # generation: a collection here or in a worker forked from here would otherwise write
+        # to each object's header and copy every page of the inherited heap.
+        gc.freeze()
         os.close(alive_w)  # the parent's end: its close (or death) is our EOF
         name_this_process("aioloader-fs")
         server = getattr(stdlib_forkserver, "_forkserver", None)
