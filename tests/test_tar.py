@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import io
 import logging
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 import aioloader
 from aioloader.sources._tar import CorruptShardError, TarShards, tar_shards
 from aioloader.sources._tarfmt import TarParser
+from tests import worker_fns
 
 EXTS = ("jpg", "cls", "seg.png")
 
@@ -428,3 +430,20 @@ def test_parser_gives_tarfiles_members_for_any_chunking(
         for key, values in samples
     ]
     assert got == want
+
+
+def test_plain_for_with_worker_processes_and_a_break(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path, n_shards=4, n_samples=40)
+    ds = tar_shards(paths, chunk_size=512, buffer_bytes=2048)
+    loader: aioloader.DataLoader[list[str]] = aioloader.DataLoader(
+        ds, batch_size=8, num_workers=2, transform=worker_fns.sample_key, collate_fn=list
+    )
+    every = [key for batch in loader for key in batch]
+    assert sorted(every) == sorted(f"s{s}/{j:04d}" for s in range(4) for j in range(40))
+    # The transform in the workers keeps the interleave's order.
+    assert every == keys(asyncio.run(collect(tar_shards(paths))))
+    for batch in loader:
+        assert len(batch) == 8
+        break
+    loader.close()
+    assert open_shards(paths) == 0

@@ -81,3 +81,10 @@ def kill_on_7(x: int) -> int:
 def slow(x: int) -> int:
     time.sleep(0.05)
     return x
+
+
+def sample_key(sample: dict[str, Any]) -> str:
+    """A tar sample's key, with the worker that read it: a transform for stream tests."""
+    info = aioloader.get_worker_info()
+    assert info is not None, "not in a worker"
+    return str(sample["__key__"])
