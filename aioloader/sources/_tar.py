@@ -106,11 +106,14 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             (HTTP, object stores: enough connections for a fast link with tens of ms to the
             first byte), 4 for local files; never more than the epoch has. 1 reads the shards
             one after the other.
-        buffer_bytes: Bytes of samples held read ahead, over all open shards.
+        buffer_bytes: Bytes of samples held read ahead, over all open shards (16 MiB by
+            default).
         seed: The base seed of both shuffles.
         rank: This rank, or None to detect it.
         world_size: The number of ranks, or None to detect it.
-        chunk_size: Bytes per read of a shard (the least an object-store chunk holds).
+        chunk_size: Bytes per read of a shard (the least an object-store chunk holds). An
+            HTTP connection buffers up to twice this much besides (aiohttp raises its limits
+            to the read size), so it is kept small by default: 256 KiB.
         retry: When to resume a broken read (the default: 5 attempts per stall, exponential
             backoff with jitter, for transient errors); None fails at the first break.
         timeout: Seconds without a byte after which a read counts as stalled (and is resumed).
@@ -146,11 +149,11 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         shuffle_shards: bool = False,
         shuffle_buffer: int = 0,
         shards_in_flight: int | None = None,
-        buffer_bytes: int = 64 << 20,
+        buffer_bytes: int = 16 << 20,
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
-        chunk_size: int = 1 << 20,
+        chunk_size: int = 256 << 10,
         retry: RetryPolicy | None = _DEFAULT_RETRY,
         timeout: float = 60.0,
         headers: Mapping[str, str] | None = None,
