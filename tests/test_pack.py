@@ -1,0 +1,61 @@
+"""A worker's result crosses as one shared-memory block: tensors packed, nothing else changed."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+import aioloader
+from aioloader._pack import pack_tensors
+from tests import worker_fns
+
+
+class Pair(NamedTuple):
+    image: torch.Tensor
+    label: torch.Tensor
+
+
+def storages(tensors: list[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_tensors_share_one_block_and_keep_values_dtypes_and_shapes() -> None:
+    data: dict[str, Any] = {
+        "images": [torch.arange(7, dtype=torch.uint8), torch.ones(3, 5, dtype=torch.float64)],
+        "pair": Pair(torch.tensor([True, False, True]), torch.tensor(3)),
+        "name": "batch",
+    }
+    packed = pack_tensors(data)
+    flat = [*packed["images"], *packed["pair"]]
+    assert len(storages(flat)) == 1 and flat[0].untyped_storage().is_shared()
+    assert isinstance(packed["pair"], Pair) and packed["name"] == "batch"
+    originals = [*data["images"], *data["pair"]]
+    for got, want in zip(flat, originals, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+        assert got.data_ptr() % 64 == 0
+
+
+def test_what_cannot_be_packed_is_left_as_it_is() -> None:
+    base = torch.arange(12.0).reshape(3, 4)
+    grad = torch.ones(2, requires_grad=True)
+    data = [base, base[0], base.t(), grad, torch.empty(0), torch.ones(2), torch.zeros(2)]
+    packed = pack_tensors(data)
+    assert packed[0] is base and packed[1] is data[1]  # they alias: torch keeps the aliasing
+    assert packed[2] is data[2] and packed[3] is grad and packed[4] is data[4]
+    assert len(storages(packed[5:])) == 1 and torch.equal(packed[6], torch.zeros(2))
+    single = [torch.ones(3), "x"]
+    assert pack_tensors(single) is single  # one tensor: torch's own sharing is as good
+
+
+def test_a_workers_batch_of_tensors_arrives_in_one_block() -> None:
+    loader: aioloader.DataLoader[list[torch.Tensor]] = aioloader.DataLoader(
+        list(range(16)), batch_size=8, num_workers=1, transform=worker_fns.image, collate_fn=list
+    )
+    batches = list(loader)
+    assert len(batches) == 2
+    for k, batch in enumerate(batches):
+        assert len(storages(batch)) == 1
+        for i, image in enumerate(batch):
+            assert torch.equal(image, worker_fns.image(8 * k + i))
