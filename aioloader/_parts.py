@@ -13,7 +13,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from ._lanes import OpensEpochs, interleaved
-from ._sampler import check_bool, check_int, derive_seed, epoch_parts, resolve_rank
+from ._sampler import check_bool, check_int, check_seed, derive_seed, epoch_parts, resolve_rank
 
 __all__ = ["Interleaved", "interleave"]
 
@@ -115,9 +115,7 @@ class Interleaved(OpensEpochs[T]):
         self.in_flight = check_int("in_flight", in_flight, minimum=1)
         self.buffer = check_int("buffer", buffer, minimum=1)
         self._shuffle = check_bool("shuffle", shuffle)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        self._seed = seed
+        self._seed = check_seed(seed)
         if rank is not None and world_size is not None:
             resolve_rank(rank, world_size)  # validate early
         self._rank = rank

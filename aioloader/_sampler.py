@@ -72,6 +72,17 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_seed(value: object) -> int:
+    """Return ``value`` if it is an int (any size or sign; not a bool): a seed.
+
+    Raises:
+        TypeError: If ``value`` is not an int or is a bool.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"seed must be an int, got {value!r}")
+    return value
+
+
 def draw_seed(generator: torch.Generator | None = None) -> int:
     """A 64-bit seed drawn from ``generator`` (torch's default generator when None), as torch's
     DataLoader draws its base seed: ``torch.manual_seed`` makes it repeatable."""
@@ -401,9 +412,7 @@ class DistributedSampler(Sampler[int]):
         self._length = check_int("length", length, minimum=0)
         self._rank, self._world_size = resolve_rank(rank, world_size)
         self._shuffle = check_bool("shuffle", shuffle)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        self._seed = seed
+        self._seed = check_seed(seed)
         self._drop_last = check_bool("drop_last", drop_last)
         self._epoch = 0
 

@@ -23,7 +23,7 @@ import anyio
 
 from .._lanes import OpensEpochs, interleaved
 from .._retry import RetryPolicy
-from .._sampler import check_bool, check_int, derive_seed, epoch_parts, resolve_rank
+from .._sampler import check_bool, check_int, check_seed, derive_seed, epoch_parts, resolve_rank
 from ._braces import expand_braces
 from ._http import new_session, redact_url
 from ._objects import redact_store_url, store_from_url
@@ -179,9 +179,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             check_int("shards_in_flight", shards_in_flight, minimum=1)
         self._in_flight = shards_in_flight
         self._buffer_bytes = check_int("buffer_bytes", buffer_bytes, minimum=1)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        self._seed = seed
+        self._seed = check_seed(seed)
         if rank is not None and world_size is not None:
             resolve_rank(rank, world_size)  # validate early
         self._rank = rank
