@@ -29,7 +29,6 @@ from contextlib import aclosing
 from typing import Any, Generic, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._dataset import AsyncIterableDataset
 from ._interleave import Interleave
@@ -97,14 +96,16 @@ class _Parts(Generic[P, T]):
     """The parts opened so far, in plan order, and the room for more."""
 
     def __init__(self, room: int) -> None:
-        self.lanes: list[_Lane[T] | None] = []
+        self.lanes: dict[int, _Lane[T]] = {}  # the parts opened and not yet finished
+        self.opened = 0
         self.done = False
         self.error: BaseException | None = None
         self.room = anyio.Semaphore(room)
         self._changed = anyio.Event()
 
     def add(self, lane: _Lane[T]) -> None:
-        self.lanes.append(lane)
+        self.lanes[self.opened] = lane
+        self.opened += 1
         self._changed.set()
         self._changed = anyio.Event()
 
@@ -115,15 +116,13 @@ class _Parts(Generic[P, T]):
 
     async def lane(self, index: int) -> _Lane[T] | None:
         """Part ``index``'s lane once it is open; None when the plan has no such part."""
-        while index >= len(self.lanes):
+        while index >= self.opened:
             if self.done:
                 if self.error is not None:
                     raise self.error
                 return None
             await self._changed.wait()
-        lane = self.lanes[index]
-        assert lane is not None, "a finished part was asked for again"
-        return lane
+        return self.lanes[index]
 
 
 @contextlib.asynccontextmanager
@@ -211,7 +210,7 @@ async def interleaved(
                 raise
             if item is _END:
                 order.ended()
-                shelf.lanes[index] = None  # its reader is done: let it go
+                del shelf.lanes[index]  # its reader is done: let it go
                 shelf.room.release()
                 continue
             order.drew()
@@ -268,75 +267,87 @@ class OpensEpochs(AsyncIterableDataset[T_co]):
 class _Failed:
     __slots__ = ("error",)
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+_DONE: Any = object()
 
 
 class EpochIterator(AsyncIterator[T]):
     """Iterates an epoch opened with ``open_epoch()`` from any task, in any way (``break``,
     dropping it): the epoch runs in a task of its own, started at the first ``__anext__``;
-    items come over a rendezvous stream, so nothing is read beyond the epoch's own buffers.
+    items come over a one-item queue, so at most one item is read beyond the epoch's own
+    buffers.
 
-    Raises (from ``__anext__``): the epoch's error, as itself.
+    Raises (from ``__anext__``): the epoch's error, as itself (once; then the iterator is over).
 
-    Cancellation: cancelling a ``__anext__`` leaves the epoch running (the next call goes on);
-    :meth:`aclose`, or the iterator being garbage-collected, cancels the epoch's task, whose
-    ``async with`` closes every part.
+    Cancellation: cancelling a ``__anext__`` loses nothing and leaves the epoch running (the
+    next call gets the item it would have had: an ``asyncio.Queue`` takes an item out only when
+    the getter resumes); :meth:`aclose`, or the iterator being garbage-collected, cancels the
+    epoch's task, whose ``async with`` closes every part. After either, ``__anext__`` raises
+    ``StopAsyncIteration``.
     """
 
     def __init__(self, epoch: contextlib.AbstractAsyncContextManager[AsyncIterator[T]]) -> None:
         self._epoch: contextlib.AbstractAsyncContextManager[AsyncIterator[T]] | None = epoch
         self._task: asyncio.Task[None] | None = None
-        self._items: MemoryObjectReceiveStream[T | _Failed] | None = None
+        self._queue: asyncio.Queue[Any] | None = None
+        self._over = False
 
     def __aiter__(self) -> EpochIterator[T]:
         return self
 
     async def __anext__(self) -> T:
-        if self._items is None:
-            if self._epoch is None:
-                raise StopAsyncIteration
-            send, self._items = anyio.create_memory_object_stream[T | _Failed](0)
-            self._task = asyncio.get_running_loop().create_task(self._run(self._epoch, send))
+        if self._over:
+            raise StopAsyncIteration
+        if self._queue is None:
+            assert self._epoch is not None
+            self._queue = asyncio.Queue(1)
+            self._task = asyncio.get_running_loop().create_task(self._run(self._epoch, self._queue))
             self._epoch = None
-        try:
-            item = await self._items.receive()
-        except anyio.EndOfStream:
+        item = await self._queue.get()
+        if item is _DONE:
             await self.aclose()
-            raise StopAsyncIteration from None
+            raise StopAsyncIteration
         if isinstance(item, _Failed):
             await self.aclose()
             raise item.error
-        return item
+        return item  # type: ignore[no-any-return]
 
     @staticmethod
     async def _run(
-        epoch: contextlib.AbstractAsyncContextManager[AsyncIterator[T]],
-        send: MemoryObjectSendStream[T | _Failed],
+        epoch: contextlib.AbstractAsyncContextManager[AsyncIterator[T]], queue: asyncio.Queue[Any]
     ) -> None:
-        async with send:
-            try:
-                async with epoch as items:
-                    async for item in items:
-                        await send.send(item)
-            except anyio.BrokenResourceError:
-                pass  # the iterator was closed
-            except Exception as exc:
-                with contextlib.suppress(anyio.BrokenResourceError):
-                    await send.send(_Failed(exc))
+        try:
+            async with epoch as items:
+                async for item in items:
+                    await queue.put(item)
+        except asyncio.CancelledError:
+            raise  # closed by aclose() or collection
+        except BaseException as exc:  # the consumer raises it, whatever it is
+            await queue.put(_Failed(exc))
+        else:
+            await queue.put(_DONE)
 
     async def aclose(self) -> None:
-        """Stop the epoch: cancel its task and wait until every part is closed."""
+        """Stop the epoch: cancel its task and wait until every part is closed. A ``__anext__``
+        waiting in another task then ends with ``StopAsyncIteration``."""
+        self._over = True
         self._epoch = None
         task, self._task = self._task, None
-        if self._items is not None:
-            self._items.close()
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task])  # its parts are closed when it ends
+        queue = self._queue
+        if queue is not None:
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(_DONE)  # for a __anext__ still waiting
 
     def __del__(self) -> None:
-        if self._items is not None:
-            self._items.close()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()  # the loop runs its cleanup (closing the parts) on its own
+        task = self._task
+        if task is not None and not task.done():
+            # Collection may run on any thread; the loop runs the cleanup (closing the parts).
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs any more
+                task.get_loop().call_soon_threadsafe(task.cancel)

@@ -24,6 +24,18 @@ __all__ = ["pack_tensors"]
 _ALIGN = 64  # bytes: every view starts on a cache line, aligned for any dtype
 
 
+_MAX_PACKED = 1 << 20  # bytes: a larger tensor is shared on its own, as torch does
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 def _packable(t: torch.Tensor) -> bool:
     return (
         type(t) is torch.Tensor
@@ -31,15 +43,23 @@ def _packable(t: torch.Tensor) -> bool:
         and t.layout == torch.strided
         and not t.requires_grad
         and not t.is_quantized
-        and t.is_contiguous()
-        and t.numel() > 0
+        and not t.is_conj()
+        and not t.is_neg()
+        and 0 < t.nbytes <= _MAX_PACKED
+        and t.stride() == _contiguous_strides(t.shape)  # exactly, size-1 dimensions too
     )
 
 
 def pack_tensors(data: Any) -> Any:
-    """``data`` with its contiguous CPU tensors moved into one shared-memory block (when there
-    are at least two of them); other tensors, and tensors that share a storage with another
-    tensor of ``data`` (their aliasing is kept by torch's own sharing), are left as they are.
+    """``data`` with its small contiguous CPU tensors (up to 1 MiB each) moved into one
+    shared-memory block, when there are at least two of them; other tensors, and tensors that
+    share a storage with another tensor of ``data`` (their aliasing is kept by torch's own
+    sharing), are left as they are.
+
+    The packed tensors are views of the block, as the rows of a stacked batch are views of its
+    storage: the block lives while any of them does, and ``torch.save`` of one writes the block
+    (``.clone()`` gives a tensor of its own). A container that appears twice in ``data`` and
+    holds a packed tensor arrives as two containers.
 
     Raises:
         RuntimeError: Shared memory could not be allocated.

@@ -74,6 +74,11 @@ def interleave(
 
     Iterating raises: a part's error where its items would have come (after the items before
     it), with a note naming the part; the other parts are closed.
+
+    Cancellation: ending an epoch early cancels the readers of the open parts. A part stopped at
+    a ``yield`` is closed (``aclose``, shielded); one stopped inside its own ``await`` gets the
+    cancellation there, so an ``await`` in its ``finally`` (closing a connection) must shield
+    itself (``with anyio.CancelScope(shield=True):``) to be sure to run.
     """
     return Interleaved(
         parts,
@@ -110,6 +115,11 @@ class Interleaved(OpensEpochs[T]):
                 raise TypeError(
                     f"parts[{i}] must be an async iterable or a callable giving an async "
                     f"iterator, got {part!r}"
+                )
+            if hasattr(part, "__anext__"):  # an iterator: empty from its second epoch on
+                raise TypeError(
+                    f"parts[{i}] is a one-shot async iterator ({type(part).__name__}); pass "
+                    "the async generator function (or a re-iterable dataset) instead"
                 )
         self._parts = list(parts)
         self.in_flight = check_int("in_flight", in_flight, minimum=1)

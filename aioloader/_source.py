@@ -202,7 +202,10 @@ class _AsyncStream(StreamSource):
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[AsyncIterator[Any]]:
-        if isinstance(self._dataset, OpensEpochs):  # its readers' task group lives here
+        if (  # its readers' task group lives here, unless a subclass iterates its own way
+            isinstance(self._dataset, OpensEpochs)
+            and type(self._dataset).__aiter__ is OpensEpochs.__aiter__
+        ):
             async with self._dataset.open_epoch() as items:
                 yield items
             return

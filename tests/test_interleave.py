@@ -3,8 +3,10 @@ out (bounded buffers, errors named, parts closed)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -281,3 +283,91 @@ async def test_interleave_refuses_a_part_that_gives_no_async_iterator() -> None:
     ds: aioloader.Interleaved[int] = aioloader.interleave([not_async])
     with pytest.raises(TypeError, match=r"parts\[0\]\(\) must return an async iterator"):
         [x async for x in ds]
+
+
+# -- EpochIterator: direct iteration from any task ----------------------------------------------
+
+
+def numbers(n: int, pause: float = 0.0) -> Callable[[], AsyncIterator[int]]:
+    async def items() -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+            await anyio.sleep(pause)
+
+    return items
+
+
+async def test_a_finished_closed_or_failed_iterator_stops() -> None:
+    it = aiter(aioloader.interleave([numbers(2)]))
+    assert [x async for x in it] == [0, 1]
+    with pytest.raises(StopAsyncIteration):
+        await anext(it)
+    closed = aiter(aioloader.interleave([numbers(5)]))
+    assert await anext(closed) == 0
+    await closed.aclose()  # type: ignore[attr-defined]
+    with pytest.raises(StopAsyncIteration):
+        await anext(closed)
+
+    async def broken() -> AsyncIterator[int]:
+        yield 0
+        raise anyio.BrokenResourceError("a client's stream broke")  # not "the consumer left"
+
+    failing = aiter(aioloader.interleave([broken]))
+    assert await anext(failing) == 0
+    with pytest.raises(anyio.BrokenResourceError, match="client's stream"):
+        await anext(failing)
+    with pytest.raises(StopAsyncIteration):
+        await anext(failing)
+
+
+async def test_closing_ends_a_next_waiting_in_another_task() -> None:
+    it = aiter(aioloader.interleave([numbers(3, pause=30)]))
+    assert await anext(it) == 0
+    async with anyio.create_task_group() as tg:
+        got: list[object] = []
+
+        async def wait() -> None:
+            try:
+                got.append(await anext(it))
+            except StopAsyncIteration:
+                got.append("stopped")
+
+        tg.start_soon(wait)
+        await anyio.sleep(0.05)
+        with anyio.fail_after(5):
+            await it.aclose()  # type: ignore[attr-defined]
+    assert got == ["stopped"]
+
+
+async def test_cancelled_nexts_lose_no_item() -> None:
+    """Time-outs racing the items as they arrive: every item still comes, once, in order."""
+    it = aiter(aioloader.interleave([numbers(200, pause=0.0005)]))
+    got: list[int] = []
+    with anyio.fail_after(20):
+        while True:
+            try:
+                got.append(await asyncio.wait_for(anext(it), 0.0003))
+            except TimeoutError:
+                continue
+            except StopAsyncIteration:
+                break
+    assert got == list(range(200))
+
+
+async def test_the_loader_uses_a_subclass_own_aiter(tmp_path: Path) -> None:
+    class Numbers(aioloader.Interleaved[int]):
+        async def __aiter__(self) -> AsyncIterator[int]:  # type: ignore[override]
+            async for x in super().__aiter__():
+                yield 10 * x
+
+    ds = Numbers([numbers(3)], in_flight=1, buffer=4, shuffle=False, seed=0, rank=0, world_size=1)
+    loader: aioloader.DataLoader[list[int]] = aioloader.DataLoader(
+        ds, batch_size=3, collate_fn=list
+    )
+    async with loader:
+        assert [b async for b in loader] == [[0, 10, 20]]
+
+
+def test_interleave_refuses_a_one_shot_iterator_as_a_part() -> None:
+    with pytest.raises(TypeError, match=r"parts\[0\] is a one-shot async iterator"):
+        aioloader.interleave([numbers(3)()])

@@ -59,3 +59,15 @@ def test_a_workers_batch_of_tensors_arrives_in_one_block() -> None:
         assert len(storages(batch)) == 1
         for i, image in enumerate(batch):
             assert torch.equal(image, worker_fns.image(8 * k + i))
+
+
+def test_strides_of_size_one_dimensions_and_large_tensors_are_kept() -> None:
+    odd = torch.ones(3, 7)[:, :1]  # shape (3, 1), stride (7, 1): "contiguous" to torch
+    column = torch.arange(3.0).reshape(3, 1).as_strided((3, 1), (1, 7))
+    large = torch.zeros(300_000)  # 1.2 MB: shared on its own
+    small = [torch.ones(2), torch.zeros(3)]
+    packed = pack_tensors([odd, column, large, *small])
+    assert packed[0] is odd
+    assert packed[1].stride() == (1, 7) and packed[1] is column
+    assert packed[2] is large
+    assert len(storages(packed[3:])) == 1

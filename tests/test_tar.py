@@ -447,3 +447,30 @@ def test_plain_for_with_worker_processes_and_a_break(tmp_path: Path) -> None:
         break
     loader.close()
     assert open_shards(paths) == 0
+
+
+def test_samples_before_a_bad_header_in_the_same_chunk_come_first(tmp_path: Path) -> None:
+    members = [(f"{j:04d}.txt", b"x" * 10) for j in range(5)]
+    data = bytearray(make_shard(tmp_path / "bad.tar", members).read_bytes())
+    data[3 * 1024 + 100] ^= 0xFF  # the fourth member's header: its checksum fails
+    for chunk in (len(data), 512, 700):
+        parser = TarParser("bad.tar")
+        got: list[str] = []
+        with pytest.raises(CorruptShardError, match="offset 3072: header checksum"):
+            for at in range(0, len(data), chunk):
+                got += [s["__key__"] for s in parser.feed(bytes(data[at : at + chunk]))]
+                parser.check()
+            parser.finish()
+        assert got == ["0000", "0001"]  # "0002" is complete only once the next key is known
+
+
+def test_a_shard_cut_in_a_members_padding_names_the_padding(tmp_path: Path) -> None:
+    data = make_shard(tmp_path / "pad.tar", [("a.bin", b"x" * 513)]).read_bytes()
+    parser = TarParser("pad.tar")
+    parser.feed(data[: 512 + 600])
+    with pytest.raises(CorruptShardError, match="padding needs 511 bytes at offset 1025"):
+        parser.finish()
+    parser = TarParser("pad.tar")
+    parser.feed(data[: 512 + 100])
+    with pytest.raises(CorruptShardError, match=r"member 'a\.bin'.*needs 513 bytes at offset 512"):
+        parser.finish()

@@ -252,8 +252,9 @@ def object_stream(
 
     Args:
         url, suffix, glob, config, client_options, store: As for :func:`objects`.
-        concurrency: Objects read or held at once: a read starts as soon as an earlier object
-            is handed over, so ``concurrency`` reads stay in flight while the consumer works.
+        concurrency: Objects read (or read and waiting) ahead of the one the consumer has: a
+            read starts as soon as the consumer asks for the next object, so up to
+            ``concurrency`` reads are in flight while the consumer works on one.
 
     Raises:
         TypeError, ValueError: ``concurrency`` is not an int >= 1.
@@ -297,9 +298,9 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
     def open_epoch(
         self,
     ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[tuple[str, bytes]]]:
-        """One epoch: list, and read ``concurrency`` objects ahead of the consumer, in listing
-        order (a read starts as soon as an earlier object is handed over: no pause between
-        windows).
+        """One epoch: list, and read ``concurrency`` objects ahead of the one the consumer has,
+        in listing order (a read starts as soon as the consumer asks for the next object: no
+        pause between windows).
 
         Cancellation: leaving the block cancels the reads in flight; nothing is left running.
         """
@@ -307,7 +308,7 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
             self._listing(),
             self._read,
             width=1,
-            ahead=self.concurrency - 1,
+            ahead=self.concurrency,
             part_limit=1,
             name=self._name,
         )

@@ -58,8 +58,10 @@ class TarShards(OpensEpochs[dict[str, Any]]):
     and ``shards_in_flight``, never on which bytes arrive first. A few more shards (a quarter of
     ``shards_in_flight``, at least one) are opened ahead, so the next shard is already flowing
     when one ends. Memory: the samples read ahead hold at most ``buffer_bytes`` in all (split
-    evenly over the open shards, at least one ``chunk_size`` each), plus one chunk per open shard
-    being parsed, plus the shuffle buffer; a slow consumer stops the reads. A transfer that
+    evenly over the open shards, at least one ``chunk_size`` each; a sample counts its members'
+    bytes and 256 more), plus, per open shard, one sample waiting for room, the sample being
+    assembled and the chunk being parsed (a member larger than a chunk is held whole until it
+    is complete), plus the shuffle buffer; a slow consumer stops the reads. A transfer that
     breaks (a reset, a 5xx, throttling, a body cut short, no byte for ``timeout`` seconds)
     resumes at the byte where it stopped, with a range request, as ``retry`` allows;
     :attr:`retries` counts the resumptions.
@@ -386,8 +388,13 @@ async def _shuffled(
         yield buffer.pop()
 
 
+_SAMPLE_OVERHEAD = 256  # bytes a sample holds besides its members: the dict, the key, headers
+
+
 def _sample_bytes(sample: dict[str, Any]) -> int:
-    return sum(len(v) for v in sample.values() if isinstance(v, bytes))
+    """What a sample holds, for the read-ahead bound: its members and a fixed overhead (so that
+    a shard of tiny or empty samples is bounded too)."""
+    return _SAMPLE_OVERHEAD + sum(len(v) for v in sample.values() if isinstance(v, bytes))
 
 
 #: ``aioloader.sources.tar_shards(...)``: the constructor under the name the other sources use

@@ -166,15 +166,21 @@ class TarParser:
         self._long_name: bytes | None = None
         self._pax: dict[bytes, bytes] = {}
         self._sample: dict[str, Any] | None = None
-        #: True once the end-of-archive block was read: what follows is not parsed.
+        self._error: ValueError | None = None  # found by feed, raised by check
+        self._failed = False
+        #: True once the end-of-archive block was read (or a problem found): what follows is
+        #: not parsed.
         self.done = False
 
     def feed(self, chunk: bytes) -> list[dict[str, Any]]:
-        """Parse ``chunk``, the shard's next bytes; return the samples it completed.
+        """Parse ``chunk``, the shard's next bytes; return the samples it completed. A problem
+        found in the chunk is kept until the samples before it are returned: :meth:`check`
+        (or the next :meth:`feed`, or :meth:`finish`) raises it.
 
         Raises:
-            ValueError, CorruptShardError: As :func:`read_samples`.
+            ValueError, CorruptShardError: As :func:`read_samples`, for an earlier chunk.
         """
+        self.check()
         if self.done or not chunk:
             return []
         self._pending.append(chunk)
@@ -183,29 +189,57 @@ class TarParser:
             return []
         buf = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
         out: list[dict[str, Any]] = []
-        at = self._units(buf, out)
+        try:
+            at = self._units(buf, out)
+        except ValueError as exc:  # CorruptShardError too
+            self._error = exc
+            self.done = True
+            return out
         rest = buf[at:] if at < len(buf) else b""
         self._pending = [rest] if rest else []
         self._offset += at
         self._have = len(rest)
         return out
 
+    def check(self) -> None:
+        """Raise the problem the last :meth:`feed` found after the samples it returned.
+
+        Raises:
+            ValueError, CorruptShardError: As :func:`read_samples`.
+        """
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._failed = True
+            raise error
+
     def finish(self) -> list[dict[str, Any]]:
         """The end of the bytes: the last sample, or an error if the shard is cut short.
 
         Raises:
             CorruptShardError: The bytes end inside a member or before the end-of-archive block.
+            ValueError: As :meth:`check`.
         """
+        self.check()
+        if self._failed:
+            return []
         if not self.done:
             if self._header is None and self._have == 0:
                 raise CorruptShardError(
                     f"tar shard {self._shard!r} is truncated: it ends at offset {self._offset} "
                     "without an end-of-archive block"
                 )
-            what = "a header" if self._header is None else self._what()
+            if self._header is None:
+                what, need, at, have = "a header", _BLOCK, self._offset, self._have
+            else:
+                size = self._header[1]
+                if self._have >= size:  # the member is whole; its padding is cut
+                    what, need, at = "padding", self._need - size, self._offset + size
+                    have = self._have - size
+                else:
+                    what, need, at, have = self._what(), size, self._offset, self._have
             raise CorruptShardError(
-                f"tar shard {self._shard!r} is truncated: {what} needs {self._need} bytes at "
-                f"offset {self._offset}, only {self._have} left"
+                f"tar shard {self._shard!r} is truncated: {what} needs {need} bytes at "
+                f"offset {at}, only {have} left"
             )
         return [] if self._sample is None else [self._sample]
 
@@ -238,8 +272,9 @@ class TarParser:
             if name is None:
                 if kind == _GNU_LONGNAME:
                     self._long_name = data.rstrip(b"\0")
-                elif kind == _PAX and (b" path=" in data or b" size=" in data):
-                    self._pax = _parse_pax(data, shard, offset)  # else: mtime and such only
+                elif kind == _PAX:  # only path and size matter; mtime and such are skipped
+                    wanted = b" path=" in data or b" size=" in data
+                    self._pax = _parse_pax(data, shard, offset) if wanted else {}
             elif kind in _REGULAR:
                 self._add(name, offset, data, out)
         return at
@@ -304,6 +339,7 @@ async def read_samples(
             async for chunk in chunks:
                 for sample in parser.feed(chunk):
                     yield sample
+                parser.check()  # a problem after those samples
                 if parser.done:
                     break
         for sample in parser.finish():
