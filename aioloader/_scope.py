@@ -162,6 +162,11 @@ class EpochIterator(Generic[T_Batch]):
                 if sampler is None:  # impossible for a map-style loader; keeps mypy honest
                     raise LoaderStateError("map-style loader without a sampler")
                 batches = ([i] for i in sampler)
+        elif not isinstance(loader._source, InWorkers):
+            # A stream read here (tar shards, an interleave) shuffles by the loader's epoch.
+            set_epoch = getattr(loader.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self._number)
         config = loader._config
         send, recv = anyio.create_memory_object_stream[Any](config.prefetch)
         epoch = Epoch(

@@ -474,3 +474,38 @@ def test_a_shard_cut_in_a_members_padding_names_the_padding(tmp_path: Path) -> N
     parser.feed(data[: 512 + 100])
     with pytest.raises(CorruptShardError, match=r"member 'a\.bin'.*needs 513 bytes at offset 512"):
         parser.finish()
+
+
+async def test_the_loaders_epoch_reaches_the_shards(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path)
+
+    def shards() -> TarShards:
+        return tar_shards(paths, shuffle_shards=True, shuffle_buffer=5, seed=2)
+
+    async def order(epoch: int) -> list[str]:
+        ds = shards()
+        ds.set_epoch(epoch)
+        return keys(await collect(ds))
+
+    loader: aioloader.DataLoader[list[dict[str, Any]]] = aioloader.DataLoader(
+        shards(), batch_size=5, collate_fn=list
+    )
+    loader.set_epoch(3)
+    async with loader:
+        assert keys([s async for b in loader for s in b]) == await order(3)
+        assert keys([s async for b in loader for s in b]) == await order(4)
+    loader.set_epoch(7)
+    assert keys([s for b in loader for s in b]) == await order(7)  # a plain for too
+
+    per_slot: aioloader.DataLoader[Any] = aioloader.DataLoader(
+        shards().per_slot(2), batch_size=2, collate_fn=list
+    )
+    per_slot.set_epoch(5)
+    async with per_slot:
+        got = [s.sample["__key__"] async for b in per_slot for s in b]
+    direct = shards()
+    direct.set_epoch(5)
+    assert got == [s.sample["__key__"] async for s in direct.per_slot(2)]
+    other = shards()
+    other.set_epoch(0)
+    assert got != [s.sample["__key__"] async for s in other.per_slot(2)]

@@ -137,6 +137,7 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
         policy: SlotPolicy = "shortest",
         fill: Any = None,
         start_epoch: Callable[[], int] | None = None,
+        set_source_epoch: Callable[[int], None] | None = None,
         buffer: int = 64,
         size: Callable[[T], int] | None = None,
     ) -> None:
@@ -152,6 +153,7 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
         self._parts_of = parts_of
         self._open_reader = open_reader
         self._start_epoch = start_epoch
+        self._set_source_epoch = set_source_epoch
         self._next_epoch = 0
         self._buffer = buffer
         self._size = size
@@ -160,9 +162,8 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
         return f"{type(self).__name__}(slots={self.slots}, policy={self.policy!r})"
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch the next :meth:`__aiter__` call iterates (without a
-        ``start_epoch`` callback; a dataset made by ``TarShards.per_slot`` follows the shards'
-        own epochs: call their ``set_epoch``).
+        """Choose the epoch the next iteration reads (a dataset made by ``TarShards.per_slot``
+        sets its shards' epoch: it follows their epochs).
 
         Raises:
             TypeError, ValueError: ``epoch`` is not an int >= 0.
@@ -170,6 +171,8 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self._next_epoch = epoch
+        if self._set_source_epoch is not None:
+            self._set_source_epoch(epoch)
 
     def shares(self, epoch: int) -> list[list[Any]]:
         """What each stream reads in ``epoch``: ``shares(e)[i]`` are stream ``i``'s parts.

@@ -272,6 +272,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             policy=policy,
             fill=fill,
             start_epoch=lambda: self._take_epoch(),
+            set_source_epoch=self.set_epoch,
             buffer=max(self._chunk_size, self._buffer_bytes // (2 * slots)),
             size=_sample_bytes,
         )
