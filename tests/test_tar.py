@@ -352,6 +352,11 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
         tar_shards(["a.tar"], shards_in_flight=2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="buffer_bytes"):
         tar_shards(["a.tar"], buffer_bytes=0)
+    with pytest.raises(ValueError, match=r"shards\[1\] 's3:///shard-1\.tar' names no bucket"):
+        tar_shards(["s3://b/shard-0.tar", "s3:///shard-1.tar"])
+    with pytest.raises(ValueError, match=r"shards\[0\] 'http:///x\.tar' names no host"):
+        tar_shards(["http:///x.tar"])
+    assert tar_shards(["file:///data/x.tar"]).shards == ["file:///data/x.tar"]
     with pytest.raises(ValueError, match="rank"):
         tar_shards(["a.tar"], rank=2, world_size=2)
 

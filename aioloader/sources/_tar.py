@@ -171,9 +171,12 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         if not shards:
             raise ValueError("shards must name at least one tar file")
         self._shards = [os.fspath(s) for s in shards]
-        for s in self._shards:
+        for i, s in enumerate(self._shards):
             if not isinstance(s, str):
                 raise TypeError(f"shards must be str paths or URLs, got {s!r}")
+            if store is None and _scheme(s) not in _LOCAL and not urlsplit(s).netloc:
+                what = "host" if _scheme(s) in _HTTP else "bucket"
+                raise ValueError(f"shards[{i}] {_display(s)!r} names no {what}")
         self._shuffle_shards = check_bool("shuffle_shards", shuffle_shards)
         self._shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, minimum=0)
         self._chunk_size = check_int("chunk_size", chunk_size, minimum=1)
