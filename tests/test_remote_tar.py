@@ -31,6 +31,9 @@ fault_server = http_server.fault_server
 FAST = aioloader.RetryPolicy(attempts=4, initial_backoff=0.0)
 
 
+SHARD_FIELDS = ("__shard__", "__url__", "__local_path__")
+
+
 def serve_shards(server: FaultServer, paths: list[Path]) -> list[str]:
     for i, path in enumerate(paths):
         server.objects[i] = path.read_bytes()
@@ -39,12 +42,13 @@ def serve_shards(server: FaultServer, paths: list[Path]) -> list[str]:
 
 async def local_samples(paths: list[Path]) -> list[dict[str, Any]]:
     return [
-        {k: v for k, v in s.items() if k != "__shard__"} for s in await collect(tar_shards(paths))
+        {k: v for k, v in s.items() if k not in SHARD_FIELDS}
+        for s in await collect(tar_shards(paths))
     ]
 
 
 def without_shard(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in s.items() if k != "__shard__"} for s in samples]
+    return [{k: v for k, v in s.items() if k not in SHARD_FIELDS} for s in samples]
 
 
 # -- HTTP -----------------------------------------------------------------------------------------

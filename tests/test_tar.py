@@ -24,6 +24,11 @@ from tests import worker_fns
 EXTS = ("jpg", "cls", "seg.png")
 
 
+def local(path: Path) -> dict[str, str]:
+    """The fields naming a local shard, as webdataset names them (and ``__shard__``, ours)."""
+    return {"__url__": str(path), "__local_path__": str(path), "__shard__": str(path)}
+
+
 def payload(shard: int, sample: int, ext: str) -> bytes:
     return f"<{shard}/{sample}.{ext}>".encode() * (1 + sample % 3)
 
@@ -75,6 +80,8 @@ async def test_grouping_keys_extensions_and_bytes(tmp_path: Path) -> None:
         s, j = divmod(i, 10)
         assert sample == {
             "__key__": f"s{s}/{j:04d}",
+            "__url__": str(paths[s]),
+            "__local_path__": str(paths[s]),
             "__shard__": str(paths[s]),
             **{ext: payload(s, j, ext) for ext in EXTS},
         }
@@ -92,8 +99,8 @@ async def test_directories_and_links_are_skipped(tmp_path: Path) -> None:
         add(tar, "./d/2.txt", b"two")
     got = await collect(tar_shards([path]))
     assert got == [
-        {"__key__": "d/1", "__shard__": str(path), "txt": b"one"},
-        {"__key__": "d/2", "__shard__": str(path), "txt": b"two"},
+        {"__key__": "d/1", **local(path), "txt": b"one"},
+        {"__key__": "d/2", **local(path), "txt": b"two"},
     ]
 
 
@@ -268,7 +275,14 @@ async def test_long_names(tmp_path: Path, fmt: int) -> None:
     members = [(f"{folder}/0001.jpg", b"j"), (f"{folder}/0001.cls", b"c")]
     path = make_shard(tmp_path / "long.tar", members, fmt=fmt)
     got = await collect(tar_shards([path], chunk_size=100))
-    assert got == [{"__key__": f"{folder}/0001", "__shard__": str(path), "jpg": b"j", "cls": b"c"}]
+    assert got == [
+        {
+            "__key__": f"{folder}/0001",
+            **local(path),
+            "jpg": b"j",
+            "cls": b"c",
+        }
+    ]
 
 
 async def test_long_escaping_name_is_rejected(tmp_path: Path) -> None:
@@ -374,7 +388,14 @@ async def test_gnu_base256_size(tmp_path: Path) -> None:
     rechecksum(data, 0)
     path.write_bytes(bytes(data))
     got = await collect(tar_shards([path]))
-    assert got == [{"__key__": "a", "__shard__": str(path), "bin": b"x" * 10, "txt": b"t"}]
+    assert got == [
+        {
+            "__key__": "a",
+            **local(path),
+            "bin": b"x" * 10,
+            "txt": b"t",
+        }
+    ]
 
 
 async def test_repeated_extension_is_rejected(tmp_path: Path) -> None:
@@ -431,7 +452,12 @@ def test_parser_gives_tarfiles_members_for_any_chunking(
             break
     got += parser.finish()
     want = [
-        {"__key__": key, "__shard__": "mem.tar", **{f"e{n}": v for n, v in enumerate(values)}}
+        {
+            "__key__": key,
+            "__url__": "mem.tar",
+            "__shard__": "mem.tar",
+            **{f"e{n}": v for n, v in enumerate(values)},
+        }
         for key, values in samples
     ]
     assert got == want

@@ -67,16 +67,27 @@ class TarShards(OpensEpochs[dict[str, Any]]):
     :attr:`retries` counts the resumptions.
 
     Samples: consecutive regular-file members with the same key (the member path up to the first
-    dot of its last component, folders included) form one sample, a dict::
+    dot of its last component, folders included) form one sample, a dict, with webdataset's
+    names so that code written for webdataset runs unchanged::
 
-        {"__key__": "dir/0001", "__shard__": "/data/shard-0.tar", "jpg": b"...", "cls": b"..."}
+        {"__key__": "dir/0001", "__url__": "/data/shard-0.tar", "jpg": b"...", "cls": b"...",
+         "__local_path__": "/data/shard-0.tar", "__shard__": "/data/shard-0.tar"}
 
-    ``__key__`` and ``__shard__`` are ``str`` (the member name decoded as UTF-8 with
+    ``__key__`` and ``__url__`` are ``str`` (the member name decoded as UTF-8 with
     ``surrogateescape``; the shard as given, a URL without its query string or user info);
-    every other value is the member's ``bytes``, under its extension (everything after that first
-    dot, e.g. ``"seg.png"``). Directories, links and other non-regular members are skipped, as
-    are members whose last component has no extension or starts with a dot (as WebDataset does).
-    A leading ``./`` of a member name is dropped.
+    ``__local_path__`` is there for a local shard (its path), and ``__shard__`` (ours, the same
+    as ``__url__``) always. Every other value is the member's ``bytes``, under its extension in
+    lower case (everything after that first dot: ``x.Seg.PNG`` is ``"seg.png"``). Directories,
+    links and other non-regular members are skipped (contiguous-file members, type ``7``, are
+    regular), as are members whose last component has no extension or starts with a dot, and
+    webdataset's metadata (names starting ``__something__`` followed by ``/`` or the end), as
+    webdataset does. A leading ``./`` of a member name is dropped. A GNU sparse member is an
+    error (:class:`CorruptShardError` naming it), never a sample with the wrong bytes.
+
+    Compressed shards (gzip: ``.tar.gz``, ``.tgz``, as ``webdataset.TarWriter(compress=True)``
+    writes them; bzip2; xz) are recognised by their first bytes and decompressed as they stream.
+    A broken transfer resumes at the compressed byte where it stopped, so decompression goes on
+    where it was; offsets in error messages count uncompressed bytes.
 
     Epochs: each :meth:`__aiter__` call starts the next epoch (the first is 0);
     :meth:`set_epoch` chooses the epoch of the next call.
@@ -330,7 +341,10 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             )
 
         def samples(shard: str) -> AsyncGenerator[dict[str, Any], None]:
-            return read_samples(_display(shard), self._chunks(reader(shard)))
+            fields = None
+            if self._store is None and _scheme(shard) in _LOCAL:  # as webdataset names it
+                fields = {"__local_path__": urlsplit(shard).path if _scheme(shard) else shard}
+            return read_samples(_display(shard), self._chunks(reader(shard)), fields)
 
         try:
             yield samples

@@ -8,6 +8,9 @@ chunks), decodes member bytes, or uses :mod:`tarfile`.
 
 from __future__ import annotations
 
+import bz2
+import lzma
+import re
 import zlib
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -16,7 +19,10 @@ from typing import Any
 __all__ = ["CorruptShardError", "TarParser", "read_samples"]
 
 _BLOCK = 512
-_REGULAR = (b"0", b"\0")
+_REGULAR = (b"0", b"\0", b"7")  # regular, old regular, contiguous (POSIX: read as regular)
+_GNU_SPARSE = b"S"
+_SPARSE = "not supported (write shards without tar's --sparse)"
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata names (``__info__/...``): skipped
 _GNU_LONGNAME = b"L"
 _GNU_LONGLINK = b"K"
 _PAX = b"x"
@@ -156,8 +162,9 @@ class TarParser:
     larger than a chunk waits in a list of chunks that is joined once, when it is whole.
     """
 
-    def __init__(self, shard: str) -> None:
+    def __init__(self, shard: str, fields: dict[str, Any] | None = None) -> None:
         self._shard = shard
+        self._fields = {"__url__": shard, "__shard__": shard, **(fields or {})}
         self._pending: list[bytes] = []
         self._have = 0  # bytes in _pending
         self._offset = 0  # the offset in the shard of _pending's first byte
@@ -272,11 +279,13 @@ class TarParser:
             if name is None:
                 if kind == _GNU_LONGNAME:
                     self._long_name = data.rstrip(b"\0")
-                elif kind == _PAX:  # only path and size matter; mtime and such are skipped
-                    wanted = b" path=" in data or b" size=" in data
+                elif kind == _PAX:  # path, size and sparse maps matter; mtime and such do not
+                    wanted = b" path=" in data or b" size=" in data or b" GNU.sparse." in data
                     self._pax = _parse_pax(data, shard, offset) if wanted else {}
             elif kind in _REGULAR:
                 self._add(name, offset, data, out)
+            elif kind == _GNU_SPARSE:
+                raise _corrupt(shard, offset, f"member {name!r} is a GNU sparse file, {_SPARSE}")
         return at
 
     def _start_member(self, header: bytes, offset: int) -> None:
@@ -290,6 +299,11 @@ class TarParser:
             if size > _MAX_META:
                 raise _corrupt(shard, offset, f"metadata member of {size} bytes")
         else:
+            if any(key.startswith(b"GNU.sparse.") for key in self._pax):
+                raw = self._pax.get(b"GNU.sparse.name", self._pax.get(b"path", b"?"))
+                raise _corrupt(
+                    shard, offset, f"member {_decode(raw)!r} is a GNU sparse file: " + _SPARSE
+                )
             raw = self._long_name if self._long_name is not None else _header_name(header)
             raw = self._pax.get(b"path", raw)
             if b"size" in self._pax:
@@ -303,16 +317,19 @@ class TarParser:
         self._need = size + _padding(size)
 
     def _add(self, member: str, offset: int, data: bytes, out: list[dict[str, Any]]) -> None:
+        if _META.match(member):
+            return
         parts = _split(member)
         if parts is None:
             return
         key, ext = parts
+        ext = ext.lower()  # webdataset's convention: x.JPG is sample["jpg"]
         sample = self._sample
         if sample is not None and sample["__key__"] != key:
             out.append(sample)
             sample = None
         if sample is None:
-            sample = self._sample = {"__key__": key, "__shard__": self._shard}
+            sample = self._sample = {"__key__": key, **self._fields}
         if ext in sample:
             raise ValueError(
                 f"tar shard {self._shard!r}: member {member!r} at offset {offset} repeats "
@@ -322,7 +339,7 @@ class TarParser:
 
 
 async def read_samples(
-    name: str, chunks: AsyncGenerator[bytes, None]
+    name: str, chunks: AsyncGenerator[bytes, None], fields: dict[str, Any] | None = None
 ) -> AsyncGenerator[dict[str, Any], None]:
     """Yield the samples of one shard (``name``: as shown in samples and errors) from its
     bytes; ``chunks`` is closed when the generator ends or closes (at the end-of-archive block,
@@ -333,10 +350,10 @@ async def read_samples(
         CorruptShardError: The bytes are not a whole, valid tar file.
         OSError: Reading failed, with a note naming the shard.
     """
-    parser = TarParser(name)
+    parser = TarParser(name, fields)
     try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
+        async with aclosing(chunks), aclosing(_decompressed(chunks, name)) as data:
+            async for chunk in data:
                 for sample in parser.feed(chunk):
                     yield sample
                 parser.check()  # a problem after those samples
@@ -347,3 +364,52 @@ async def read_samples(
     except OSError as exc:
         exc.add_note(f"aioloader.sources.tar_shards: reading {name!r}")
         raise
+
+
+_GZIP = b"\x1f\x8b"
+_BZIP2 = b"BZh"
+_XZ = b"\xfd7zXZ\x00"
+
+
+async def _decompressed(
+    chunks: AsyncGenerator[bytes, None], name: str
+) -> AsyncGenerator[bytes, None]:
+    """``chunks``, decompressed when they start as gzip (``.tar.gz``, ``.tgz``: several gzip
+    members one after the other too), bzip2 or xz; as they are otherwise."""
+    first = b""
+    async for chunk in chunks:
+        first += chunk
+        if len(first) >= len(_XZ):
+            break
+    if first.startswith(_GZIP):
+        make: Any = lambda: zlib.decompressobj(wbits=31)  # noqa: E731
+    elif first.startswith(_BZIP2):
+        make = bz2.BZ2Decompressor
+    elif first.startswith(_XZ):
+        make = lzma.LZMADecompressor
+    else:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+        return
+    decompressor = make()
+    pending = first
+    while True:
+        while pending:
+            try:
+                out = decompressor.decompress(pending)
+            except (OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
+                raise CorruptShardError(
+                    f"tar shard {name!r} is not valid compressed data: {exc}"
+                ) from None
+            if out:
+                yield out
+            if not decompressor.eof:
+                break
+            pending = decompressor.unused_data  # the next member of a multi-member file
+            decompressor = make()
+        try:
+            pending = await anext(chunks)
+        except StopAsyncIteration:
+            break
