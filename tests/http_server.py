@@ -64,6 +64,7 @@ class FaultPlan:
         stall_s: How long a stall lasts at most (teardown ends it sooner).
         ignore_range: Answer ``Range`` requests with 200 and the whole body.
         ignore_if_range: Honour ``Range`` even when ``If-Range`` names another ETag.
+        no_etag: Send no ``ETag`` (and so no validator a client could send back).
     """
 
     p: float = 0.0
@@ -73,6 +74,7 @@ class FaultPlan:
     stall_s: float = 30.0
     ignore_range: bool = False
     ignore_if_range: bool = False
+    no_etag: bool = False
     _queued: dict[str, deque[Fault]] = field(default_factory=dict)
     _always: dict[str, Fault] = field(default_factory=dict)
 
@@ -233,9 +235,10 @@ class FaultServer:
         if_range = request.headers.get("If-Range")
         ranged = request.headers.get("Range") is not None and not self.plan.ignore_range
         stale = if_range is not None and if_range != etag and not self.plan.ignore_if_range
+        validator = {} if self.plan.no_etag else {"ETag": etag}
         if not ranged or stale:
             return web.Response(
-                body=data, content_type="application/octet-stream", headers={"ETag": etag}
+                body=data, content_type="application/octet-stream", headers=validator
             )
         try:
             rng = request.http_range
@@ -250,7 +253,7 @@ class FaultServer:
             status=206,
             body=data[start:stop],
             content_type="application/octet-stream",
-            headers={"Content-Range": f"bytes {start}-{stop - 1}/{len(data)}", "ETag": etag},
+            headers={"Content-Range": f"bytes {start}-{stop - 1}/{len(data)}", **validator},
         )
 
     async def _object(self, request: web.Request) -> web.StreamResponse:

@@ -95,6 +95,32 @@ async def test_a_server_that_ignores_ranges_is_skipped_forward(
     assert ds.retries == 2
 
 
+async def test_without_an_etag_a_resume_of_another_length_is_not_spliced(
+    tmp_path: Path, fault_server: FaultServer
+) -> None:
+    """No strong validator: the resumed answer's total length must be the first answer's
+    (RFC 9110); an object replaced by one of another length mid-read is refused."""
+    paths = make_shards(tmp_path, n_shards=1, n_samples=20)
+    urls = serve_shards(fault_server, paths)
+    fault_server.plan.no_etag = True
+    fault_server.plan.once(fault_server.path(0), Fault.TRUNCATE)
+
+    class ReplaceThenRetry(aioloader.RetryPolicy):
+        def should_retry(self, exc: BaseException, failures: int) -> bool:
+            fault_server.objects[0] = fault_server.objects[0] + bytes(1024)
+            return super().should_retry(exc, failures)
+
+    policy = ReplaceThenRetry(attempts=3, initial_backoff=0.0)
+    with pytest.raises(aioloader.sources.HTTPStatusError, match=r"length \d+ became \d+"):
+        await collect(tar_shards(urls, retry=policy))
+    # Unchanged, the same resume goes through.
+    fault_server.objects[0] = paths[0].read_bytes()
+    fault_server.plan.once(fault_server.path(0), Fault.TRUNCATE)
+    ds = tar_shards(urls, retry=FAST)
+    assert without_shard(await collect(ds)) == await local_samples(paths)
+    assert ds.retries == 1
+
+
 @pytest.mark.parametrize(
     "honours_if_range",
     [True, False],  # False: it answers the resume with 206 from the new object

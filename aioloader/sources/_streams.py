@@ -7,8 +7,10 @@ range read), a stall timeout between chunks, and the resume loop, with the calle
 or shows credentials (a reader's ``name`` is redacted).
 
 An HTTP resume asks for ``Range: bytes=<offset>-`` with ``If-Range`` set to the first answer's
-``ETag``, so an object replaced mid-read is noticed instead of spliced; a server that ignores
-ranges answers the whole body again and the bytes already delivered are skipped.
+``ETag``, so an object replaced mid-read is noticed instead of spliced (without an ETag, a
+resumed answer whose total length or ``Last-Modified`` differs from the first is refused); a
+server that ignores ranges answers the whole body again and the bytes already delivered are
+skipped.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ._objects import store_error
 __all__ = ["ChunkReader", "FileReader", "HTTPReader", "StoreReader", "StallError", "resumable"]
 
 _CONTENT_RANGE_START = re.compile(r"^\s*bytes\s+(\d+)-", re.IGNORECASE)
+_CONTENT_RANGE_TOTAL = re.compile(r"^\s*bytes\s+\d+-\d+/(\d+)\s*$", re.IGNORECASE)
 _UNSATISFIED = re.compile(r"^\s*bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
 
 
@@ -93,6 +96,8 @@ class HTTPReader:
         self._chunk = chunk_size
         self._timeout = timeout
         self._etag: str | None = None
+        self._total: int | None = None  # the object's length, from the first answer
+        self._modified: str | None = None  # its Last-Modified, from the first answer
 
     async def chunks(self, offset: int) -> AsyncGenerator[bytes, None]:
         headers = {"Accept-Encoding": "identity"}
@@ -131,7 +136,11 @@ class HTTPReader:
         etag = resp.headers.get("ETag")
         if offset == 0:
             self._etag = etag
+            self._total = resp.content_length
+            self._modified = resp.headers.get("Last-Modified")
             return 0
+        if self._etag is None:  # no strong validator: the length and date must not change
+            self._same_object(resp, offset)
         if self._etag is not None and etag is not None and etag != self._etag:
             raise HTTPStatusError(
                 f"{self.name} changed while it was read (ETag {self._etag} became {etag}); "
@@ -157,6 +166,30 @@ class HTTPReader:
                 url=self.name,
             )
         return offset  # the server ignored Range: skip what was already delivered
+
+    def _same_object(self, resp: aiohttp.ClientResponse, offset: int) -> None:
+        """Without an ETag, refuse a resumed answer whose total length or ``Last-Modified``
+        differs from the first answer's (RFC 9110: a weak check, but a splice of two objects of
+        different lengths is certain)."""
+        total: int | None = None
+        match = _CONTENT_RANGE_TOTAL.match(resp.headers.get("Content-Range", ""))
+        if resp.status == 206 and match is not None:
+            total = int(match[1])
+        elif resp.status == 200:
+            total = resp.content_length
+        modified = resp.headers.get("Last-Modified")
+        problem = ""
+        if self._total is not None and total is not None and total != self._total:
+            problem = f"length {self._total} became {total}"
+        elif self._modified is not None and modified is not None and modified != self._modified:
+            problem = f"Last-Modified {self._modified} became {modified}"
+        if problem:
+            raise HTTPStatusError(
+                f"{self.name} changed while it was read ({problem}, and it has no ETag); "
+                f"refusing to splice it at byte {offset}",
+                status=resp.status,
+                url=self.name,
+            )
 
 
 def _ends_at(resp: aiohttp.ClientResponse, offset: int) -> bool:
