@@ -37,6 +37,9 @@ def body(i: int) -> bytes:
     return i.to_bytes(4, "little") * (OBJECT_SIZE // 4)
 
 
+SIGNATURE = "X-Amz-Signature=REDIRECTSECRET&X-Amz-Credential=AKIDSECRET"
+
+
 class Fault(enum.StrEnum):
     """What the server does instead of answering normally."""
 
@@ -161,6 +164,9 @@ class FaultServer:
         app = web.Application(middlewares=[self._middleware])
         app.router.add_get("/obj/{i:\\d+}", self._object)
         app.router.add_get("/redirect/{i:\\d+}", self._redirect)
+        app.router.add_get("/signed-redirect/{i:\\d+}", self._signed_redirect)
+        app.router.add_get("/signed-elsewhere/{i:\\d+}", self._signed_elsewhere)
+        app.router.add_get("/signed-ftp/{i:\\d+}", self._signed_elsewhere)
         app.router.add_get("/loop", self._loop)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
         await self._runner.setup()
@@ -258,6 +264,17 @@ class FaultServer:
 
     async def _object(self, request: web.Request) -> web.StreamResponse:
         return self._answer(request)
+
+    async def _signed_redirect(self, request: web.Request) -> web.StreamResponse:
+        """A 302 to the object through a signed URL (a secret in the new URL's query)."""
+        raise web.HTTPFound(f"/obj/{request.match_info['i']}?{SIGNATURE}")
+
+    async def _signed_elsewhere(self, request: web.Request) -> web.StreamResponse:
+        """A 302 to a signed URL on a port where nothing listens (the connection is refused),
+        or, from ``/signed-ftp/``, to a signed URL that is not HTTP at all."""
+        scheme = "ftp" if request.path.startswith("/signed-ftp/") else "http"
+        target = f"{scheme}://127.0.0.1:1/obj/{request.match_info['i']}?{SIGNATURE}"
+        raise web.HTTPFound(target)
 
     async def _redirect(self, request: web.Request) -> web.StreamResponse:
         raise web.HTTPFound(f"/obj/{request.match_info['i']}")

@@ -17,6 +17,7 @@ import pytest
 
 import aioloader
 import aioloader.sources
+from aioloader.sources import tar_shards
 from aioloader.sources._http import (
     HTTPConnectionError,
     HTTPStatusError,
@@ -26,6 +27,7 @@ from aioloader.sources._http import (
 )
 from tests import http_server
 from tests.http_server import Fault, FaultServer, body
+from tests.test_tar import collect
 
 fault_server = http_server.fault_server  # the fixture: a started server, stopped at teardown
 
@@ -217,6 +219,34 @@ async def test_signed_urls_never_show_their_secrets(
     assert any("retrying" in r.getMessage() for r in caplog.records)
     for word in ("secret", "abc", "pass"):
         assert word not in shown
+
+
+@pytest.mark.parametrize(
+    "fault", [Fault.RESET, Fault.TRUNCATE, Fault.S503, Fault.S500, "refused", "ftp"]
+)
+async def test_a_signed_url_reached_by_a_redirect_never_shows(
+    fault_server: FaultServer, fault: Fault | str
+) -> None:
+    """The first URL has no secret; the 302 leads to a signed one, which then fails (or whose
+    host refuses the connection)."""
+    if isinstance(fault, Fault):
+        fault_server.plan.always(fault_server.path(3), fault)
+        url = f"{fault_server.base}/signed-redirect/3"
+    elif fault == "refused":
+        url = f"{fault_server.base}/signed-elsewhere/3"
+    else:  # a Location that is not HTTP: aiohttp's error text is that URL
+        url = f"{fault_server.base}/signed-ftp/3"
+    async with aioloader.sources.urls([url]) as ds:
+        with pytest.raises(Exception) as info:  # the type depends on the fault
+            await ds.get(0)
+    shown = everything_shown(info.value) + "".join(traceback.format_exception(info.value))
+    assert "SECRET" not in shown, shown
+    assert url in shown  # the URL asked for is named
+    # tar_shards reads through the same client: its error is as clean.
+    with pytest.raises(Exception) as tar:
+        await collect(tar_shards([url], retry=None))
+    shown = everything_shown(tar.value) + "".join(traceback.format_exception(tar.value))
+    assert "SECRET" not in shown, shown
 
 
 def test_redact_url() -> None:

@@ -84,12 +84,21 @@ def _secrets_of(url: str) -> list[str]:
     return [s for s in found if s]
 
 
+_URL_IN_TEXT = re.compile(r"[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s'\"<>]+")
+
+
+def _names_secret_url(text: str) -> bool:
+    """Whether ``text`` shows any URL with user info, a query or a fragment (a redirect's
+    target is signed where the URL asked for was not: its secrets are not ``url``'s)."""
+    return any(redact_url(found) != found for found in _URL_IN_TEXT.findall(text))
+
+
 def _shows_secrets(exc: BaseException, url: str) -> bool:
     """Whether the text of ``exc``, or of an exception chained to it, shows a secret of ``url``
-    (aiohttp's ``TooManyRedirects`` and ``ConnectionTimeoutError`` name the full URL)."""
-    secrets = _secrets_of(url)
-    if not secrets:
-        return False
+    (aiohttp's ``TooManyRedirects`` and ``ConnectionTimeoutError`` name the full URL), or any
+    URL that carries user info or a query (``NonHttpUrlRedirectClientError`` is the Location a
+    redirect pointed at)."""
+    secrets = [s for s in _secrets_of(url) if s]
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -101,7 +110,7 @@ def _shows_secrets(exc: BaseException, url: str) -> bool:
             text = f"{e}\n{e!r}\n" + "\n".join(map(str, getattr(e, "__notes__", ())))
         except Exception:  # a broken __str__: treat it as unsafe
             return True
-        if any(s in text for s in secrets):
+        if any(s in text for s in secrets) or _names_secret_url(text):
             return True
         todo += [e.__cause__, e.__context__]
     return False
@@ -523,7 +532,7 @@ def status_error(status: int, reason: str | None, raw: str, where: str) -> HTTPS
     retrying, :class:`HTTPStatusError` otherwise. A reason phrase that echoes a secret of ``raw``
     is left out."""
     kind = TransientHTTPError if status in TRANSIENT_STATUSES else HTTPStatusError
-    if reason and any(s in reason for s in _secrets_of(raw)):
+    if reason and (any(s in reason for s in _secrets_of(raw)) or _names_secret_url(reason)):
         reason = None  # a server that echoes the URL in its reason phrase
     text = f"HTTP {status} {reason or ''}".rstrip()
     return kind(f"{text} from {where}", status=status, url=redact_url(raw))
