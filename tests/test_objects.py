@@ -130,6 +130,54 @@ async def test_throttling_is_retried_by_the_loader_and_counted() -> None:
         await runner.cleanup()
 
 
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (403, obstore.exceptions.PermissionDeniedError),
+        (401, obstore.exceptions.UnauthenticatedError),
+        (412, obstore.exceptions.PreconditionError),
+        (400, obstore.exceptions.GenericError),
+    ],
+)
+async def test_a_refusal_is_raised_once_with_its_type(status: int, kind: type) -> None:
+    """A 4xx answer (S3's XML error body) is not retried: obstore's debug text, which holds
+    ``retry_timeout`` and ``body: Some(...)``, no longer reads as transient."""
+    attempts: dict[str, int] = {}
+
+    async def handler(request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        attempts[key] = attempts.get(key, 0) + 1
+        body = f"<Error><Code>E{status}</Code><Message>request timed out? no</Message></Error>"
+        return web.Response(status=status, text=body)
+
+    app = web.Application()
+    app.router.add_get("/bucket/{key}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        store = from_url(
+            "s3://bucket/",
+            config={"endpoint": f"http://127.0.0.1:{port}", **CREDS},  # type: ignore[typeddict-item]
+            client_options={"allow_http": True},
+            retry_config={"max_retries": 0},
+        )
+        retry = aioloader.RetryPolicy(attempts=3, initial_backoff=0.001, max_backoff=0.005)
+        dl = aioloader.DataLoader(
+            ObjectDataset(store, "s3://bucket/", ["denied"]), collate_fn=list, retry=retry
+        )
+        async with dl:
+            with pytest.raises(kind) as info:
+                [b async for b in dl]
+        assert not isinstance(info.value, TransientStoreError)
+        assert "aioloader: while reading s3://bucket/denied" in info.value.__notes__
+        assert attempts["denied"] == 1
+    finally:
+        await runner.cleanup()
+
+
 def test_demo_trains_from_an_s3_url(
     bucket: dict[str, Any],
     s3_endpoint: str,

@@ -29,10 +29,16 @@ from ._gate import ByteGate, holding
 __all__ = ["ObjectDataset", "ObjectStream", "TransientStoreError", "object_stream", "objects"]
 
 # Store failures worth another attempt: throttling, server errors, timeouts, broken connections.
-_TRANSIENT = re.compile(
-    r"\b(429|500|502|503|504)\b|SlowDown|Throttl|timed? ?out|[Cc]onnection|reset|"
-    r"incomplete|error sending request|body",
+# obstore's message: "... - Server returned non-2xx status code: 503 Service Unavailable: ..."
+_STATUS = re.compile(r"status code: (\d{3})\b")
+_TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# With no status: the request did not get an answer (read only in the message's head: the
+# debug section after it, "retry_timeout: 180s", "body: Some(...)", says nothing of the cause).
+_NO_ANSWER = re.compile(
+    r"SlowDown|Throttl|timed? ?out|[Cc]onnection|reset|incomplete|error sending request|"
+    r"error decoding response body",
 )
+_DEBUG = "\n\nDebug source:"
 
 
 class TransientStoreError(TransientError):
@@ -138,21 +144,35 @@ class ObjectDataset(AsyncDataset[bytes]):
 
 
 def store_error(exc: Exception, where: str) -> Exception:
-    """The error to raise for a store failure reading ``where`` (a redacted URL): a missing
-    object stays a ``FileNotFoundError`` (obstore's ``NotFoundError`` is one) with a note naming
-    it; throttling, 5xx, timeouts and broken connections become :class:`TransientStoreError`
-    (the store's exception as ``__cause__``); anything else gets a note naming ``where``."""
+    """The error to raise for a store failure reading ``where`` (a redacted URL).
+
+    Classified by the exception's type and the HTTP status it reports, never by words anywhere
+    in its text: a missing object stays a ``FileNotFoundError`` (obstore's ``NotFoundError``)
+    with a note naming it; a refusal (obstore's ``PermissionDeniedError``,
+    ``UnauthenticatedError``, ``PreconditionError``, ... or a 4xx other than 408 and 429) keeps
+    its type, with a note naming ``where``, and is not retried; throttling, 5xx and a request
+    that got no answer (a timeout, a reset, a connection error) become
+    :class:`TransientStoreError` with the store's exception as ``__cause__``."""
     import obstore.exceptions as obs_exc
 
     if isinstance(exc, FileNotFoundError | obs_exc.NotFoundError):
         exc.add_note(f"aioloader: no object {where}")
         return exc
-    if isinstance(exc, obs_exc.BaseError) and _TRANSIENT.search(str(exc)):
+    if type(exc) in (obs_exc.GenericError, obs_exc.BaseError) and _transient(str(exc)):
         error = TransientStoreError(f"reading {where} failed: {type(exc).__name__}")
         error.__cause__ = exc
         return error
     exc.add_note(f"aioloader: while reading {where}")
     return exc
+
+
+def _transient(text: str) -> bool:
+    """Whether obstore's message says the request is worth another attempt."""
+    head = text.partition(_DEBUG)[0]
+    status = _STATUS.search(head)
+    if status is not None:
+        return int(status[1]) in _TRANSIENT_STATUSES
+    return _NO_ANSWER.search(head) is not None
 
 
 def store_from_url(
