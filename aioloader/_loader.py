@@ -127,7 +127,11 @@ class DataLoader(Generic[T_Batch]):
         max_failures: Failed samples an epoch may skip (counted, logged and reported in
             :meth:`statistics`) before the next failure ends the epoch. 0: the first ends it.
         distributed: Shard the data across ranks: a ``DistributedSampler`` for map-style
-            datasets, round-robin positions for iterables.
+            datasets; for a stream, rank ``r`` takes samples ``r, r + W, ...`` (every rank
+            reads the stream) and the last round is padded with samples from the stream's
+            start, so every rank yields as many batches; for an ``IterableDataset`` in worker
+            processes the same rule applies to its batches (the first ``W`` are kept for the
+            padding). Shard in the dataset itself to read less.
         rank: This process's rank (default: ``torch.distributed`` when initialised, else 0).
         world_size: The number of ranks (default: ``torch.distributed``, else 1).
         io_threads: Threads that call a blocking (torch) dataset read in this process

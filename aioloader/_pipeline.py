@@ -33,6 +33,7 @@ outlive the epoch's task group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -60,6 +61,7 @@ from ._job import (
 )
 from ._offload import ThreadOffload
 from ._processes import CANCEL_GRACE, ProcessWorkers
+from ._ranks import StreamShare
 from ._reorder import BatchAssembler, ReorderBuffer
 from ._retry import RetryPolicy
 from ._sampler import derive_seed
@@ -146,6 +148,35 @@ class _Done:
     value: Any
     size: int  # samples in the collated batch; 0: nothing left, the batch is skipped
     error: Exception | None = None
+
+
+class _RankBatches:
+    """The batches of per-worker streams, numbered in their order, split over ranks
+    (``distributed=True``): every rank's workers read the whole dataset, rank ``r`` keeps
+    batches ``r, r + W, ...`` and repeats batches from the start so that every rank yields as
+    many (``StreamShare``'s rule, over batches)."""
+
+    def __init__(self, epoch: Epoch, done: MemoryObjectSendStream[_Done]) -> None:
+        cfg = epoch.config
+        self._epoch = epoch
+        self._done = done
+        self._seq = 0
+        self._share: StreamShare[_Done] | None = None
+        if cfg.world_size > 1:
+            self._share = StreamShare(cfg.rank, cfg.world_size)
+
+    async def offer(self, item: _Done) -> None:
+        if self._share is None or self._share.mine(item):
+            await self._send(item)
+
+    async def finish(self) -> None:
+        for _, item in self._share.padding() if self._share is not None else ():
+            batch = dataclasses.replace(item.batch)  # its own place in the epoch
+            await self._send(dataclasses.replace(item, batch=batch))
+
+    async def _send(self, item: _Done) -> None:
+        await self._epoch._pass_on(item, self._seq, self._done)
+        self._seq += 1
 
 
 T = TypeVar("T")
@@ -346,7 +377,7 @@ class Epoch:
         if not isinstance(work, ProcessWorkers):
             raise TypeError("an iterable dataset in workers needs process workers")
         n, in_order = work.concurrency, self.config.in_order
-        seq = 0
+        out = _RankBatches(self, done)
         # The lanes outlive the task group: no pull task ever sends into a closed lane.
         with _lanes(_Done, n if in_order else 0) as lanes:
             async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
@@ -361,8 +392,8 @@ class Epoch:
                             except anyio.EndOfStream:  # that worker's pass is over
                                 receivers.remove(recv)
                                 continue
-                            await self._pass_on(item, seq, done)
-                            seq += 1
+                            await out.offer(item)
+                    await out.finish()
                     return
                 merged_send, merged_recv = anyio.create_memory_object_stream[_Done](n)
                 async with merged_send:
@@ -371,8 +402,8 @@ class Epoch:
                         tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
                 async with merged_recv:
                     async for item in merged_recv:
-                        await self._pass_on(item, seq, done)
-                        seq += 1
+                        await out.offer(item)
+                await out.finish()
 
     async def _pass_on(self, item: _Done, seq: int, done: MemoryObjectSendStream[_Done]) -> None:
         item.batch.seq = seq  # its place in the epoch, now that the order is decided
@@ -500,6 +531,9 @@ class Epoch:
             await self._admit(batch)
             await put(ready, batch, self.stats.fetch)
 
+        share: StreamShare[Any] | None = None
+        if cfg.world_size > 1:
+            share = StreamShare(cfg.rank, cfg.world_size)
         async with ready, source.open() as iterator:
             position = -1
             while True:
@@ -524,9 +558,13 @@ class Epoch:
                     self.stats.fetch.in_flight -= 1
                     raise
                 self.stats.fetch.finish(time.perf_counter() - started)
-                if position % cfg.world_size != cfg.rank:
+                if share is not None and not share.mine(sample):
                     continue
                 full = assembler.add((position, sample))
+                if full is not None:
+                    await ship(full)
+            for repeated in share.padding() if share is not None else ():
+                full = assembler.add(repeated)  # every rank as many samples as the others
                 if full is not None:
                     await ship(full)
             tail = assembler.flush(cfg.drop_last)

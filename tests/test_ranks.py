@@ -1,0 +1,109 @@
+"""``distributed=True`` over a stream: every rank yields as many batches (a rank with one more
+would hang the next collective), whatever the dataset kind, its length and the batch size."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import aioloader
+from aioloader._ranks import StreamShare
+
+
+def shares(n: int, world: int) -> list[list[int]]:
+    out = []
+    for rank in range(world):
+        share: StreamShare[int] = StreamShare(rank, world)
+        mine = [x for x in range(n) if share.mine(x)]
+        out.append(mine + [x for _, x in share.padding()])
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 60), st.integers(1, 9))
+def test_every_rank_gets_as_many_and_every_sample_is_read(n: int, world: int) -> None:
+    got = shares(n, world)
+    assert {len(g) for g in got} == {-(-n // world)}  # ceil(N / W) each
+    for rank, g in enumerate(got):  # its own positions first, in order
+        assert g[: len(range(rank, n, world))] == list(range(rank, n, world))
+    assert set(range(n)) <= {x for g in got for x in g}  # nothing is lost
+    padded = sum(len(g) for g in got) - n
+    assert 0 <= padded < world  # at most one round is padded
+
+
+def test_padding_follows_distributed_sampler() -> None:
+    """The same shares as torch's DistributedSampler without shuffling."""
+    for n in (0, 1, 5, 7, 8, 13):
+        for world in (1, 2, 3, 8):
+            if n == 0:
+                continue
+            sampler_shares = [
+                list(
+                    torch.utils.data.DistributedSampler(
+                        range(n), num_replicas=world, rank=r, shuffle=False
+                    )
+                )
+                for r in range(world)
+            ]
+            assert shares(n, world) == sampler_shares
+
+
+class Counting(torch.utils.data.IterableDataset[int]):
+    """Sharded over workers as torch users do: worker ``i`` of ``k`` yields ``i, i + k, ...``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        step, first = (info.num_workers, info.id) if info is not None else (1, 0)
+        return iter(range(first, self.n, step))
+
+
+def async_counting(n: int) -> Any:
+    async def gen() -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+
+    return gen
+
+
+@pytest.mark.parametrize(
+    ("kind", "n", "batch_size", "world", "drop_last"),
+    [
+        ("async", 101, 10, 2, False),
+        ("async", 101, 10, 2, True),
+        ("async", 7, 3, 4, False),
+        ("blocking", 101, 10, 2, False),
+        ("blocking", 3, 2, 5, False),
+        ("workers", 101, 10, 2, False),
+        ("workers", 23, 4, 3, True),
+    ],
+)
+def test_ranks_yield_the_same_number_of_batches(
+    kind: str, n: int, batch_size: int, world: int, drop_last: bool
+) -> None:
+    counts, seen = [], set()
+    for rank in range(world):
+        dataset: Any = async_counting(n) if kind == "async" else Counting(n)
+        loader: aioloader.DataLoader[list[int]] = aioloader.DataLoader(
+            dataset,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            collate_fn=list,
+            num_workers=2 if kind == "workers" else 0,
+            distributed=True,
+            rank=rank,
+            world_size=world,
+        )
+        batches = list(loader)
+        counts.append(len(batches))
+        seen |= {x for b in batches for x in b}
+    assert len(set(counts)) == 1, counts
+    if not drop_last:
+        assert seen == set(range(n))
