@@ -411,3 +411,24 @@ async def test_a_failing_shard_among_several_in_flight_is_named(
         await collect(ds)
     assert f"reading part 2 ({urls[2]})" in "\n".join(info.value.__notes__)
     assert info.value.status == 500
+
+
+async def test_a_compressed_shard_resumes_mid_stream(
+    tmp_path: Path, fault_server: FaultServer
+) -> None:
+    """A .tar.gz over HTTP cut in the middle: the read resumes at the compressed byte where it
+    broke, and decompression goes on from there."""
+    import webdataset as wds
+
+    path = tmp_path / "shard.tar.gz"
+    with wds.TarWriter(str(path), compress=True) as sink:
+        for i in range(50):
+            sink.write({"__key__": f"k{i:03d}", "bin": bytes([i]) * 3000})
+    urls = serve_shards(fault_server, [path])
+    fault_server.plan.once(fault_server.path(0), Fault.TRUNCATE)
+    ds = tar_shards(urls, retry=FAST, chunk_size=1024)
+    got = await collect(ds)
+    assert [(s["__key__"], s["bin"]) for s in got] == [
+        (f"k{i:03d}", bytes([i]) * 3000) for i in range(50)
+    ]
+    assert ds.retries == 1
