@@ -28,6 +28,7 @@ from ._exceptions import LoaderStateError
 from ._forkserver import prepare_forkserver
 from ._offload import ThreadOffload
 from ._pipeline import PipelineConfig
+from ._plan import LoaderPlan
 from ._retry import RetryPolicy
 from ._sampler import (
     BatchSampler,
@@ -37,7 +38,7 @@ from ._sampler import (
     draw_seed,
     resolve_rank,
 )
-from ._scope import EpochIterator, Scope
+from ._scope import EpochIterator, LoaderState, Scope
 from ._session import PlainIterator, Session, close_from_anywhere
 from ._source import dataset_length, open_source
 from ._stats import LoaderStatistics, Recorders
@@ -319,13 +320,11 @@ class DataLoader(Generic[T_Batch]):
         if in_workers:  # now, while this process may have one thread: see _forkserver.py
             prepare_forkserver(start_method)
         self._source = open_source(dataset, kind, self._offload, in_workers=in_workers)
-        self._scope: Scope | None = None
+        self._state = LoaderState(self._new_recorders())  # shared with the scopes
         self._session: Session | None = None  # the background loop of `with` / plain `for`
         self._next_epoch = 0
-        self._stats = self._new_recorders()
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope
-        self.iterable_len_called: int | None = None  # len(dataset) an iterable reported
         self._initialized = True
 
     # torch's rule: these define the epochs; changing them under a running loader is refused.
@@ -338,6 +337,44 @@ class DataLoader(Generic[T_Batch]):
                 "(build a new DataLoader instead)"
             )
         super().__setattr__(name, value)
+
+    @property
+    def _scope(self) -> Scope | None:
+        """The open scope, or None."""
+        return self._state.scope
+
+    @property
+    def _stats(self) -> Recorders:
+        return self._state.stats
+
+    @property
+    def iterable_len_called(self) -> int | None:
+        """The length an iterable dataset reported to ``len(loader)``, or None (torch's name)."""
+        return self._state.iterable_len
+
+    def _scope_plan(self) -> LoaderPlan:
+        """The plan of a scope opening now: the loader's settings as they are (a setting
+        changed between scopes applies to the next one, as torch reads its attributes when an
+        iterator starts)."""
+        return LoaderPlan(
+            dataset=self.dataset,
+            kind=self._kind,
+            source=self._source,
+            sampler=self.sampler,
+            batch_sampler=self.batch_sampler,
+            config=self._config,
+            device=self._device_plan,
+            num_workers=self.num_workers,
+            worker_mode=self.worker_mode,
+            start_method=self.start_method,
+            worker_init_fn=self.worker_init_fn,
+            # Without `seed=`, each scope's workers draw anew, as each torch iterator does
+            # (a plain `for` without `with` is a scope per epoch: new augmentations each).
+            worker_seed=self.base_seed if self.seed is not None else draw_seed(self.generator),
+            io_threads=self.io_threads,
+            prefetch=self.prefetch,
+            timeout=self.timeout,
+        )
 
     # -- torch's surface -----------------------------------------------------------------------
 
@@ -354,7 +391,7 @@ class DataLoader(Generic[T_Batch]):
         n = dataset_length(self.dataset)  # read now: a dataset whose length changes is followed
         if n is None:
             raise TypeError(f"object of type {type(self.dataset).__qualname__!r} has no len()")
-        self.iterable_len_called = n  # batches past it warn, as torch's
+        self._state.iterable_len = n  # batches past it warn, as torch's
         if self.world_size > 1:
             n //= self.world_size
         if self.batch_size is None:
@@ -414,9 +451,9 @@ class DataLoader(Generic[T_Batch]):
         """
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
-        self._stats = self._new_recorders()
+        self._state.stats = self._new_recorders()
         stack = contextlib.AsyncExitStack()
-        scope = Scope(self, stack)
+        scope = Scope(self._scope_plan(), self._state, stack)
         stack.push_async_callback(scope.close_workers)
         try:
             await scope.start_workers()
@@ -431,7 +468,7 @@ class DataLoader(Generic[T_Batch]):
             raise
         stack.callback(scope.task_group.cancel_scope.cancel)
         stack.callback(scope.close_iteration)
-        self._scope = scope
+        self._state.scope = scope
         return self
 
     async def __aexit__(
@@ -455,7 +492,7 @@ class DataLoader(Generic[T_Batch]):
         try:
             await scope.stack.aclose()
         finally:
-            self._scope = None
+            self._state.scope = None
         return None
 
     def __enter__(self) -> DataLoader[T_Batch]:
@@ -507,7 +544,7 @@ class DataLoader(Generic[T_Batch]):
                 "loader: ...` (or use a plain `for` loop, which runs its own scope)"
             )
         number, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        return EpochIterator(self, self._scope, number)
+        return EpochIterator(self._state, self._scope, number)
 
     def __iter__(self) -> PlainIterator[T_Batch]:
         """Iterate one epoch from synchronous code: the pipeline runs on an event loop in a

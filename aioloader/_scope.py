@@ -4,7 +4,8 @@ Owns: the scope's task group, worker and I/O threads, device stage and current e
 (:class:`Scope`), and :class:`EpochIterator`, which starts an epoch's tasks on its first
 ``__anext__`` (ending an unfinished earlier epoch first), hands out batches (a staged batch is
 made ready on the consumer's own thread and stream), times the consumer's waits and turns the
-end of the output stream into ``StopAsyncIteration`` or the epoch's original exception. Never:
+end of the output stream into ``StopAsyncIteration`` or the epoch's original exception. Both are
+given the loader's frozen plan (``_plan.py``) and :class:`LoaderState`, never the loader. Never:
 validates arguments or builds samplers (``_loader.py``), or runs stages (``_pipeline.py``).
 """
 
@@ -26,53 +27,72 @@ from ._exceptions import LoaderStateError, LoaderTimeout
 from ._offload import ThreadOffload
 from ._pipeline import Epoch, Raised
 from ._processes import ProcessWorkers
-from ._sampler import derive_seed, draw_seed
+from ._sampler import derive_seed
 from ._source import InWorkers
 
 if TYPE_CHECKING:
-    from ._loader import DataLoader
+    from ._plan import LoaderPlan
+    from ._stats import Recorders
 
-__all__ = ["EpochIterator", "Running", "Scope"]
+__all__ = ["EpochIterator", "LoaderState", "Running", "Scope"]
 
 T_Batch = TypeVar("T_Batch")
+
+
+class LoaderState:
+    """What a loader and its scopes both change.
+
+    Attributes:
+        stats: The recorders of the current (or last) scope.
+        scope: The open scope, or None.
+        iterable_len: The length an iterable dataset reported to ``len(loader)`` (batches past
+            it warn, as torch's do), or None.
+    """
+
+    __slots__ = ("iterable_len", "scope", "stats")
+
+    def __init__(self, stats: Recorders) -> None:
+        self.stats = stats
+        self.scope: Scope | None = None
+        self.iterable_len: int | None = None
 
 
 class Scope:
     """What one ``async with loader:`` owns: the task group, the threads, the device stage, the
     running epoch."""
 
-    def __init__(self, loader: DataLoader[Any], stack: contextlib.AsyncExitStack) -> None:
+    def __init__(
+        self, plan: LoaderPlan, state: LoaderState, stack: contextlib.AsyncExitStack
+    ) -> None:
         # Nothing here keeps the loader: a loop thread holding the scope must not keep a
         # dropped loader (and its persistent workers) alive.
-        self.io_threads = loader.io_threads
+        self.plan = plan
         self.stack = stack
         self.thread = threading.get_ident()
         self.task_group: anyio.abc.TaskGroup | None = None
         self.work: ThreadOffload | ProcessWorkers
-        if loader.worker_mode == "process" and loader.num_workers > 0:
+        if plan.worker_mode == "process" and plan.num_workers > 0:
             self.work = ProcessWorkers(
-                loader.num_workers,
-                context=loader.start_method,
-                # Without `seed=`, each scope's workers draw anew, as each torch iterator does
-                # (a plain `for` without `with` is a scope per epoch: new augmentations each).
-                seed=loader.base_seed if loader.seed is not None else draw_seed(loader.generator),
+                plan.num_workers,
+                context=plan.start_method,
+                seed=plan.worker_seed,
                 derive=derive_seed,
-                worker_init_fn=loader.worker_init_fn,
-                stats=loader._stats.workers,
-                dataset=loader.dataset if isinstance(loader._source, InWorkers) else None,
+                worker_init_fn=plan.worker_init_fn,
+                stats=state.stats.workers,
+                dataset=plan.dataset if isinstance(plan.source, InWorkers) else None,
             )
         else:
             self.work = ThreadOffload(
-                max(1, loader.num_workers), "worker", worker_init_fn=loader.worker_init_fn
+                max(1, plan.num_workers), "worker", worker_init_fn=plan.worker_init_fn
             )
         self.io: ThreadOffload | None = None
-        plan = loader._device_plan
-        self.device = DeviceStage(plan, depth=max(1, loader.prefetch)) if plan is not None else None
+        device = plan.device
+        self.device = DeviceStage(device, depth=max(1, plan.prefetch)) if device else None
         self.current: Running | None = None
 
     def offload(self) -> ThreadOffload:
         if self.io is None:
-            self.io = ThreadOffload(self.io_threads, "io")
+            self.io = ThreadOffload(self.plan.io_threads, "io")
         return self.io
 
     def close_iteration(self) -> None:
@@ -131,8 +151,9 @@ class EpochIterator(Generic[T_Batch]):
     """The consumer's end of one epoch. Created by ``DataLoader.__aiter__``; the epoch's tasks
     start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
 
-    def __init__(self, loader: DataLoader[T_Batch], scope: Scope, number: int) -> None:
-        self._loader = loader
+    def __init__(self, state: LoaderState, scope: Scope, number: int) -> None:
+        self._state = state
+        self._plan = scope.plan
         self._scope = scope
         self._number = number
         self._running: Running | None = None
@@ -144,36 +165,36 @@ class EpochIterator(Generic[T_Batch]):
         return self
 
     async def _start(self) -> MemoryObjectReceiveStream[Any]:
-        scope, loader = self._scope, self._loader
-        if scope is not loader._scope or scope.task_group is None:
+        scope, plan, state = self._scope, self._plan, self._state
+        if scope is not state.scope or scope.task_group is None:
             raise LoaderStateError("the loader's scope this iteration began in has closed")
         if scope.current is not None:
             await scope.current.aclose()
         batches: Iterable[Sequence[int]] | None = None
-        if loader._kind.is_map:
-            for obj in (loader.sampler, loader.batch_sampler):
+        if plan.kind.is_map:
+            for obj in (plan.sampler, plan.batch_sampler):
                 set_epoch = getattr(obj, "set_epoch", None)
                 if callable(set_epoch):
                     set_epoch(self._number)
-            if loader.batch_sampler is not None:
-                batches = loader.batch_sampler
+            if plan.batch_sampler is not None:
+                batches = plan.batch_sampler
             else:
-                sampler = loader.sampler
+                sampler = plan.sampler
                 if sampler is None:  # impossible for a map-style loader; keeps mypy honest
                     raise LoaderStateError("map-style loader without a sampler")
                 batches = ([i] for i in sampler)
-        elif not isinstance(loader._source, InWorkers):
+        elif not isinstance(plan.source, InWorkers):
             # A stream read here (tar shards, an interleave) shuffles by the loader's epoch.
-            set_epoch = getattr(loader.dataset, "set_epoch", None)
+            set_epoch = getattr(plan.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(self._number)
-        config = loader._config
+        config = plan.config
         send, recv = anyio.create_memory_object_stream[Any](config.prefetch)
         epoch = Epoch(
-            self._number, config, loader._source, batches, scope.work, loader._stats, scope.device
+            self._number, config, plan.source, batches, scope.work, state.stats, scope.device
         )
         self._running = scope.current = Running(epoch, recv)
-        loader._stats.epochs += 1
+        state.stats.epochs += 1
         await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
         return recv
 
@@ -204,11 +225,11 @@ class EpochIterator(Generic[T_Batch]):
         if self._closed or (running is not None and running.closed):
             raise StopAsyncIteration  # ended (or stopped by a newer epoch, or the scope)
         recv = running.recv if running is not None else await self._start()
-        stats = self._loader._stats.consumer
+        stats = self._state.stats.consumer
         now = time.perf_counter()
         if self._last_yield is not None:
             stats.busy_s += now - self._last_yield
-        timeout = self._loader.timeout
+        timeout = self._plan.timeout
         item: Any = None
         try:
             with anyio.fail_after(timeout if timeout > 0 else None):
@@ -220,7 +241,7 @@ class EpochIterator(Generic[T_Batch]):
         finally:
             waited = time.perf_counter() - now
             stats.waited(waited)
-        self._loader._stats.output.set_queued(recv.statistics().current_buffer_used)
+        self._state.stats.output.set_queued(recv.statistics().current_buffer_used)
         if item is None:
             self._closed = True
             recv.close()
@@ -241,8 +262,8 @@ class EpochIterator(Generic[T_Batch]):
         stats.batches += 1
         stats.samples += size
         self._yielded += 1
-        reported = self._loader.iterable_len_called
-        if reported is not None and self._yielded > reported and not self._loader._kind.is_map:
+        reported = self._state.iterable_len
+        if reported is not None and self._yielded > reported and not self._plan.kind.is_map:
             self._warn_past_length(reported)
         self._last_yield = time.perf_counter()
         return batch
@@ -250,12 +271,12 @@ class EpochIterator(Generic[T_Batch]):
     def _warn_past_length(self, reported: int) -> None:
         """torch's warning: an iterable yielded more than ``len(loader)`` said it would (as
         torch does, the dataset's length is compared with the batches yielded)."""
-        loader = self._loader
+        plan = self._plan
         text = (
-            f"Length of IterableDataset {loader.dataset!r} was reported to be {reported} (when "
+            f"Length of IterableDataset {plan.dataset!r} was reported to be {reported} (when "
             f"accessing len(dataloader)), but {self._yielded} samples have been fetched."
         )
-        if loader.num_workers > 0:
+        if plan.num_workers > 0:
             text += (
                 " For multiprocessing data-loading, this could be caused by not properly "
                 "configuring the IterableDataset replica at each worker (each worker iterates "

@@ -23,7 +23,8 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -33,12 +34,42 @@ from ._exceptions import LoaderStateError
 from ._forkserver import prepare_forkserver
 
 if TYPE_CHECKING:
-    from ._loader import DataLoader
     from ._scope import EpochIterator, Scope
 
 __all__ = ["PlainIterator", "Session", "close_from_anywhere"]
 
 T_Batch = TypeVar("T_Batch")
+
+
+class DataLoader(Protocol[T_Batch]):
+    """What a session needs of a loader (``_loader.DataLoader`` is one): its scope to open and
+    close on the loop, its epochs, its length and its worker settings."""
+
+    @property
+    def worker_mode(self) -> str: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def start_method(self) -> Any: ...
+
+    @property
+    def _scope(self) -> Scope | None: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None: ...
+
+    def __aiter__(self) -> EpochIterator[T_Batch]: ...
+
+    def __len__(self) -> int: ...
+
 
 _open: weakref.WeakSet[Session] = weakref.WeakSet()
 _hook_lock = threading.Lock()
