@@ -11,7 +11,6 @@ import multiprocessing
 import multiprocessing.context
 import os
 import pickle
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -107,26 +106,16 @@ def check_picklable(name: str, value: object, *, remedy: str = "pass worker_mode
         ) from exc
 
 
-def _check_slots(
+def _let_the_dataset_check(
     dataset: object, batch_size: int | None, in_order: bool, distributed: bool
 ) -> None:
-    """A stream-per-slot dataset keeps its positions only in batches of ``slots``, in order,
-    unsplit (anything else would put one stream's samples at another's position)."""
-    slots_module = sys.modules.get("aioloader.sources._slots")  # not imported: not one of them
-    if slots_module is None or not isinstance(dataset, slots_module.SlotStreams):
-        return
-    if batch_size != dataset.slots:
-        raise ValueError(
-            f"batch_size must equal the dataset's slots ({dataset.slots}) so position i of every "
-            f"batch continues stream i; got batch_size={batch_size}"
-        )
-    if not in_order:
-        raise ValueError("in_order=False would reorder the batches of a stream-per-slot dataset")
-    if distributed:
-        raise ValueError(
-            "distributed=True would split a stream-per-slot dataset's rounds; its parts are "
-            "already split by rank (pass rank/world_size to it)"
-        )
+    """A dataset that needs certain loader options says so: its ``check_loader_options(*,
+    batch_size, in_order, distributed)`` raises ``ValueError`` naming the option it cannot
+    work with (a stream-per-slot dataset needs ``batch_size == slots``, for one). The core
+    names no dataset."""
+    check = getattr(dataset, "check_loader_options", None)
+    if callable(check):
+        check(batch_size=batch_size, in_order=in_order, distributed=distributed)
 
 
 def _check_combinations(
@@ -279,7 +268,7 @@ def check_arguments(
 
     if batch_sampler is not None:
         batch_size = None  # torch's convention: batching is the batch_sampler's
-    _check_slots(dataset, batch_size, in_order, distributed)
+    _let_the_dataset_check(dataset, batch_size, in_order, distributed)
     if sampler is not None and distributed:
         raise ValueError("sampler is mutually exclusive with distributed")
 

@@ -68,6 +68,11 @@ class AsyncIterableDataset(ABC, Generic[T_co]):
     Each epoch calls :meth:`__aiter__` once, in the loader's event loop, so every sample is read
     exactly once whatever ``num_workers`` is; only distributed ranks split the stream (the loader
     does that). An optional ``__len__`` gives ``len(loader)`` and equal per-rank counts.
+
+    A dataset that needs certain loader options may define ``check_loader_options(*,
+    batch_size, in_order, distributed)``: the loader calls it when it is built, and it raises
+    ``ValueError`` naming an option it cannot work with (``SlotStreams`` needs batches of its
+    ``slots``, in order, unsplit). Any dataset kind may define it.
     """
 
     @abstractmethod

@@ -292,3 +292,19 @@ def test_pin_memory_without_accelerator_warns_and_still_works() -> None:
             assert got[key].dtype == want[key].dtype
             assert torch.equal(got[key], want[key])
             assert not got[key].is_pinned()
+
+
+def test_a_dataset_may_refuse_loader_options_it_cannot_work_with() -> None:
+    class NeedsPairs(aioloader.AsyncIterableDataset[int]):
+        def check_loader_options(
+            self, *, batch_size: int | None, in_order: bool, distributed: bool
+        ) -> None:
+            if batch_size != 2:
+                raise ValueError(f"batch_size must be 2 for pairs, got {batch_size}")
+
+        async def __aiter__(self) -> Any:  # type: ignore[override]
+            yield 1
+
+    with pytest.raises(ValueError, match="batch_size must be 2 for pairs, got 3"):
+        aioloader.DataLoader(NeedsPairs(), batch_size=3)
+    assert aioloader.DataLoader(NeedsPairs(), batch_size=2).batch_size == 2

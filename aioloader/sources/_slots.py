@@ -161,6 +161,31 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(slots={self.slots}, policy={self.policy!r})"
 
+    def check_loader_options(
+        self, *, batch_size: int | None, in_order: bool, distributed: bool
+    ) -> None:
+        """The loader options this dataset needs (the loader calls this when it is built):
+        batches of ``slots``, in order, unsplit (anything else would put one stream's samples
+        at another's position).
+
+        Raises:
+            ValueError: An option it cannot work with, named.
+        """
+        if batch_size != self.slots:
+            raise ValueError(
+                f"batch_size must equal the dataset's slots ({self.slots}) so position i of "
+                f"every batch continues stream i; got batch_size={batch_size}"
+            )
+        if not in_order:
+            raise ValueError(
+                "in_order=False would reorder the batches of a stream-per-slot dataset"
+            )
+        if distributed:
+            raise ValueError(
+                "distributed=True would split a stream-per-slot dataset's rounds; its parts are "
+                "already split by rank (pass rank/world_size to it)"
+            )
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration reads (a dataset made by ``TarShards.per_slot``
         sets its shards' epoch: it follows their epochs).
