@@ -12,8 +12,9 @@ import random
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
+from ._checks import check_bool, check_int, check_seed
 from ._lanes import OpensEpochs, interleaved
-from ._sampler import check_bool, check_int, check_seed, derive_seed, epoch_parts, resolve_rank
+from ._sampler import derive_seed, epoch_parts, resolve_rank
 
 __all__ = ["Interleaved", "interleave"]
 

@@ -23,64 +23,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ._checks import check_bool, check_int, check_seed
+
 __all__ = ["BatchSampler", "DistributedSampler", "RandomSampler", "SequentialSampler"]
 
 T_Part = TypeVar("T_Part")
 
 _SEED_BITS = 63
 _SEED_PERSON = b"aioloader.seed"
-
-
-def check_int(name: str, value: object, *, minimum: int) -> int:
-    """Return ``value`` if it is an int (not a bool) of at least ``minimum``.
-
-    Args:
-        name: The argument name used in the error message.
-        value: The value to check.
-        minimum: The smallest accepted value: 0 or 1.
-
-    Returns:
-        ``value``, typed as an int.
-
-    Raises:
-        TypeError: If ``value`` is not an int or is a bool.
-        ValueError: If ``value`` is smaller than ``minimum``.
-    """
-    kind = "positive int" if minimum == 1 else "non-negative int"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a {kind}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be a {kind}, got {value!r}")
-    return value
-
-
-def check_bool(name: str, value: object) -> bool:
-    """Return ``value`` if it is a bool.
-
-    Args:
-        name: The argument name used in the error message.
-        value: The value to check.
-
-    Returns:
-        ``value``, typed as a bool.
-
-    Raises:
-        TypeError: If ``value`` is not a bool.
-    """
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
-
-
-def check_seed(value: object) -> int:
-    """Return ``value`` if it is an int (any size or sign; not a bool): a seed.
-
-    Raises:
-        TypeError: If ``value`` is not an int or is a bool.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"seed must be an int, got {value!r}")
-    return value
 
 
 def draw_seed(generator: torch.Generator | None = None) -> int:

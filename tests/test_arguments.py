@@ -308,3 +308,23 @@ def test_a_dataset_may_refuse_loader_options_it_cannot_work_with() -> None:
     with pytest.raises(ValueError, match="batch_size must be 2 for pairs, got 3"):
         aioloader.DataLoader(NeedsPairs(), batch_size=3)
     assert aioloader.DataLoader(NeedsPairs(), batch_size=2).batch_size == 2
+
+
+@pytest.mark.parametrize(
+    ("build", "wrong_type", "out_of_range"),
+    [
+        (lambda v: aioloader.sources.files(".", threads=v), "8", 0),
+        (lambda v: aioloader.sources.tar_shards(["a.tar"], timeout=v), "1", -1.0),
+        (lambda v: aioloader.sources.urls(["http://h/a"], timeout=v), None, float("inf")),
+        (lambda v: aioloader.sources.tar_shards(["a.tar"], shards_in_flight=v), 2.0, 0),
+        (lambda v: aioloader.interleave([aioloader.AsyncIterableDataset], in_flight=v), "4", 0),
+        (lambda v: aioloader.sources.slot_streams([1, 2], print, slots=2).set_epoch(v), "1", -1),
+    ],
+)
+def test_our_checks_follow_one_rule(build: Any, wrong_type: object, out_of_range: object) -> None:
+    """Wrong type: TypeError; right type, out of range: ValueError (torch's own DataLoader
+    arguments keep torch's types instead)."""
+    with pytest.raises(TypeError):
+        build(wrong_type)
+    with pytest.raises(ValueError, match="must be"):
+        build(out_of_range)

@@ -43,6 +43,7 @@ from types import TracebackType
 
 import aiofiles
 
+from .._checks import check_int
 from .._dataset import AsyncDataset
 from .._offload import wait_thread_future
 
@@ -132,8 +133,7 @@ class FileDataset(AsyncDataset[bytes]):
         include_hidden: bool = False,
         threads: int = 8,
     ) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        check_int("threads", threads, minimum=1)
         self._root = Path(root)
         self._pattern = _check_pattern(pattern)
         self._suffixes = _check_suffix(suffix)

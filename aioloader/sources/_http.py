@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import re
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -30,6 +29,7 @@ import aiohttp
 import anyio
 from multidict import CIMultiDictProxy
 
+from .._checks import check_seconds
 from .._dataset import AsyncDataset
 from .._exceptions import AioLoaderError, LoaderStateError, TransientError
 from ._gate import ByteGate, holding
@@ -270,14 +270,8 @@ class UrlDataset(AsyncDataset[bytes]):
             raise TypeError(f"connections must be an int, got {connections!r}")
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not (timeout > 0 and math.isfinite(timeout))
-        ):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.connections = connections
-        self.timeout = float(timeout)
+        self.timeout = check_seconds("timeout", timeout)
         self._headers = dict(headers or {})
         self.max_bytes_in_flight = max_bytes_in_flight
         if max_bytes_in_flight is not None:

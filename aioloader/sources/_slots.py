@@ -20,6 +20,7 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import anyio
 
+from .._checks import check_int
 from .._lanes import OpensEpochs, interleaved
 from .._sampler import epoch_parts
 
@@ -193,9 +194,7 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
         Raises:
             TypeError, ValueError: ``epoch`` is not an int >= 0.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._next_epoch = epoch
+        self._next_epoch = check_int("epoch", epoch, minimum=0)
         if self._set_source_epoch is not None:
             self._set_source_epoch(epoch)
 

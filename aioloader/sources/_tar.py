@@ -10,7 +10,6 @@ or reads a whole shard into memory or to disk first.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -21,9 +20,10 @@ from urllib.parse import urlsplit
 import aiohttp
 import anyio
 
+from .._checks import check_bool, check_int, check_seconds, check_seed
 from .._lanes import OpensEpochs, interleaved
 from .._retry import RetryPolicy
-from .._sampler import check_bool, check_int, check_seed, derive_seed, epoch_parts, resolve_rank
+from .._sampler import derive_seed, epoch_parts, resolve_rank
 from ._braces import expand_braces
 from ._http import new_session, redact_url
 from ._objects import redact_store_url, store_from_url
@@ -203,13 +203,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be an aioloader.RetryPolicy or None, got {retry!r}")
         self._retry = retry
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not (timeout > 0 and math.isfinite(timeout))
-        ):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self._timeout = float(timeout)
+        self._timeout = check_seconds("timeout", timeout)
         self._headers = dict(headers or {})
         self._config = dict(config or {})
         self._client_options = dict(client_options or {})
