@@ -28,12 +28,15 @@ _DEFAULT_PREFETCH = 2
 
 
 def positive_int(name: str, value: object) -> int:
+    """torch's check of its own integer arguments: ``ValueError`` for a wrong type too, as
+    torch raises it (ours follow ``_checks.py``'s rule)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
 def non_negative_int(name: str, value: object) -> int:
+    """As :func:`positive_int`, 0 allowed (torch's ``num_workers``, ``epoch``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     return value

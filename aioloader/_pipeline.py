@@ -38,7 +38,6 @@ import functools
 import logging
 import math
 import random
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -66,7 +65,7 @@ from ._reorder import BatchAssembler, ReorderBuffer
 from ._retry import RetryPolicy
 from ._sampler import derive_seed
 from ._source import InWorkers, MapSource, StreamSource
-from ._stats import Recorders
+from ._stats import Operation, Recorders
 
 __all__ = ["Epoch", "PipelineConfig", "Raised"]
 
@@ -436,38 +435,15 @@ class Epoch:
         worker_id: int,
         results: MemoryObjectSendStream[_Done],
     ) -> None:
-        cfg, rec = self.config, self.stats.transform
-        batch_size = None if cfg.unbatched else cfg.batch_size
+        rec = self.stats.transform
         seq = 0  # this worker's batches; the epoch's order is given when they go out
         while True:
-            started = time.perf_counter()
-            rec.start()
             try:
-                result: JobResult | None = await run_on(
-                    worker_id,
-                    next_stream_batch,
-                    batch_size,
-                    cfg.drop_last,
-                    cfg.transform,
-                    cfg.collate_fn,
-                    cfg.finish,
-                    self._skips_left > 0,
-                    replace=False,  # a fresh worker would have no pass: it would end silently
-                )
-                if result is not None and result.failures:
-                    keys = [
-                        f"worker {worker_id}, its batch {seq}, position {position}"
-                        for position, _, _ in result.failures
-                    ]
-                    run = functools.partial(run_on, worker_id, replace=False)
-                    batch = _Batch(seq, [worker_id], [])
-                    result = await self._skip_then_collate(batch, result, keys, run)
+                with rec.operation() as op:
+                    result = await self._next_worker_batch(run_on, worker_id, seq, op)
             except WorkerCrashed:  # its copy of the stream is gone with it
-                rec.finish(time.perf_counter() - started, ok=False)
                 raise
             except Exception as exc:
-                rec.finish(time.perf_counter() - started, ok=False)
-                rec.failed += 1
                 exc.add_note(
                     f"aioloader: in worker {worker_id}'s pass over its copy of the dataset, "
                     f"its batch {seq}, epoch {self.number}"
@@ -475,16 +451,47 @@ class Epoch:
                 await results.send(_Done(_Batch(seq, [worker_id], []), None, 0, exc))
                 seq += 1
                 continue
-            except BaseException:  # cancelled
-                rec.in_flight -= 1
-                raise
-            rec.finish(time.perf_counter() - started)
             if result is None:
                 return
             if result.size:  # else every sample of it was skipped
                 done = _Done(_Batch(seq, [worker_id], []), result.batch, result.size)
                 await results.send(done)
             seq += 1
+
+    async def _next_worker_batch(
+        self,
+        run_on: Callable[..., Awaitable[Any]],
+        worker_id: int,
+        seq: int,
+        op: Operation,
+    ) -> JobResult | None:
+        """One batch of a worker's pass (None at its end); failed samples skipped as the
+        failure budget allows."""
+        cfg = self.config
+        try:
+            result: JobResult | None = await run_on(
+                worker_id,
+                next_stream_batch,
+                None if cfg.unbatched else cfg.batch_size,
+                cfg.drop_last,
+                cfg.transform,
+                cfg.collate_fn,
+                cfg.finish,
+                self._skips_left > 0,
+                replace=False,  # a fresh worker would have no pass: it would end silently
+            )
+        except WorkerCrashed:
+            op.not_a_failure()  # counted with the worker's crash
+            raise
+        if result is not None and result.failures:
+            keys = [
+                f"worker {worker_id}, its batch {seq}, position {position}"
+                for position, _, _ in result.failures
+            ]
+            run = functools.partial(run_on, worker_id, replace=False)
+            batch = _Batch(seq, [worker_id], [])
+            result = await self._skip_then_collate(batch, result, keys, run)
+        return result
 
     async def _skip_then_collate(
         self,
@@ -538,26 +545,20 @@ class Epoch:
             position = -1
             while True:
                 position += 1
-                started = time.perf_counter()
-                self.stats.fetch.start()
                 try:
-                    sample = await anext(iterator)
-                except StopAsyncIteration:
-                    self.stats.fetch.in_flight -= 1
-                    break
+                    with self.stats.fetch.operation() as op:
+                        try:
+                            sample = await anext(iterator)
+                        except StopAsyncIteration:
+                            op.abandon()  # the end of the stream: no fetch
+                            break
                 except Exception as exc:
-                    self.stats.fetch.finish(time.perf_counter() - started, ok=False)
-                    self.stats.fetch.failed += 1
                     annotate(exc, "source", epoch=self.number, batch=seq, index=position)
                     # Raised in its turn, after the batches before it (the partial one is lost).
                     failed = _Batch(seq, [position], [], error=exc)
                     await self._admit(failed)
                     await put(ready, failed, self.stats.fetch)
                     return
-                except BaseException:  # cancelled: nothing stays counted as in flight
-                    self.stats.fetch.in_flight -= 1
-                    raise
-                self.stats.fetch.finish(time.perf_counter() - started)
                 if share is not None and not share.mine(sample):
                     continue
                 full = assembler.add((position, sample))
@@ -638,6 +639,17 @@ class Epoch:
         if stats.bytes_held > stats.max_bytes_held:
             stats.max_bytes_held = stats.bytes_held
 
+    async def _call(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """One fetch under the per-sample timeout (no cancel scope when there is none)."""
+        timeout = self.config.sample_timeout
+        if timeout is None:
+            return await call()
+        with anyio.move_on_after(timeout) as deadline:
+            result = await call()
+        if deadline.cancelled_caught:  # ours, not a timeout of the dataset's own
+            raise TimeoutError(f"aioloader: sample_timeout={timeout}s exceeded")
+        return result
+
     async def _attempt(
         self, call: Callable[[], Awaitable[Any]], key: object, seq: int, *, count: int = 1
     ) -> Any:
@@ -645,33 +657,22 @@ class Epoch:
         cfg, rec = self.config, self.stats.fetch
         failures = 0
         while True:
-            started = time.perf_counter()
-            for _ in range(count):
-                rec.start()
-            error: Exception | None = None
+            again = False  # the policy is asked once per failure
             try:
-                if cfg.sample_timeout is None:  # the common case: no cancel scope per fetch
-                    result = await call()
-                else:
-                    with anyio.move_on_after(cfg.sample_timeout) as deadline:
-                        result = await call()
-                    if deadline.cancelled_caught:  # ours, not a timeout of the dataset's own
-                        raise TimeoutError(
-                            f"aioloader: sample_timeout={cfg.sample_timeout}s exceeded"
-                        )
+                with rec.operation(count) as op:
+                    try:
+                        result = await self._call(call)
+                    except Exception as exc:
+                        again = cfg.retry is not None and cfg.retry.should_retry(exc, failures + 1)
+                        if again:
+                            op.retrying()  # another attempt follows: not a failure yet
+                        raise
             except Exception as exc:
                 error = exc
-            except BaseException:  # cancelled: nothing stays counted as in flight
-                rec.in_flight -= count
-                raise
-            latency = time.perf_counter() - started
-            for _ in range(count):
-                rec.finish(latency, ok=error is None)
-            if error is None:
+            else:
                 return result
             failures += 1
-            if cfg.retry is None or not cfg.retry.should_retry(error, failures):
-                rec.failed += count
+            if not again or cfg.retry is None:
                 if failures > 1:
                     error.add_note(f"aioloader: gave up after {failures} attempts")
                 # A blocking dataset's own note already names the sample within the slice.
@@ -754,51 +755,57 @@ class Epoch:
             return _Done(batch, None, 0)
         unbatched = cfg.unbatched
         seed = derive_seed(cfg.seed, self.number, batch.seq) if cfg.seeded else None
-        started = time.perf_counter()
-        rec.start()
         try:
-            result: JobResult
-            if isinstance(self.source, InWorkers):  # the worker reads the indices itself
-                result = await run(
-                    run_indices,
-                    batch.ids,
-                    cfg.transform,
-                    cfg.collate_fn,
-                    unbatched,
-                    cfg.finish,
-                    cfg.retry,
-                    self._skips_left > 0,
-                    seed=seed,
-                )
-                self.stats.fetch.retries += result.retries
-            else:
-                samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
-                result = await run(
-                    run_batch,
-                    cfg.transform,
-                    cfg.collate_fn,
-                    samples,
-                    unbatched,
-                    cfg.finish,
-                    seed=seed,
-                )
-            if result.failures:
-                keys = [batch.ids[keep[position]] for position, _, _ in result.failures]
-                result = await self._skip_then_collate(batch, result, keys, run, seed=seed)
-            value, size = result.batch, result.size
+            with rec.operation():
+                value, size = await self._run_batch(batch, keep, run, seed)
         except Exception as exc:
-            rec.finish(time.perf_counter() - started, ok=False)
-            rec.failed += 1
             if not is_annotated(exc):
                 ids = batch.ids[0] if unbatched else batch.ids
                 stage = "transform" if isinstance(exc, WorkerCrashed) else "collate"
                 annotate(exc, stage, epoch=self.number, batch=batch.seq, index=ids)
             return _Done(batch, None, 0, exc)
-        except BaseException:  # cancelled
-            rec.in_flight -= 1
-            raise
-        rec.finish(time.perf_counter() - started)
         return _Done(batch, value, size)
+
+    async def _run_batch(
+        self,
+        batch: _Batch,
+        keep: list[int],
+        run: Callable[..., Awaitable[Any]],
+        seed: int | None,
+    ) -> tuple[Any, int]:
+        """Transform and collate ``batch`` (or, in the workers, read it first); failed samples
+        skipped as the failure budget allows. Returns the batch and its size."""
+        cfg = self.config
+        unbatched = cfg.unbatched
+        result: JobResult
+        if isinstance(self.source, InWorkers):  # the worker reads the indices itself
+            result = await run(
+                run_indices,
+                batch.ids,
+                cfg.transform,
+                cfg.collate_fn,
+                unbatched,
+                cfg.finish,
+                cfg.retry,
+                self._skips_left > 0,
+                seed=seed,
+            )
+            self.stats.fetch.retries += result.retries
+        else:
+            samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
+            result = await run(
+                run_batch,
+                cfg.transform,
+                cfg.collate_fn,
+                samples,
+                unbatched,
+                cfg.finish,
+                seed=seed,
+            )
+        if result.failures:
+            keys = [batch.ids[keep[position]] for position, _, _ in result.failures]
+            result = await self._skip_then_collate(batch, result, keys, run, seed=seed)
+        return result.batch, result.size
 
     # -- reorder + output ---------------------------------------------------------------------
 
@@ -839,22 +846,17 @@ class Epoch:
             raise RuntimeError("no device stage")
         with blocked(rec, "put"):  # the device is `depth` batches ahead of the consumer
             await self._on_device.acquire()
-        started = time.perf_counter()
-        rec.start()
         try:
-            staged = await device.stage(d.value, self._taken)
+            with rec.operation():
+                staged = await device.stage(d.value, self._taken)
         except Exception as exc:
             self._taken()
-            rec.finish(time.perf_counter() - started, ok=False)
-            rec.failed += 1
             annotate(exc, "device", epoch=self.number, batch=d.batch.seq)
             self.error = exc
             raise
         except BaseException:  # cancelled: the staging itself finished on its thread
             self._taken()
-            rec.in_flight -= 1
             raise
-        rec.finish(time.perf_counter() - started)
         rec.set_queued(device.depth - self._on_device.value)
         return staged
 

@@ -11,6 +11,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import TracebackType
 
 __all__ = [
     "ConsumerStatistics",
@@ -252,6 +253,58 @@ def format_ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
 
 
+class Operation:
+    """One or more operations of a stage in progress; see :meth:`StageRecorder.operation`."""
+
+    __slots__ = ("_count", "_counted", "_done", "_rec", "_started")
+
+    def __init__(self, rec: StageRecorder, count: int) -> None:
+        self._rec = rec
+        self._count = count
+        self._counted = True
+        self._done = False
+        self._started = 0.0
+
+    def __enter__(self) -> Operation:
+        for _ in range(self._count):
+            self._rec.start()
+        self._started = time.perf_counter()
+        return self
+
+    def retrying(self) -> None:
+        """A failure now is followed by another attempt: not counted in ``failed``."""
+        self._counted = False
+
+    def not_a_failure(self) -> None:
+        """A failure now is counted elsewhere (a worker's crash): not in ``failed``."""
+        self._counted = False
+
+    def abandon(self) -> None:
+        """End without counting: no longer in flight, no latency, no completion."""
+        if not self._done:
+            self._done = True
+            self._rec.in_flight -= self._count
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._done:
+            return
+        self._done = True
+        rec, count = self._rec, self._count
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            rec.in_flight -= count  # cancelled: nothing else is counted
+            return
+        latency = time.perf_counter() - self._started
+        for _ in range(count):
+            rec.finish(latency, ok=exc_type is None)
+        if exc_type is not None and self._counted:
+            rec.failed += count
+
+
 class StageRecorder:
     """Mutable counters of one stage, updated from the event loop thread only."""
 
@@ -300,6 +353,16 @@ class StageRecorder:
             self._latencies.append(latency)
         if ok:
             self.completed += 1
+
+    def operation(self, count: int = 1) -> Operation:
+        """Count ``count`` operations of this stage around a ``with`` block: started on entry;
+        on a normal exit finished (with their latency); on an ``Exception`` finished as
+        failed (and counted in ``failed``, unless :meth:`Operation.retrying` said another
+        attempt follows, or :meth:`Operation.not_a_failure` said the error is counted
+        elsewhere); on cancellation (any other ``BaseException``) no longer in flight, nothing
+        else counted. :meth:`Operation.abandon` ends them uncounted (the end of a stream is no
+        operation)."""
+        return Operation(self, count)
 
     def set_queued(self, n: int) -> None:
         self.queued = n
