@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import logging
 import math
-import random
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -48,6 +47,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._device import DeviceStage, Staged
 from ._exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
+from ._fetch import Attempts, FailureBudget
 from ._flow import ByteBudget, blocked, get, nbytes_of, put
 from ._job import (
     JobResult,
@@ -71,7 +71,6 @@ __all__ = ["Epoch", "PipelineConfig", "Raised"]
 
 logger = logging.getLogger("aioloader")
 
-_MAX_SKIPPED_KEPT = 1000  # skipped sample ids remembered for the statistics
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,9 +237,9 @@ class Epoch:
         self.window = config.window(work.concurrency, in_workers=in_workers)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
-        self._skips_left = config.max_failures
+        self._budget = FailureBudget(config.max_failures, stats, number)
+        self._attempts = Attempts(stats.fetch, config.retry, config.sample_timeout, number)
         self._open_batches = 0
-        self._rng = random.Random()  # retry jitter only: never affects which data is produced
         stats.window.limit = self.window
         stats.fetch.limit = max(config.max_inflight, self._chunk)
         stats.fetch.queue_capacity = self.window
@@ -477,7 +476,7 @@ class Epoch:
                 cfg.transform,
                 cfg.collate_fn,
                 cfg.finish,
-                self._skips_left > 0,
+                self._budget.left > 0,
                 replace=False,  # a fresh worker would have no pass: it would end silently
             )
         except WorkerCrashed:
@@ -509,7 +508,7 @@ class Epoch:
             Exception: A failure past the ``max_failures`` budget, or the collation's own.
         """
         for (_, stage, exc), key in zip(result.failures, keys, strict=True):
-            self._skip_or_raise(exc, stage, batch, key)
+            self._budget.skip_or_raise(exc, stage, batch.seq, key)
         if not result.transformed:
             return JobResult(size=0)
         cfg = self.config
@@ -594,10 +593,10 @@ class Epoch:
     async def _fetch_one(self, source: MapSource, batch: _Batch, position: int) -> None:
         index = batch.ids[position]
         try:
-            sample = await self._attempt(lambda: source.get(index), index, batch.seq)
+            sample = await self._attempts.run(lambda: source.get(index), index, batch.seq)
         except Exception as exc:
             try:
-                self._skip_or_raise(exc, "fetch", batch, index)
+                self._budget.skip_or_raise(exc, "fetch", batch.seq, index)
             except Exception as fatal:
                 batch.error = batch.error or fatal
             batch.failed.add(position)
@@ -609,13 +608,12 @@ class Epoch:
     async def _fetch_many(self, source: MapSource, batch: _Batch, start: int, stop: int) -> None:
         ids = batch.ids[start:stop]
         try:
-            samples = await self._attempt(
+            samples = await self._attempts.run(
                 lambda: source.get_many(ids), ids, batch.seq, count=len(ids)
             )
         except Exception as exc:
-            if self._skips_left == 0:
-                if self.config.max_failures:
-                    exc.add_note(f"aioloader: max_failures={self.config.max_failures} exhausted")
+            if self._budget.left == 0:
+                self._budget.exhausted_note(exc)
                 batch.error = batch.error or exc
                 batch.pending -= len(ids)
                 return
@@ -638,71 +636,6 @@ class Epoch:
         stats.bytes_held = self._bytes.held
         if stats.bytes_held > stats.max_bytes_held:
             stats.max_bytes_held = stats.bytes_held
-
-    async def _call(self, call: Callable[[], Awaitable[Any]]) -> Any:
-        """One fetch under the per-sample timeout (no cancel scope when there is none)."""
-        timeout = self.config.sample_timeout
-        if timeout is None:
-            return await call()
-        with anyio.move_on_after(timeout) as deadline:
-            result = await call()
-        if deadline.cancelled_caught:  # ours, not a timeout of the dataset's own
-            raise TimeoutError(f"aioloader: sample_timeout={timeout}s exceeded")
-        return result
-
-    async def _attempt(
-        self, call: Callable[[], Awaitable[Any]], key: object, seq: int, *, count: int = 1
-    ) -> Any:
-        """Run one fetch with the per-sample timeout and the retry policy."""
-        cfg, rec = self.config, self.stats.fetch
-        failures = 0
-        while True:
-            again = False  # the policy is asked once per failure
-            try:
-                with rec.operation(count) as op:
-                    try:
-                        result = await self._call(call)
-                    except Exception as exc:
-                        again = cfg.retry is not None and cfg.retry.should_retry(exc, failures + 1)
-                        if again:
-                            op.retrying()  # another attempt follows: not a failure yet
-                        raise
-            except Exception as exc:
-                error = exc
-            else:
-                return result
-            failures += 1
-            if not again or cfg.retry is None:
-                if failures > 1:
-                    error.add_note(f"aioloader: gave up after {failures} attempts")
-                # A blocking dataset's own note already names the sample within the slice.
-                index = None if is_annotated(error) else key
-                raise annotate(error, "fetch", epoch=self.number, batch=seq, index=index)
-            rec.retries += 1
-            logger.debug("aioloader: retrying %r after %r", key, error)
-            await anyio.sleep(cfg.retry.backoff(failures, self._rng))
-
-    def _skip_or_raise(self, exc: Exception, stage: str, batch: _Batch, key: object) -> None:
-        """Spend one unit of the ``max_failures`` budget on ``exc``, or raise it."""
-        if self._skips_left == 0:
-            if not is_annotated(exc):
-                annotate(exc, stage, epoch=self.number, batch=batch.seq, index=key)
-            if self.config.max_failures:
-                exc.add_note(f"aioloader: max_failures={self.config.max_failures} exhausted")
-            raise exc
-        self._skips_left -= 1
-        rec = self.stats.fetch if stage == "fetch" else self.stats.transform
-        rec.skipped += 1
-        if len(self.stats.skipped) < _MAX_SKIPPED_KEPT:
-            self.stats.skipped.append(key)
-        logger.warning(
-            "aioloader: skipped sample %r (stage %r, epoch %d): %s: %s",
-            key,
-            stage,
-            self.number,
-            type(exc).__name__,
-            exc,
-        )
 
     # -- transform + collate ----------------------------------------------------------------------
 
@@ -787,7 +720,7 @@ class Epoch:
                 unbatched,
                 cfg.finish,
                 cfg.retry,
-                self._skips_left > 0,
+                self._budget.left > 0,
                 seed=seed,
             )
             self.stats.fetch.retries += result.retries

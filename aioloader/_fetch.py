@@ -1,0 +1,139 @@
+"""The fetch path's rules, each testable without a loader: one read under the per-sample
+timeout and the retry policy (:class:`Attempts`), and the epoch's budget of samples it may skip
+(:class:`FailureBudget`).
+
+Owns: counting attempts and failures in the fetch stage's recorder, the backoff between
+attempts, the notes a failure gets ("gave up after N attempts", "max_failures=N exhausted"),
+and which skipped keys the statistics keep. Never: decides what a sample is or where it goes
+(``_pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from ._exceptions import annotate, is_annotated
+from ._retry import RetryPolicy
+from ._stats import Recorders, StageRecorder
+
+__all__ = ["Attempts", "FailureBudget"]
+
+logger = logging.getLogger("aioloader")
+
+_MAX_SKIPPED_KEPT = 1000  # skipped sample ids remembered for the statistics
+
+
+class Attempts:
+    """Reads under ``sample_timeout`` (seconds per attempt, None: no limit) and ``retry``
+    (None: one attempt), counted in ``rec``; ``epoch`` names the epoch in notes."""
+
+    def __init__(
+        self,
+        rec: StageRecorder,
+        retry: RetryPolicy | None,
+        sample_timeout: float | None,
+        epoch: int,
+    ) -> None:
+        self._rec = rec
+        self._retry = retry
+        self._timeout = sample_timeout
+        self._epoch = epoch
+        self._rng = random.Random()  # retry jitter only: never affects which data is produced
+
+    async def run(
+        self, call: Callable[[], Awaitable[Any]], key: object, seq: int, *, count: int = 1
+    ) -> Any:
+        """``call()``'s result, attempted as the retry policy allows (``count``: the samples
+        one call reads, for the statistics).
+
+        Raises:
+            Exception: The last attempt's error, with a note naming the stage, the sample and
+                the batch ``seq`` (and "gave up after N attempts" when it was retried).
+            TimeoutError: An attempt took over ``sample_timeout`` and was not retried.
+
+        Cancellation: the attempt in progress is cancelled; nothing stays counted in flight.
+        """
+        retry, failures = self._retry, 0
+        while True:
+            again = False  # the policy is asked once per failure
+            try:
+                with self._rec.operation(count) as op:
+                    try:
+                        result = await self._call(call)
+                    except Exception as exc:
+                        again = retry is not None and retry.should_retry(exc, failures + 1)
+                        if again:
+                            op.retrying()  # another attempt follows: not a failure yet
+                        raise
+            except Exception as exc:
+                error = exc
+            else:
+                return result
+            failures += 1
+            if not again or retry is None:
+                if failures > 1:
+                    error.add_note(f"aioloader: gave up after {failures} attempts")
+                # A blocking dataset's own note already names the sample within the slice.
+                index = None if is_annotated(error) else key
+                raise annotate(error, "fetch", epoch=self._epoch, batch=seq, index=index)
+            self._rec.retries += 1
+            logger.debug("aioloader: retrying %r after %r", key, error)
+            await anyio.sleep(retry.backoff(failures, self._rng))
+
+    async def _call(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """One attempt under the per-sample timeout (no cancel scope when there is none)."""
+        if self._timeout is None:
+            return await call()
+        with anyio.move_on_after(self._timeout) as deadline:
+            result = await call()
+        if deadline.cancelled_caught:  # ours, not a timeout of the dataset's own
+            raise TimeoutError(f"aioloader: sample_timeout={self._timeout}s exceeded")
+        return result
+
+
+class FailureBudget:
+    """The samples an epoch may skip (``max_failures``); skipped ones are counted in the
+    stage's recorder and remembered (up to 1,000 keys) in ``stats.skipped``."""
+
+    def __init__(self, max_failures: int, stats: Recorders, epoch: int) -> None:
+        self.max_failures = max_failures
+        self.left = max_failures
+        self._stats = stats
+        self._epoch = epoch
+
+    def exhausted_note(self, exc: BaseException) -> None:
+        """Say on ``exc`` that the budget ran out (when there was one)."""
+        if self.max_failures:
+            exc.add_note(f"aioloader: max_failures={self.max_failures} exhausted")
+
+    def skip_or_raise(self, exc: Exception, stage: str, seq: int, key: object) -> None:
+        """Spend one unit of the budget on ``exc`` (a warning is logged), or raise it.
+
+        Raises:
+            Exception: ``exc``, with notes naming the stage, the sample and the batch ``seq``
+                (and that the budget is exhausted), when nothing is left.
+        """
+        if self.left == 0:
+            if not is_annotated(exc):
+                annotate(exc, stage, epoch=self._epoch, batch=seq, index=key)
+            self.exhausted_note(exc)
+            raise exc
+        self.left -= 1
+        stats = self._stats
+        rec = stats.fetch if stage == "fetch" else stats.transform
+        rec.skipped += 1
+        if len(stats.skipped) < _MAX_SKIPPED_KEPT:
+            stats.skipped.append(key)
+        logger.warning(
+            "aioloader: skipped sample %r (stage %r, epoch %d): %s: %s",
+            key,
+            stage,
+            self._epoch,
+            type(exc).__name__,
+            exc,
+        )
