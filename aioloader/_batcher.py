@@ -25,7 +25,7 @@ import anyio
 import anyio.abc
 import torch
 
-from ._batcher_run import BatchRunner, device_plan
+from ._batcher_run import BatchRunner, device_plan_of
 from ._batcher_stats import BatcherRecorder, BatcherStatistics
 from ._batching import (
     BatchPolicy,
@@ -199,7 +199,7 @@ class DynamicBatcher:
             num_workers=num_workers,
             start_method=multiprocessing_context,
             concurrency=max_concurrent_batches,
-            device=device_plan(device, pin_memory=pin_memory, transform=device_transform),
+            device=device_plan_of(device, pin_memory=pin_memory, transform=device_transform),
             host_transform=device_transform,
         )
         self._clock = clock

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import torch
 
 from ._accelerator import resolve_device
 from ._arguments import check_picklable
 from ._batching import split_outputs
-from ._device import DevicePlan, DeviceStage, hand_out, plan_for
+from ._device import DevicePlan, DeviceStage, device_plan, hand_out
 from ._exceptions import annotate
 from ._job import collate_only
 from ._offload import ThreadOffload
@@ -30,14 +27,13 @@ from ._processes import ProcessWorkers
 from ._sampler import derive_seed
 from ._stats import WorkerRecorder
 
-__all__ = ["BatchRunner", "device_plan"]
+__all__ = ["BatchRunner", "device_plan_of"]
 
 
-def device_plan(
+def device_plan_of(
     device: object, *, pin_memory: bool, transform: Callable[[Any], Any] | None
 ) -> DevicePlan | None:
-    """The device stage a batcher needs: one with a CUDA ``device``, else None (batches stay
-    where collation left them; ``transform`` then runs after collation).
+    """The device stage a batcher needs (``_device.device_plan``: the loader's decision).
 
     Raises:
         TypeError: ``device`` is not a str, ``torch.device`` or None; ``transform`` is not
@@ -46,16 +42,9 @@ def device_plan(
     """
     if transform is not None and not callable(transform):
         raise TypeError(f"device_transform must be callable or None, got {transform!r}")
-    target = resolve_device(device)
-    if target is None or target.type != "cuda":
-        if pin_memory and not torch.cuda.is_available():
-            warnings.warn(
-                "pin_memory=True but no accelerator is available: batches stay unpinned",
-                UserWarning,
-                stacklevel=3,
-            )
-        return None
-    return plan_for(target, pin=pin_memory, transform=transform)
+    return device_plan(
+        resolve_device(device), pin_memory=pin_memory, transform=transform, stacklevel=3
+    )
 
 
 class BatchRunner:

@@ -16,6 +16,7 @@ consumer's stream with the host.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +29,7 @@ from ._accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
 from ._offload import ThreadOffload
 from ._tree import map_tensors, pin_tree, tensors_in
 
-__all__ = ["DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
+__all__ = ["device_plan", "DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
 
 _ALIGN = 256  # bytes: each tensor's offset in a pinned buffer (whole cache lines, any dtype)
 
@@ -106,13 +107,34 @@ class DevicePlan:
 def plan_for(
     device: torch.device | None, *, pin: bool, transform: Callable[[Any], Any] | None
 ) -> DevicePlan | None:
-    """The device stage a loader needs: None when batches stay on the host unpinned (then
-    ``device_transform`` runs where collation runs)."""
+    """The device stage for ``device`` (already resolved): None when batches stay on the host
+    unpinned (then ``device_transform`` runs where collation runs)."""
     if device is not None and device.type == "cuda":
         return DevicePlan(partial(CudaAccelerator, device), pin, transform)
     if pin:
         return DevicePlan(None, True)
     return None
+
+
+def device_plan(
+    device: torch.device | None,
+    *,
+    pin_memory: bool,
+    transform: Callable[[Any], Any] | None,
+    stacklevel: int,
+) -> DevicePlan | None:
+    """The one device decision, for the loader and the batcher alike: :func:`plan_for`, after
+    ``pin_memory=True`` without an accelerator is warned about (a ``UserWarning``, as torch's,
+    at ``stacklevel`` above the caller) and dropped."""
+    pin = bool(pin_memory)
+    if pin and not torch.cuda.is_available():
+        warnings.warn(
+            "pin_memory=True but no accelerator is available: batches stay unpinned",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
+        pin = False
+    return plan_for(device, pin=pin, transform=transform)
 
 
 def _packable(tensor: torch.Tensor) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -23,7 +22,7 @@ import torch
 
 from ._arguments import check_arguments, non_negative_int
 from ._collate import default_collate, default_convert
-from ._device import plan_for
+from ._device import device_plan
 from ._exceptions import LoaderStateError
 from ._forkserver import prepare_forkserver
 from ._offload import ThreadOffload
@@ -283,15 +282,9 @@ class DataLoader(Generic[T_Batch]):
             else default_collate
         )
 
-        pin = bool(pin_memory)
-        if pin and not torch.cuda.is_available():
-            warnings.warn(
-                "pin_memory=True but no accelerator is available: batches stay unpinned",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            pin = False
-        self._device_plan = plan_for(target, pin=pin, transform=device_transform)
+        self._device_plan = device_plan(
+            target, pin_memory=pin_memory, transform=device_transform, stacklevel=2
+        )
         on_device = self._device_plan is not None and self._device_plan.accelerator is not None
         self._config = PipelineConfig(
             batch_size=_batch_size_hint(batch_size, batch_sampler),

@@ -72,7 +72,6 @@ __all__ = ["Epoch", "PipelineConfig", "Raised"]
 logger = logging.getLogger("aioloader")
 
 
-
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:
     """The settings an epoch runs with (validated by the loader)."""

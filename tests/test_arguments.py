@@ -279,7 +279,7 @@ def test_pin_memory_without_accelerator_warns_and_still_works() -> None:
     if torch.cuda.is_available():
         pytest.skip("an accelerator is present: pin_memory=True pins instead of warning")
     samples = [{"x": torch.tensor([i, -i]), "y": i} for i in range(5)]
-    with pytest.warns(RuntimeWarning, match="pin_memory"):
+    with pytest.warns(UserWarning, match="pin_memory"):
         loader: aioloader.DataLoader[Any] = aioloader.DataLoader(
             samples, batch_size=2, pin_memory=True
         )

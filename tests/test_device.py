@@ -700,7 +700,7 @@ def test_device_transform_on_the_host_runs_after_collate(
 
 @no_cuda
 def test_pin_memory_with_cpu_device_warns_and_still_works() -> None:
-    with pytest.warns(RuntimeWarning, match="pin_memory"):
+    with pytest.warns(UserWarning, match="pin_memory"):
         dl = aioloader.DataLoader(list(range(6)), batch_size=3, pin_memory=True, device="cpu")
     got = list(dl)
     assert [b.tolist() for b in got] == [[0, 1, 2], [3, 4, 5]]
