@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
@@ -90,6 +90,32 @@ class ThreadOffload:
         (shielded) and its result dropped; then ``CancelledError`` goes on.
         """
         return await wait_thread_future(self._pool.submit(fn, *args))
+
+    #: Threads share one copy of everything: no worker is distinct (see ``_pool.WorkerPool``).
+    per_worker = False
+
+    async def start(self) -> None:
+        """Nothing to start: threads are made as calls come."""
+
+    async def aclose(self) -> None:
+        """As :meth:`close`."""
+        self.close()
+
+    @contextlib.asynccontextmanager
+    async def reserved(self) -> AsyncIterator[Callable[..., Any]]:
+        """``run_on(worker_id, fn, *args, seed=None, replace=True)``: on any thread (threads
+        are not distinct workers)."""
+
+        async def run_on(
+            worker_id: int,
+            fn: Callable[..., R],
+            *args: Any,
+            seed: int | None = None,
+            replace: bool = True,
+        ) -> R:
+            return await self.run(fn, *args, seed=seed)
+
+        yield run_on
 
     def close(self) -> None:
         """Join the pool's threads. Calls still queued are cancelled; none should be running,

@@ -58,8 +58,8 @@ from ._job import (
     run_batch,
     run_indices,
 )
-from ._offload import ThreadOffload
-from ._processes import CANCEL_GRACE, ProcessWorkers
+from ._pool import WorkerPool
+from ._processes import CANCEL_GRACE
 from ._ranks import StreamShare
 from ._reorder import BatchAssembler, ReorderBuffer
 from ._retry import RetryPolicy
@@ -213,7 +213,7 @@ class Epoch:
         config: PipelineConfig,
         source: MapSource | StreamSource | InWorkers,
         batches: Iterable[Sequence[int]] | None,
-        work: ThreadOffload | ProcessWorkers,
+        work: WorkerPool,
         stats: Recorders,
         device: DeviceStage | None = None,
     ) -> None:
@@ -311,7 +311,7 @@ class Epoch:
             ready_send.close()
             work = self.work
             in_workers = isinstance(self.source, InWorkers)
-            if in_workers and isinstance(work, ProcessWorkers) and self.config.in_order:
+            if in_workers and work.per_worker and self.config.in_order:
                 # torch's rule for a dataset in workers: batch i goes to worker i % n (with
                 # in_order=False, as torch, to whichever worker is free).
                 tg.start_soon(self._round_robin, work, ready_recv, done_send)
@@ -371,7 +371,7 @@ class Epoch:
         still going (``in_order``) or as they come; a worker whose pass ends stops contributing.
         A failed batch is raised in its turn and its worker goes on, as in torch."""
         work = self.work
-        if not isinstance(work, ProcessWorkers):
+        if not work.per_worker:
             raise TypeError("an iterable dataset in workers needs process workers")
         n, in_order = work.concurrency, self.config.in_order
         out = _RankBatches(self, done)
@@ -648,7 +648,7 @@ class Epoch:
 
     async def _round_robin(
         self,
-        work: ProcessWorkers,
+        work: WorkerPool,
         ready: MemoryObjectReceiveStream[_Batch],
         done: MemoryObjectSendStream[_Done],
     ) -> None:

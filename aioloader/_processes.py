@@ -86,6 +86,7 @@ class ProcessWorkers:
         dataset: object = None,
     ) -> None:
         self.concurrency = workers
+        self.per_worker = True  # each worker a process with its own copy (``_pool.WorkerPool``)
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
         self._dataset = dataset
         self._seed = seed

@@ -26,6 +26,7 @@ from ._device import DeviceStage, Staged, hand_out
 from ._exceptions import LoaderStateError, LoaderTimeout
 from ._offload import ThreadOffload
 from ._pipeline import Epoch, Raised
+from ._pool import WorkerPool
 from ._processes import ProcessWorkers
 from ._sampler import derive_seed
 from ._source import InWorkers
@@ -70,7 +71,7 @@ class Scope:
         self.stack = stack
         self.thread = threading.get_ident()
         self.task_group: anyio.abc.TaskGroup | None = None
-        self.work: ThreadOffload | ProcessWorkers
+        self.work: WorkerPool
         if plan.worker_mode == "process" and plan.num_workers > 0:
             self.work = ProcessWorkers(
                 plan.num_workers,
@@ -101,18 +102,14 @@ class Scope:
 
     async def start_workers(self) -> None:
         """Start the worker processes, then initialise the device (off the loop)."""
-        if isinstance(self.work, ProcessWorkers):
-            await self.work.start()
+        await self.work.start()
         if self.device is not None:
             await self.device.open()
 
     async def close_workers(self) -> None:
         """Stop the workers and threads, and close the device stage (its copies finish)."""
         try:
-            if isinstance(self.work, ProcessWorkers):
-                await self.work.aclose()
-            else:
-                self.work.close()
+            await self.work.aclose()
             if self.io is not None:
                 self.io.close()
         finally:
