@@ -30,11 +30,8 @@ from ._pipeline import PipelineConfig
 from ._plan import LoaderPlan
 from ._retry import RetryPolicy
 from ._sampler import (
-    BatchSampler,
-    DistributedSampler,
-    RandomSampler,
-    SequentialSampler,
     draw_seed,
+    map_order,
     resolve_rank,
 )
 from ._scope import EpochIterator, LoaderState, Scope
@@ -257,25 +254,19 @@ class DataLoader(Generic[T_Batch]):
             self.base_seed = draw_seed(generator)
         self._kind = kind
 
-        self.sampler: Iterable[int] | None = None
-        self.batch_sampler: Iterable[Sequence[int]] | None = batch_sampler
-        if kind.is_map and batch_sampler is None:
-            if sampler is None:
-                if distributed:
-                    sampler = DistributedSampler(
-                        len(dataset),
-                        rank=self.rank,
-                        world_size=self.world_size,
-                        shuffle=bool(shuffle),
-                        seed=0 if seed is None else seed,
-                    )
-                elif shuffle:  # the dataset itself: its length is read each epoch, as torch's
-                    sampler = RandomSampler(dataset, seed=seed, generator=generator)
-                else:
-                    sampler = SequentialSampler(dataset)
-            self.sampler = sampler
-            if batch_size is not None:
-                self.batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        self.sampler, self.batch_sampler = map_order(
+            dataset,
+            kind.is_map,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            drop_last=drop_last,
+            rank=self.rank if distributed else None,
+            world_size=self.world_size if distributed else None,
+            seed=seed,
+            generator=generator,
+        )
         self.collate_fn: Callable[[Any], Any] = collate_fn or (
             default_convert
             if self.batch_size is None and batch_sampler is None

@@ -17,7 +17,7 @@ import hashlib
 import operator
 import random
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from torch.utils.data import Sampler
 
 from ._checks import check_bool, check_int, check_seed
 
-__all__ = ["BatchSampler", "DistributedSampler", "RandomSampler", "SequentialSampler"]
+__all__ = ["map_order", "BatchSampler", "DistributedSampler", "RandomSampler", "SequentialSampler"]
 
 T_Part = TypeVar("T_Part")
 
@@ -484,3 +484,43 @@ class BatchSampler(Sampler[list[int]]):
             raise TypeError(f"sampler has no len(): {type(self._sampler).__name__}")
         n = len(self._sampler)
         return n // self._batch_size if self._drop_last else -(-n // self._batch_size)
+
+
+def map_order(
+    dataset: Any,
+    is_map: bool,
+    *,
+    batch_size: int | None,
+    shuffle: object,
+    sampler: Iterable[int] | None,
+    batch_sampler: Iterable[Sequence[int]] | None,
+    drop_last: bool,
+    rank: int | None,
+    world_size: int | None,
+    seed: int | None,
+    generator: torch.Generator | None,
+) -> tuple[Iterable[int] | None, Iterable[Sequence[int]] | None]:
+    """The ``(sampler, batch_sampler)`` a loader iterates, as torch's ``DataLoader`` builds
+    them (the arguments already checked): for a map-style dataset, the user's sampler, or a
+    ``DistributedSampler`` (``rank``/``world_size`` given: ``distributed=True``), a
+    ``RandomSampler`` (``shuffle``) or a ``SequentialSampler``, batched by a ``BatchSampler``
+    when ``batch_size`` is set; a stream has neither (only the user's ``batch_sampler``, if
+    any, which the checks refused for a stream)."""
+    if not is_map or batch_sampler is not None:
+        return None, batch_sampler
+    if sampler is None:
+        if rank is not None and world_size is not None:
+            sampler = DistributedSampler(
+                len(dataset),
+                rank=rank,
+                world_size=world_size,
+                shuffle=bool(shuffle),
+                seed=0 if seed is None else seed,
+            )
+        elif shuffle:  # the dataset itself: its length is read each epoch, as torch's
+            sampler = RandomSampler(dataset, seed=seed, generator=generator)
+        else:
+            sampler = SequentialSampler(dataset)
+    if batch_size is None:
+        return sampler, None
+    return sampler, BatchSampler(sampler, batch_size, drop_last)
