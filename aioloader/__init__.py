@@ -3,6 +3,8 @@
 Import everything from here; the ``_modules`` behind it are private.
 """
 
+import contextlib
+
 from ._batcher import DynamicBatcher as DynamicBatcher
 from ._batcher_stats import BatcherStatistics as BatcherStatistics
 from ._collate import default_collate as default_collate
@@ -82,3 +84,18 @@ __all__ = [
     "interleave",
     "pad_collate",
 ]
+
+
+def _report_public_module(namespace: dict[str, object], names: list[str], module: str) -> None:
+    """Public objects say they live where users import them from (as anyio's and trio's do):
+    ``aioloader.DataLoader``, not ``aioloader._loader.DataLoader``, in reprs, tracebacks and
+    pickles (pickling by reference finds them here)."""
+    for name in names:
+        obj = namespace[name]
+        if getattr(obj, "__module__", "").startswith(f"{module}."):
+            # A builtin or slotted object refuses: it is left as it is.
+            with contextlib.suppress(AttributeError, TypeError):
+                obj.__module__ = module
+
+
+_report_public_module(globals(), __all__, __name__)

@@ -4,9 +4,11 @@ leaks, and the package ships its type information."""
 from __future__ import annotations
 
 import importlib.resources
+import inspect
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +26,19 @@ def test_all_matches_the_public_names() -> None:
     assert aioloader.__all__ == sorted(aioloader.__all__)
 
 
-def test_public_names_come_from_private_modules() -> None:
+def test_public_names_come_from_private_modules_and_say_aioloader() -> None:
+    """Defined in private modules, re-exported by the facade; they report ``aioloader`` as
+    their module (as anyio's and trio's do), so reprs and pickles name what users import."""
     for name in aioloader.__all__:
-        module = getattr(getattr(aioloader, name), "__module__", "")
-        assert module.startswith("aioloader._"), (name, module)
+        obj = getattr(aioloader, name)
+        defined = obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
+        source = Path(inspect.getsourcefile(defined) or "")
+        assert source.parent.name == "aioloader" and source.name.startswith("_"), (name, source)
+        assert obj.__module__ == "aioloader", (name, obj.__module__)
+    for name in aioloader.sources.__all__:
+        obj = getattr(aioloader.sources, name)
+        assert obj.__module__ == "aioloader.sources", (name, obj.__module__)
+    assert repr(aioloader.DataLoader) == "<class 'aioloader.DataLoader'>"
 
 
 def test_sources_subpackage_is_reachable_from_the_top() -> None:

@@ -51,3 +51,7 @@ __all__ = [
     "tar_shards",
     "urls",
 ]
+
+from .. import _report_public_module
+
+_report_public_module(globals(), __all__, __name__)
