@@ -27,7 +27,7 @@ import torch
 
 from ._accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
 from ._offload import ThreadOffload
-from ._tree import map_tensors, pin_tree, tensors_in
+from ._tree import map_tensors, pin_tree, plain_cpu_tensor, tensors_in
 
 __all__ = ["device_plan", "DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
 
@@ -135,18 +135,6 @@ def device_plan(
         )
         pin = False
     return plan_for(device, pin=pin, transform=transform)
-
-
-def _packable(tensor: torch.Tensor) -> bool:
-    """Whether a tensor can go through a pinned buffer: a plain, dense CPU tensor."""
-    return (
-        type(tensor) is torch.Tensor
-        and tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and not tensor.is_nested
-        and tensor.numel() > 0
-    )
 
 
 def _dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -262,7 +250,7 @@ class DeviceStage:
         packed: list[tuple[torch.Tensor, tuple[int, ...], int, int]] = []
         total = 0
         for tensor in leaves:
-            if not _packable(tensor):
+            if not plain_cpu_tensor(tensor):
                 moved[id(tensor)] = tensor.to(acc.device)
                 continue
             nbytes = tensor.numel() * tensor.element_size()

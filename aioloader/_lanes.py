@@ -33,7 +33,7 @@ import anyio
 from ._dataset import AsyncIterableDataset
 from ._interleave import Interleave
 
-__all__ = ["EpochIterator", "OpensEpochs", "interleaved"]
+__all__ = ["OpensEpochs", "OwnedEpochIterator", "ahead_for", "close_iterator", "interleaved"]
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -125,6 +125,21 @@ class _Parts(Generic[P, T]):
         return self.lanes[index]
 
 
+async def close_iterator(iterator: object) -> None:
+    """``aclose()`` an async iterator that has it (an async generator), shielded: its files and
+    connections close even when the caller is being cancelled."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+def ahead_for(width: int, parts: int) -> int:
+    """The parts opened ahead of ``width`` open ones in a plan of ``parts``: a quarter of the
+    width (at least one) so the next part flows when one ends; none when all are open."""
+    return 0 if width >= parts else max(1, width // 4)
+
+
 @contextlib.asynccontextmanager
 async def interleaved(
     parts: Iterable[P] | AsyncIterable[P],
@@ -169,10 +184,7 @@ async def interleaved(
                 async for item in items:
                     await lane.put(item, measure(item))
             finally:
-                aclose = getattr(items, "aclose", None)
-                if aclose is not None:  # its files and connections close, even when cancelled
-                    with anyio.CancelScope(shield=True):
-                        await aclose()
+                await close_iterator(items)
         except Exception as exc:
             lane.close(exc)
         else:
@@ -237,10 +249,7 @@ async def _as_async(parts: Iterable[P] | AsyncIterable[P]) -> AsyncGenerator[P, 
             async for part in iterator:
                 yield part
         finally:
-            aclose = getattr(iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
+            await close_iterator(iterator)
     else:
         for part in parts:
             yield part
@@ -261,7 +270,7 @@ class OpensEpochs(AsyncIterableDataset[T_co]):
 
     def __aiter__(self) -> AsyncIterator[T_co]:
         """Start the next epoch: an iterator over it (see the class on closing it)."""
-        return EpochIterator(self.open_epoch())
+        return OwnedEpochIterator(self.open_epoch())
 
 
 class _Failed:
@@ -274,7 +283,7 @@ class _Failed:
 _DONE: Any = object()
 
 
-class EpochIterator(AsyncIterator[T]):
+class OwnedEpochIterator(AsyncIterator[T]):
     """Iterates an epoch opened with ``open_epoch()`` from any task, in any way (``break``,
     dropping it): the epoch runs in a task of its own, started at the first ``__anext__``;
     items come over a one-item queue, so at most one item is read beyond the epoch's own
@@ -295,17 +304,18 @@ class EpochIterator(AsyncIterator[T]):
         self._queue: asyncio.Queue[Any] | None = None
         self._over = False
 
-    def __aiter__(self) -> EpochIterator[T]:
+    def __aiter__(self) -> OwnedEpochIterator[T]:
         return self
 
     async def __anext__(self) -> T:
         if self._over:
             raise StopAsyncIteration
-        if self._queue is None:
-            assert self._epoch is not None
+        if self._queue is None:  # the first call starts the epoch (aclose before it: _over)
+            epoch, self._epoch = self._epoch, None
+            if epoch is None:
+                raise StopAsyncIteration
             self._queue = asyncio.Queue(1)
-            self._task = asyncio.get_running_loop().create_task(self._run(self._epoch, self._queue))
-            self._epoch = None
+            self._task = asyncio.get_running_loop().create_task(self._run(epoch, self._queue))
         item = await self._queue.get()
         if item is _DONE:
             await self.aclose()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._tree import map_tensors, tensors_in
+from ._tree import map_tensors, plain_cpu_tensor, tensors_in
 
 __all__ = ["pack_tensors"]
 
@@ -38,14 +38,11 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 def _packable(t: torch.Tensor) -> bool:
     return (
-        type(t) is torch.Tensor
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
+        plain_cpu_tensor(t)
         and not t.requires_grad
-        and not t.is_quantized
         and not t.is_conj()
         and not t.is_neg()
-        and 0 < t.nbytes <= _MAX_PACKED
+        and t.nbytes <= _MAX_PACKED
         and t.stride() == _contiguous_strides(t.shape)  # exactly, size-1 dimensions too
     )
 

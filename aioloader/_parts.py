@@ -13,7 +13,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from ._checks import check_bool, check_int, check_seed
-from ._lanes import OpensEpochs, interleaved
+from ._lanes import OpensEpochs, ahead_for, interleaved
 from ._sampler import derive_seed, epoch_parts, resolve_rank
 
 __all__ = ["Interleaved", "interleave"]
@@ -168,7 +168,7 @@ class Interleaved(OpensEpochs[T]):
             plan,
             self._open,
             width=width,
-            ahead=max(1, width // 4) if width < len(plan) else 0,
+            ahead=ahead_for(width, len(plan)),
             part_limit=self.buffer,
             rng=random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle else None,
             name=self._name,

@@ -15,9 +15,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_tensors", "pin_tree", "tensors_in"]
+__all__ = ["map_tensors", "pin_tree", "plain_cpu_tensor", "tensors_in"]
 
 _MISSING = object()
+
+
+def plain_cpu_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain, dense, non-empty CPU tensor (no subclass, quantized or
+    nested tensor): one whose bytes can be copied into a buffer of ours and viewed back."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.numel() > 0
+    )
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:

@@ -285,7 +285,7 @@ async def test_interleave_refuses_a_part_that_gives_no_async_iterator() -> None:
         [x async for x in ds]
 
 
-# -- EpochIterator: direct iteration from any task ----------------------------------------------
+# -- OwnedEpochIterator: direct iteration from any task -----------------------------------
 
 
 def numbers(n: int, pause: float = 0.0) -> Callable[[], AsyncIterator[int]]:

@@ -3,7 +3,9 @@ and against a real aiohttp server that throttles, for the retry path."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import boto3
@@ -85,6 +87,30 @@ async def test_a_vanished_object_names_its_key_or_is_skipped(bucket: dict[str, A
     assert dl.statistics().skipped_samples == (13,)
 
 
+@contextlib.asynccontextmanager
+async def s3_style_server(
+    handler: Callable[[web.Request], Awaitable[web.Response]],
+) -> AsyncIterator[Any]:
+    """An aiohttp server on 127.0.0.1 answering GETs of ``/bucket/{key}`` with ``handler``,
+    and an obstore S3 store pointed at it (obstore's own retries off)."""
+    app = web.Application()
+    app.router.add_get("/bucket/{key}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        yield from_url(
+            "s3://bucket/",
+            config={"endpoint": f"http://127.0.0.1:{port}", **CREDS},  # type: ignore[typeddict-item]
+            client_options={"allow_http": True},
+            retry_config={"max_retries": 0},
+        )
+    finally:
+        await runner.cleanup()
+
+
 async def test_throttling_is_retried_by_the_loader_and_counted() -> None:
     attempts: dict[str, int] = {}
 
@@ -95,20 +121,7 @@ async def test_throttling_is_retried_by_the_loader_and_counted() -> None:
             return web.Response(status=503, text="<Error><Code>SlowDown</Code></Error>")
         return web.Response(body=int(key).to_bytes(2, "little") * 8)
 
-    app = web.Application()
-    app.router.add_get("/bucket/{key}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
-        store = from_url(
-            "s3://bucket/",
-            config={"endpoint": f"http://127.0.0.1:{port}", **CREDS},  # type: ignore[typeddict-item]
-            client_options={"allow_http": True},
-            retry_config={"max_retries": 0},
-        )
+    async with s3_style_server(handler) as store:
         ds = ObjectDataset(store, "s3://bucket/", [str(i) for i in range(30)])
         retry = aioloader.RetryPolicy(attempts=3, initial_backoff=0.001, max_backoff=0.005)
         dl = aioloader.DataLoader(ds, batch_size=10, collate_fn=list, retry=retry)
@@ -126,8 +139,6 @@ async def test_throttling_is_retried_by_the_loader_and_counted() -> None:
         assert "gave up after 3 attempts" in "\n".join(info.value.__notes__)
         assert info.value.__cause__ is not None  # the store's own error, for its details
         assert attempts["always"] == 3
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.parametrize(
@@ -150,20 +161,7 @@ async def test_a_refusal_is_raised_once_with_its_type(status: int, kind: type) -
         body = f"<Error><Code>E{status}</Code><Message>request timed out? no</Message></Error>"
         return web.Response(status=status, text=body)
 
-    app = web.Application()
-    app.router.add_get("/bucket/{key}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
-        store = from_url(
-            "s3://bucket/",
-            config={"endpoint": f"http://127.0.0.1:{port}", **CREDS},  # type: ignore[typeddict-item]
-            client_options={"allow_http": True},
-            retry_config={"max_retries": 0},
-        )
+    async with s3_style_server(handler) as store:
         retry = aioloader.RetryPolicy(attempts=3, initial_backoff=0.001, max_backoff=0.005)
         dl = aioloader.DataLoader(
             ObjectDataset(store, "s3://bucket/", ["denied"]), collate_fn=list, retry=retry
@@ -174,8 +172,6 @@ async def test_a_refusal_is_raised_once_with_its_type(status: int, kind: type) -
         assert not isinstance(info.value, TransientStoreError)
         assert "aioloader: while reading s3://bucket/denied" in info.value.__notes__
         assert attempts["denied"] == 1
-    finally:
-        await runner.cleanup()
 
 
 def test_demo_trains_from_an_s3_url(

@@ -18,10 +18,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
-import anyio
-
 from .._checks import check_int
-from .._lanes import OpensEpochs, interleaved
+from .._lanes import OpensEpochs, close_iterator, interleaved
 from .._sampler import epoch_parts
 
 __all__ = ["SlotPolicy", "SlotSample", "SlotStreams", "slot_streams"]
@@ -288,7 +286,4 @@ async def _marked(
             yield first, sample
             first = False
     finally:
-        aclose = getattr(samples, "aclose", None)
-        if aclose is not None:
-            with anyio.CancelScope(shield=True):
-                await aclose()
+        await close_iterator(samples)

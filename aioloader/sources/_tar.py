@@ -21,7 +21,7 @@ import aiohttp
 import anyio
 
 from .._checks import check_bool, check_int, check_seconds, check_seed
-from .._lanes import OpensEpochs, interleaved
+from .._lanes import OpensEpochs, ahead_for, interleaved
 from .._retry import RetryPolicy
 from .._sampler import derive_seed, epoch_parts, resolve_rank
 from ._braces import expand_braces
@@ -358,7 +358,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         self, shards: list[str], epoch: int
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         width = self.shards_in_flight(len(shards))
-        ahead = max(1, width // 4) if width < len(shards) else 0
+        ahead = ahead_for(width, len(shards))
         per_shard = max(self._chunk_size, self._buffer_bytes // (width + ahead))
         order = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle_shards else None
         async with (

@@ -238,24 +238,22 @@ class TarParser:
             if self._header is None:
                 what, need, at, have = "a header", _BLOCK, self._offset, self._have
             else:
-                size = self._header[1]
+                _kind, size, offset, name = self._header
                 if self._have >= size:  # the member is whole; its padding is cut
                     what, need, at = "padding", self._need - size, self._offset + size
                     have = self._have - size
                 else:
-                    what, need, at, have = self._what(), size, self._offset, self._have
+                    what = (
+                        "a metadata member"
+                        if name is None
+                        else (f"member {name!r} (header at offset {offset})")
+                    )
+                    need, at, have = size, self._offset, self._have
             raise CorruptShardError(
                 f"tar shard {self._shard!r} is truncated: {what} needs {need} bytes at "
                 f"offset {at}, only {have} left"
             )
         return [] if self._sample is None else [self._sample]
-
-    def _what(self) -> str:
-        assert self._header is not None
-        _kind, _size, offset, name = self._header
-        if name is None:
-            return "a metadata member"
-        return f"member {name!r} (header at offset {offset})"
 
     def _units(self, buf: bytes, out: list[dict[str, Any]]) -> int:
         """Parse every whole unit (header, member) of ``buf``; return where the rest starts."""
