@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 import uvloop
-from moto.server import ThreadedMotoServer
 
 
 def pytest_asyncio_loop_factories(
@@ -31,7 +30,12 @@ def _no_thread_left() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
-    """The URL of moto's S3-compatible server on 127.0.0.1 (a free port), for the session."""
+    """The URL of moto's S3-compatible server on 127.0.0.1 (a free port), for the session.
+
+    moto is imported here, not at the top: the tests that need no S3 server (the CUDA ones on a
+    GPU machine, say) run where moto is not installed."""
+    from moto.server import ThreadedMotoServer
+
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
