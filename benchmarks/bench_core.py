@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import math
 import sys
 import time
@@ -44,6 +43,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils.data
+from _harness import (
+    Column,
+    Result,
+    add_batch_size,
+    add_only,
+    add_quick,
+    add_timeout,
+    delivery_error,
+    exit_status,
+    format_table,
+    quick_defaults,
+    ratio_to,
+    timed,
+    versions,
+)
 
 import aioloader
 
@@ -90,20 +104,10 @@ class Settings:
 
 
 @dataclass
-class Result:
-    name: str
-    samples: int
-    wall_s: float
-    error: str | None = None
+class CoreResult(Result):
+    """A row, with the loader's statistics (aioloader's configurations)."""
+
     statistics: aioloader.LoaderStatistics | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def check(batches: Sequence[torch.Tensor], settings: Settings) -> tuple[int, str | None]:
@@ -115,17 +119,7 @@ def check(batches: Sequence[torch.Tensor], settings: Settings) -> tuple[int, str
             return len(values), f"malformed batch of shape {tuple(batch.shape)}"
         values.extend(int(v) for v in batch[:, 0].tolist())
     expected_batches = math.ceil(settings.items / settings.batch_size)
-    if sorted(values) != list(range(settings.items)):
-        seen = set(values)
-        missing = settings.items - len(seen & set(range(settings.items)))
-        duplicates = len(values) - len(seen)
-        return len(values), (
-            f"got {len(values)} samples for {settings.items} items: "
-            f"{missing} missing, {duplicates} duplicated"
-        )
-    if len(batches) != expected_batches:
-        return len(values), f"got {len(batches)} batches, expected {expected_batches}"
-    return len(values), None
+    return len(values), delivery_error(values, settings.items, len(batches), expected_batches)
 
 
 # -- the configurations --------------------------------------------------------------------------
@@ -217,49 +211,29 @@ BASELINES = ("torch-nw0", "torch-nw2", "asyncio-ceiling")
 STATS_CONFIG = "aio-inflight64"
 
 
-def measure(name: str, settings: Settings) -> Result:
+def measure(name: str, settings: Settings) -> CoreResult:
     """Run one configuration, timed, under a watchdog that dumps every thread's stack and exits
     the process if it hangs well past ``settings.timeout``."""
-    faulthandler.dump_traceback_later(settings.timeout + 30, exit=True)
-    start = time.perf_counter()
-    try:
-        batches, stats = CONFIGS[name](settings)
-    except Exception as exc:  # report it, go on with the other configurations
-        wall = time.perf_counter() - start
-        return Result(name, 0, wall, error=f"{type(exc).__qualname__}: {exc}")
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    wall = time.perf_counter() - start
+    run = timed(lambda: CONFIGS[name](settings), settings.timeout + 30)
+    if run.value is None:  # it raised: report it, go on with the other configurations
+        return CoreResult(name, 0, run.wall_s, error=run.error)
+    batches, stats = run.value
     samples, error = check(batches, settings)
     if error is None and stats is not None and stats.consumer.samples != settings.items:
         error = f"statistics().consumer.samples is {stats.consumer.samples}, not {settings.items}"
-    return Result(name, samples, wall, error=error, statistics=stats)
+    return CoreResult(name, samples, run.wall_s, error=error, statistics=stats)
 
 
-def _ratio(result: Result, baseline: Result | None) -> str:
-    if baseline is None or not baseline.ok or baseline.samples_per_s == 0 or not result.ok:
-        return "-"
-    return f"{result.samples_per_s / baseline.samples_per_s:.2f}x"
-
-
-def format_table(results: Iterable[Result]) -> str:
+def format_results(results: Iterable[CoreResult]) -> str:
     results = list(results)
-    by_name = {r.name: r for r in results}
-    header = (
-        f"{'config':<20}{'samples/s':>12}{'wall s':>9}{'vs nw0':>9}{'vs nw2':>9}"
-        f"{'vs ceiling':>12}  check"
-    )
-    lines = [header, "-" * len(header)]
-    for r in results:
-        lines.append(
-            f"{r.name:<20}{r.samples_per_s:>12,.0f}{r.wall_s:>9.2f}"
-            + "".join(
-                f"{_ratio(r, by_name.get(b)):>{w}}"
-                for b, w in zip(BASELINES, (9, 9, 12), strict=True)
-            )
-            + f"  {'ok' if r.ok else 'FAIL: ' + str(r.error)}"
-        )
-    return "\n".join(lines)
+    columns: list[Column[CoreResult]] = [
+        Column("samples/s", 12, lambda r: f"{r.samples_per_s:,.0f}"),
+        Column("wall s", 9, lambda r: f"{r.wall_s:.2f}"),
+    ]
+    for label, peer, width in zip(("nw0", "nw2", "ceiling"), BASELINES, (9, 9, 12), strict=True):
+        per_s = ratio_to(results, peer, lambda r: r.samples_per_s)
+        columns.append(Column(f"vs {label}", width, per_s))
+    return format_table(results, 20, columns, lambda r: r.status)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -267,23 +241,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="aioloader vs torch DataLoader on an I/O-bound map-style dataset."
     )
     parser.add_argument("--items", type=int, default=None, help="dataset size (default 2000)")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per batch")
+    add_batch_size(parser)
     parser.add_argument("--delay", type=float, default=0.01, help="seconds of I/O per item")
-    parser.add_argument(
-        "--quick", action="store_true", help=f"smoke test: {QUICK_ITEMS} items (unless --items)"
-    )
-    parser.add_argument(
-        "--only", nargs="+", choices=list(CONFIGS), metavar="NAME", help="configurations to run"
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds one configuration may take (default: max(120, 3 * items * delay))",
-    )
+    add_quick(parser, f"smoke test: {QUICK_ITEMS} items (unless --items)")
+    add_only(parser, list(CONFIGS))
+    add_timeout(parser, "seconds one configuration may take (default: max(120, 3 * items * delay))")
     args = parser.parse_args(argv)
-    if args.items is None:
-        args.items = QUICK_ITEMS if args.quick else 2000
+    quick_defaults(args, items=(QUICK_ITEMS, 2000))
     if args.items <= 0 or args.batch_size <= 0 or args.delay < 0:
         parser.error("--items and --batch-size must be positive, --delay non-negative")
     return args
@@ -295,33 +259,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(args.items, args.batch_size, args.delay, timeout)
     names: list[str] = args.only or list(CONFIGS)
     print(
-        f"aioloader {aioloader.__version__}, torch {torch.__version__}, python "
-        f"{sys.version.split()[0]}: {settings.items} items x {settings.delay * 1e3:g} ms I/O, "
+        f"{versions('torch')}: {settings.items} items x {settings.delay * 1e3:g} ms I/O, "
         f"batch {settings.batch_size}",
         flush=True,
     )
-    results: list[Result] = []
+    results: list[CoreResult] = []
     for name in names:
         result = measure(name, settings)
         results.append(result)
-        status = "ok" if result.ok else f"FAIL: {result.error}"
         print(
             f"  done {name:<20} {result.samples_per_s:>10,.0f} samples/s "
-            f"{result.wall_s:>7.2f} s  {status}",
+            f"{result.wall_s:>7.2f} s  {result.status}",
             flush=True,
         )
     print()
-    print(format_table(results))
+    print(format_results(results))
     stats = next((r.statistics for r in results if r.name == STATS_CONFIG), None)
     if stats is not None:
         print()
         print(f"{STATS_CONFIG} statistics:")
         print(repr(stats))
-    failed = [r.name for r in results if not r.ok]
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status([r.name for r in results if not r.ok])
 
 
 if __name__ == "__main__":

@@ -57,9 +57,10 @@ reports:
 * ``1st batch s``: seconds from constructing the loader to the first batch;
 * ``peak MiB``: the highest sum of VmRSS over this process and all its descendants, sampled
   every 50 ms from ``/proc`` by a background thread while the configuration runs (worker
-  shutdown included). Shared pages (shared-memory batches, fork's copy-on-write pages) count
-  once per process that maps them, so this over-states what the machine actually spent;
-  ``+MiB`` is that peak minus the same sum just before the configuration started;
+  shutdown included; ``_harness.MemorySampler``). Shared pages (shared-memory batches, fork's
+  copy-on-write pages) count once per process that maps them, so this over-states what the
+  machine actually spent; ``+MiB`` is that peak minus the same sum just before the
+  configuration started;
 * ``peak PSS`` / ``+PSS``: the same for the proportional set size (``Pss`` of
   ``/proc/<pid>/smaps_rollup``, what psutil's ``memory_full_info().pss`` reports: a shared page
   divided among the processes mapping it), sampled every 0.2 s;
@@ -110,10 +111,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import faulthandler
 import functools
-import gc
 import importlib
 import io
 import math
@@ -122,17 +120,38 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.utils.data
+from _harness import (
+    EXIT_WAIT_S,
+    Column,
+    MemorySampler,
+    Result,
+    add_batch_size,
+    add_only,
+    add_quick,
+    add_timeout,
+    cpus_and_load,
+    delivery_error,
+    describe,
+    error_text,
+    exit_status,
+    format_table,
+    machine_ticks,
+    process_tree,
+    quick_defaults,
+    ratio_to,
+    versions,
+    wait_for_children,
+    watchdog,
+)
 
 import aioloader
 
@@ -160,12 +179,9 @@ JPEG_QUALITY = 90
 JPEG_TOLERANCE = 12  # most a crop's channel mean may differ from its image's base colour
 EPOCHS = 2
 SPEED_PROBE_LOOPS = 4000
-POLL_S = 0.05
-PSS_EVERY = 4  # PSS (smaps_rollup, ~1 ms a process) is read every 4th poll: every 0.2 s
 PIPE_BATCH = 64
 PIPE_DATA_BYTES = PIPE_BATCH * 3 * IMAGE_SIDE * IMAGE_SIDE  # 9,633,792
 PIPE_MAX_FRACTION = 0.01  # more than 1% of the pixels through the pipe: they were pickled
-EXIT_WAIT_S = 15.0  # how long closed loaders' worker processes may take to exit
 WORKLOADS = ("gil", "decode", "dropin-py", "dropin-jpeg", "pipe")
 
 
@@ -386,13 +402,13 @@ def make_jpeg(k: int) -> tuple[bytes, np.ndarray]:
 
 def unpack_gil(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(batch, torch.Tensor) or batch.ndim != 2 or batch.shape[1] != 2:
-        raise ValueError(f"malformed gil batch: {_describe(batch)}")
+        raise ValueError(f"malformed gil batch: {describe(batch)}")
     return batch[:, 0], batch[:, 1]
 
 
 def unpack_decode(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(batch, list | tuple) or len(batch) != 2:
-        raise ValueError(f"malformed decode batch: {_describe(batch)}")
+        raise ValueError(f"malformed decode batch: {describe(batch)}")
     images, indices = batch
     if (
         not isinstance(images, torch.Tensor)
@@ -401,7 +417,7 @@ def unpack_decode(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         or tuple(images.shape[1:]) != (3, CROP_SIDE, CROP_SIDE)
         or indices.shape != images.shape[:1]
     ):
-        raise ValueError(f"malformed decode batch: {_describe(batch)}")
+        raise ValueError(f"malformed decode batch: {describe(batch)}")
     return indices, torch.from_numpy(pixel_sums(images))
 
 
@@ -410,7 +426,7 @@ def unpack_jpeg(bases: np.ndarray, batch: Any) -> tuple[torch.Tensor, torch.Tens
     its image's base colour (``bases[index % len(bases)]``), else 0 (the crop is random, so the
     pixels cannot be checked exactly)."""
     if not isinstance(batch, list | tuple) or len(batch) != 2:
-        raise ValueError(f"malformed dropin-jpeg batch: {_describe(batch)}")
+        raise ValueError(f"malformed dropin-jpeg batch: {describe(batch)}")
     images, indices = batch
     if (
         not isinstance(images, torch.Tensor)
@@ -419,7 +435,7 @@ def unpack_jpeg(bases: np.ndarray, batch: Any) -> tuple[torch.Tensor, torch.Tens
         or tuple(images.shape[1:]) != (3, JPEG_CROP, JPEG_CROP)
         or indices.shape != images.shape[:1]
     ):
-        raise ValueError(f"malformed dropin-jpeg batch: {_describe(batch)}")
+        raise ValueError(f"malformed dropin-jpeg batch: {describe(batch)}")
     means = images.numpy().reshape(images.shape[0], 3, -1).mean(axis=2)
     expected = bases[indices.numpy() % len(bases)]
     close = (np.abs(means - expected) <= JPEG_TOLERANCE).all(axis=1)
@@ -430,14 +446,6 @@ def pixel_sums(images: torch.Tensor) -> np.ndarray:
     """Per-image sums of a uint8 batch, by NumPy (single-threaded, whatever ``--main-threads``)."""
     sums: np.ndarray = images.numpy().reshape(images.shape[0], -1).sum(axis=1, dtype=np.int64)
     return sums
-
-
-def _describe(batch: Any) -> str:
-    if isinstance(batch, torch.Tensor):
-        return f"tensor {tuple(batch.shape)} {batch.dtype}"
-    if isinstance(batch, list | tuple):
-        return f"{type(batch).__name__} of [{', '.join(_describe(b) for b in batch[:4])}]"
-    return type(batch).__name__
 
 
 @dataclass(frozen=True)
@@ -489,83 +497,21 @@ class EpochCheck:
         if self.error is not None:
             return self.error
         items = self.workload.items
-        if sorted(self.indices) != list(range(items)):
-            seen = set(self.indices)
-            missing = items - len(seen & set(range(items)))
-            duplicates = len(self.indices) - len(seen)
-            return (
-                f"got {len(self.indices)} samples for {items} items: "
-                f"{missing} missing, {duplicates} duplicated"
-            )
         expected_batches = math.ceil(items / self.workload.batch_size)
-        if self.batches != expected_batches:
-            return f"got {self.batches} batches, expected {expected_batches}"
+        error = delivery_error(self.indices, items, self.batches, expected_batches)
+        if error is not None:
+            return error
         if self.wrong:
             return f"{len(self.wrong)} samples transformed wrongly (first: index {self.wrong[0]})"
         return None
 
 
-# -- peak RSS and PSS of this process and its descendants --------------------------------------
-
-
-def _children_files_work() -> bool:
-    pid = os.getpid()
-    return Path(f"/proc/{pid}/task/{pid}/children").exists()
-
-
-def descendants(root: int, by_children_file: bool) -> list[int]:
-    """``root`` and every process below it."""
-    if by_children_file:
-        found, todo = [root], [root]
-        while todo:
-            pid = todo.pop()
-            with contextlib.suppress(OSError):
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    with contextlib.suppress(OSError):
-                        text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
-                        for word in text.split():
-                            found.append(int(word))
-                            todo.append(int(word))
-        return found
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-            parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [root], [root]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def rss_kib(pid: int) -> int:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0  # gone, or a zombie
-
-
-def pss_kib(pid: int) -> int:
-    """Proportional set size: each resident page divided by the number of processes mapping it
-    (what ``psutil.Process(pid).memory_full_info().pss`` reports, read from the same file)."""
-    for name in ("smaps_rollup", "smaps"):  # smaps_rollup: Linux 4.14+
-        with contextlib.suppress(OSError, ValueError):
-            text = Path(f"/proc/{pid}/{name}").read_text()
-            return sum(int(line.split()[1]) for line in text.splitlines() if line[:4] == "Pss:")
-    return 0  # gone
+# -- CPU used meanwhile ------------------------------------------------------------------------
 
 
 def _machine_busy_s() -> float:
     """CPU-seconds the whole machine has spent busy (all CPUs; steal included) since boot."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+    return machine_ticks()[0] / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:
@@ -594,61 +540,6 @@ class CpuMeter:
         self.other = max(0.0, other / capacity) if capacity > 0 else math.nan
 
 
-class MemorySampler:
-    """Polls the summed VmRSS of this process and its descendants every ``POLL_S`` seconds in a
-    background thread while the ``with`` block runs, and their summed PSS every ``PSS_EVERY``
-    polls; ``peak_mib`` / ``peak_pss_mib`` are the highest sums seen, ``start_mib`` /
-    ``start_pss_mib`` the sums on entry."""
-
-    def __init__(self) -> None:
-        self.root = os.getpid()
-        self.by_children_file = _children_files_work()
-        self.peak_kib = self.start_kib = 0
-        self.peak_pss_kib = self.start_pss_kib = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
-
-    def _sample(self, pss: bool) -> tuple[int, int]:
-        pids = descendants(self.root, self.by_children_file)
-        rss = sum(rss_kib(pid) for pid in pids)
-        self.peak_kib = max(self.peak_kib, rss)
-        total_pss = sum(pss_kib(pid) for pid in pids) if pss else 0
-        self.peak_pss_kib = max(self.peak_pss_kib, total_pss)
-        return rss, total_pss
-
-    def _run(self) -> None:
-        polls = 0
-        while not self._stop.wait(POLL_S):
-            polls += 1
-            self._sample(pss=polls % PSS_EVERY == 0)
-
-    def __enter__(self) -> MemorySampler:
-        self.start_kib, self.start_pss_kib = self._sample(pss=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample(pss=True)
-
-    @property
-    def peak_mib(self) -> float:
-        return self.peak_kib / 1024
-
-    @property
-    def start_mib(self) -> float:
-        return self.start_kib / 1024
-
-    @property
-    def peak_pss_mib(self) -> float:
-        return self.peak_pss_kib / 1024
-
-    @property
-    def start_pss_mib(self) -> float:
-        return self.start_pss_kib / 1024
-
-
 # -- the configurations ------------------------------------------------------------------------
 
 
@@ -662,34 +553,25 @@ class Timing:
 
 
 @dataclass
-class Result:
-    name: str
-    items: int
-    timing: Timing
-    peak_mib: float = 0.0
-    start_mib: float = 0.0
-    peak_pss_mib: float = 0.0
-    start_pss_mib: float = 0.0
+class CpuResult(Result):
+    """A row; ``samples`` is the samples of one epoch, ``wall_s`` unused (see ``timing``)."""
+
+    timing: Timing = field(default_factory=Timing)
     main_cpu_s: float = math.nan
     worker_cpu_s: float = math.nan
     other_load: float = math.nan
     speed: float = math.nan
-    error: str | None = None
     statistics: aioloader.LoaderStatistics | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
     @property
     def cold_per_s(self) -> float:
         t = self.timing
-        return self.items / (t.ends[0] - t.start) if t.ends else 0.0
+        return self.samples / (t.ends[0] - t.start) if t.ends else 0.0
 
     @property
     def steady_per_s(self) -> float:
         t = self.timing
-        return self.items / (t.ends[1] - t.ends[0]) if len(t.ends) > 1 else 0.0
+        return self.samples / (t.ends[1] - t.ends[0]) if len(t.ends) > 1 else 0.0
 
     @property
     def first_batch_s(self) -> float:
@@ -828,53 +710,30 @@ DROPIN_GOALS = (
 )
 
 
-def _wait_for_children(baseline: set[int], by_children_file: bool) -> set[int]:
-    """Wait (up to ``EXIT_WAIT_S``) for processes started since ``baseline`` to exit; return
-    those still there."""
-    deadline = time.monotonic() + EXIT_WAIT_S
-    while True:
-        gc.collect()
-        extra = {
-            pid
-            for pid in descendants(os.getpid(), by_children_file)
-            if pid not in baseline and rss_kib(pid) > 0
-        }
-        if not extra or time.monotonic() > deadline:
-            return extra
-        time.sleep(0.05)
-
-
-def measure(name: str, runner: Runner, workload: Workload, reference_probe_s: float) -> Result:
+def measure(name: str, runner: Runner, workload: Workload, reference_probe_s: float) -> CpuResult:
     """Run one configuration (two epochs) under a watchdog that dumps every thread's stack and
     exits the process if it hangs well past ``workload.timeout``; sample RSS and PSS
     throughout."""
     errors: list[str] = []
     stats: aioloader.LoaderStatistics | None = None
     probe_before = speed_probe()
-    by_children_file = _children_files_work()
-    before = set(descendants(os.getpid(), by_children_file))
-    faulthandler.dump_traceback_later(workload.timeout + 30, exit=True)
+    before = set(process_tree(os.getpid()))
     with CpuMeter() as cpu, MemorySampler() as memory:
         timing = Timing()
         try:
-            stats = runner(workload, timing, errors)
+            with watchdog(workload.timeout + 30):
+                stats = runner(workload, timing, errors)
         except Exception as exc:  # report it, go on with the other configurations
-            errors.append(f"{type(exc).__qualname__}: {exc}")
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        left = _wait_for_children(before, by_children_file)
+            errors.append(error_text(exc))
+        left = wait_for_children(before)
     if left:
         errors.append(f"{len(left)} child processes still alive {EXIT_WAIT_S:g} s after closing")
     if not errors and len(timing.ends) != EPOCHS:
         errors.append(f"ran {len(timing.ends)} epochs, not {EPOCHS}")
-    return Result(
+    result = CpuResult(
         name,
         workload.items,
-        timing,
-        peak_mib=memory.peak_mib,
-        start_mib=memory.start_mib,
-        peak_pss_mib=memory.peak_pss_mib,
-        start_pss_mib=memory.start_pss_mib,
+        timing=timing,
         main_cpu_s=cpu.main_s,
         worker_cpu_s=cpu.children_s,
         other_load=cpu.other,
@@ -882,6 +741,8 @@ def measure(name: str, runner: Runner, workload: Workload, reference_probe_s: fl
         error="; ".join(errors) or None,
         statistics=stats,
     )
+    result.record_memory(memory)
+    return result
 
 
 # -- the pipe check ----------------------------------------------------------------------------
@@ -896,29 +757,27 @@ class PipeResult:
 
 def measure_pipe(timeout: float) -> PipeResult:
     """One 64x3x224x224 uint8 batch through one worker process: bytes back per job."""
-    faulthandler.dump_traceback_later(timeout + 30, exit=True)
     try:
-        loader: aioloader.DataLoader[torch.Tensor] = aioloader.DataLoader(
-            list(range(PIPE_BATCH)),
-            batch_size=PIPE_BATCH,
-            num_workers=1,
-            transform=full_image,
-            seed=0,
-        )
-        with loader:
-            batches = list(loader)
-        stats = loader.statistics()
+        with watchdog(timeout + 30):
+            loader: aioloader.DataLoader[torch.Tensor] = aioloader.DataLoader(
+                list(range(PIPE_BATCH)),
+                batch_size=PIPE_BATCH,
+                num_workers=1,
+                transform=full_image,
+                seed=0,
+            )
+            with loader:
+                batches = list(loader)
+            stats = loader.statistics()
     except Exception as exc:
-        return PipeResult(0.0, 0, f"{type(exc).__qualname__}: {exc}")
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+        return PipeResult(0.0, 0, error_text(exc))
     expected = torch.arange(PIPE_BATCH, dtype=torch.uint8).view(-1, 1, 1, 1)
     if (
         len(batches) != 1
         or tuple(batches[0].shape) != (PIPE_BATCH, 3, IMAGE_SIDE, IMAGE_SIDE)
         or not bool((batches[0] == expected).all())
     ):
-        got = ", ".join(_describe(b) for b in batches)
+        got = ", ".join(describe(b) for b in batches)
         return PipeResult(0.0, 0, f"wrong batches: {got}")
     workers = stats.workers
     if workers is None or workers.jobs == 0:
@@ -933,41 +792,25 @@ def measure_pipe(timeout: float) -> PipeResult:
 # -- output ------------------------------------------------------------------------------------
 
 
-def _ratio(result: Result, baseline: Result | None) -> str:
-    if baseline is None or not baseline.ok or not result.ok:
-        return "-"
-    if baseline.cold_per_s == 0 or baseline.steady_per_s == 0:
-        return "-"
-    return (
-        f"{result.cold_per_s / baseline.cold_per_s:.2f}x/"
-        f"{result.steady_per_s / baseline.steady_per_s:.2f}x"
-    )
-
-
-def format_table(results: Iterable[Result], baselines: Sequence[str] = BASELINES) -> str:
+def format_results(results: Iterable[CpuResult], baselines: Sequence[str] = BASELINES) -> str:
     results = list(results)
-    by_name = {r.name: r for r in results}
-    widths = [max(14, len(b) + 5) for b in baselines]
-    header = (
-        f"{'config':<17}{'cold/s':>9}{'steady/s':>10}{'1st batch s':>13}{'peak MiB':>10}"
-        f"{'+MiB':>7}{'peak PSS':>10}{'+PSS':>7}{'main CPU s':>12}{'workers CPU s':>15}"
-        f"{'other CPU':>11}{'speed':>7}"
-        + "".join(f"{'vs ' + b:>{w}}" for b, w in zip(baselines, widths, strict=True))
-        + "  check"
-    )
-    lines = [header, "-" * len(header)]
-    for r in results:
-        lines.append(
-            f"{r.name:<17}{r.cold_per_s:>9,.0f}{r.steady_per_s:>10,.0f}{r.first_batch_s:>13.2f}"
-            f"{r.peak_mib:>10,.0f}{r.peak_mib - r.start_mib:>7,.0f}"
-            f"{r.peak_pss_mib:>10,.0f}{r.peak_pss_mib - r.start_pss_mib:>7,.0f}"
-            f"{r.main_cpu_s:>12.1f}{r.worker_cpu_s:>15.1f}{r.other_load:>11.0%}{r.speed:>7.2f}"
-            + "".join(
-                f"{_ratio(r, by_name.get(b)):>{w}}" for b, w in zip(baselines, widths, strict=True)
-            )
-            + f"  {'ok' if r.ok else 'FAIL: ' + str(r.error)}"
-        )
-    lines.append(
+    columns: list[Column[CpuResult]] = [
+        Column("cold/s", 9, lambda r: f"{r.cold_per_s:,.0f}"),
+        Column("steady/s", 10, lambda r: f"{r.steady_per_s:,.0f}"),
+        Column("1st batch s", 13, lambda r: f"{r.first_batch_s:.2f}"),
+        Column("peak MiB", 10, lambda r: f"{r.peak_rss_mib:,.0f}"),
+        Column("+MiB", 7, lambda r: f"{r.peak_rss_mib - r.start_rss_mib:,.0f}"),
+        Column("peak PSS", 10, lambda r: f"{r.peak_pss_mib:,.0f}"),
+        Column("+PSS", 7, lambda r: f"{r.peak_pss_mib - r.start_pss_mib:,.0f}"),
+        Column("main CPU s", 12, lambda r: f"{r.main_cpu_s:.1f}"),
+        Column("workers CPU s", 15, lambda r: f"{r.worker_cpu_s:.1f}"),
+        Column("other CPU", 11, lambda r: f"{r.other_load:.0%}"),
+        Column("speed", 7, lambda r: f"{r.speed:.2f}"),
+    ]
+    for peer in baselines:
+        cold_steady = ratio_to(results, peer, lambda r: r.cold_per_s, lambda r: r.steady_per_s)
+        columns.append(Column(f"vs {peer}", max(14, len(peer) + 5), cold_steady))
+    note = (
         "(ratios: cold/steady samples/s of the row over the column's; MiB: summed RSS, PSS: "
         "summed proportional set size,\n both in MiB over this process and its workers, "
         "+: peak minus the sum before the row;\n CPU s: both epochs, start-up and shutdown "
@@ -975,7 +818,7 @@ def format_table(results: Iterable[Result], baselines: Sequence[str] = BASELINES
         "meanwhile; speed: single-core speed around the run over that at start-up (1.00 = the "
         "same))"
     )
-    return "\n".join(lines)
+    return format_table(results, 17, columns, lambda r: r.status, note=note)
 
 
 def _verdict(value: float, goal: float | None, higher_is_better: bool) -> str:
@@ -987,7 +830,7 @@ def _verdict(value: float, goal: float | None, higher_is_better: bool) -> str:
     return "met" if met else "MISSED"
 
 
-def format_goals(results: Iterable[Result]) -> str:
+def format_goals(results: Iterable[CpuResult]) -> str:
     """The drop-in goals, each ratio beside its goal: samples/s as steady and cold (cold
     includes constructing the loader and starting its workers), peak PSS as is."""
     by_name = {r.name: r for r in results}
@@ -1052,7 +895,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"dropin-jpeg samples (default {DROPIN_JPEG_ITEMS})",
     )
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per batch")
+    add_batch_size(parser)
     parser.add_argument(
         "--main-threads",
         type=int,
@@ -1061,34 +904,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "use 1 (default 1: on 2 cores, torch's OpenMP threads in the consumer stall on loaded "
         "cores, e.g. a 110 KB uint8 sum taking 15 ms instead of 0.1 ms)",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke test: gil {QUICK_GIL_ITEMS} samples, decode {QUICK_DECODE_ITEMS}, each "
+    add_quick(
+        parser,
+        f"smoke test: gil {QUICK_GIL_ITEMS} samples, decode {QUICK_DECODE_ITEMS}, each "
         f"drop-in workload {QUICK_DROPIN_ITEMS}",
     )
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        choices=WORKLOADS,
+    add_only(
+        parser,
+        WORKLOADS,
         metavar="WORKLOAD",
         help=f"workloads to run: {', '.join(WORKLOADS)} (default: all)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds one configuration may take (default: max(120, 4x its serial time))",
+    add_timeout(
+        parser, "seconds one configuration may take (default: max(120, 4x its serial time))"
     )
     args = parser.parse_args(argv)
-    if args.gil_items is None:
-        args.gil_items = QUICK_GIL_ITEMS if args.quick else GIL_ITEMS
-    if args.decode_items is None:
-        args.decode_items = QUICK_DECODE_ITEMS if args.quick else DECODE_ITEMS
-    if args.dropin_py_items is None:
-        args.dropin_py_items = QUICK_DROPIN_ITEMS if args.quick else DROPIN_PY_ITEMS
-    if args.dropin_jpeg_items is None:
-        args.dropin_jpeg_items = QUICK_DROPIN_ITEMS if args.quick else DROPIN_JPEG_ITEMS
+    quick_defaults(
+        args,
+        gil_items=(QUICK_GIL_ITEMS, GIL_ITEMS),
+        decode_items=(QUICK_DECODE_ITEMS, DECODE_ITEMS),
+        dropin_py_items=(QUICK_DROPIN_ITEMS, DROPIN_PY_ITEMS),
+        dropin_jpeg_items=(QUICK_DROPIN_ITEMS, DROPIN_JPEG_ITEMS),
+    )
     sizes = (args.gil_items, args.decode_items, args.dropin_py_items, args.dropin_jpeg_items)
     if min(*sizes, args.batch_size, args.main_threads) <= 0:
         parser.error("the --*-items, --batch-size and --main-threads must be positive")
@@ -1223,7 +1060,7 @@ def run_workload(
     configs: dict[str, Runner],
     baselines: Sequence[str],
     reference_probe_s: float,
-) -> list[Result]:
+) -> list[CpuResult]:
     dropin = workload.transform is None
     print(
         f"\n== {workload.name}: {workload.items} samples, batch {workload.batch_size}, "
@@ -1232,24 +1069,23 @@ def run_workload(
         + " ==",
         flush=True,
     )
-    results: list[Result] = []
+    results: list[CpuResult] = []
     for name, runner in configs.items():
         result = measure(name, runner, workload, reference_probe_s)
         results.append(result)
-        status = "ok" if result.ok else f"FAIL: {result.error}"
         startup = ""
         if result.statistics is not None and result.statistics.workers is not None:
             startup = f"  workers up in {result.statistics.workers.startup_s:.2f} s"
         print(
             f"  done {name:<16} cold {result.cold_per_s:>7,.0f}/s  steady "
             f"{result.steady_per_s:>7,.0f}/s  1st batch {result.first_batch_s:5.2f} s  "
-            f"peak {result.peak_mib:,.0f} MiB RSS, {result.peak_pss_mib:,.0f} MiB PSS{startup}  "
-            f"{status}",
+            f"peak {result.peak_rss_mib:,.0f} MiB RSS, {result.peak_pss_mib:,.0f} MiB PSS"
+            f"{startup}  {result.status}",
             flush=True,
         )
     print()
     print(f"{workload.name} ({workload.items} samples, batch {workload.batch_size}):")
-    print(format_table(results, baselines))
+    print(format_results(results, baselines))
     if dropin:
         print()
         print(f"{workload.name} goals (aio-nw2: aioloader.DataLoader, num_workers=2):")
@@ -1268,11 +1104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     only: list[str] = args.only or list(WORKLOADS)
     torch.set_num_threads(args.main_threads)
-    load1, load5 = Path("/proc/loadavg").read_text().split()[:2]
     print(
-        f"aioloader {aioloader.__version__} ({Path(aioloader.__file__).parent}), torch "
-        f"{torch.__version__}, numpy {np.__version__}, "
-        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (load average {load1} {load5}), "
+        f"{versions('torch', 'numpy', where=True)}, {cpus_and_load()}, "
         f"{torch.get_num_threads()} torch thread(s) in the main process",
         flush=True,
     )
@@ -1312,10 +1145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if pipe.error is not None:
             failed.append("pipe")
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(failed)
 
 
 if __name__ == "__main__":

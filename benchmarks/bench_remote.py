@@ -34,9 +34,10 @@ import inside its wall time, and every configuration's RSS includes both modules
 Wall time covers one full epoch end to end, including starting and stopping the loader (worker
 processes, threads, sessions). Peak RSS is the largest sum of resident memory over this process
 and its descendants (the server's process excluded), sampled from ``/proc`` every 50 ms while the
-configuration runs. Every configuration checks that each object arrives exactly once with the
-right bytes, in the right number of batches; the script exits non-zero when one does not (or when
-one raises or times out); a peer that is not installed is reported, not failed.
+configuration runs (``_harness.MemorySampler``). Every configuration checks that each object
+arrives exactly once with the right bytes, in the right number of batches; the script exits
+non-zero when one does not (or when one raises or times out); a peer that is not installed is
+reported, not failed.
 
 Run it from the repository root::
 
@@ -50,13 +51,11 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import faulthandler
+import functools
 import gc
 import importlib
-import importlib.metadata
 import importlib.util
 import math
-import multiprocessing
 import multiprocessing.connection
 import os
 import sys
@@ -70,6 +69,25 @@ from dataclasses import dataclass
 import aiohttp
 import torch
 import torch.utils.data
+from _harness import (
+    Column,
+    MemorySampler,
+    Result,
+    ServerProcess,
+    add_batch_size,
+    add_only,
+    add_quick,
+    add_timeout,
+    delivery_error,
+    exit_status,
+    format_table,
+    process_tree,
+    quick_defaults,
+    ratio_to,
+    timed,
+    versions,
+    wait_for_stop,
+)
 from aiohttp import web
 
 import aioloader
@@ -80,8 +98,7 @@ OBJECT_SIZE = 64 * 1024
 CEILING_CONCURRENCY = 64
 THREADS = 32
 JOIN_TIMEOUT_S = 10.0
-SAMPLE_INTERVAL_S = 0.05
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+SERVER_START_S = 60.0
 
 # The optional peers (the ``.[bench]`` extra), by top-level package: the module their
 # configurations import, and the distribution that installs it.
@@ -122,105 +139,11 @@ def serve(items: int, latency: float, conn: multiprocessing.connection.Connectio
         conn.send(port)
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, _wait_for_stop, conn)
+            await loop.run_in_executor(None, wait_for_stop, conn)
         finally:
             await runner.cleanup()
 
     asyncio.run(main())
-
-
-def _wait_for_stop(conn: multiprocessing.connection.Connection) -> None:
-    with contextlib.suppress(EOFError):
-        conn.recv()
-
-
-class Server:
-    """The object server in a spawned subprocess; a context manager that stops it on exit."""
-
-    def __init__(self, items: int, latency: float) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self.process = context.Process(
-            target=serve, args=(items, latency, child), name="bench-remote-server", daemon=True
-        )
-        self.process.start()
-        child.close()
-        if not self._conn.poll(60):
-            self.process.kill()
-            raise RuntimeError("the server did not start within 60 s")
-        self.port: int = self._conn.recv()
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(OSError):
-            self._conn.send(None)
-        self._conn.close()
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-
-
-# -- peak RSS of the process tree ---------------------------------------------------------------
-
-
-def _tree_rss(root: int, exclude: int | None) -> int:
-    """Resident bytes of ``root`` and its descendants, leaving out ``exclude`` and its own."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces or parentheses.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        parents[int(entry)] = int(fields[1])
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    total = 0
-    stack = [root]
-    while stack:
-        pid = stack.pop()
-        if pid == exclude:
-            continue
-        try:
-            with open(f"/proc/{pid}/statm", "rb") as f:
-                total += int(f.read().split()[1]) * PAGE_SIZE
-        except (OSError, IndexError, ValueError):
-            pass
-        stack.extend(children.get(pid, ()))
-    return total
-
-
-class PeakRSS:
-    """Samples the process tree's RSS every 50 ms in a thread while the ``with`` block runs."""
-
-    def __init__(self, exclude: int | None) -> None:
-        self.exclude = exclude
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-
-    def _run(self) -> None:
-        root = os.getpid()
-        while True:
-            self.peak = max(self.peak, _tree_rss(root, self.exclude))
-            if self._stop.wait(SAMPLE_INTERVAL_S):
-                return
-
-    def __enter__(self) -> PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # -- the datasets (module level, so torch's workers can import them) ---------------------------
@@ -271,24 +194,6 @@ class Settings:
         return [f"http://127.0.0.1:{self.port}/obj/{i}" for i in range(self.items)]
 
 
-@dataclass
-class Result:
-    name: str
-    samples: int
-    wall_s: float
-    peak_rss: int = 0
-    error: str | None = None
-    skipped: str | None = None  # why it was not measured (its peer is not installed)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
-
-
 def check(batches: Sequence[Sequence[bytes]], settings: Settings) -> tuple[int, str | None]:
     """Return (samples delivered, None) or (samples, what is wrong): every object exactly once
     with the right bytes, the right number of batches."""
@@ -304,18 +209,8 @@ def check(batches: Sequence[Sequence[bytes]], settings: Settings) -> tuple[int, 
             if sample != payload(index):
                 return len(indices), f"object {index} has the wrong bytes"
             indices.append(index)
-    if sorted(indices) != list(range(settings.items)):
-        seen = set(indices)
-        missing = settings.items - len(seen & set(range(settings.items)))
-        duplicates = len(indices) - len(seen)
-        return len(indices), (
-            f"got {len(indices)} samples for {settings.items} items: "
-            f"{missing} missing, {duplicates} duplicated"
-        )
     expected_batches = math.ceil(settings.items / settings.batch_size)
-    if len(batches) != expected_batches:
-        return len(indices), f"got {len(batches)} batches, expected {expected_batches}"
-    return len(indices), None
+    return len(indices), delivery_error(indices, settings.items, len(batches), expected_batches)
 
 
 # -- the configurations --------------------------------------------------------------------------
@@ -476,52 +371,37 @@ PEER_OF = {"tdnodes-thr16": "torchdata", "tdnodes-thr64": "torchdata", "spdl-con
 
 
 def measure(name: str, settings: Settings, server_pid: int | None) -> Result:
-    """Run one configuration, timed and RSS-sampled, under a watchdog that dumps every thread's
-    stack and exits the process if it hangs well past ``settings.timeout``."""
-    faulthandler.dump_traceback_later(settings.timeout + 30, exit=True)
-    sampler = PeakRSS(exclude=server_pid)
-    start = time.perf_counter()
-    try:
+    """Run one configuration, timed and RSS-sampled (this process's tree, the server's process
+    left out), under a watchdog that dumps every thread's stack and exits the process if it
+    hangs well past ``settings.timeout``."""
+    tree = functools.partial(process_tree, os.getpid(), exclude=server_pid)
+    sampler = MemorySampler(tree, pss_every=0)
+
+    def run() -> list[list[bytes]]:
         with sampler:
-            batches = CONFIGS[name](settings)
-    except Exception as exc:  # report it, go on with the other configurations
-        wall = time.perf_counter() - start
-        return Result(name, 0, wall, sampler.peak, error=f"{type(exc).__qualname__}: {exc}")
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    wall = time.perf_counter() - start
-    samples, error = check(batches, settings)
-    return Result(name, samples, wall, sampler.peak, error=error)
+            return CONFIGS[name](settings)
+
+    outcome = timed(run, settings.timeout + 30)
+    samples, error = (0, outcome.error) if outcome.value is None else check(outcome.value, settings)
+    result = Result(name, samples, outcome.wall_s, error=error)
+    result.record_memory(sampler)
+    return result
 
 
-def _ratio(result: Result, baseline: Result | None) -> str:
-    if baseline is None or not baseline.ok or baseline.samples_per_s == 0 or not result.ok:
-        return "-"
-    if baseline.skipped or result.skipped:
-        return "-"
-    return f"{result.samples_per_s / baseline.samples_per_s:.2f}x"
-
-
-def format_table(results: Iterable[Result]) -> str:
+def format_results(results: Iterable[Result]) -> str:
     results = list(results)
-    by_name = {r.name: r for r in results}
-    header = (
-        f"{'config':<18}{'samples/s':>11}{'wall s':>9}{'peak RSS MiB':>14}"
-        f"{'vs ceiling':>12}{'vs nw8':>9}  check"
+    columns: list[Column[Result]] = [
+        Column("samples/s", 11, lambda r: f"{r.samples_per_s:,.0f}"),
+        Column("wall s", 9, lambda r: f"{r.wall_s:.2f}"),
+        Column("peak RSS MiB", 14, lambda r: f"{r.peak_rss_mib:,.0f}"),
+    ]
+    for label, peer, width in zip(("ceiling", "nw8"), BASELINES, (12, 9), strict=True):
+        per_s = ratio_to(results, peer, lambda r: r.samples_per_s)
+        columns.append(Column(f"vs {label}", width, per_s))
+    # A peer that is not installed: "-" in every column, and why in the check column.
+    return format_table(
+        results, 18, columns, lambda r: r.skipped or r.status, blank=lambda r: r.skipped is not None
     )
-    lines = [header, "-" * len(header)]
-    for r in results:
-        if r.skipped:
-            lines.append(f"{r.name:<18}{'-':>11}{'-':>9}{'-':>14}{'-':>12}{'-':>9}  {r.skipped}")
-            continue
-        lines.append(
-            f"{r.name:<18}{r.samples_per_s:>11,.0f}{r.wall_s:>9.2f}{r.peak_rss / 2**20:>14,.0f}"
-            + "".join(
-                f"{_ratio(r, by_name.get(b)):>{w}}" for b, w in zip(BASELINES, (12, 9), strict=True)
-            )
-            + f"  {'ok' if r.ok else 'FAIL: ' + str(r.error)}"
-        )
-    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -529,25 +409,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="aioloader vs torch DataLoader vs threads vs asyncio, reading over HTTP."
     )
     parser.add_argument("--items", type=int, default=None, help="objects (default 2000)")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per batch")
+    add_batch_size(parser)
     parser.add_argument(
         "--latency", type=float, default=0.02, help="server's seconds before each response"
     )
-    parser.add_argument(
-        "--quick", action="store_true", help=f"smoke test: {QUICK_ITEMS} items (unless --items)"
-    )
-    parser.add_argument(
-        "--only", nargs="+", choices=list(CONFIGS), metavar="NAME", help="configurations to run"
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds one configuration may take (default: max(120, 3 * items * latency))",
+    add_quick(parser, f"smoke test: {QUICK_ITEMS} items (unless --items)")
+    add_only(parser, list(CONFIGS))
+    add_timeout(
+        parser, "seconds one configuration may take (default: max(120, 3 * items * latency))"
     )
     args = parser.parse_args(argv)
-    if args.items is None:
-        args.items = QUICK_ITEMS if args.quick else 2000
+    quick_defaults(args, items=(QUICK_ITEMS, 2000))
     if args.items <= 0 or args.batch_size <= 0 or args.latency < 0:
         parser.error("--items and --batch-size must be positive, --latency non-negative")
     return args
@@ -559,23 +431,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     timeout = args.timeout or max(120.0, 3 * args.items * args.latency)
     installed = {peer: importlib.util.find_spec(peer) is not None for peer in PEERS}
-    versions = ""
+    peers: list[tuple[str, str]] = []
     for peer, (module, distribution) in PEERS.items():
         if installed[peer]:
             # Imported here, not inside a timed configuration. One that fails to import fails
             # its configurations.
             with contextlib.suppress(ImportError):
                 importlib.import_module(module)
-            versions += f", {peer} {importlib.metadata.version(distribution)}"
+            peers.append((peer, distribution))
     print(
-        f"aioloader {aioloader.__version__}, torch {torch.__version__}{versions}, aiohttp "
-        f"{aiohttp.__version__}, python {sys.version.split()[0]}: {args.items} objects x "
+        f"{versions('torch', *peers, 'aiohttp')}: {args.items} objects x "
         f"{OBJECT_SIZE // 1024} KiB, {args.latency * 1e3:g} ms first-byte latency, "
         f"batch {args.batch_size}",
         flush=True,
     )
     results: list[Result] = []
-    with Server(args.items, args.latency) as server:
+    server = ServerProcess(
+        "bench-remote-server", serve, args.items, args.latency, start_timeout=SERVER_START_S
+    )
+    with server:
         settings = Settings(args.items, args.batch_size, args.latency, timeout, server.port)
         print(f"server on 127.0.0.1:{server.port} (pid {server.process.pid})", flush=True)
         names: list[str] = args.only or list(CONFIGS)
@@ -583,24 +457,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             needs = PEER_OF.get(name)
             if needs is not None and not installed[needs]:
                 if all(r.name != needs for r in results):  # one row for the peer
-                    results.append(Result(needs, 0, 0.0, skipped=NOT_INSTALLED))
+                    results.append(Result(needs, skipped=NOT_INSTALLED))
                     print(f"  skip {needs:<18} {NOT_INSTALLED}", flush=True)
                 continue
             result = measure(name, settings, server.process.pid)
             results.append(result)
-            status = "ok" if result.ok else f"FAIL: {result.error}"
             print(
                 f"  done {name:<18} {result.samples_per_s:>10,.0f} samples/s "
-                f"{result.wall_s:>7.2f} s  {result.peak_rss / 2**20:>6,.0f} MiB  {status}",
+                f"{result.wall_s:>7.2f} s  {result.peak_rss_mib:>6,.0f} MiB  {result.status}",
                 flush=True,
             )
     print()
-    print(format_table(results))
-    failed = [r.name for r in results if not r.ok]
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    print(format_results(results))
+    return exit_status([r.name for r in results if not r.ok])
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ from typing import Any
 
 import torch
 import uvloop
+from _harness import add_quick, machine_ticks, quick_defaults
 from aiohttp import web
 
 from aioloader import DynamicBatcher
@@ -260,26 +261,17 @@ def _jiffies(pid: int | str) -> int:
     return sum(int(f) for f in fields[11:15])
 
 
-def _machine_jiffies() -> tuple[int, int]:
-    """(busy, total) clock ticks of every CPU since boot."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    idle = values[3] + values[4]
-    total = sum(values[:8])
-    return total - idle, total
-
-
 class CpuShare:
     """The share of the machine's CPU that processes other than ours used meanwhile."""
 
     def __init__(self, server_pid: int) -> None:
         self.pids: tuple[int | str, ...] = ("self", server_pid)
-        self.start = (sum(_jiffies(p) for p in self.pids), *_machine_jiffies())
+        self.start = (sum(_jiffies(p) for p in self.pids), *machine_ticks())
 
     def other(self) -> float:
         ours0, busy0, total0 = self.start
         ours = sum(_jiffies(p) for p in self.pids) - ours0
-        busy, total = _machine_jiffies()
+        busy, total = machine_ticks()
         return max(0.0, (busy - busy0 - ours) / max(1, total - total0))
 
 
@@ -549,17 +541,14 @@ async def main(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: 2 rates, 0.5 s each")
+    add_quick(parser, "smoke test: 2 rates, 0.5 s each")
     parser.add_argument("--model", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--rates", type=float, nargs="+", help="offered loads, requests/s")
     parser.add_argument("--window", type=float, help="seconds of arrivals per rate")
     parser.add_argument("--request-timeout", type=float, default=3.0)
     parser.add_argument("--serve", choices=tuple(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rates is None:
-        args.rates = [150, 600] if args.quick else [100, 300, 600, 900]
-    if args.window is None:
-        args.window = 0.5 if args.quick else 3.0
+    quick_defaults(args, rates=([150, 600], [100, 300, 600, 900]), window=(0.5, 3.0))
     return args
 
 

@@ -54,20 +54,33 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
+import functools
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
+
+from _harness import (
+    Column,
+    MemorySampler,
+    add_only,
+    add_timeout,
+    cpus_and_load,
+    exit_status,
+    format_table,
+    kill_group,
+    load_average,
+    process_group,
+    wait_until_gone,
+)
 
 ITEMS = 2000
 BATCH_SIZE = 32
@@ -134,58 +147,6 @@ def script_text(loader: str, persistent: bool, body: str) -> str:
     )
 
 
-# -- the process group: members, PSS ------------------------------------------------------------
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes whose process group is ``pgid``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                members.append(int(entry))
-    return members
-
-
-def pss_kib(pid: int) -> int:
-    """Proportional set size (what ``psutil.Process(pid).memory_full_info().pss`` reports, read
-    from the same file)."""
-    for name in ("smaps_rollup", "smaps"):  # smaps_rollup: Linux 4.14+
-        with contextlib.suppress(OSError, ValueError):
-            text = Path(f"/proc/{pid}/{name}").read_text()
-            return sum(int(line.split()[1]) for line in text.splitlines() if line[:4] == "Pss:")
-    return 0
-
-
-class PssSampler:
-    """Polls the summed PSS of a process group every ``POLL_S`` seconds in a thread."""
-
-    def __init__(self, pgid: int) -> None:
-        self.pgid = pgid
-        self.peak_kib = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pss-sampler", daemon=True)
-
-    def _run(self) -> None:
-        while True:
-            total = sum(pss_kib(pid) for pid in group_members(self.pgid))
-            self.peak_kib = max(self.peak_kib, total)
-            if self._stop.wait(POLL_S):
-                return
-
-    def __enter__(self) -> PssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 # -- one subprocess ------------------------------------------------------------------------------
 
 
@@ -221,11 +182,6 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 def run_script(path: Path, timeout: float) -> Run:
     """Run ``python path`` in a new session; sample its group's PSS; kill the group at
     ``timeout``; after the script exits, count (and kill) what is left of its group."""
@@ -239,21 +195,20 @@ def run_script(path: Path, timeout: float) -> Run:
         text=True,
         start_new_session=True,
     )
-    with PssSampler(proc.pid) as sampler:
+    group = functools.partial(process_group, proc.pid)
+    with MemorySampler(group, poll_s=POLL_S, pss_every=1) as sampler:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
             returncode: int | None = proc.returncode
         except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
             stdout, stderr = proc.communicate()
             returncode = None
         ended = time.time()
-    deadline = time.monotonic() + LEFTOVER_WAIT_S
-    while (left := group_members(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    left = wait_until_gone(group, LEFTOVER_WAIT_S)
     if left:
-        _kill_group(proc.pid)
-    run = Run(returncode, stdout, stderr, started, ended, sampler.peak_kib / 1024, len(left))
+        kill_group(proc.pid)
+    run = Run(returncode, stdout, stderr, started, ended, sampler.peak_pss_mib, len(left))
     with contextlib.suppress(ValueError, IndexError):
         run.report = json.loads(stdout.strip().splitlines()[-1])
     return run
@@ -294,41 +249,47 @@ class Config:
         return ordered[(len(ordered) - 1) // 2]
 
 
-def _phases(run: Run) -> str:
-    ready = run.report.get("ready")
-    ends = run.report.get("ends")
-    if not isinstance(ready, float) or not isinstance(ends, list) or len(ends) != EPOCHS:
-        return f"{'-':>8}" + f"{'-':>10}" * EPOCHS + f"{'-':>8}"
-    marks = [ready, *ends]
-    epochs = "".join(f"{b - a:>10.2f}" for a, b in itertools.pairwise(marks))
-    return f"{ready - run.started:>8.2f}{epochs}{run.ended - ends[-1]:>8.2f}"
+def _phase(length: Callable[[Run, list[float]], float]) -> Callable[[Config], str]:
+    """A phase column: ``length(run, marks)`` of the median run, where ``marks`` is its
+    report's ``[ready, end of epoch 1, ..., end of the last]``; "-" without a whole report."""
+
+    def cell(config: Config) -> str:
+        run = config.median_run()
+        ready, ends = run.report.get("ready"), run.report.get("ends")
+        if not isinstance(ready, float) or not isinstance(ends, list) or len(ends) != EPOCHS:
+            return "-"
+        return f"{length(run, [ready, *ends]):.2f}"
+
+    return cell
 
 
-def format_table(configs: Sequence[Config]) -> str:
-    header = (
-        f"{'config':<21}{'wall s':>8}  {'runs':<20}{'start s':>8}"
-        + "".join(f"{f'epoch {k} s':>10}" for k in range(1, EPOCHS + 1))
-        + f"{'exit s':>8}{'peak PSS MiB':>14}{'left':>6}  check"
-    )
-    lines = [header, "-" * len(header)]
-    for c in configs:
-        if not c.runs:
-            lines.append(f"{c.name:<21}  not run")
-            continue
-        runs = " ".join(f"{r.wall_s:.2f}" for r in c.runs)
-        median = c.median_run()
-        lines.append(
-            f"{c.name:<21}{c.median_wall():>8.2f}  {runs:<20}{_phases(median)}"
-            f"{max(r.peak_pss_mib for r in c.runs):>14,.0f}{max(r.leftover for r in c.runs):>6}"
-            f"  {'ok' if c.ok else 'FAIL: ' + '; '.join(c.errors)}"
-        )
-    lines.append(
+def _epoch(k: int) -> Callable[[Run, list[float]], float]:
+    return lambda run, marks: marks[k] - marks[k - 1]
+
+
+def format_results(configs: Sequence[Config]) -> str:
+    columns: list[Column[Config]] = [
+        Column("wall s", 8, lambda c: f"{c.median_wall():.2f}"),
+        Column("  runs", 22, lambda c: "  " + " ".join(f"{r.wall_s:.2f}" for r in c.runs), "<"),
+        Column("start s", 8, _phase(lambda run, marks: marks[0] - run.started)),
+        *(Column(f"epoch {k} s", 10, _phase(_epoch(k))) for k in range(1, EPOCHS + 1)),
+        Column("exit s", 8, _phase(lambda run, marks: run.ended - marks[-1])),
+        Column("peak PSS MiB", 14, lambda c: f"{max(r.peak_pss_mib for r in c.runs):,.0f}"),
+        Column("left", 6, lambda c: f"{max(r.leftover for r in c.runs)}"),
+    ]
+    note = (
         "(wall s: median over the runs, subprocess start to exit; start s: to the end of the "
         "imports; epoch 1 includes\n building the loader and starting its workers; exit s: last "
         "batch to process exit; phases of the median run;\n peak PSS: highest over the runs, "
         "summed over the process group; left: processes alive 5 s after exit)"
     )
-    return "\n".join(lines)
+
+    def check(c: Config) -> str:
+        if not c.runs:
+            return "not run"
+        return "ok" if c.ok else "FAIL: " + "; ".join(c.errors)
+
+    return format_table(configs, 21, columns, check, blank=lambda c: not c.runs, note=note)
 
 
 def format_ratios(configs: Sequence[Config]) -> str:
@@ -353,29 +314,40 @@ def _clean(run: Run) -> bool:
     return run.returncode == 0 and not run.stderr.strip()
 
 
-def format_exit_checks(rows: Sequence[tuple[str, list[Run]]], timeout: float) -> str:
+class ExitRow(NamedTuple):
+    """A configuration's exit checks."""
+
+    name: str
+    runs: list[Run]
+
+
+def format_exit_checks(rows: Sequence[ExitRow], timeout: float) -> str:
     """One row per configuration over its runs: every exit code ("killed": hung until
     ``timeout``), runs with an empty stderr, median wall time, most leftover processes, highest
     peak PSS, and the goal, met when every run exited 0 with an empty stderr. Then each
     configuration's distinct first lines of stderr (with counts) and the tail of the first
     non-empty one."""
-    header = (
-        f"{'config':<21}{'exit codes':<18}{'stderr empty':>13}{'wall s':>8}{'left':>6}"
-        f"{'peak PSS MiB':>14}  goal (every run: exit code 0, stderr empty)"
-    )
-    lines = [header, "-" * len(header)]
-    for name, runs in rows:
-        codes = ",".join("killed" if r.returncode is None else str(r.returncode) for r in runs)
-        empty = sum(not r.stderr.strip() for r in runs)
-        clean = sum(_clean(r) for r in runs)
-        verdict = "met" if clean == len(runs) else f"MISSED ({clean}/{len(runs)} clean)"
-        lines.append(
-            f"{name:<21}{codes:<18}{f'{empty}/{len(runs)}':>13}"
-            f"{statistics.median(r.wall_s for r in runs):>8.2f}"
-            f"{max(r.leftover for r in runs):>6}{max(r.peak_pss_mib for r in runs):>14,.0f}"
-            f"  {verdict}"
-        )
-    lines.append(f'(exit code "killed": hung, killed after {timeout:g} s; wall s: median)')
+
+    def codes(row: ExitRow) -> str:
+        return ",".join("killed" if r.returncode is None else str(r.returncode) for r in row.runs)
+
+    def empty(row: ExitRow) -> str:
+        return f"{sum(not r.stderr.strip() for r in row.runs)}/{len(row.runs)}"
+
+    def verdict(row: ExitRow) -> str:
+        clean = sum(_clean(r) for r in row.runs)
+        return "met" if clean == len(row.runs) else f"MISSED ({clean}/{len(row.runs)} clean)"
+
+    columns: list[Column[ExitRow]] = [
+        Column("exit codes", 18, codes, "<"),
+        Column("stderr empty", 13, empty),
+        Column("wall s", 8, lambda row: f"{statistics.median(r.wall_s for r in row.runs):.2f}"),
+        Column("left", 6, lambda row: f"{max(r.leftover for r in row.runs)}"),
+        Column("peak PSS MiB", 14, lambda row: f"{max(r.peak_pss_mib for r in row.runs):,.0f}"),
+    ]
+    note = f'(exit code "killed": hung, killed after {timeout:g} s; wall s: median)'
+    goal = "goal (every run: exit code 0, stderr empty)"
+    lines = [format_table(rows, 21, columns, verdict, check_header=goal, note=note)]
     for name, runs in rows:
         firsts: dict[str, int] = {}
         for run in runs:
@@ -405,18 +377,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "in a fresh interpreter; and whether a script ending with an open iterator exits cleanly."
     )
     parser.add_argument("--runs", type=int, default=3, help="runs per configuration (median)")
-    parser.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds one timed run may take"
-    )
+    add_timeout(parser, "seconds one timed run may take", 120.0)
     parser.add_argument(
         "--exit-timeout", type=float, default=60.0, help="seconds one exit check may take"
     )
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        choices=["torch", "aio"],
-        help="loaders to run (default: both)",
-    )
+    add_only(parser, ["torch", "aio"], metavar=None, help="loaders to run (default: both)")
     parser.add_argument(
         "--exit-runs",
         type=int,
@@ -457,10 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for persistent in (False, True)
     ]
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
-        load1, load5 = Path("/proc/loadavg").read_text().split()[:2]
         print(
-            f"python {platform.python_version()}, {os.cpu_count()} CPUs (load average {load1} "
-            f"{load5}); {_versions(Path(tmp))}",
+            f"python {platform.python_version()}, {cpus_and_load()}; {_versions(Path(tmp))}",
             flush=True,
         )
         print(
@@ -486,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
         print()
-        print(format_table(configs))
+        print(format_results(configs))
         print()
         print(f"ratios (goal: aioloader's script within {GOAL_RATIO:g}x of torch's):")
         print(format_ratios(configs))
@@ -495,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in sorted(stderr):
                 print(f"  {config.name} stderr: {line[:160]!r}")
         if args.exit_runs:
-            rows: list[tuple[str, list[Run]]] = [(c.name, []) for c in configs]
+            rows = [ExitRow(c.name, []) for c in configs]
             for config in configs:
                 path = Path(tmp) / config.name / "exit.py"
                 path.write_text(script_text(config.loader, config.persistent, EXIT_BODY))
@@ -514,13 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "exit with an open iterator (`it = iter(loader); next(it)`, then the script ends):"
             )
             print(format_exit_checks(rows, args.exit_timeout))
-    load1, load5 = Path("/proc/loadavg").read_text().split()[:2]
-    print(f"\nload average at the end: {load1} {load5}")
-    failed = [c.name for c in configs if not c.ok]
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    print(f"\nload average at the end: {load_average()}")
+    return exit_status([c.name for c in configs if not c.ok])
 
 
 if __name__ == "__main__":

@@ -91,11 +91,11 @@ Measured per configuration:
   its descendants: the loader's workers, the curl processes under webdataset's workers,
   aioloader's fork server (forked from the child when its first loader with workers starts, as
   in a training script, so in ``aio-nw2``'s time and memory). Sampled by this process from
-  outside (bench_cpu's ``MemorySampler`` rooted at the child: RSS every 50 ms, PSS every
-  0.2 s), so that the child runs no thread of the benchmark's: one would compete for its GIL,
-  and aioloader forks its fork server only from a process with a single thread. The servers and
-  multiprocessing's resource tracker (this process's, which the spawn context hands down) are
-  not in a child's tree.
+  outside (``_harness.run_in_child``: its ``MemorySampler`` rooted at the child, RSS every
+  50 ms, PSS every 0.2 s), so that the child runs no thread of the benchmark's: one would
+  compete for its GIL, and aioloader forks its fork server only from a process with a single
+  thread. The servers and multiprocessing's resource tracker (this process's, which the spawn
+  context hands down) are not in a child's tree.
 
 Ratios, to the same decode's row: ``vs asyncio-ref`` and ``vs wds-nw8`` of ``samples/s``,
 ``steady vs wds-nw8`` of ``steady samples/s``, ``PSS vs wds-nw8`` of ``peak PSS``.
@@ -130,11 +130,8 @@ import collections
 import contextlib
 import cProfile
 import dataclasses
-import faulthandler
 import functools
-import gc
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import io
@@ -142,7 +139,6 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.forkserver
 import os
 import pstats
 import re
@@ -151,7 +147,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -164,14 +159,27 @@ import numpy as np
 import torch
 import torch.utils.data
 import webdataset as wds  # type: ignore[import-untyped]
-from aiohttp import web
-from bench_cpu import (
-    EXIT_WAIT_S,
-    MemorySampler,
-    _children_files_work,
-    _wait_for_children,
-    descendants,
+from _harness import (
+    Column,
+    Result,
+    ServerProcess,
+    add_batch_size,
+    add_only,
+    add_quick,
+    add_timeout,
+    delivery_error,
+    describe,
+    error_text,
+    exit_status,
+    format_table,
+    load_average,
+    quick_defaults,
+    ratio_to,
+    run_in_child,
+    versions,
+    wait_for_stop,
 )
+from aiohttp import web
 from PIL import Image
 
 import aioloader
@@ -186,10 +194,6 @@ BATCH_SIZE = 32
 LATENCY_S = 0.020
 BANDWIDTH_MB_S = 50.0
 TIMEOUT_S = 120.0  # per epoch
-SERVER_START_S = 120.0
-CHILD_START_S = 120.0  # a child's spawn and imports, up to its "ready"
-CHILD_EXIT_S = EXIT_WAIT_S + 10.0  # a child's wait for its processes, then its own exit
-STACK_DUMP_S = 1.0  # a timed-out child's time to write its stacks before it is killed
 CHUNK = 64 * 1024  # the HTTP server's write size
 IMAGE_SIDE = 112  # at SAMPLE_KIB; scaled with the square root of --sample-kib
 NOISE = 64  # +- per pixel and channel
@@ -319,7 +323,7 @@ def check_light(images: Any, labels: list[int], data: ShardSet) -> str | None:
         return f"light images are a {type(images).__name__}, not a list"
     for image, label in zip(images, labels, strict=True):
         if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8 or image.ndim != 1:
-            return f"sample {label}: {_describe(image)}, not a 1-D uint8 tensor"
+            return f"sample {label}: {describe(image)}, not a 1-D uint8 tensor"
         if image.numel() != data.sizes[label]:
             return f"sample {label}: {image.numel()} bytes, not {data.sizes[label]}"
     return None
@@ -328,16 +332,10 @@ def check_light(images: Any, labels: list[int], data: ShardSet) -> str | None:
 def check_heavy(images: Any, labels: list[int], data: ShardSet) -> str | None:
     shape = (len(labels), 3, data.side, data.side)
     if not isinstance(images, torch.Tensor) or tuple(images.shape) != shape:
-        return f"heavy images are {_describe(images)}, not a {shape} tensor"
+        return f"heavy images are {describe(images)}, not a {shape} tensor"
     if images.dtype != torch.float32 or not bool(torch.isfinite(images).all()):
         return f"heavy images are {images.dtype} or not finite"
     return None
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"tensor {tuple(value.shape)} {value.dtype}"
-    return type(value).__name__
 
 
 @dataclass(frozen=True)
@@ -368,12 +366,6 @@ def decode_costs(data: ShardSet, decoders: Sequence[Decoder]) -> str:
 
 
 # -- the servers (spawned subprocesses) ---------------------------------------------------------
-
-
-def _wait_for_stop(conn: multiprocessing.connection.Connection) -> None:
-    """Return when anything arrives on ``conn`` or it closes (the parent stopped or died)."""
-    with contextlib.suppress(EOFError, OSError):
-        conn.recv()
 
 
 def _start_range(header: str | None, size: int) -> int | None:
@@ -442,87 +434,36 @@ def serve_shards(
             site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
             await site.start()
             conn.send(runner.addresses[0][1])
-            await asyncio.get_running_loop().run_in_executor(None, _wait_for_stop, conn)
+            await asyncio.get_running_loop().run_in_executor(None, wait_for_stop, conn)
         finally:
             await runner.cleanup()
 
-    try:
-        asyncio.run(main())
-    except Exception:
-        with contextlib.suppress(OSError):
-            conn.send(traceback.format_exc())
+    asyncio.run(main())
 
 
 def serve_moto(directory: str, conn: multiprocessing.connection.Connection) -> None:
     """Run moto's S3 server on 127.0.0.1 (port 0), upload ``directory``'s shards to ``BUCKET``
     (public-read) with boto3, send the port through ``conn``, run until told to stop."""
-    try:
-        import boto3
-        from moto.server import ThreadedMotoServer
+    import boto3
+    from moto.server import ThreadedMotoServer
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        port = server.get_host_and_port()[1]
-        client = boto3.client(
-            "s3",
-            endpoint_url=f"http://127.0.0.1:{port}",
-            region_name=REGION,
-            aws_access_key_id=S3_KEYS,
-            aws_secret_access_key=S3_KEYS,
-        )
-        client.create_bucket(Bucket=BUCKET)
-        for path in sorted(Path(directory).glob("shard-*.tar")):
-            client.put_object(
-                Bucket=BUCKET, Key=path.name, Body=path.read_bytes(), ACL="public-read"
-            )
-    except Exception:
-        with contextlib.suppress(OSError):
-            conn.send(traceback.format_exc())
-        return
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    port = server.get_host_and_port()[1]
+    client = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        region_name=REGION,
+        aws_access_key_id=S3_KEYS,
+        aws_secret_access_key=S3_KEYS,
+    )
+    client.create_bucket(Bucket=BUCKET)
+    for path in sorted(Path(directory).glob("shard-*.tar")):
+        client.put_object(Bucket=BUCKET, Key=path.name, Body=path.read_bytes(), ACL="public-read")
     conn.send(port)
-    _wait_for_stop(conn)
+    wait_for_stop(conn)
     server.stop()
-
-
-class ServerProcess:
-    """A server function in a spawned subprocess (``target(*args, conn)``, which sends its port
-    or a traceback through ``conn``); a context manager that stops it on exit. The child also
-    stops when this process dies (its end of the pipe closes)."""
-
-    def __init__(self, name: str, target: Callable[..., None], *args: object) -> None:
-        self.name = name
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self.process = context.Process(target=target, args=(*args, child), name=name, daemon=True)
-        self.process.start()
-        child.close()
-        try:
-            if not self._conn.poll(SERVER_START_S):
-                raise RuntimeError(f"{name} did not start within {SERVER_START_S:g} s")
-            message = self._conn.recv()
-        except BaseException:
-            self.kill()
-            raise
-        if not isinstance(message, int):
-            self.kill()
-            raise RuntimeError(f"{name} failed to start:\n{message}")
-        self.port = message
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(OSError):
-            self._conn.send(None)
-        self._conn.close()
-        self.process.join(10)
-        if self.process.is_alive():
-            self.kill()
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(5)
 
 
 # -- settings, checks, results ------------------------------------------------------------------
@@ -585,7 +526,7 @@ class EpochCheck:
             return f"a batch is a {type(batch).__name__}, not (keys, images, labels)"
         keys, images, labels = batch
         if not isinstance(labels, torch.Tensor) or labels.ndim != 1:
-            return f"labels are {_describe(labels)}, not a 1-D tensor"
+            return f"labels are {describe(labels)}, not a 1-D tensor"
         values: list[int] = labels.tolist()
         if not 0 < len(values) <= self.batch_size or len(keys) != len(values):
             return f"a batch of {len(values)} labels and {len(keys)} keys"
@@ -598,14 +539,8 @@ class EpochCheck:
     def finish(self) -> str | None:
         if self.error is not None:
             return self.error
-        seen = self.samples
-        missing = self.data.total - len(self.counts)
-        duplicated = seen - len(self.counts)
-        if missing or duplicated:
-            return f"got {seen} samples of {self.data.total}: {missing} missing, {duplicated} twice"
-        if self.batches != self.expected_batches:
-            return f"got {self.batches} batches, expected {self.expected_batches}"
-        return None
+        labels = list(self.counts.elements())
+        return delivery_error(labels, self.data.total, self.batches, self.expected_batches)
 
 
 class Recorder:
@@ -659,26 +594,12 @@ class Outcome:
 
 
 @dataclass
-class Result:
-    """One row; ``outcome`` is None when the child sent none (timed out, died, skipped)."""
+class StreamResult(Result):
+    """One row: ``samples`` and ``wall_s`` are the outcome's; ``outcome`` is None when the child
+    sent none (timed out, died, skipped); ``start_pss_mib`` is the base PSS."""
 
-    name: str
     outcome: Outcome | None = None
-    peak_rss_mib: float = 0.0
-    base_pss_mib: float = 0.0
-    peak_pss_mib: float = 0.0
-    error: str | None = None
     timed_out: bool = False
-    skipped: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.timed_out and not self.skipped
-
-    @property
-    def samples_per_s(self) -> float:
-        o = self.outcome
-        return o.samples / o.wall_s if o is not None and o.wall_s > 0 else 0.0
 
     @property
     def steady_per_s(self) -> float:
@@ -687,19 +608,7 @@ class Result:
 
     @property
     def status(self) -> str:
-        if self.skipped:
-            return f"skipped: {self.skipped}"
-        if self.timed_out:
-            return f"TIMED OUT: {self.error}"
-        return "ok" if self.error is None else f"FAIL: {self.error}"
-
-
-class ConfigTimeout(Exception):
-    """A child sent nothing within its time."""
-
-
-class ChildGone(Exception):
-    """A child closed its pipe before it sent what was due (it died)."""
+        return f"TIMED OUT: {self.error}" if self.timed_out else super().status
 
 
 # -- the configurations -------------------------------------------------------------------------
@@ -916,14 +825,6 @@ class Job:
     profile: bool = False
 
 
-def _fork_server_pid() -> int | None:
-    """The pid of multiprocessing's fork server in this process, if one runs (aioloader's forked
-    one or the stdlib's)."""
-    server: Any = getattr(multiprocessing.forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    return pid if isinstance(pid, int) else None
-
-
 def _format_profile(profiler: cProfile.Profile) -> str:
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats(pstats.SortKey.TIME).print_stats(PROFILE_TOP)
@@ -940,7 +841,7 @@ def run_epochs(job: Job, config: Config, decoder: Decoder, rec: Recorder) -> Out
         with profiler if job.profile else contextlib.nullcontext():
             config.run(job.settings, decoder, job.epochs, rec)
     except Exception as exc:  # report it: this process sends it to the parent
-        error = f"{type(exc).__qualname__}: {exc}"
+        error = error_text(exc)
     end = time.perf_counter()
     first = rec.first
     return Outcome(
@@ -954,10 +855,10 @@ def run_epochs(job: Job, config: Config, decoder: Decoder, rec: Recorder) -> Out
     )
 
 
-def child_main(job: Job, conn: multiprocessing.connection.Connection) -> None:
-    """A child's whole life (the spawn context has imported this script's modules by now):
-    the same set-up for every row, ``ready``, wait for go, run the epochs, send the outcome,
-    wait for its processes to exit (killing those left) and send how many were left."""
+def prepare_child(job: Job) -> Callable[[], dict[str, Any]]:
+    """A child's set-up, the same for every row (the spawn context has imported this script's
+    modules by now), before ``_harness.run_in_child`` has it say ready; returns its work: run the
+    epochs, and the outcome as a dict."""
     with contextlib.suppress(ImportError):
         importlib.import_module("obstore")  # aio-s3-nw0's; imported by every row alike
     # The spawn context made spawn this process's default; a script's default is the platform's
@@ -966,7 +867,6 @@ def child_main(job: Job, conn: multiprocessing.connection.Connection) -> None:
     torch.set_num_threads(1)
     # torch warns that 8 workers exceed this machine's cores: measuring that is the point.
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's ask on a timeout
     config = next(c for c in build_configs(job.in_flight) if c.name == job.config)
     decoder = DECODERS[job.decode]
     settings = job.settings
@@ -976,108 +876,22 @@ def child_main(job: Job, conn: multiprocessing.connection.Connection) -> None:
         settings.batch_size,
         config.expected_batches(settings.data, settings.batch_size),
     )
-    gc.collect()
-    conn.send(("ready", None))
-    conn.recv()  # go: the parent has read the base PSS and samples this tree from now on
-    outcome = run_epochs(job, config, decoder, rec)
-    conn.send(("ended", dataclasses.asdict(outcome)))
-    keep = {os.getpid()}
-    if (server := _fork_server_pid()) is not None:
-        keep.add(server)  # it lives as long as this process
-    left = _wait_for_children(keep, _children_files_work())
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    conn.send(("done", len(left)))
-    conn.close()
+    return lambda: dataclasses.asdict(run_epochs(job, config, decoder, rec))
 
 
 # -- measuring (this process) -------------------------------------------------------------------
 
 
-class TreeMemory(MemorySampler):
-    """bench_cpu's ``MemorySampler`` over ``root``'s process tree (another process's: a
-    child's), from a thread of this process."""
-
-    def __init__(self, root: int) -> None:
-        super().__init__()
-        self.root = root
-
-
-def kill_tree(root: int) -> None:
-    """SIGSTOP ``root`` and everything below it until no new process turns up (a stopped
-    process starts none), then SIGKILL them all."""
-    by_children_file = _children_files_work()
-    stopped: set[int] = set()
-    while fresh := set(descendants(root, by_children_file)) - stopped:
-        for pid in fresh:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGSTOP)
-        stopped |= fresh
-    for pid in stopped:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _receive(conn: multiprocessing.connection.Connection, seconds: float, kind: str) -> Any:
-    """The payload of the child's next message, which must be ``kind``; ``ConfigTimeout`` when
-    none comes within ``seconds``, ``ChildGone`` when the child closed its end."""
-    if not conn.poll(seconds):
-        raise ConfigTimeout(f"no {kind!r} within {seconds:g} s")
-    try:
-        got, payload = conn.recv()
-    except EOFError:
-        raise ChildGone(f"the child exited before {kind!r}") from None
-    if got != kind:
-        raise RuntimeError(f"the child sent {got!r}, expected {kind!r}")
-    return payload
-
-
-def measure(job: Job, timeout: float) -> Result:
-    """Run ``job`` in a fresh spawned child; sample its tree's memory from here between go and
-    the child's last message; past ``timeout`` per epoch, dump its stacks and kill its tree."""
-    context = multiprocessing.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    # Not a daemon: daemonic processes may not start any (the loaders' workers); this process
-    # kills the child's tree in any case.
-    process = context.Process(target=child_main, args=(job, child_conn), name=f"bench-{job.config}")
-    process.start()
-    child_conn.close()
-    assert process.pid is not None
-    result = Result(job.config)
-    sampler = TreeMemory(process.pid)
-    done = False
-    try:
-        _receive(conn, CHILD_START_S, "ready")
-        with sampler:
-            conn.send(("go", None))
-            limit = timeout * job.epochs
-            try:
-                result.outcome = Outcome(**_receive(conn, limit, "ended"))
-            except ConfigTimeout:
-                raise ConfigTimeout(f"past {limit:g} s; its process tree was killed") from None
-            left = _receive(conn, CHILD_EXIT_S, "done")
-        done = True
-        result.error = result.outcome.error
-        if left and result.error is None:
-            result.error = f"{left} processes still alive {EXIT_WAIT_S:g} s after the end"
-    except ConfigTimeout as exc:
-        result.timed_out, result.error = True, str(exc)
-        with contextlib.suppress(OSError):
-            os.kill(process.pid, signal.SIGUSR1)  # its stacks, on the inherited stderr
-        time.sleep(STACK_DUMP_S)
-    except ChildGone as exc:
-        result.error = f"{exc} (exit code {process.exitcode})"
-    finally:
-        process.join(CHILD_EXIT_S if done else 0)
-        if process.is_alive():
-            kill_tree(process.pid)
-        process.join()
-        conn.close()
-    result.peak_rss_mib, result.peak_pss_mib = sampler.peak_mib, sampler.peak_pss_mib
-    result.base_pss_mib = sampler.start_pss_mib
-    if result.error is None and process.exitcode != 0:
-        result.error = f"the child exited with code {process.exitcode}"
+def measure(job: Job, timeout: float) -> StreamResult:
+    """Run ``job`` in a fresh spawned child (``_harness.run_in_child``); sample its tree's memory
+    from here between go and the child's last message; past ``timeout`` per epoch, dump its
+    stacks and kill its tree."""
+    run = run_in_child(prepare_child, job, timeout * job.epochs, name=f"bench-{job.config}")
+    result = StreamResult(job.config, error=run.error, timed_out=run.timed_out)
+    if run.payload is not None:
+        result.outcome = outcome = Outcome(**run.payload)
+        result.samples, result.wall_s = outcome.samples, outcome.wall_s
+    result.record_memory(run.memory)
     return result
 
 
@@ -1105,57 +919,32 @@ def profile(config: Config, decode: str, bench: Bench) -> None:
 # -- output -------------------------------------------------------------------------------------
 
 
-COLUMNS = (
-    ("config", 16),
-    ("samples/s", 11),
-    ("first batch s", 15),
-    ("steady samples/s", 18),
-    ("wall s", 9),
-    ("base PSS MiB", 14),
-    ("peak RSS MiB", 14),
-    ("peak PSS MiB", 14),
-    ("vs asyncio-ref", 16),
-    ("vs wds-nw8", 12),
-    ("steady vs wds-nw8", 19),
-    ("PSS vs wds-nw8", 16),
-)
+def format_results(results: Sequence[StreamResult]) -> str:
+    """The table of one decode; a skipped row shows "-" in every column, a row whose child sent
+    no outcome "-" in the epoch columns."""
 
+    def epoch(cell: Callable[[StreamResult, Outcome], str]) -> Callable[[StreamResult], str]:
+        return lambda r: "-" if r.outcome is None else cell(r, r.outcome)
 
-def _ratio(result: Result, baseline: Result | None, value: Callable[[Result], float]) -> str:
-    if baseline is None or not baseline.ok or not result.ok or value(baseline) == 0:
-        return "-"
-    return f"{value(result) / value(baseline):.2f}x"
+    def first_batch(r: StreamResult, o: Outcome) -> str:
+        return "-" if o.first_s is None else f"{o.first_s:.2f}"
 
-
-def _cells(r: Result, by_name: Mapping[str, Result]) -> list[str]:
-    """A row's cells after its name: "-" where there is nothing to show."""
-    if r.skipped:
-        return ["-"] * (len(COLUMNS) - 1)
-    o = r.outcome
-    epoch = ["-"] * 4
-    if o is not None:
-        first = "-" if o.first_s is None else f"{o.first_s:.2f}"
-        epoch = [f"{r.samples_per_s:,.0f}", first, f"{r.steady_per_s:,.0f}", f"{o.wall_s:.2f}"]
-    memory = [f"{r.base_pss_mib:,.0f}", f"{r.peak_rss_mib:,.0f}", f"{r.peak_pss_mib:,.0f}"]
-    asyncio_ref, wds_nw8 = by_name.get("asyncio-ref"), by_name.get("wds-nw8")
-    ratios = [
-        _ratio(r, asyncio_ref, lambda x: x.samples_per_s),
-        _ratio(r, wds_nw8, lambda x: x.samples_per_s),
-        _ratio(r, wds_nw8, lambda x: x.steady_per_s),
-        _ratio(r, wds_nw8, lambda x: x.peak_pss_mib),
+    columns: list[Column[StreamResult]] = [
+        Column("samples/s", 11, epoch(lambda r, o: f"{r.samples_per_s:,.0f}")),
+        Column("first batch s", 15, epoch(first_batch)),
+        Column("steady samples/s", 18, epoch(lambda r, o: f"{r.steady_per_s:,.0f}")),
+        Column("wall s", 9, epoch(lambda r, o: f"{o.wall_s:.2f}")),
+        Column("base PSS MiB", 14, lambda r: f"{r.start_pss_mib:,.0f}"),
+        Column("peak RSS MiB", 14, lambda r: f"{r.peak_rss_mib:,.0f}"),
+        Column("peak PSS MiB", 14, lambda r: f"{r.peak_pss_mib:,.0f}"),
+        Column("vs asyncio-ref", 16, ratio_to(results, "asyncio-ref", lambda r: r.samples_per_s)),
+        Column("vs wds-nw8", 12, ratio_to(results, "wds-nw8", lambda r: r.samples_per_s)),
+        Column("steady vs wds-nw8", 19, ratio_to(results, "wds-nw8", lambda r: r.steady_per_s)),
+        Column("PSS vs wds-nw8", 16, ratio_to(results, "wds-nw8", lambda r: r.peak_pss_mib)),
     ]
-    return epoch + memory + ratios
-
-
-def format_table(results: Sequence[Result]) -> str:
-    by_name = {r.name: r for r in results}
-    (name, name_width), *rest = COLUMNS
-    header = f"{name:<{name_width}}" + "".join(f"{h:>{w}}" for h, w in rest) + "  check"
-    lines = [header, "-" * len(header)]
-    for r in results:
-        cells = "".join(f"{c:>{w}}" for c, (_, w) in zip(_cells(r, by_name), rest, strict=True))
-        lines.append(f"{r.name:<{name_width}}{cells}  {r.status}")
-    return "\n".join(lines)
+    return format_table(
+        results, 16, columns, lambda r: r.status, blank=lambda r: r.skipped is not None
+    )
 
 
 def machine() -> str:
@@ -1165,18 +954,8 @@ def machine() -> str:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     usable = len(os.sched_getaffinity(0))
-    return f"{os.cpu_count()} cores ({usable} usable), {model}, load average {load}"
-
-
-def versions() -> str:
-    names = ("torch", "webdataset", "aiohttp", "obstore", "moto", "pillow")
-    found = []
-    for name in names:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            found.append(f"{name} {importlib.metadata.version(name)}")
-    return f"aioloader {aioloader.__version__}, {', '.join(found)}, python {sys.version.split()[0]}"
+    return f"{os.cpu_count()} cores ({usable} usable), {model}, load average {load_average(3)}"
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -1197,7 +976,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sample-kib", type=float, default=SAMPLE_KIB, help="JPEG size to aim for, in KiB"
     )
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="samples per batch")
+    add_batch_size(parser, BATCH_SIZE)
     parser.add_argument(
         "--epochs", type=int, default=1, help="epochs per configuration, one loader (default 1)"
     )
@@ -1213,11 +992,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--decode", choices=("light", "heavy", "both"), default=None, help="default: both"
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=TIMEOUT_S,
-        help=f"seconds one configuration may take per epoch (default {TIMEOUT_S:g})",
+    add_timeout(
+        parser, f"seconds one configuration may take per epoch (default {TIMEOUT_S:g})", TIMEOUT_S
     )
     parser.add_argument(
         "--in-flight",
@@ -1227,23 +1003,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="K",
         help="add a row aio-nw0-kK with tar_shards(..., shards_in_flight=K) (repeatable)",
     )
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="configurations to run")
+    add_only(parser)
     parser.add_argument(
         "--profile", metavar="NAME", help="run NAME once more under cProfile, print the top 25"
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke test: {QUICK_SHARDS} shards x {QUICK_SAMPLES_PER_SHARD} samples, light "
-        "decode (unless given)",
+    add_quick(
+        parser,
+        f"smoke test: {QUICK_SHARDS} shards x {QUICK_SAMPLES_PER_SHARD} samples, light decode "
+        "(unless given)",
     )
     args = parser.parse_args(argv)
-    if args.shards is None:
-        args.shards = QUICK_SHARDS if args.quick else SHARDS
-    if args.samples_per_shard is None:
-        args.samples_per_shard = QUICK_SAMPLES_PER_SHARD if args.quick else SAMPLES_PER_SHARD
-    if args.decode is None:
-        args.decode = "light" if args.quick else "both"
+    quick_defaults(
+        args,
+        shards=(QUICK_SHARDS, SHARDS),
+        samples_per_shard=(QUICK_SAMPLES_PER_SHARD, SAMPLES_PER_SHARD),
+        decode=("light", "both"),
+    )
     if not 0 < args.shards < 10_000 or min(args.samples_per_shard, args.batch_size) <= 0:
         parser.error("--shards must be 1..9999, --samples-per-shard and --batch-size positive")
     if args.sample_kib <= 0 or args.latency < 0 or args.bandwidth < 0 or args.timeout <= 0:
@@ -1261,13 +1036,13 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _progress(r: Result) -> str:
+def _progress(r: StreamResult) -> str:
     if r.outcome is None:
         return f"  done {r.name:<14} {r.status}"
     return (
         f"  done {r.name:<14} {r.samples_per_s:>8,.0f} samples/s {r.outcome.wall_s:>7.2f} s "
         f"{r.peak_rss_mib:>6,.0f} MiB RSS {r.peak_pss_mib:>6,.0f} MiB PSS "
-        f"(base {r.base_pss_mib:,.0f})  {r.status}"
+        f"(base {r.start_pss_mib:,.0f})  {r.status}"
     )
 
 
@@ -1277,13 +1052,14 @@ def run_all(args: argparse.Namespace, bench: Bench, configs: list[Config]) -> li
     settings = bench.settings
     failed: list[str] = []
     decoders = ["light", "heavy"] if args.decode == "both" else [args.decode]
-    tables: list[tuple[str, list[Result]]] = []
+    tables: list[tuple[str, list[StreamResult]]] = []
     for decode in decoders:
         print(f"\n== {decode} decode ==", flush=True)
-        results: list[Result] = []
+        results: list[StreamResult] = []
         for config in configs:
             if config.skip is not None or (config.moto and settings.moto_port is None):
-                results.append(Result(config.name, skipped=config.skip or "no moto server"))
+                skipped = config.skip or "no moto server"
+                results.append(StreamResult(config.name, skipped=skipped))
             else:
                 results.append(measure(bench.job(config, decode), bench.timeout))
             r = results[-1]
@@ -1297,7 +1073,7 @@ def run_all(args: argparse.Namespace, bench: Bench, configs: list[Config]) -> li
             f"\n{decode} decode ({data.total:,} samples in {data.shards} shards, batch "
             f"{settings.batch_size}, {bench.epochs} epoch{'s' if bench.epochs > 1 else ''}):"
         )
-        print(format_table(results))
+        print(format_results(results))
     if args.profile:
         config = next(c for c in configs if c.name == args.profile)
         for decode in decoders:
@@ -1314,7 +1090,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only:
         configs = [c for c in configs if c.name in args.only]
     supported, default = in_flight_support()
-    print(versions(), flush=True)
+    names = ("torch", "webdataset", "aiohttp", "obstore", "moto", "pillow")
+    print(versions(*names), flush=True)
     print(f"machine: {machine()}", flush=True)
     print(
         "TarShards(shards_in_flight=...): "
@@ -1370,10 +1147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench = Bench(settings, args.timeout, args.epochs, tuple(args.in_flight))
         failed = run_all(args, bench, configs)
     print(f"\ntotal {time.perf_counter() - began:.0f} s")
-    if failed:
-        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(failed)
 
 
 if __name__ == "__main__":
