@@ -3,40 +3,39 @@
 Import everything from here; the ``_modules`` behind it are private.
 """
 
-import contextlib
-
-from ._batcher import DynamicBatcher as DynamicBatcher
-from ._batcher_stats import BatcherStatistics as BatcherStatistics
-from ._collate import default_collate as default_collate
-from ._collate import default_convert as default_convert
-from ._dataset import AsyncDataset as AsyncDataset
-from ._dataset import AsyncIterableDataset as AsyncIterableDataset
-from ._exceptions import AioLoaderError as AioLoaderError
-from ._exceptions import LoaderStateError as LoaderStateError
-from ._exceptions import LoaderTimeout as LoaderTimeout
-from ._exceptions import Overloaded as Overloaded
-from ._exceptions import RemoteError as RemoteError
-from ._exceptions import TransientError as TransientError
-from ._exceptions import WorkerCrashed as WorkerCrashed
-from ._lanes import OpensEpochs as OpensEpochs
-from ._loader import DataLoader as DataLoader
-from ._padding import PadCollate as PadCollate
-from ._padding import PaddedBatch as PaddedBatch
-from ._padding import pad_collate as pad_collate
-from ._parts import Interleaved as Interleaved
-from ._parts import interleave as interleave
-from ._retry import RetryPolicy as RetryPolicy
-from ._sampler import BatchSampler as BatchSampler
-from ._sampler import DistributedSampler as DistributedSampler
-from ._sampler import RandomSampler as RandomSampler
-from ._sampler import SequentialSampler as SequentialSampler
-from ._stats import ConsumerStatistics as ConsumerStatistics
-from ._stats import LatencySummary as LatencySummary
-from ._stats import LoaderStatistics as LoaderStatistics
-from ._stats import StageStatistics as StageStatistics
-from ._stats import WorkerStatistics as WorkerStatistics
-from ._worker import WorkerInfo as WorkerInfo
-from ._worker import get_worker_info as get_worker_info
+from ._base.exceptions import AioLoaderError as AioLoaderError
+from ._base.exceptions import LoaderStateError as LoaderStateError
+from ._base.exceptions import LoaderTimeout as LoaderTimeout
+from ._base.exceptions import Overloaded as Overloaded
+from ._base.exceptions import RemoteError as RemoteError
+from ._base.exceptions import TransientError as TransientError
+from ._base.exceptions import WorkerCrashed as WorkerCrashed
+from ._base.public import report_public_module as _report_public_module
+from ._base.retry import RetryPolicy as RetryPolicy
+from ._base.stats import ConsumerStatistics as ConsumerStatistics
+from ._base.stats import LatencySummary as LatencySummary
+from ._base.stats import LoaderStatistics as LoaderStatistics
+from ._base.stats import StageStatistics as StageStatistics
+from ._base.stats import WorkerStatistics as WorkerStatistics
+from ._data.collate import default_collate as default_collate
+from ._data.collate import default_convert as default_convert
+from ._data.dataset import AsyncDataset as AsyncDataset
+from ._data.dataset import AsyncIterableDataset as AsyncIterableDataset
+from ._data.epochs import OpensEpochs as OpensEpochs
+from ._data.padding import PadCollate as PadCollate
+from ._data.padding import PaddedBatch as PaddedBatch
+from ._data.padding import pad_collate as pad_collate
+from ._data.sampler import BatchSampler as BatchSampler
+from ._data.sampler import DistributedSampler as DistributedSampler
+from ._data.sampler import RandomSampler as RandomSampler
+from ._data.sampler import SequentialSampler as SequentialSampler
+from ._fanin.parts import Interleaved as Interleaved
+from ._fanin.parts import interleave as interleave
+from ._loader.loader import DataLoader as DataLoader
+from ._serving.batcher import DynamicBatcher as DynamicBatcher
+from ._serving.stats import BatcherStatistics as BatcherStatistics
+from ._workers.worker import WorkerInfo as WorkerInfo
+from ._workers.worker import get_worker_info as get_worker_info
 
 __version__ = "0.1.0"
 
@@ -84,18 +83,6 @@ __all__ = [
     "interleave",
     "pad_collate",
 ]
-
-
-def _report_public_module(namespace: dict[str, object], names: list[str], module: str) -> None:
-    """Public objects say they live where users import them from (as anyio's and trio's do):
-    ``aioloader.DataLoader``, not ``aioloader._loader.DataLoader``, in reprs, tracebacks and
-    pickles (pickling by reference finds them here)."""
-    for name in names:
-        obj = namespace[name]
-        if getattr(obj, "__module__", "").startswith(f"{module}."):
-            # A builtin or slotted object refuses: it is left as it is.
-            with contextlib.suppress(AttributeError, TypeError):
-                obj.__module__ = module
 
 
 _report_public_module(globals(), __all__, __name__)

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     if args[0] == "demo":
-        from ._demo import main as demo
+        from ._cli.demo import main as demo
 
         return demo(args[1:])
     print(f"aioloader: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Tests for aioloader._collate: torch-compatible default_collate and default_convert."""
+"""Tests for aioloader._data.collate: torch-compatible default_collate and default_convert."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.data import default_collate as _torch_default_collate
 from torch.utils.data import default_convert as _torch_default_convert
 
-from aioloader._collate import default_collate, default_convert
+from aioloader._data.collate import default_collate, default_convert
 
 # ------------------------------------------------------------------------------------------
 # helpers

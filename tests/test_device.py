@@ -23,9 +23,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aioloader
-from aioloader._accelerator import PinnedPool, cuda_index, resolve_device, size_class
-from aioloader._device import DevicePlan, DeviceStage
-from aioloader._tree import map_tensors, tensors_in
+from aioloader._base.tree import map_tensors, tensors_in
+from aioloader._device.accelerator import PinnedPool, cuda_index, resolve_device, size_class
+from aioloader._device.stage import DevicePlan, DeviceStage
 from tests.conftest import aioloader_threads
 from tests.helpers import Counting, other_tasks
 
@@ -352,7 +352,7 @@ def test_pool_clear_waits_for_busy_buffers() -> None:
 
 
 class FakeAccelerator:
-    """``aioloader._device.Accelerator`` on the CPU: the "device" is the CPU, so the stage's
+    """``aioloader._device.stage.Accelerator`` on the CPU: the "device" is the CPU, so the stage's
     copies are real copies into new tensors; events complete when ``complete`` says so (or on
     ``synchronize``); every call records the thread it ran on."""
 
@@ -416,7 +416,8 @@ def on_fake_device(
     """Give ``loader`` a device stage on ``fake`` (what ``device="cuda"`` builds, with the
     CUDA calls swapped out); takes effect when its scope opens."""
     fake = fake or FakeAccelerator()
-    loader._device_plan = DevicePlan(lambda: fake, pin, transform)
+    plan = DevicePlan(lambda: fake, pin, transform)
+    loader._plan = dataclasses.replace(loader._plan, device_plan=plan)
     return fake
 
 

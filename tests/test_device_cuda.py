@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 import aioloader
-from aioloader._tree import tensors_in
+from aioloader._base.tree import tensors_in
 from tests.conftest import aioloader_threads
 from tests.helpers import Counting, other_tasks
 from tests.test_device import Records, collate_records, same

@@ -9,8 +9,8 @@ import anyio
 import pytest
 
 import aioloader
-from aioloader._fetch import Attempts, FailureBudget
-from aioloader._stats import Recorders
+from aioloader._base.stats import Recorders
+from aioloader._pipeline.fetch import Attempts, FailureBudget
 
 
 def recorders() -> Recorders:

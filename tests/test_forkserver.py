@@ -93,5 +93,5 @@ def test_with_another_thread_the_stdlib_starts_its_server(tmp_path: Path) -> Non
     got = probe(tmp_path, "thread")
     assert got["workers"] == 2
     assert "multiprocessing.forkserver import main" in got["server_cmdline"]
-    assert "aioloader._worker" in got["server_cmdline"]  # torch preloaded in it
+    assert "aioloader._workers.worker" in got["server_cmdline"]  # torch preloaded in it
     assert got["pipe_eof"]

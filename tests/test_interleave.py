@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioloader
-from aioloader._interleave import Interleave
-from aioloader._lanes import interleaved
+from aioloader._fanin.interleave import Interleave
+from aioloader._fanin.lanes import interleaved
 
 
 def simulate(lengths: list[int], width: int, seed: int | None) -> tuple[list[tuple[int, int]], int]:

@@ -181,7 +181,7 @@ def test_demo_trains_from_an_s3_url(
     capsys: pytest.CaptureFixture[str],
     tmp_path: Any,
 ) -> None:
-    from aioloader import _demo
+    from aioloader._cli import demo as _demo
 
     url = bucket["url"].replace("/train/", "/demo/")
     store = from_url(url, config=bucket["config"], client_options={"allow_http": True})

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 import aioloader
-from aioloader._pack import pack_tensors
+from aioloader._workers.pack import pack_tensors
 from tests import worker_fns
 
 

@@ -1,4 +1,4 @@
-"""Tests for aioloader._padding: PadCollate, PaddedBatch and pad_collate."""
+"""Tests for aioloader._data.padding: PadCollate, PaddedBatch and pad_collate."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader._padding import PadCollate, PaddedBatch, pad_collate
+from aioloader._data.padding import PadCollate, PaddedBatch, pad_collate
 from tests.test_collate import _random_tensor, assert_same
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from aioloader._offload import ThreadOffload
-from aioloader._pool import WorkerPool
+from aioloader._workers.offload import ThreadOffload
+from aioloader._workers.pool import WorkerPool
 
 
 def whose_thread(x: int) -> tuple[int, str]:

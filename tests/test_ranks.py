@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioloader
-from aioloader._ranks import StreamShare
+from aioloader._data.sharding import StreamShare
 
 
 def shares(n: int, world: int) -> list[list[int]]:

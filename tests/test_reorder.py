@@ -1,4 +1,4 @@
-"""Tests for aioloader._reorder: ReorderBuffer and BatchAssembler."""
+"""Tests for aioloader._pipeline.reorder: ReorderBuffer and BatchAssembler."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader._reorder import BatchAssembler, ReorderBuffer
+from aioloader._pipeline.reorder import BatchAssembler, ReorderBuffer
 
 FAST = settings(max_examples=200, deadline=None)
 

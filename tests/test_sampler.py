@@ -1,4 +1,4 @@
-"""Tests for aioloader._sampler: seeds, samplers and sharding rules."""
+"""Tests for aioloader._data.sampler: seeds, samplers and sharding rules."""
 
 from __future__ import annotations
 
@@ -11,17 +11,14 @@ import torch.utils.data as tud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader._sampler import (
+from aioloader._data.sampler import (
     BatchSampler,
     DistributedSampler,
     RandomSampler,
     SequentialSampler,
-    derive_seed,
-    resolve_rank,
-    shard,
-    shard_length,
-    shard_stream_position,
 )
+from aioloader._data.seeds import derive_seed
+from aioloader._data.sharding import resolve_rank, shard, shard_length, shard_stream_position
 
 FAST = settings(max_examples=100, deadline=None)
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from aioloader._stats import StageRecorder
+from aioloader._base.stats import StageRecorder
 
 
 def recorder() -> StageRecorder:

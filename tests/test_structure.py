@@ -4,6 +4,7 @@ a cycle there is a circle a reader walks)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "aioloader"
@@ -54,5 +55,103 @@ def test_the_checker_finds_a_cycle() -> None:
 
 def test_no_import_cycle_among_the_modules() -> None:
     graph = imports()
-    assert "aioloader._scope" in graph and "aioloader._plan" in graph["aioloader._scope"]
+    assert (
+        "aioloader._loader.scope" in graph
+        and "aioloader._loader.plan" in graph["aioloader._loader.scope"]
+    )
     assert cycles(graph) == []
+
+
+def wing_of(module: str) -> str:
+    """``aioloader._data.seeds`` → ``_data``; the facades and ``__main__`` are their own."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else module
+
+
+def test_the_wings_depend_on_each_other_without_a_circle() -> None:
+    """The folders form layers: base ← data, workers ← fan-in, device ← pipeline ← loader;
+    serving and sources beside the loader. A wing importing one that imports it back would be
+    a circle a reader walks between folders."""
+    graph = imports()
+    wings: dict[str, set[str]] = {wing_of(module): set() for module in graph}
+    for module, targets in graph.items():
+        for target in targets:
+            if wing_of(target) != wing_of(module):
+                wings[wing_of(module)].add(wing_of(target))
+    wings.pop("aioloader", None)  # the facade re-exports every wing
+    for deps in wings.values():
+        deps.discard("aioloader")
+    assert wings["_data"] >= {"_base"} and "_data" in wings["_fanin"]  # the checker sees
+    assert cycles(wings) == []
+
+
+def test_base_imports_no_other_wing() -> None:
+    deps = {
+        wing_of(t) for m, targets in imports().items() if wing_of(m) == "_base" for t in targets
+    }
+    assert deps <= {"_base"}, deps
+
+
+def test_no_private_name_is_imported_from_outside_its_folder() -> None:
+    """A ``_name`` is its folder's business: another folder imports only public names."""
+    crossings = []
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        package = (
+            name.removesuffix(".__init__")
+            if path.name == "__init__.py"
+            else name.rpartition(".")[0]
+        )
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+            target = ".".join(parts + ([node.module] if node.module else []))
+            folder = target if node.module is None else target.rpartition(".")[0]
+            for alias in node.names:
+                if alias.name.startswith("_") and folder != package:
+                    crossings.append(f"{name} imports {target}.{alias.name}")
+    assert crossings == []
+
+
+# Files allowed past 400 lines, and why (each one a single concept that reads top to bottom).
+LONG_FILES = {
+    "aioloader/_pipeline/epoch.py": "one epoch's stages and their bounds, read together",
+    "aioloader/_loader/loader.py": "torch's DataLoader surface: its signature and docstring",
+    "aioloader/sources/_http.py": "one transport: sessions, retries, redirects, errors",
+    "aioloader/_serving/batcher.py": "DynamicBatcher's public surface and its docstrings",
+    "aioloader/_base/stats.py": "the statistics' public dataclasses and their recorders",
+    "aioloader/sources/_tar.py": "tar_shards' public surface, its options and epoch plan",
+    "aioloader/sources/_tarfmt.py": "one file format's parser, pure and synchronous",
+}
+
+
+def test_no_file_is_over_400_lines_without_a_reason() -> None:
+    long = {
+        str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
+        for path in PACKAGE.rglob("*.py")
+        if len(path.read_text().splitlines()) > 400
+    }
+    assert set(long) <= set(LONG_FILES), long
+
+
+def test_every_wing_says_what_it_owns_and_never_does() -> None:
+    for init in PACKAGE.glob("_*/__init__.py"):
+        text = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "Owns:" in text and "Never:" in text, init
+
+
+def test_the_design_doc_lists_the_wings_as_they_import() -> None:
+    """docs/design.md's list of what each wing imports matches the imports."""
+    doc = (PACKAGE.parent / "docs" / "design.md").read_text()
+    listed = doc.split("<!-- wings: begin -->")[1].split("<!-- wings: end -->")[0]
+    said = {}
+    for line in listed.strip().splitlines():
+        wing, _, rest = line.removeprefix("- `").partition("` imports ")
+        said[wing] = set(re.findall(r"`([\w]+)`", rest.split("(")[0]))
+    actual: dict[str, set[str]] = {}
+    for module, targets in imports().items():
+        if wing_of(module) in said:
+            deps = actual.setdefault(wing_of(module), set())
+            deps |= {wing_of(t) for t in targets} - {wing_of(module), "aioloader"}
+    assert said == actual

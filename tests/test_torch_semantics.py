@@ -67,7 +67,9 @@ def test_argument_errors_have_torchs_type_and_words(
     assert type(theirs.value) in (ValueError, TypeError)
 
 
-@pytest.mark.parametrize("name", ["dataset", "batch_size", "batch_sampler", "sampler", "drop_last"])
+@pytest.mark.parametrize(
+    "name", ["dataset", "batch_size", "batch_sampler", "sampler", "drop_last", "persistent_workers"]
+)
 def test_attributes_that_define_the_epochs_are_frozen_like_torchs(name: str) -> None:
     for cls in (torch.utils.data.DataLoader, aioloader.DataLoader):
         dl = cls(MAP, batch_size=2)
@@ -76,6 +78,23 @@ def test_attributes_that_define_the_epochs_are_frozen_like_torchs(name: str) -> 
     dl = aioloader.DataLoader(MAP, batch_size=2)
     dl.timeout = 3  # others may change, as in torch
     assert dl.timeout == 3
+
+
+def test_a_setting_changed_between_epochs_is_checked_and_runs_the_next_epoch() -> None:
+    """torch reads its attributes when an iterator starts; ours re-plan when one is set:
+    checked as at construction (a bad value changes nothing), in force from the next epoch."""
+    dl = aioloader.DataLoader(wd.WhoReads(8), batch_size=4)
+    assert {row for batch in dl for row in batch["torch_id"].tolist()} == {-1}
+    with pytest.raises(ValueError, match="prefetch_factor needs num_workers > 0"):
+        dl.prefetch_factor = 2
+    assert dl.prefetch_factor is None
+    dl.num_workers = 2  # the dataset now lives in two worker processes
+    assert {row for batch in dl for row in batch["torch_id"].tolist()} == {0, 1}
+    with pytest.raises(TypeError, match="max_inflight"):
+        dl.max_inflight = 1.5  # type: ignore[assignment]
+    assert dl.num_workers == 2 and dl.max_inflight == 64  # unchanged by the refusals
+    with pytest.raises(AttributeError):
+        dl.start_method = "spawn"  # type: ignore[misc]  # derived, not an argument
 
 
 def test_more_workers_than_cpus_warns_like_torch() -> None:

@@ -3,17 +3,19 @@
 The rule: a value of the wrong type raises ``TypeError``, a value of the right type outside its
 range raises ``ValueError``; the message names the argument and shows the value. torch's own
 ``DataLoader`` arguments keep the exception types and words torch gives them (it raises
-``ValueError`` for a ``batch_size`` of the wrong type, for one): ``_arguments.py`` checks those.
+``ValueError`` for a ``batch_size`` of the wrong type, for one): ``_loader/arguments.py`` checks
+those.
 
 Owns: the rule and the checks shared by the loader, the samplers, the interleave and the
-sources. Never: checks an argument's combination with others (``_arguments.py``).
+sources. Never: checks an argument's combination with others (``_loader/arguments.py``).
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 
-__all__ = ["check_bool", "check_int", "check_seconds", "check_seed"]
+__all__ = ["check_bool", "check_int", "check_picklable", "check_seconds", "check_seed"]
 
 
 def check_int(name: str, value: object, *, minimum: int) -> int:
@@ -80,3 +82,21 @@ def check_seconds(name: str, value: object) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def check_picklable(name: str, value: object, *, remedy: str = "pass worker_mode='thread'") -> None:
+    """Fail now, not mid-epoch, when ``value`` cannot be sent to a worker process.
+
+    Raises:
+        TypeError: ``value`` does not pickle; the message names the argument and what to do.
+    """
+    if value is None:
+        return
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{name}={value!r} cannot be sent to worker processes ({type(exc).__name__}: "
+            f"{exc}). Define it at module level (a lambda, a closure or a local function "
+            f"cannot be pickled), make its object picklable, or {remedy}"
+        ) from exc

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ._exceptions import TransientError
+from .exceptions import TransientError
 
 __all__ = ["RetryPolicy"]
 

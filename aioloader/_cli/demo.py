@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import sources
-from ._accelerator import resolve_device
-from ._dataset import AsyncDataset
-from ._loader import DataLoader
-from ._progress import Progress
-from ._retry import RetryPolicy
+from .. import sources
+from .._base.retry import RetryPolicy
+from .._data.dataset import AsyncDataset
+from .._device.accelerator import resolve_device
+from .._loader.loader import DataLoader
+from .progress import Progress
 
 __all__ = ["main"]
 

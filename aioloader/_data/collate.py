@@ -2,7 +2,7 @@
 
 Owns: the default collate functions — :func:`default_collate` (torch-compatible, plus
 dataclasses) and :func:`default_convert` (the ``batch_size=None`` path). Padding of
-variable-length sequences lives in :mod:`aioloader._padding`, built on the helpers here. Never:
+variable-length sequences lives in :mod:`aioloader._data.padding`, built on the helpers here. Never:
 touches an event loop, does I/O or keeps global state. Everything here is a pure function of its
 arguments, so it runs unchanged in the loop thread, an offload thread or a worker process.
 
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._worker import get_worker_info
+from .._workers.worker import get_worker_info
 
 __all__ = ["default_collate", "default_convert"]
 

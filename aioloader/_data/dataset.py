@@ -2,7 +2,7 @@
 
 Owns: the two public abstract base classes and their contracts. Never: schedules, retries or
 batches anything; that is the loader's job. Ordinary torch datasets need no subclassing: the loader
-adapts them (see ``_source.py``).
+adapts them (see ``_data/source.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns: :class:`PadCollate` (and its default instance :data:`pad_collate`) and the
 :class:`PaddedBatch` it returns. Never: touches an event loop, does I/O or keeps global state.
 Everything here is a pure function of its arguments (or a picklable, immutable callable), so it
 runs unchanged in the loop thread, an offload thread or a worker process. Keys that are not
-padded are collated by :func:`~aioloader._collate.default_collate`'s machinery, whose error
+padded are collated by :func:`~aioloader._data.collate.default_collate`'s machinery, whose error
 paths (such as ``sample['label']``) it shares.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._collate import (
+from .collate import (
     _NP_STR_OBJ_DTYPE,
     _ROOT,
     _as_batch,

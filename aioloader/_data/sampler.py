@@ -1,217 +1,26 @@
-"""Index samplers and the decision logic for seeding and sharding.
+"""Index samplers: which dataset indices an epoch visits, in what order, in which batches.
 
-This module owns which dataset indices an epoch visits and in what order:
-the sequential, random and distributed samplers, the batch sampler that groups
-their indices, seed derivation (:func:`derive_seed`), rank resolution
-(:func:`resolve_rank`) and the sharding rules shared by map-style and iterable
-datasets (:func:`shard`, :func:`shard_stream_position`, :func:`epoch_parts`).
-
-It is pure: no event loop, no I/O, no threads. The only outside state it reads
-is torch's default random generator (to draw an unseeded sampler's base seed)
-and, in :func:`resolve_rank`, whether ``torch.distributed`` is initialised.
+Owns: the sequential, random and distributed samplers, the batch sampler that groups their
+indices, and :func:`map_order` (the sampler and batch sampler a loader iterates, built as torch
+builds them). Never: derives seeds (``seeds``) or decides a rank's share (``sharding``); no
+event loop, no I/O, no threads.
 """
 
 from __future__ import annotations
 
-import hashlib
-import operator
-import random
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ._checks import check_bool, check_int, check_seed
+from .._base.checks import check_bool, check_int, check_seed
+from .seeds import draw_seed, epoch_permutation
+from .sharding import resolve_rank, shard, shard_length
 
 __all__ = ["map_order", "BatchSampler", "DistributedSampler", "RandomSampler", "SequentialSampler"]
 
 T_Part = TypeVar("T_Part")
-
-_SEED_BITS = 63
-_SEED_PERSON = b"aioloader.seed"
-
-
-def draw_seed(generator: torch.Generator | None = None) -> int:
-    """A 64-bit seed drawn from ``generator`` (torch's default generator when None), as torch's
-    DataLoader draws its base seed: ``torch.manual_seed`` makes it repeatable."""
-    device = generator.device if generator is not None else None
-    draw = torch.empty((), dtype=torch.int64, device=device)
-    return int(draw.random_(generator=generator).item())
-
-
-def derive_seed(*parts: int) -> int:
-    """Derive a deterministic 63-bit seed from integer parts.
-
-    The result depends only on the parts and their order, so it is the same in
-    every process and Python run (it never uses ``hash()``). Typical parts are
-    ``(base_seed, epoch)`` or ``(base_seed, epoch, batch_index)``.
-
-    Args:
-        *parts: Integers of any size and sign (anything accepted by
-            ``operator.index``, such as numpy integers).
-
-    Returns:
-        An int in ``[0, 2**63)``, suitable for ``torch.Generator.manual_seed``.
-
-    Raises:
-        TypeError: If a part is not an integer.
-    """
-    digest = hashlib.blake2b(digest_size=8, person=_SEED_PERSON)
-    for i, part in enumerate(parts):
-        try:
-            value = operator.index(part)
-        except TypeError:
-            raise TypeError(f"parts[{i}] must be an int, got {part!r}") from None
-        # Length-prefixed signed encoding: unambiguous for any size and sign.
-        size = max(16, (value.bit_length() + 8) // 8)
-        digest.update(size.to_bytes(4, "little"))
-        digest.update(value.to_bytes(size, "little", signed=True))
-    return int.from_bytes(digest.digest(), "little") >> (64 - _SEED_BITS)
-
-
-def _epoch_permutation(length: int, base_seed: int, epoch: int) -> list[int]:
-    """Return the seeded permutation of ``range(length)`` for an epoch."""
-    generator = torch.Generator()
-    generator.manual_seed(derive_seed(base_seed, epoch))
-    order: list[int] = torch.randperm(length, generator=generator).tolist()
-    return order
-
-
-def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Resolve and validate this process's rank and the world size.
-
-    Explicit values win. A missing value comes from ``torch.distributed`` when it
-    is available and initialised, else defaults to rank 0 of a world of 1.
-
-    Args:
-        rank: This process's rank, or None to detect it.
-        world_size: The number of processes, or None to detect it.
-
-    Returns:
-        ``(rank, world_size)`` with ``world_size >= 1`` and
-        ``0 <= rank < world_size``.
-
-    Raises:
-        TypeError: If a given value is not an int.
-        ValueError: If ``world_size < 1`` or ``rank`` is outside
-            ``[0, world_size)``.
-    """
-    if rank is None or world_size is None:
-        initialised = dist.is_available() and dist.is_initialized()
-        if rank is None:
-            rank = dist.get_rank() if initialised else 0
-        if world_size is None:
-            world_size = dist.get_world_size() if initialised else 1
-    world_size = check_int("world_size", world_size, minimum=1)
-    rank = check_int("rank", rank, minimum=0)
-    if rank >= world_size:
-        raise ValueError(
-            f"rank must be in [0, {world_size - 1}] for world_size {world_size}, got {rank}"
-        )
-    return rank, world_size
-
-
-def shard_length(n_items: int, world_size: int, drop_last: bool) -> int:
-    """Return how many items each rank gets when sharding ``n_items`` items.
-
-    Args:
-        n_items: The size of the global order.
-        world_size: The number of ranks.
-        drop_last: Truncate to a multiple of ``world_size`` instead of padding.
-
-    Returns:
-        The per-rank count, the same for every rank (as torch's
-        ``DistributedSampler``).
-
-    Raises:
-        TypeError: If an argument has the wrong type.
-        ValueError: If ``n_items < 0`` or ``world_size < 1``.
-    """
-    n_items = check_int("n_items", n_items, minimum=0)
-    world_size = check_int("world_size", world_size, minimum=1)
-    check_bool("drop_last", drop_last)
-    return n_items // world_size if drop_last else -(-n_items // world_size)
-
-
-def shard(n_items: int, rank: int, world_size: int, drop_last: bool) -> list[int]:
-    """Return the positions in a global order of ``n_items`` that ``rank`` takes.
-
-    The global order is padded by repeating it cyclically from its start until
-    its length divides by ``world_size`` (or truncated when ``drop_last``); rank
-    ``r`` then takes every ``world_size``-th position starting at ``r``. This is
-    exactly torch's ``DistributedSampler`` rule.
-
-    Args:
-        n_items: The size of the global order.
-        rank: This rank, in ``[0, world_size)``.
-        world_size: The number of ranks.
-        drop_last: Truncate instead of padding.
-
-    Returns:
-        ``shard_length(n_items, world_size, drop_last)`` positions into the
-        global order (padding positions wrap around to its start).
-
-    Raises:
-        TypeError: If an argument has the wrong type.
-        ValueError: If ``n_items < 0``, ``world_size < 1`` or ``rank`` is out of
-            range.
-    """
-    count = shard_length(n_items, world_size, drop_last)
-    rank, world_size = resolve_rank(rank, world_size)
-    return [(rank + k * world_size) % n_items for k in range(count)]
-
-
-def shard_stream_position(position: int, rank: int, world_size: int) -> bool:
-    """Return whether the item at ``position`` of a stream belongs to ``rank``.
-
-    Items of an iterable dataset are dealt round-robin: position ``p`` goes to
-    rank ``p % world_size``.
-
-    Args:
-        position: The item's 0-based position in the stream.
-        rank: This rank, in ``[0, world_size)`` (see :func:`resolve_rank`).
-        world_size: The number of ranks, at least 1.
-
-    Returns:
-        True if this rank should take the item.
-
-    Raises:
-        ValueError: If ``position`` is negative.
-    """
-    if position < 0:
-        raise ValueError(f"position must be a non-negative int, got {position!r}")
-    return position % world_size == rank
-
-
-def epoch_parts(
-    parts: Sequence[T_Part],
-    epoch: int,
-    *,
-    seed: int,
-    shuffle: bool,
-    rank: int | None,
-    world_size: int | None,
-) -> list[T_Part]:
-    """This rank's parts (shards, files) of a stream dataset in ``epoch``, in reading order.
-
-    With ``shuffle``, the order is a permutation drawn with
-    ``random.Random(derive_seed(seed, epoch))``. Part ``j`` of that order goes to rank
-    ``j % world_size``; the last ``len(parts) % world_size`` parts are left out so every rank
-    gets as many parts as the others.
-
-    Raises:
-        TypeError, ValueError: ``epoch`` is not an int >= 0, or a bad rank or world size (see
-            :func:`resolve_rank`).
-    """
-    epoch = check_int("epoch", epoch, minimum=0)
-    rank, world = resolve_rank(rank, world_size)
-    order = list(parts)
-    if shuffle:
-        random.Random(derive_seed(seed, epoch)).shuffle(order)
-    usable = len(order) - len(order) % world
-    return order[rank:usable:world]
 
 
 def _length_source(length: object) -> int | Sized:
@@ -319,7 +128,7 @@ class RandomSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         n = _current_length(self._length)
-        return iter(_epoch_permutation(n, self._seed, self._epoch))
+        return iter(epoch_permutation(n, self._seed, self._epoch))
 
     def __len__(self) -> int:
         return _current_length(self._length)
@@ -410,7 +219,7 @@ class DistributedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         if self._shuffle:
-            order = _epoch_permutation(self._length, self._seed, self._epoch)
+            order = epoch_permutation(self._length, self._seed, self._epoch)
         else:
             order = list(range(self._length))
         positions = shard(self._length, self._rank, self._world_size, self._drop_last)

@@ -3,9 +3,9 @@
 Owns: classifying a user's dataset (async map-style, async iterable, torch map-style, torch
 iterable, plain sequence or iterable) and wrapping it as a :class:`MapSource` (indexable, with a
 length) or a :class:`StreamSource` (iterated once per epoch). Blocking calls of torch datasets go
-through a :class:`~aioloader._offload.ThreadOffload`, a whole batch per thread call, so the event
-loop never blocks and the per-item thread hop is paid once per batch. Never: schedules, retries or
-batches; that is ``_pipeline.py``.
+through a :class:`~aioloader._workers.offload.ThreadOffload`, a whole batch per thread call, so
+the event loop never blocks and the per-item thread hop is paid once per batch. Never:
+schedules, retries or batches; that is ``_pipeline``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 import anyio
 import torch.utils.data
 
-from ._dataset import AsyncDataset, AsyncIterableDataset
-from ._exceptions import LoaderStateError, annotate
-from ._lanes import OpensEpochs
-from ._offload import ThreadOffload
+from .._base.exceptions import LoaderStateError, annotate
+from .._workers.offload import ThreadOffload
+from .dataset import AsyncDataset, AsyncIterableDataset
+from .epochs import OpensEpochs
 
 __all__ = ["InWorkers", "Kind", "MapSource", "StreamSource", "classify", "open_source"]
 

@@ -3,7 +3,7 @@ stream, events, the consumer's hand-over), and the pool of page-locked buffers.
 
 Owns: resolving ``device=`` (:func:`resolve_device`), the :class:`Accelerator` seam and its CUDA
 implementation, and :class:`PinnedPool`. Never: walks batches or decides when to copy
-(``_device.py``).
+(``_device/stage.py``).
 """
 
 from __future__ import annotations

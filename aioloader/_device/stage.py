@@ -2,8 +2,8 @@
 
 Owns: :class:`DeviceStage`, which the loader's scope owns and the epoch's emitter calls, one
 batch at a time, in order; what a loader's stage does (:class:`DevicePlan`); and the hand-over of
-a staged batch to the consumer (:class:`Staged`). The tree walk is ``_tree.py``'s; the device
-calls, ``device=`` resolution and the pinned pool are ``_accelerator.py``'s.
+a staged batch to the consumer (:class:`Staged`). The tree walk is ``_base/tree.py``'s; the device
+calls, ``device=`` resolution and the pinned pool are ``_device/accelerator.py``'s.
 
 Every blocking call (copying into pinned memory, issuing the copies and ``device_transform``,
 waiting on an event before a pinned buffer is reused) runs on the stage's one thread, never on
@@ -25,9 +25,9 @@ from typing import Any
 import anyio
 import torch
 
-from ._accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
-from ._offload import ThreadOffload
-from ._tree import map_tensors, pin_tree, plain_cpu_tensor, tensors_in
+from .._base.tree import map_tensors, pin_tree, plain_cpu_tensor, tensors_in
+from .._workers.offload import ThreadOffload
+from .accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
 
 __all__ = ["device_plan", "DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
 

@@ -4,7 +4,7 @@ Owns: the order of an interleave over ``width`` slots, each holding one part at 
 taken in plan order as slots free up, visited round by round (in slot order, or in a seeded
 permutation each round). The order depends only on the parts' lengths and the seed, never on
 which part's bytes arrive first, so the same seed gives the same epoch however fast the network
-is, and a position in it can be written down. Never: reads anything or waits (``_lanes.py``
+is, and a position in it can be written down. Never: reads anything or waits (``_fanin/lanes.py``
 carries the order out).
 
 The consumer asks :meth:`Interleave.turn` for the part to draw from, then says what happened:

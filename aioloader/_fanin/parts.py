@@ -1,8 +1,8 @@
 """A user's stream split into parts (one per shard, file or key range), read several at once.
 
 Owns: the public :func:`interleave` dataset: the epoch's part order (shuffled and split by rank
-as :func:`~aioloader._sampler.epoch_parts` says) and how a part is opened. Never: reads or
-orders items itself (``_lanes.py`` and ``_interleave.py`` do).
+as :func:`~aioloader._data.sharding.epoch_parts` says) and how a part is opened. Never: reads or
+orders items itself (``_fanin/lanes.py`` and ``_fanin/interleave.py`` do).
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import random
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
-from ._checks import check_bool, check_int, check_seed
-from ._lanes import OpensEpochs, ahead_for, interleaved
-from ._sampler import derive_seed, epoch_parts, resolve_rank
+from .._base.checks import check_bool, check_int, check_seed
+from .._data.epochs import OpensEpochs
+from .._data.seeds import derive_seed
+from .._data.sharding import epoch_parts, resolve_rank
+from .lanes import ahead_for, interleaved
 
 __all__ = ["Interleaved", "interleave"]
 

@@ -10,26 +10,27 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import os
-import pickle
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from ._accelerator import resolve_device
-from ._processes import DEFAULT_START_METHOD, START_METHODS
-from ._retry import RetryPolicy
-from ._source import Kind, classify
+from .._base.checks import check_bool, check_int, check_picklable, check_seconds, check_seed
+from .._base.retry import RetryPolicy
+from .._data.source import Kind, classify
+from .._device.accelerator import resolve_device
+from .._workers.processes import start_method_of
 
-__all__ = ["Checked", "check_arguments", "non_negative_int", "positive_int"]
+__all__ = ["Arguments", "Checked", "check_arguments", "non_negative_int", "positive_int"]
 
 _DEFAULT_PREFETCH = 2
 
 
 def positive_int(name: str, value: object) -> int:
     """torch's check of its own integer arguments: ``ValueError`` for a wrong type too, as
-    torch raises it (ours follow ``_checks.py``'s rule)."""
+    torch raises it (ours follow ``_base/checks.py``'s rule)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
@@ -55,58 +56,6 @@ class Checked(NamedTuple):
     prefetch: int
     start_method: str | multiprocessing.context.BaseContext
     device: torch.device | None  # None also for None; a CUDA device has its index
-
-
-def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
-    """The worker processes' start method: ``context`` (a name or a multiprocessing context)
-    when given, else forkserver.
-
-    Raises:
-        ValueError: The method is fork, or unknown.
-        TypeError: ``context`` is neither a string nor a multiprocessing context.
-    """
-    if context is None:
-        return DEFAULT_START_METHOD
-    if isinstance(context, str):
-        method = context
-    elif isinstance(context, multiprocessing.context.BaseContext):
-        method = context.get_start_method()
-    else:
-        raise TypeError(
-            "multiprocessing_context option should be a valid context object or a string "
-            f"specifying the start method, but got multiprocessing_context={context!r} "
-            f"(a {type(context).__qualname__})"
-        )
-    if method == "fork":
-        raise ValueError(
-            "multiprocessing_context='fork' is not supported: forking a process that runs an "
-            "event loop, threads, obstore/tokio or CUDA can hang or corrupt it; use "
-            "'forkserver' (the default: workers start as fast as forked ones) or 'spawn'"
-        )
-    if method not in START_METHODS:
-        raise ValueError(
-            f"multiprocessing_context option should specify a valid start method in "
-            f"{START_METHODS!r}, but got multiprocessing_context={method!r}"
-        )
-    return context if isinstance(context, multiprocessing.context.BaseContext) else method
-
-
-def check_picklable(name: str, value: object, *, remedy: str = "pass worker_mode='thread'") -> None:
-    """Fail now, not mid-epoch, when ``value`` cannot be sent to a worker process.
-
-    Raises:
-        TypeError: ``value`` does not pickle; the message names the argument and what to do.
-    """
-    if value is None:
-        return
-    try:
-        pickle.dumps(value)
-    except Exception as exc:
-        raise TypeError(
-            f"{name}={value!r} cannot be sent to worker processes ({type(exc).__name__}: "
-            f"{exc}). Define it at module level (a lambda, a closure or a local function "
-            f"cannot be pickled), make its object picklable, or {remedy}"
-        ) from exc
 
 
 def _let_the_dataset_check(
@@ -167,133 +116,148 @@ def _check_combinations(
         )
 
 
-def check_arguments(
-    *,
-    dataset: object,
-    batch_size: int | None,
-    shuffle: bool | None,
-    sampler: Iterable[int] | None,
-    batch_sampler: Iterable[Sequence[int]] | None,
-    num_workers: int,
-    collate_fn: Callable[[Any], Any] | None,
-    drop_last: bool,
-    timeout: float,
-    worker_init_fn: Callable[[int], object] | None,
-    multiprocessing_context: object,
-    generator: torch.Generator | None,
-    prefetch_factor: int | None,
-    persistent_workers: bool,
-    in_order: bool,
-    transform: Callable[[Any], Any] | None,
-    max_inflight: int,
-    prefetch: int | None,
-    max_inflight_bytes: int | None,
-    seed: int | None,
-    retry: RetryPolicy | None,
-    sample_timeout: float | None,
-    max_failures: int,
-    distributed: bool,
-    io_threads: int | None,
-    worker_mode: str,
-    device: object = None,
-    device_transform: Callable[[Any], Any] | None = None,
-) -> Checked:
-    """Check the arguments of :class:`~aioloader.DataLoader` (see it for their meanings).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Arguments:
+    """The arguments of :class:`~aioloader.DataLoader`, as given (see it for their meanings).
+
+    The one place they are declared after the signature: the checks, the plan and the
+    loader's attributes read them from here.
+    """
+
+    dataset: Any
+    batch_size: int | None = 1
+    shuffle: bool | None = None
+    sampler: Iterable[int] | None = None
+    batch_sampler: Iterable[Sequence[int]] | None = None
+    num_workers: int = 0
+    collate_fn: Callable[[Any], Any] | None = None
+    pin_memory: bool = False
+    drop_last: bool = False
+    timeout: float = 0
+    worker_init_fn: Callable[[int], object] | None = None
+    multiprocessing_context: object = None
+    generator: torch.Generator | None = None
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+    pin_memory_device: str = ""
+    in_order: bool = True
+    transform: Callable[[Any], Any] | None = None
+    max_inflight: int = 64
+    prefetch: int | None = None
+    max_inflight_bytes: int | None = None
+    seed: int | None = None
+    retry: RetryPolicy | None = None
+    sample_timeout: float | None = None
+    max_failures: int = 0
+    distributed: bool = False
+    rank: int | None = None
+    world_size: int | None = None
+    io_threads: int | None = None
+    worker_mode: str = "process"
+    device: object = None
+    device_transform: Callable[[Any], Any] | None = None
+
+
+def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
+    """Check the arguments of :class:`~aioloader.DataLoader`.
+
+    torch's own arguments fail as torch's do (its tests match the words, and torch raises
+    ``ValueError`` for a wrong type of its integers); aioloader's follow ``_base/checks.py``'s
+    rule: a wrong type raises ``TypeError``, a wrong value ``ValueError``.
+
+    Warns (``UserWarning``, at ``stacklevel``): more worker processes than CPUs.
 
     Raises:
         TypeError: An argument has the wrong type; the message names it.
         ValueError: An argument is out of range or conflicts with another; the message names it.
     """
-    kind = classify(dataset)
-    if batch_size is not None:
-        positive_int("batch_size", batch_size)
+    kind = classify(a.dataset)
+    # -- torch's arguments, with torch's errors -----------------------------------------------
+    if a.batch_size is not None:
+        positive_int("batch_size", a.batch_size)
+    num_workers = a.num_workers
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(  # torch's words (its tests match them), and the value given
             "num_workers option should be non-negative; use num_workers=0 to disable "
             f"multiprocessing (got num_workers={num_workers!r})"
         )
+    timeout = a.timeout
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
         raise ValueError(f"timeout option should be non-negative, got timeout={timeout!r}")
-    for name, fn in (
-        ("collate_fn", collate_fn),
-        ("worker_init_fn", worker_init_fn),
-        ("transform", transform),
-        ("device_transform", device_transform),
-    ):
-        callable_or_none(name, fn)
-    _check_combinations(kind, dataset, batch_size, shuffle, sampler, batch_sampler, drop_last)
-    if shuffle not in (None, True, False):
-        raise TypeError(f"shuffle must be a bool or None, got {shuffle!r}")
-    if not isinstance(drop_last, bool):
-        raise TypeError(f"drop_last must be a bool, got {drop_last!r}")
-    if not isinstance(in_order, bool):
-        raise TypeError(f"in_order must be a bool, got {in_order!r}")
+    for name in ("collate_fn", "worker_init_fn", "transform", "device_transform"):
+        callable_or_none(name, getattr(a, name))
+    _check_combinations(
+        kind, a.dataset, a.batch_size, a.shuffle, a.sampler, a.batch_sampler, a.drop_last
+    )
+    if a.shuffle not in (None, True, False):
+        raise TypeError(f"shuffle must be a bool or None, got {a.shuffle!r}")
+    check_bool("drop_last", a.drop_last)
+    check_bool("in_order", a.in_order)
     if num_workers == 0:
-        if prefetch_factor is not None:
+        if a.prefetch_factor is not None:
             raise ValueError(
                 "prefetch_factor needs num_workers > 0 (torch's rule); use prefetch= to "
                 "bound ready batches with num_workers=0"
             )
-        if persistent_workers:
+        if a.persistent_workers:
             raise ValueError("persistent_workers option needs num_workers > 0")
-        if multiprocessing_context is not None:
+        if a.multiprocessing_context is not None:
             raise ValueError(
                 "multiprocessing_context can only be used with multi-process loading "
                 f"(num_workers > 0), but got num_workers={num_workers}"
             )
-    if prefetch_factor is not None:
-        positive_int("prefetch_factor", prefetch_factor)
-    positive_int("max_inflight", max_inflight)
-    if prefetch is None:
-        prefetch = _DEFAULT_PREFETCH if prefetch_factor is None else prefetch_factor * num_workers
-    non_negative_int("prefetch", prefetch)
-    if max_inflight_bytes is not None:
-        positive_int("max_inflight_bytes", max_inflight_bytes)
-    non_negative_int("max_failures", max_failures)
-    if io_threads is not None:
-        positive_int("io_threads", io_threads)
-    if sample_timeout is not None and (
-        not isinstance(sample_timeout, (int, float)) or isinstance(sample_timeout, bool)
-    ):
-        raise TypeError(f"sample_timeout must be a number or None, got {sample_timeout!r}")
-    if sample_timeout is not None and not sample_timeout > 0:
-        raise ValueError(
-            f"sample_timeout must be a positive number or None, got {sample_timeout!r}"
+    if a.prefetch_factor is not None:
+        positive_int("prefetch_factor", a.prefetch_factor)
+    if a.generator is not None and not isinstance(a.generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator, got {type(a.generator).__qualname__}"
         )
-    if retry is not None and not isinstance(retry, RetryPolicy):
-        raise TypeError(f"retry must be an aioloader.RetryPolicy or None, got {retry!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int or None, got {seed!r}")
-    if seed is not None and generator is not None:
-        raise ValueError("pass seed or generator, not both: both set the shuffle order")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__qualname__}")
+    start_method = start_method_of(a.multiprocessing_context)
 
-    if batch_sampler is not None:
-        batch_size = None  # torch's convention: batching is the batch_sampler's
-    _let_the_dataset_check(dataset, batch_size, in_order, distributed)
-    if sampler is not None and distributed:
+    # -- aioloader's own: _base/checks.py's rule ---------------------------------------------
+    check_int("max_inflight", a.max_inflight, minimum=1)
+    prefetch = a.prefetch
+    if prefetch is None:
+        factor = a.prefetch_factor
+        prefetch = _DEFAULT_PREFETCH if factor is None else factor * num_workers
+    check_int("prefetch", prefetch, minimum=0)
+    if a.max_inflight_bytes is not None:
+        check_int("max_inflight_bytes", a.max_inflight_bytes, minimum=1)
+    check_int("max_failures", a.max_failures, minimum=0)
+    if a.io_threads is not None:
+        check_int("io_threads", a.io_threads, minimum=1)
+    if a.sample_timeout is not None:
+        check_seconds("sample_timeout", a.sample_timeout)
+    if a.retry is not None and not isinstance(a.retry, RetryPolicy):
+        raise TypeError(f"retry must be an aioloader.RetryPolicy or None, got {a.retry!r}")
+    if a.seed is not None:
+        check_seed(a.seed)
+        if a.generator is not None:
+            raise ValueError("pass seed or generator, not both: both set the shuffle order")
+    check_bool("distributed", a.distributed)
+    if a.worker_mode not in ("process", "thread"):
+        raise ValueError(f"worker_mode must be 'process' or 'thread', got {a.worker_mode!r}")
+
+    batch_size = None if a.batch_sampler is not None else a.batch_size  # torch's convention
+    _let_the_dataset_check(a.dataset, batch_size, a.in_order, a.distributed)
+    if a.sampler is not None and a.distributed:
         raise ValueError("sampler is mutually exclusive with distributed")
-
-    if worker_mode not in ("process", "thread"):
-        raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
-    start_method = start_method_of(multiprocessing_context)
-    target = resolve_device(device)
+    target = resolve_device(a.device)
     on_host = target is None or target.type != "cuda"
-    if worker_mode == "process" and num_workers > 0:
+    if a.worker_mode == "process" and num_workers > 0:
         for name, fn in (
-            ("transform", transform),
-            ("collate_fn", collate_fn),
-            ("worker_init_fn", worker_init_fn),
+            ("transform", a.transform),
+            ("collate_fn", a.collate_fn),
+            ("worker_init_fn", a.worker_init_fn),
             # Without a CUDA device it runs where collation runs: in the workers.
-            ("device_transform", device_transform if on_host else None),
+            ("device_transform", a.device_transform if on_host else None),
         ):
             check_picklable(name, fn)
-    _warn_if_more_workers_than_cpus(num_workers)
+    _warn_if_more_workers_than_cpus(num_workers, stacklevel)
     return Checked(kind, batch_size, prefetch, start_method, target)
 
 
-def _warn_if_more_workers_than_cpus(num_workers: int) -> None:
+def _warn_if_more_workers_than_cpus(num_workers: int, stacklevel: int) -> None:
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not on Linux
@@ -304,5 +268,5 @@ def _warn_if_more_workers_than_cpus(num_workers: int) -> None:
             f"the {cpus} CPUs this process may run on: excessive worker creation might get "
             "DataLoader running slow or even freeze; lower num_workers if it does",
             UserWarning,
-            stacklevel=4,  # the caller of DataLoader(...)
+            stacklevel=stacklevel,  # the caller of DataLoader(...)
         )

@@ -4,7 +4,7 @@ Owns: validating arguments (at construction, naming the argument), building the 
 of indices, the loader's scope (``async with`` / ``with``: task group, worker threads, device
 stage), starting and stopping epochs, the consumer side of iteration (``async for``, and a plain
 ``for`` through :mod:`._session`'s background loop), and statistics. Never: runs pipeline stages
-itself (``_pipeline.py``) or decides order (``_sampler.py``).
+itself (``_pipeline/epoch.py``) or decides order (``_data/sampler.py``).
 """
 
 from __future__ import annotations
@@ -15,46 +15,56 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import anyio
 import torch
 
-from ._arguments import check_arguments, non_negative_int
-from ._collate import default_collate, default_convert
-from ._device import device_plan
-from ._exceptions import LoaderStateError
-from ._forkserver import prepare_forkserver
-from ._offload import ThreadOffload
-from ._pipeline import PipelineConfig
-from ._plan import LoaderPlan
-from ._retry import RetryPolicy
-from ._sampler import (
-    draw_seed,
-    map_order,
-    resolve_rank,
-)
-from ._scope import EpochIterator, LoaderState, Scope
-from ._session import PlainIterator, Session, close_from_anywhere
-from ._source import dataset_length, open_source
-from ._stats import LoaderStatistics, Recorders
+from .._base.exceptions import LoaderStateError
+from .._base.retry import RetryPolicy
+from .._base.stats import LoaderStatistics, Recorders
+from .._data.source import dataset_length
+from .._workers.offload import ThreadOffload
+from .arguments import Arguments, non_negative_int
+from .plan import plan_loader
+from .scope import EpochIterator, LoaderState, Scope
+from .session import PlainIterator, Session, close_from_anywhere
 
 __all__ = ["DataLoader"]
 
 T_Batch = TypeVar("T_Batch")
-
-
-def _batch_size_hint(batch_size: int | None, batch_sampler: object) -> int:
-    """Samples per batch, for sizing the pipeline's window: a batch sampler's own
-    ``batch_size`` when it has one (torch's BatchSampler does), else 1."""
-    if batch_size is not None:
-        return batch_size
-    hint = getattr(batch_sampler, "batch_size", None)
-    return hint if isinstance(hint, int) and hint > 0 else 1
+T = TypeVar("T")
 
 
 def _is_async_context(obj: object) -> bool:
     return callable(getattr(obj, "__aenter__", None)) and callable(getattr(obj, "__aexit__", None))
+
+
+class _Setting(Generic[T]):
+    """A loader attribute that is a view of its plan: the argument as given, or (``resolved``)
+    as the plan resolved it. Setting it re-plans (see :meth:`LoaderPlan.replaced`)."""
+
+    __slots__ = ("name", "resolved")
+
+    def __init__(self, *, resolved: bool = False) -> None:
+        self.resolved = resolved
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, loader: None, owner: type) -> _Setting[T]: ...
+    @overload
+    def __get__(self, loader: DataLoader[Any], owner: type) -> T: ...
+    def __get__(self, loader: DataLoader[Any] | None, owner: type) -> T | _Setting[T]:
+        if loader is None:
+            return self
+        plan = loader._plan
+        return getattr(plan if self.resolved else plan.arguments, self.name)  # type: ignore[no-any-return]
+
+    def __set__(self, loader: DataLoader[Any], value: T) -> None:
+        loader._replan(self.name, value)
 
 
 class DataLoader(Generic[T_Batch]):
@@ -194,133 +204,64 @@ class DataLoader(Generic[T_Batch]):
         device: str | torch.device | None = None,
         device_transform: Callable[[Any], Any] | None = None,
     ) -> None:
-        kind, batch_size, prefetch, start_method, target = check_arguments(
-            dataset=dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            drop_last=drop_last,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context,
-            generator=generator,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            in_order=in_order,
-            transform=transform,
-            max_inflight=max_inflight,
-            prefetch=prefetch,
-            max_inflight_bytes=max_inflight_bytes,
-            seed=seed,
-            retry=retry,
-            sample_timeout=sample_timeout,
-            max_failures=max_failures,
-            distributed=distributed,
-            io_threads=io_threads,
-            worker_mode=worker_mode,
-            device=device,
-            device_transform=device_transform,
-        )
-
-        self.rank, self.world_size = resolve_rank(rank, world_size) if distributed else (0, 1)
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.num_workers = num_workers
-        self.timeout = timeout
-        self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
-        self.generator = generator
-        self.prefetch_factor = prefetch_factor
-        self.persistent_workers = persistent_workers
-        self.pin_memory = pin_memory
-        self.pin_memory_device = pin_memory_device
-        self.in_order = in_order
-        self.transform = transform
-        self.max_inflight = max_inflight
-        self.prefetch = prefetch
-        self.io_threads = 1 if io_threads is None else io_threads
-        self.worker_mode = worker_mode
-        self.start_method = start_method
-        self.device = target
-        self.device_transform = device_transform
-        self.seed = seed
-        if seed is not None:
-            self.base_seed = seed
-        else:  # drawn as torch draws its base seed: torch.manual_seed makes it repeatable
-            self.base_seed = draw_seed(generator)
-        self._kind = kind
-
-        self.sampler, self.batch_sampler = map_order(
-            dataset,
-            kind.is_map,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            drop_last=drop_last,
-            rank=self.rank if distributed else None,
-            world_size=self.world_size if distributed else None,
-            seed=seed,
-            generator=generator,
-        )
-        self.collate_fn: Callable[[Any], Any] = collate_fn or (
-            default_convert
-            if self.batch_size is None and batch_sampler is None
-            else default_collate
-        )
-
-        self._device_plan = device_plan(
-            target, pin_memory=pin_memory, transform=device_transform, stacklevel=2
-        )
-        on_device = self._device_plan is not None and self._device_plan.accelerator is not None
-        self._config = PipelineConfig(
-            batch_size=_batch_size_hint(batch_size, batch_sampler),
-            unbatched=batch_size is None and batch_sampler is None,
-            # A blocking dataset read in this process is read in slices spread over the I/O
-            # threads: few thread hops for fast local reads, yet every thread busy when items
-            # are slow.
-            fetch_chunk=-(-max_inflight // self.io_threads) if kind.is_blocking else None,
-            drop_last=drop_last,
-            max_inflight=max_inflight,
-            prefetch=prefetch,
-            in_order=in_order,
-            transform=transform,
-            collate_fn=self.collate_fn,
-            retry=retry,
-            sample_timeout=sample_timeout,
-            max_failures=max_failures,
-            max_inflight_bytes=max_inflight_bytes,
-            finish=None if on_device else device_transform,
-            rank=self.rank,
-            world_size=self.world_size,
-            seed=self.base_seed,
-            seeded=seed is not None,
-        )
-        in_workers = worker_mode == "process" and num_workers > 0
-        if in_workers:  # now, while this process may have one thread: see _forkserver.py
-            prepare_forkserver(start_method)
-        self._source = open_source(dataset, kind, self._offload, in_workers=in_workers)
+        # Every argument, as given (the signature above is torch's, for users and their tools).
+        given = {name: value for name, value in locals().items() if name != "self"}
+        self._plan = plan_loader(Arguments(**given), self._offload)
         self._state = LoaderState(self._new_recorders())  # shared with the scopes
         self._session: Session | None = None  # the background loop of `with` / plain `for`
         self._next_epoch = 0
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope
-        self._initialized = True
 
-    # torch's rule: these define the epochs; changing them under a running loader is refused.
-    _FROZEN = frozenset({"dataset", "batch_size", "batch_sampler", "sampler", "drop_last"})
+    # -- the settings: views of the plan -------------------------------------------------------
+    # torch's attributes (and aioloader's arguments) read the plan. Those that define the
+    # epochs cannot change (torch's ValueError); the others can between iterations, as in
+    # torch: the new value is checked as at construction and the next scope runs with it.
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in self._FROZEN and getattr(self, "_initialized", False):
-            raise ValueError(
-                f"{name} attribute should not be set after DataLoader is initialized "
-                "(build a new DataLoader instead)"
-            )
-        super().__setattr__(name, value)
+    dataset: _Setting[Any] = _Setting()
+    batch_size: _Setting[int | None] = _Setting(resolved=True)
+    sampler: _Setting[Iterable[int] | None] = _Setting(resolved=True)
+    batch_sampler: _Setting[Iterable[Sequence[int]] | None] = _Setting(resolved=True)
+    num_workers: _Setting[int] = _Setting()
+    collate_fn: _Setting[Callable[[Any], Any]] = _Setting(resolved=True)
+    pin_memory: _Setting[bool] = _Setting()
+    drop_last: _Setting[bool] = _Setting()
+    timeout: _Setting[float] = _Setting()
+    worker_init_fn: _Setting[Callable[[int], object] | None] = _Setting()
+    multiprocessing_context: _Setting[object] = _Setting()
+    generator: _Setting[torch.Generator | None] = _Setting()
+    prefetch_factor: _Setting[int | None] = _Setting()
+    persistent_workers: _Setting[bool] = _Setting()
+    pin_memory_device: _Setting[str] = _Setting()
+    in_order: _Setting[bool] = _Setting()
+    transform: _Setting[Callable[[Any], Any] | None] = _Setting()
+    max_inflight: _Setting[int] = _Setting()
+    prefetch: _Setting[int] = _Setting(resolved=True)
+    max_inflight_bytes: _Setting[int | None] = _Setting()
+    seed: _Setting[int | None] = _Setting()
+    retry: _Setting[RetryPolicy | None] = _Setting()
+    sample_timeout: _Setting[float | None] = _Setting()
+    max_failures: _Setting[int] = _Setting()
+    distributed: _Setting[bool] = _Setting()
+    rank: _Setting[int] = _Setting(resolved=True)
+    world_size: _Setting[int] = _Setting(resolved=True)
+    io_threads: _Setting[int] = _Setting(resolved=True)
+    worker_mode: _Setting[str] = _Setting()
+    device: _Setting[torch.device | None] = _Setting(resolved=True)
+    device_transform: _Setting[Callable[[Any], Any] | None] = _Setting()
+
+    @property
+    def start_method(self) -> Any:
+        """The worker processes' start method (a name, or the context given)."""
+        return self._plan.start_method
+
+    @property
+    def base_seed(self) -> int:
+        """``seed``, or the base seed drawn at construction as torch draws one."""
+        return self._plan.base_seed
+
+    def _replan(self, name: str, value: object) -> None:
+        self._plan = self._plan.replaced(name, value, self._offload)
 
     @property
     def _scope(self) -> Scope | None:
@@ -335,30 +276,6 @@ class DataLoader(Generic[T_Batch]):
     def iterable_len_called(self) -> int | None:
         """The length an iterable dataset reported to ``len(loader)``, or None (torch's name)."""
         return self._state.iterable_len
-
-    def _scope_plan(self) -> LoaderPlan:
-        """The plan of a scope opening now: the loader's settings as they are (a setting
-        changed between scopes applies to the next one, as torch reads its attributes when an
-        iterator starts)."""
-        return LoaderPlan(
-            dataset=self.dataset,
-            kind=self._kind,
-            source=self._source,
-            sampler=self.sampler,
-            batch_sampler=self.batch_sampler,
-            config=self._config,
-            device=self._device_plan,
-            num_workers=self.num_workers,
-            worker_mode=self.worker_mode,
-            start_method=self.start_method,
-            worker_init_fn=self.worker_init_fn,
-            # Without `seed=`, each scope's workers draw anew, as each torch iterator does
-            # (a plain `for` without `with` is a scope per epoch: new augmentations each).
-            worker_seed=self.base_seed if self.seed is not None else draw_seed(self.generator),
-            io_threads=self.io_threads,
-            prefetch=self.prefetch,
-            timeout=self.timeout,
-        )
 
     # -- torch's surface -----------------------------------------------------------------------
 
@@ -408,11 +325,12 @@ class DataLoader(Generic[T_Batch]):
     # -- the scope -----------------------------------------------------------------------------
 
     def _new_recorders(self) -> Recorders:
+        plan = self._plan
         return Recorders(
-            max_inflight=self.max_inflight,
-            workers=max(1, self.num_workers),
-            prefetch=self.prefetch,
-            device=max(1, self.prefetch) if self._device_plan is not None else None,
+            max_inflight=plan.arguments.max_inflight,
+            workers=plan.worker_threads,
+            prefetch=plan.prefetch,
+            device=plan.device_depth if plan.device_plan is not None else None,
         )
 
     def _offload(self) -> ThreadOffload:
@@ -437,7 +355,7 @@ class DataLoader(Generic[T_Batch]):
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
         self._state.stats = self._new_recorders()
         stack = contextlib.AsyncExitStack()
-        scope = Scope(self._scope_plan(), self._state, stack)
+        scope = Scope(self._plan, self._state, stack)
         stack.push_async_callback(scope.close_workers)
         try:
             await scope.start_workers()

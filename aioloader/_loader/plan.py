@@ -1,56 +1,243 @@
-"""What a loader's scope and its epochs are given: a frozen plan.
+"""What a loader runs with: one frozen plan, built from its arguments.
 
-Owns: :class:`LoaderPlan`, the settings one scope runs with (read from the loader when the
-scope opens, as torch reads its loader's attributes when an iterator starts). Never: validates
-arguments (``_arguments.py``), or refers to the ``DataLoader``: a scope holding the plan does
-not keep a dropped loader alive.
+Owns: :class:`LoaderPlan` (the checked arguments, what is derived from them: the dataset's
+kind and its wrapping for the pipeline, the sampler and batch sampler, the pipeline's sizes,
+the device plan, the workers' start method, the base seed) and :func:`plan_loader`, which
+builds it once. The loader's torch-visible attributes are views of the plan; scopes and epochs
+are given the plan, never the ``DataLoader``. Never: runs anything, or refers to the loader (a
+scope holding the plan does not keep a dropped loader alive).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._device import DevicePlan
-    from ._pipeline import PipelineConfig
-    from ._source import InWorkers, Kind, MapSource, StreamSource
+import torch
 
-__all__ = ["LoaderPlan"]
+from .._data.collate import default_collate, default_convert
+from .._data.sampler import map_order
+from .._data.seeds import draw_seed
+from .._data.sharding import resolve_rank
+from .._data.source import InWorkers, Kind, MapSource, StreamSource, open_source
+from .._device.stage import DevicePlan, device_plan
+from .._pipeline.config import PipelineConfig
+from .._workers.forkserver import prepare_forkserver
+from .._workers.offload import ThreadOffload
+from .arguments import Arguments, check_arguments
+
+__all__ = ["EPOCH_DEFINING", "LoaderPlan", "plan_loader"]
+
+# The arguments that define the epochs: fixed once the loader exists (torch's rule for its
+# own, and ours for what decides the order and the ranks' shares).
+EPOCH_DEFINING = frozenset(
+    {
+        "dataset",
+        "batch_size",
+        "shuffle",
+        "sampler",
+        "batch_sampler",
+        "drop_last",
+        "persistent_workers",
+        "seed",
+        "distributed",
+        "rank",
+        "world_size",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoaderPlan:
-    """The settings of one scope, fixed when it opens.
+    """A loader's settings, checked and resolved.
 
     Attributes:
-        dataset: The user's dataset.
+        arguments: The arguments as given.
         kind: What kind of dataset it is.
         source: The dataset wrapped for the pipeline (or for the workers).
-        sampler, batch_sampler: The map-style order (None for a stream).
-        config: The epoch's sizes and functions.
-        device: The device stage's plan, or None.
-        num_workers, worker_mode, start_method, worker_init_fn: The worker pool.
-        worker_seed: The workers' base seed for this scope (``seed=``, or drawn anew per scope
-            as each torch iterator draws one).
+        sampler, batch_sampler: The map-style order (None for a stream), as torch builds them.
+        batch_size: None when a batch sampler batches (torch's convention).
+        collate_fn: The collate function (torch's default when none was given).
+        prefetch: Ready batches held for the consumer (``prefetch_factor * num_workers`` when
+            only torch's argument was given).
         io_threads: Threads that call a blocking dataset read in this process.
-        prefetch: Ready batches held for the consumer.
-        timeout: Seconds the consumer waits for a batch (0: for ever).
+        device: Where batches go (a resolved ``torch.device``), or None.
+        device_plan: The device stage's plan, or None.
+        start_method: The worker processes' start method.
+        rank, world_size: This rank's share (0 of 1 unless ``distributed``).
+        base_seed: ``seed``, or one drawn as torch draws its base seed.
+        config: The epoch's sizes and functions.
     """
 
-    dataset: Any
+    arguments: Arguments
     kind: Kind
     source: MapSource | StreamSource | InWorkers
     sampler: Iterable[int] | None
     batch_sampler: Iterable[Sequence[int]] | None
-    config: PipelineConfig
-    device: DevicePlan | None
-    num_workers: int
-    worker_mode: str
-    start_method: Any
-    worker_init_fn: Callable[[int], object] | None
-    worker_seed: int
-    io_threads: int
+    batch_size: int | None
+    collate_fn: Callable[[Any], Any]
     prefetch: int
-    timeout: float
+    io_threads: int
+    device: torch.device | None
+    device_plan: DevicePlan | None
+    start_method: Any
+    rank: int
+    world_size: int
+    base_seed: int
+    config: PipelineConfig
+
+    # -- what scopes read, derived in one place -------------------------------------------------
+
+    @property
+    def dataset(self) -> Any:
+        return self.arguments.dataset
+
+    @property
+    def num_workers(self) -> int:
+        return self.arguments.num_workers
+
+    @property
+    def in_processes(self) -> bool:
+        """Whether the workers are processes (else threads run the transforms)."""
+        return self.arguments.worker_mode == "process" and self.arguments.num_workers > 0
+
+    @property
+    def worker_threads(self) -> int:
+        """Threads that transform and collate when the workers are not processes."""
+        return max(1, self.arguments.num_workers)
+
+    @property
+    def device_depth(self) -> int:
+        """Batches on the device ahead of the consumer."""
+        return max(1, self.prefetch)
+
+    def scope_seed(self) -> int:
+        """The workers' base seed for a scope opening now: ``seed=``, or drawn anew from
+        ``generator`` (or torch's default generator) as each torch iterator draws one."""
+        if self.arguments.seed is not None:
+            return self.base_seed
+        return draw_seed(self.arguments.generator)
+
+    def replaced(
+        self, name: str, value: object, offload: Callable[[], ThreadOffload]
+    ) -> LoaderPlan:
+        """The plan with argument ``name`` changed (torch lets a loader's settings change
+        between iterations); the epochs' order, sampler and base seed are kept.
+
+        Raises:
+            ValueError: ``name`` defines the epochs (torch's words), or the new value is out
+                of range. TypeError: The new value has the wrong type.
+        """
+        if name in EPOCH_DEFINING:
+            raise ValueError(
+                f"{name} attribute should not be set after DataLoader is initialized "
+                "(build a new DataLoader instead)"
+            )
+        changed: dict[str, Any] = {name: value}
+        arguments = dataclasses.replace(self.arguments, **changed)
+        return plan_loader(arguments, offload, earlier=self, stacklevel=5)
+
+
+def _batch_size_hint(batch_size: int | None, batch_sampler: object) -> int:
+    """Samples per batch, for sizing the pipeline's window: a batch sampler's own
+    ``batch_size`` when it has one (torch's BatchSampler does), else 1."""
+    if batch_size is not None:
+        return batch_size
+    hint = getattr(batch_sampler, "batch_size", None)
+    return hint if isinstance(hint, int) and hint > 0 else 1
+
+
+def plan_loader(
+    a: Arguments,
+    offload: Callable[[], ThreadOffload],
+    *,
+    earlier: LoaderPlan | None = None,
+    stacklevel: int = 3,
+) -> LoaderPlan:
+    """Check ``a`` and build the plan (with ``earlier``: keep its order and base seed).
+    ``stacklevel`` is the warnings' as ``warnings.warn`` would take it here (3: the caller of
+    ``DataLoader(...)``).
+
+    ``offload`` gives the open scope's I/O threads, for a blocking dataset read in this process.
+    A loader whose workers are processes prepares the fork server now, while this process may
+    still have one thread (see ``_workers/forkserver.py``).
+
+    Raises:
+        TypeError, ValueError: As :func:`~aioloader._loader.arguments.check_arguments`.
+    """
+    kind, batch_size, prefetch, start_method, target = check_arguments(a, stacklevel=stacklevel + 2)
+    rank, world_size = resolve_rank(a.rank, a.world_size) if a.distributed else (0, 1)
+    if earlier is not None:
+        base_seed, sampler, batch_sampler = (
+            earlier.base_seed,
+            earlier.sampler,
+            earlier.batch_sampler,
+        )
+    else:  # drawn as torch draws its base seed: torch.manual_seed makes it repeatable
+        base_seed = a.seed if a.seed is not None else draw_seed(a.generator)
+        sampler, batch_sampler = map_order(
+            a.dataset,
+            kind.is_map,
+            batch_size=batch_size,
+            shuffle=a.shuffle,
+            sampler=a.sampler,
+            batch_sampler=a.batch_sampler,
+            drop_last=a.drop_last,
+            rank=rank if a.distributed else None,
+            world_size=world_size if a.distributed else None,
+            seed=a.seed,
+            generator=a.generator,
+        )
+    unbatched = batch_size is None and a.batch_sampler is None
+    collate_fn = a.collate_fn or (default_convert if unbatched else default_collate)
+    devices = device_plan(
+        target, pin_memory=a.pin_memory, transform=a.device_transform, stacklevel=stacklevel
+    )
+    on_device = devices is not None and devices.accelerator is not None
+    io_threads = 1 if a.io_threads is None else a.io_threads
+    config = PipelineConfig(
+        batch_size=_batch_size_hint(batch_size, a.batch_sampler),
+        unbatched=unbatched,
+        # A blocking dataset read in this process is read in slices spread over the I/O
+        # threads: few thread hops for fast local reads, yet every thread busy when items
+        # are slow.
+        fetch_chunk=-(-a.max_inflight // io_threads) if kind.is_blocking else None,
+        drop_last=a.drop_last,
+        max_inflight=a.max_inflight,
+        prefetch=prefetch,
+        in_order=a.in_order,
+        transform=a.transform,
+        collate_fn=collate_fn,
+        retry=a.retry,
+        sample_timeout=a.sample_timeout,
+        max_failures=a.max_failures,
+        max_inflight_bytes=a.max_inflight_bytes,
+        finish=None if on_device else a.device_transform,
+        rank=rank,
+        world_size=world_size,
+        seed=base_seed,
+        seeded=a.seed is not None,
+    )
+    in_workers = a.worker_mode == "process" and a.num_workers > 0
+    if in_workers:
+        prepare_forkserver(start_method)
+    return LoaderPlan(
+        arguments=a,
+        kind=kind,
+        source=open_source(a.dataset, kind, offload, in_workers=in_workers),
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+        batch_size=batch_size,
+        collate_fn=collate_fn,
+        prefetch=prefetch,
+        io_threads=io_threads,
+        device=target,
+        device_plan=devices,
+        start_method=start_method,
+        rank=rank,
+        world_size=world_size,
+        base_seed=base_seed,
+        config=config,
+    )

@@ -5,8 +5,9 @@ Owns: the scope's task group, worker and I/O threads, device stage and current e
 ``__anext__`` (ending an unfinished earlier epoch first), hands out batches (a staged batch is
 made ready on the consumer's own thread and stream), times the consumer's waits and turns the
 end of the output stream into ``StopAsyncIteration`` or the epoch's original exception. Both are
-given the loader's frozen plan (``_plan.py``) and :class:`LoaderState`, never the loader. Never:
-validates arguments or builds samplers (``_loader.py``), or runs stages (``_pipeline.py``).
+given the loader's frozen plan (``_loader/plan.py``) and :class:`LoaderState`, never the loader.
+Never: validates arguments or builds samplers (``_loader/loader.py``), or runs stages
+(``_pipeline/epoch.py``).
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from ._device import DeviceStage, Staged, hand_out
-from ._exceptions import LoaderStateError, LoaderTimeout
-from ._offload import ThreadOffload
-from ._pipeline import Epoch, Raised
-from ._pool import WorkerPool
-from ._processes import ProcessWorkers
-from ._sampler import derive_seed
-from ._source import InWorkers
+from .._base.exceptions import LoaderStateError, LoaderTimeout
+from .._data.seeds import derive_seed
+from .._data.source import InWorkers
+from .._device.stage import DeviceStage, Staged, hand_out
+from .._pipeline.epoch import Epoch
+from .._pipeline.items import Raised
+from .._workers.offload import ThreadOffload
+from .._workers.pool import WorkerPool
+from .._workers.processes import ProcessWorkers
 
 if TYPE_CHECKING:
-    from ._plan import LoaderPlan
-    from ._stats import Recorders
+    from .._base.stats import Recorders
+    from .plan import LoaderPlan
 
 __all__ = ["EpochIterator", "LoaderState", "Running", "Scope"]
 
@@ -72,23 +74,25 @@ class Scope:
         self.thread = threading.get_ident()
         self.task_group: anyio.abc.TaskGroup | None = None
         self.work: WorkerPool
-        if plan.worker_mode == "process" and plan.num_workers > 0:
+        worker_init_fn = plan.arguments.worker_init_fn
+        # Without `seed=`, each scope draws anew, as each torch iterator does (a plain `for`
+        # without `with` is a scope per epoch: new augmentations each), whatever the workers.
+        worker_seed = plan.scope_seed()
+        if plan.in_processes:
             self.work = ProcessWorkers(
                 plan.num_workers,
                 context=plan.start_method,
-                seed=plan.worker_seed,
+                seed=worker_seed,
                 derive=derive_seed,
-                worker_init_fn=plan.worker_init_fn,
+                worker_init_fn=worker_init_fn,
                 stats=state.stats.workers,
                 dataset=plan.dataset if isinstance(plan.source, InWorkers) else None,
             )
         else:
-            self.work = ThreadOffload(
-                max(1, plan.num_workers), "worker", worker_init_fn=plan.worker_init_fn
-            )
+            self.work = ThreadOffload(plan.worker_threads, "worker", worker_init_fn=worker_init_fn)
         self.io: ThreadOffload | None = None
-        device = plan.device
-        self.device = DeviceStage(device, depth=max(1, plan.prefetch)) if device else None
+        device = plan.device_plan
+        self.device = DeviceStage(device, depth=plan.device_depth) if device else None
         self.current: Running | None = None
 
     def offload(self) -> ThreadOffload:
@@ -226,7 +230,7 @@ class EpochIterator(Generic[T_Batch]):
         now = time.perf_counter()
         if self._last_yield is not None:
             stats.busy_s += now - self._last_yield
-        timeout = self._plan.timeout
+        timeout = self._plan.arguments.timeout
         item: Any = None
         try:
             with anyio.fail_after(timeout if timeout > 0 else None):

@@ -29,21 +29,21 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ._device import hand_out
-from ._exceptions import LoaderStateError
-from ._forkserver import prepare_forkserver
+from .._base.exceptions import LoaderStateError
+from .._device.stage import hand_out
+from .._workers.forkserver import prepare_forkserver
 
 if TYPE_CHECKING:
-    from ._scope import EpochIterator, Scope
+    from .scope import EpochIterator, Scope
 
 __all__ = ["PlainIterator", "Session", "close_from_anywhere"]
 
 T_Batch = TypeVar("T_Batch")
 
 
-class DataLoader(Protocol[T_Batch]):
-    """What a session needs of a loader (``_loader.DataLoader`` is one): its scope to open and
-    close on the loop, its epochs, its length and its worker settings."""
+class SessionLoader(Protocol[T_Batch]):
+    """What a session needs of a loader (``_loader/loader.DataLoader`` is one): its scope to open
+    and close on the loop, its epochs, its length and its worker settings."""
 
     @property
     def worker_mode(self) -> str: ...
@@ -144,7 +144,7 @@ class _LoaderScope:
     ``__del__`` closes the session. A scope whose loader is gone closes through its own stack.
     """
 
-    def __init__(self, loader: DataLoader[Any]) -> None:
+    def __init__(self, loader: SessionLoader[Any]) -> None:
         self._loader = weakref.ref(loader)
         self._scope: Scope | None = None
 
@@ -174,7 +174,7 @@ class Session:
         Exception: Whatever opening the scope raised (the loop is stopped again first).
     """
 
-    def __init__(self, loader: DataLoader[Any], *, persistent: bool) -> None:
+    def __init__(self, loader: SessionLoader[Any], *, persistent: bool) -> None:
         self.persistent = persistent
         if loader.worker_mode == "process" and loader.num_workers > 0:
             prepare_forkserver(loader.start_method)  # while this may be the only thread
@@ -215,7 +215,7 @@ class PlainIterator(Generic[T_Batch]):
     when the epoch ends, when :meth:`close` is called, or when the iterator is dropped.
     """
 
-    def __init__(self, loader: DataLoader[T_Batch], session: Session, *, owned: bool) -> None:
+    def __init__(self, loader: SessionLoader[T_Batch], session: Session, *, owned: bool) -> None:
         self._session = session
         self._owned = owned
         self._loader = loader  # as torch's iterator: the loader lives as long as it

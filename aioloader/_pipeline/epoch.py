@@ -21,176 +21,50 @@ failed stream (a source that raised) cannot go on, so its failure is the last it
 end. A failure of the pipeline itself is recorded on the :class:`Epoch` and the output stream
 is closed after it.
 
-Where a blocking (torch) dataset lives in the worker processes (:class:`~._source.InWorkers`)
-there is no fetch stage: a map-style batch's indices go to a worker, which reads, transforms and
-collates them; an iterable dataset is iterated by every worker on its own copy, and the batches
-come round-robin across the workers (``in_order``) or as they are ready.
+Where a blocking (torch) dataset lives in the worker processes
+(:class:`~aioloader._data.source.InWorkers`) there is no fetch stage: a map-style batch's
+indices go to a worker, which reads, transforms and collates them; an iterable dataset is
+iterated by every worker on its own copy (``worker_streams.py``), and the batches come
+round-robin across the workers (``in_order``) or as they are ready.
 
-Never: decides order or sharding itself (``_sampler.py``, ``_reorder.py`` do), or lets a task
-outlive the epoch's task group.
+Never: decides order or sharding itself (``_data/sampler.py``, ``_data/sharding.py``,
+``reorder.py`` do), or lets a task outlive the epoch's task group.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import logging
-import math
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._device import DeviceStage, Staged
-from ._exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
-from ._fetch import Attempts, FailureBudget
-from ._flow import ByteBudget, blocked, get, nbytes_of, put
-from ._job import (
+from .._base.exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
+from .._base.stats import Recorders
+from .._data.seeds import derive_seed
+from .._data.sharding import StreamShare
+from .._data.source import InWorkers, MapSource, StreamSource
+from .._device.stage import DeviceStage, Staged
+from .._workers.job import (
     JobResult,
-    close_stream,
     collate_only,
-    next_stream_batch,
-    open_stream,
     run_batch,
     run_indices,
 )
-from ._pool import WorkerPool
-from ._processes import CANCEL_GRACE
-from ._ranks import StreamShare
-from ._reorder import BatchAssembler, ReorderBuffer
-from ._retry import RetryPolicy
-from ._sampler import derive_seed
-from ._source import InWorkers, MapSource, StreamSource
-from ._stats import Operation, Recorders
+from .._workers.pool import WorkerPool
+from .config import PipelineConfig
+from .fetch import Attempts, FailureBudget
+from .flow import ByteBudget, blocked, get, nbytes_of, put
+from .items import Batch, Done, Raised, one_item_lanes
+from .reorder import BatchAssembler, ReorderBuffer
+from .worker_streams import WorkerStreams
 
-__all__ = ["Epoch", "PipelineConfig", "Raised"]
+__all__ = ["Epoch"]
 
 logger = logging.getLogger("aioloader")
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineConfig:
-    """The settings an epoch runs with (validated by the loader)."""
-
-    batch_size: int  # samples per batch (a sizing hint when a batch_sampler decides)
-    unbatched: bool  # batch_size=None without a batch_sampler: samples are yielded alone
-    fetch_chunk: int | None  # samples per get_many call of a batched source; None: whole batch
-    drop_last: bool
-    max_inflight: int
-    prefetch: int
-    in_order: bool
-    transform: Callable[[Any], Any] | None
-    collate_fn: Callable[[Any], Any]
-    retry: RetryPolicy | None
-    sample_timeout: float | None
-    max_failures: int
-    max_inflight_bytes: int | None
-    finish: Callable[[Any], Any] | None  # device_transform, run after collate (no device stage)
-    rank: int
-    world_size: int
-    seed: int  # base seed: each batch's work is seeded from (seed, epoch, batch index)
-    seeded: bool  # the user gave `seed=`: reseed per batch (else workers keep torch's streams)
-
-    @property
-    def per_batch(self) -> int:
-        return self.batch_size
-
-    def chunk(self, batched_source: bool) -> int:
-        """Samples per fetch call: 1, or a slice of a batch for a batched source."""
-        if not batched_source:
-            return 1
-        return min(self.per_batch, self.fetch_chunk or self.per_batch)
-
-    def fetch_workers(self, batched_source: bool) -> int:
-        """Concurrent fetch calls: as many as fit in ``max_inflight`` samples (at least one)."""
-        return max(1, self.max_inflight // self.chunk(batched_source))
-
-    def window(self, workers: int, *, in_workers: bool = False) -> int:
-        """Batches in progress at once: twice what keeps every fetch busy (a batch waiting on
-        its slowest sample must not idle the fetches, so the next ones start meanwhile), plus
-        one per transform worker, plus one so the next batch starts while one is handed out.
-        Where the workers read the dataset there is no fetch stage: two batches per worker
-        (one running, one sent behind it, as torch's ``prefetch_factor=2``), plus one."""
-        if in_workers:
-            return 2 * workers + 1
-        fetching = math.ceil(self.max_inflight / self.per_batch)
-        return 2 * fetching + workers + 1
-
-
-@dataclass(slots=True, eq=False)
-class _Batch:
-    seq: int  # position in the epoch
-    ids: list[Any]  # dataset indices (map-style) or stream positions (iterable)
-    samples: list[Any]
-    pending: int = 0  # fetches not yet finished
-    failed: set[int] = field(default_factory=set)  # positions skipped under max_failures
-    nbytes: int = 0
-    error: Exception | None = None  # ends the epoch when the batch's turn to be yielded comes
-
-
-@dataclass(frozen=True, slots=True)
-class Raised:
-    """An output item: the batch in this turn failed; the consumer raises ``error``."""
-
-    error: BaseException
-
-
-@dataclass(slots=True, eq=False)
-class _Done:
-    batch: _Batch
-    value: Any
-    size: int  # samples in the collated batch; 0: nothing left, the batch is skipped
-    error: Exception | None = None
-
-
-class _RankBatches:
-    """The batches of per-worker streams, numbered in their order, split over ranks
-    (``distributed=True``): every rank's workers read the whole dataset, rank ``r`` keeps
-    batches ``r, r + W, ...`` and repeats batches from the start so that every rank yields as
-    many (``StreamShare``'s rule, over batches)."""
-
-    def __init__(self, epoch: Epoch, done: MemoryObjectSendStream[_Done]) -> None:
-        cfg = epoch.config
-        self._epoch = epoch
-        self._done = done
-        self._seq = 0
-        self._share: StreamShare[_Done] | None = None
-        if cfg.world_size > 1:
-            self._share = StreamShare(cfg.rank, cfg.world_size)
-
-    async def offer(self, item: _Done) -> None:
-        if self._share is None or self._share.mine(item):
-            await self._send(item)
-
-    async def finish(self) -> None:
-        for _, item in self._share.padding() if self._share is not None else ():
-            batch = dataclasses.replace(item.batch)  # its own place in the epoch
-            await self._send(dataclasses.replace(item, batch=batch))
-
-    async def _send(self, item: _Done) -> None:
-        await self._epoch._pass_on(item, self._seq, self._done)
-        self._seq += 1
-
-
-T = TypeVar("T")
-
-
-@contextlib.contextmanager
-def _lanes(
-    item: type[T], n: int
-) -> Iterator[list[tuple[MemoryObjectSendStream[T], MemoryObjectReceiveStream[T]]]]:
-    """``n`` one-item streams, one per worker, every end closed on exit (a task that never
-    started would otherwise leave its end open)."""
-    lanes = [anyio.create_memory_object_stream[T](1) for _ in range(n)]
-    with contextlib.ExitStack() as streams:
-        for send, recv in lanes:
-            streams.callback(send.close)
-            streams.callback(recv.close)
-        yield lanes
 
 
 class Epoch:
@@ -236,7 +110,7 @@ class Epoch:
         self.window = config.window(work.concurrency, in_workers=in_workers)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
-        self._budget = FailureBudget(config.max_failures, stats, number)
+        self.budget = FailureBudget(config.max_failures, stats, number)
         self._attempts = Attempts(stats.fetch, config.retry, config.sample_timeout, number)
         self._open_batches = 0
         stats.window.limit = self.window
@@ -258,7 +132,7 @@ class Epoch:
         consumer sees the end of the stream only once the outcome is known.
 
         Cancellation: every stage is cancelled and waited for; running transform calls finish
-        first (see ``_offload.py``); nothing is left running.
+        first (see ``_workers/offload.py``); nothing is left running.
         """
         try:
             task_status.started()  # inside the try: from here on, `out` is closed whatever happens
@@ -277,14 +151,14 @@ class Epoch:
 
     async def _stages(self, out: MemoryObjectSendStream[Any]) -> None:
         window = self.window
-        ready_send, ready_recv = anyio.create_memory_object_stream[_Batch](window)
-        done_send, done_recv = anyio.create_memory_object_stream[_Done](window)
+        ready_send, ready_recv = anyio.create_memory_object_stream[Batch](window)
+        done_send, done_recv = anyio.create_memory_object_stream[Done](window)
         async with anyio.create_task_group() as tg:
             if isinstance(self.source, InWorkers) and not self.source.is_map:
                 # Each worker iterates its own copy: batches come ready-made from the workers.
                 ready_send.close()
                 ready_recv.close()
-                tg.start_soon(self._worker_streams, done_send)
+                tg.start_soon(WorkerStreams(self).run, done_send)
                 tg.start_soon(self._emit, done_recv, out)
                 return
             if isinstance(self.source, InWorkers):
@@ -297,7 +171,7 @@ class Epoch:
                 # Jobs of admitted batches only (the window bounds them); buffered so that the
                 # scheduler queues a whole batch without a task switch per sample.
                 buffer = window * self.config.per_batch
-                jobs_send, jobs_recv = anyio.create_memory_object_stream[tuple[_Batch, int, int]](
+                jobs_send, jobs_recv = anyio.create_memory_object_stream[tuple[Batch, int, int]](
                     buffer
                 )
                 tg.start_soon(self._schedule_map, self.source, self.batches, jobs_send)
@@ -324,7 +198,7 @@ class Epoch:
 
     # -- schedule -------------------------------------------------------------------------------
 
-    async def _admit(self, batch: _Batch) -> None:
+    async def admit(self, batch: Batch) -> None:
         with blocked(self.stats.window, "put"):
             await self._slots.acquire()
         self.stats.window.start()
@@ -335,7 +209,7 @@ class Epoch:
         self,
         source: MapSource,
         batches: Iterable[Sequence[int]],
-        jobs: MemoryObjectSendStream[tuple[_Batch, int, int]],
+        jobs: MemoryObjectSendStream[tuple[Batch, int, int]],
     ) -> None:
         async with jobs:
             seq = 0
@@ -343,15 +217,15 @@ class Epoch:
                 ids = list(indices)
                 if not ids:  # an empty batch (a bucketing batch sampler): nothing to yield
                     continue
-                batch = _Batch(seq, ids, [None] * len(ids), pending=len(ids))
+                batch = Batch(seq, ids, [None] * len(ids), pending=len(ids))
                 seq += 1
-                await self._admit(batch)
+                await self.admit(batch)
                 step = self._chunk
                 for start in range(0, len(ids), step):
                     await put(jobs, (batch, start, min(len(ids), start + step)), self.stats.window)
 
     async def _schedule_indices(
-        self, batches: Iterable[Sequence[int]], ready: MemoryObjectSendStream[_Batch]
+        self, batches: Iterable[Sequence[int]], ready: MemoryObjectSendStream[Batch]
     ) -> None:
         """Batches of indices straight to the workers, which read them (no fetch stage)."""
         async with ready:
@@ -360,140 +234,19 @@ class Epoch:
                 ids = list(indices)
                 if not ids:
                     continue
-                batch = _Batch(seq, ids, [])
+                batch = Batch(seq, ids, [])
                 seq += 1
-                await self._admit(batch)
+                await self.admit(batch)
                 await put(ready, batch, self.stats.fetch)
 
-    async def _worker_streams(self, done: MemoryObjectSendStream[_Done]) -> None:
-        """Every worker iterates its own copy of an iterable dataset (torch's semantics: it
-        shards itself with ``get_worker_info()``). Batches go out round-robin over the workers
-        still going (``in_order``) or as they come; a worker whose pass ends stops contributing.
-        A failed batch is raised in its turn and its worker goes on, as in torch."""
-        work = self.work
-        if not work.per_worker:
-            raise TypeError("an iterable dataset in workers needs process workers")
-        n, in_order = work.concurrency, self.config.in_order
-        out = _RankBatches(self, done)
-        # The lanes outlive the task group: no pull task ever sends into a closed lane.
-        with _lanes(_Done, n if in_order else 0) as lanes:
-            async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
-                if in_order:  # one lane per worker, taken in turn
-                    for worker_id, (send, _) in enumerate(lanes):
-                        tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
-                    receivers = [recv for _, recv in lanes]
-                    while receivers:
-                        for recv in list(receivers):
-                            try:
-                                item = await recv.receive()
-                            except anyio.EndOfStream:  # that worker's pass is over
-                                receivers.remove(recv)
-                                continue
-                            await out.offer(item)
-                    await out.finish()
-                    return
-                merged_send, merged_recv = anyio.create_memory_object_stream[_Done](n)
-                async with merged_send:
-                    for worker_id in range(n):
-                        send = merged_send.clone()
-                        tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
-                async with merged_recv:
-                    async for item in merged_recv:
-                        await out.offer(item)
-                await out.finish()
-
-    async def _pass_on(self, item: _Done, seq: int, done: MemoryObjectSendStream[_Done]) -> None:
+    async def pass_on(self, item: Done, seq: int, done: MemoryObjectSendStream[Done]) -> None:
         item.batch.seq = seq  # its place in the epoch, now that the order is decided
-        await self._admit(item.batch)
+        await self.admit(item.batch)
         await put(done, item, self.stats.transform)
 
-    async def _pull_worker_stream(
+    async def skip_then_collate(
         self,
-        run_on: Callable[..., Awaitable[Any]],
-        worker_id: int,
-        results: MemoryObjectSendStream[_Done],
-    ) -> None:
-        cfg = self.config
-        async with results:
-            seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
-            await run_on(worker_id, open_stream, seed=seed)  # a dead worker is replaced here
-            try:
-                await self._pull_batches(run_on, worker_id, results)
-            finally:  # ended early (a break, a failure): the pass's `finally` blocks run now
-                with (
-                    anyio.CancelScope(shield=True),
-                    anyio.move_on_after(CANCEL_GRACE),
-                    contextlib.suppress(Exception),
-                ):
-                    await run_on(worker_id, close_stream, replace=False)
-
-    async def _pull_batches(
-        self,
-        run_on: Callable[..., Awaitable[Any]],
-        worker_id: int,
-        results: MemoryObjectSendStream[_Done],
-    ) -> None:
-        rec = self.stats.transform
-        seq = 0  # this worker's batches; the epoch's order is given when they go out
-        while True:
-            try:
-                with rec.operation() as op:
-                    result = await self._next_worker_batch(run_on, worker_id, seq, op)
-            except WorkerCrashed:  # its copy of the stream is gone with it
-                raise
-            except Exception as exc:
-                exc.add_note(
-                    f"aioloader: in worker {worker_id}'s pass over its copy of the dataset, "
-                    f"its batch {seq}, epoch {self.number}"
-                )
-                await results.send(_Done(_Batch(seq, [worker_id], []), None, 0, exc))
-                seq += 1
-                continue
-            if result is None:
-                return
-            if result.size:  # else every sample of it was skipped
-                done = _Done(_Batch(seq, [worker_id], []), result.batch, result.size)
-                await results.send(done)
-            seq += 1
-
-    async def _next_worker_batch(
-        self,
-        run_on: Callable[..., Awaitable[Any]],
-        worker_id: int,
-        seq: int,
-        op: Operation,
-    ) -> JobResult | None:
-        """One batch of a worker's pass (None at its end); failed samples skipped as the
-        failure budget allows."""
-        cfg = self.config
-        try:
-            result: JobResult | None = await run_on(
-                worker_id,
-                next_stream_batch,
-                None if cfg.unbatched else cfg.batch_size,
-                cfg.drop_last,
-                cfg.transform,
-                cfg.collate_fn,
-                cfg.finish,
-                self._budget.left > 0,
-                replace=False,  # a fresh worker would have no pass: it would end silently
-            )
-        except WorkerCrashed:
-            op.not_a_failure()  # counted with the worker's crash
-            raise
-        if result is not None and result.failures:
-            keys = [
-                f"worker {worker_id}, its batch {seq}, position {position}"
-                for position, _, _ in result.failures
-            ]
-            run = functools.partial(run_on, worker_id, replace=False)
-            batch = _Batch(seq, [worker_id], [])
-            result = await self._skip_then_collate(batch, result, keys, run)
-        return result
-
-    async def _skip_then_collate(
-        self,
-        batch: _Batch,
+        batch: Batch,
         result: JobResult,
         keys: Sequence[object],
         run: Callable[..., Awaitable[Any]],
@@ -507,7 +260,7 @@ class Epoch:
             Exception: A failure past the ``max_failures`` budget, or the collation's own.
         """
         for (_, stage, exc), key in zip(result.failures, keys, strict=True):
-            self._budget.skip_or_raise(exc, stage, batch.seq, key)
+            self.budget.skip_or_raise(exc, stage, batch.seq, key)
         if not result.transformed:
             return JobResult(size=0)
         cfg = self.config
@@ -522,7 +275,7 @@ class Epoch:
         return JobResult(batch=value, size=len(result.transformed))
 
     async def _schedule_stream(
-        self, source: StreamSource, ready: MemoryObjectSendStream[_Batch]
+        self, source: StreamSource, ready: MemoryObjectSendStream[Batch]
     ) -> None:
         cfg = self.config
         per_batch = cfg.per_batch
@@ -531,9 +284,9 @@ class Epoch:
 
         async def ship(items: list[tuple[int, Any]]) -> None:
             nonlocal seq
-            batch = _Batch(seq, [p for p, _ in items], [s for _, s in items])
+            batch = Batch(seq, [p for p, _ in items], [s for _, s in items])
             seq += 1
-            await self._admit(batch)
+            await self.admit(batch)
             await put(ready, batch, self.stats.fetch)
 
         share: StreamShare[Any] | None = None
@@ -553,8 +306,8 @@ class Epoch:
                 except Exception as exc:
                     annotate(exc, "source", epoch=self.number, batch=seq, index=position)
                     # Raised in its turn, after the batches before it (the partial one is lost).
-                    failed = _Batch(seq, [position], [], error=exc)
-                    await self._admit(failed)
+                    failed = Batch(seq, [position], [], error=exc)
+                    await self.admit(failed)
                     await put(ready, failed, self.stats.fetch)
                     return
                 if share is not None and not share.mine(sample):
@@ -575,8 +328,8 @@ class Epoch:
     async def _fetch_worker(
         self,
         source: MapSource,
-        jobs: MemoryObjectReceiveStream[tuple[_Batch, int, int]],
-        ready: MemoryObjectSendStream[_Batch],
+        jobs: MemoryObjectReceiveStream[tuple[Batch, int, int]],
+        ready: MemoryObjectSendStream[Batch],
     ) -> None:
         async with jobs, ready:
             while (job := await get(jobs, self.stats.fetch)) is not None:
@@ -589,13 +342,13 @@ class Epoch:
                 if batch.pending == 0:
                     await put(ready, batch, self.stats.fetch)
 
-    async def _fetch_one(self, source: MapSource, batch: _Batch, position: int) -> None:
+    async def _fetch_one(self, source: MapSource, batch: Batch, position: int) -> None:
         index = batch.ids[position]
         try:
             sample = await self._attempts.run(lambda: source.get(index), index, batch.seq)
         except Exception as exc:
             try:
-                self._budget.skip_or_raise(exc, "fetch", batch.seq, index)
+                self.budget.skip_or_raise(exc, "fetch", batch.seq, index)
             except Exception as fatal:
                 batch.error = batch.error or fatal
             batch.failed.add(position)
@@ -604,15 +357,15 @@ class Epoch:
             self._charge(batch, sample)
         batch.pending -= 1
 
-    async def _fetch_many(self, source: MapSource, batch: _Batch, start: int, stop: int) -> None:
+    async def _fetch_many(self, source: MapSource, batch: Batch, start: int, stop: int) -> None:
         ids = batch.ids[start:stop]
         try:
             samples = await self._attempts.run(
                 lambda: source.get_many(ids), ids, batch.seq, count=len(ids)
             )
         except Exception as exc:
-            if self._budget.left == 0:
-                self._budget.exhausted_note(exc)
+            if self.budget.left == 0:
+                self.budget.exhausted_note(exc)
                 batch.error = batch.error or exc
                 batch.pending -= len(ids)
                 return
@@ -627,7 +380,7 @@ class Epoch:
         for sample in samples:
             self._charge(batch, sample)
 
-    def _charge(self, batch: _Batch, sample: Any) -> None:
+    def _charge(self, batch: Batch, sample: Any) -> None:
         n = nbytes_of(sample)
         batch.nbytes += n
         self._bytes.charge(n)
@@ -639,7 +392,7 @@ class Epoch:
     # -- transform + collate ----------------------------------------------------------------------
 
     async def _transform_worker(
-        self, ready: MemoryObjectReceiveStream[_Batch], done: MemoryObjectSendStream[_Done]
+        self, ready: MemoryObjectReceiveStream[Batch], done: MemoryObjectSendStream[Done]
     ) -> None:
         async with ready, done:
             while (batch := await get(ready, self.stats.transform)) is not None:
@@ -649,14 +402,14 @@ class Epoch:
     async def _round_robin(
         self,
         work: WorkerPool,
-        ready: MemoryObjectReceiveStream[_Batch],
-        done: MemoryObjectSendStream[_Done],
+        ready: MemoryObjectReceiveStream[Batch],
+        done: MemoryObjectSendStream[Done],
     ) -> None:
         """Batch ``k`` of the epoch to worker ``k % n``, as torch deals a dataset's batches (a
         worker's copy may keep state, e.g. what ``worker_init_fn`` seeded, and torch's users
         rely on which worker read which batch). One batch queued and one running per worker."""
         n = work.concurrency
-        with _lanes(_Batch, n) as lanes:
+        with one_item_lanes(Batch, n) as lanes:
             async with ready, done, work.reserved() as run_on, anyio.create_task_group() as tg:
                 for worker_id, (_, recv) in enumerate(lanes):
                     run = functools.partial(run_on, worker_id)
@@ -671,20 +424,20 @@ class Epoch:
     async def _lane(
         self,
         run: Callable[..., Awaitable[Any]],
-        lane: MemoryObjectReceiveStream[_Batch],
-        done: MemoryObjectSendStream[_Done],
+        lane: MemoryObjectReceiveStream[Batch],
+        done: MemoryObjectSendStream[Done],
     ) -> None:
         async with lane, done:
             async for batch in lane:
                 await put(done, await self._transform(batch, run), self.stats.transform)
 
-    async def _transform(self, batch: _Batch, run: Callable[..., Awaitable[Any]]) -> _Done:
+    async def _transform(self, batch: Batch, run: Callable[..., Awaitable[Any]]) -> Done:
         cfg, rec = self.config, self.stats.transform
         if batch.error is not None:
-            return _Done(batch, None, 0, batch.error)
+            return Done(batch, None, 0, batch.error)
         keep = [p for p in range(len(batch.ids)) if p not in batch.failed]
         if not keep:
-            return _Done(batch, None, 0)
+            return Done(batch, None, 0)
         unbatched = cfg.unbatched
         seed = derive_seed(cfg.seed, self.number, batch.seq) if cfg.seeded else None
         try:
@@ -695,12 +448,12 @@ class Epoch:
                 ids = batch.ids[0] if unbatched else batch.ids
                 stage = "transform" if isinstance(exc, WorkerCrashed) else "collate"
                 annotate(exc, stage, epoch=self.number, batch=batch.seq, index=ids)
-            return _Done(batch, None, 0, exc)
-        return _Done(batch, value, size)
+            return Done(batch, None, 0, exc)
+        return Done(batch, value, size)
 
     async def _run_batch(
         self,
-        batch: _Batch,
+        batch: Batch,
         keep: list[int],
         run: Callable[..., Awaitable[Any]],
         seed: int | None,
@@ -719,7 +472,7 @@ class Epoch:
                 unbatched,
                 cfg.finish,
                 cfg.retry,
-                self._budget.left > 0,
+                self.budget.left > 0,
                 seed=seed,
             )
             self.stats.fetch.retries += result.retries
@@ -736,15 +489,15 @@ class Epoch:
             )
         if result.failures:
             keys = [batch.ids[keep[position]] for position, _, _ in result.failures]
-            result = await self._skip_then_collate(batch, result, keys, run, seed=seed)
+            result = await self.skip_then_collate(batch, result, keys, run, seed=seed)
         return result.batch, result.size
 
     # -- reorder + output ---------------------------------------------------------------------
 
     async def _emit(
-        self, done: MemoryObjectReceiveStream[_Done], out: MemoryObjectSendStream[Any]
+        self, done: MemoryObjectReceiveStream[Done], out: MemoryObjectSendStream[Any]
     ) -> None:
-        reorder: ReorderBuffer[_Done] = ReorderBuffer()
+        reorder: ReorderBuffer[Done] = ReorderBuffer()
         async with done:
             while (item := await get(done, self.stats.output)) is not None:
                 deliverable = reorder.push(item.batch.seq, item) if self.config.in_order else [item]
@@ -770,7 +523,7 @@ class Epoch:
                     self._open_batches -= 1
                     self._slots.release()
 
-    async def _stage(self, d: _Done) -> Staged:
+    async def _stage(self, d: Done) -> Staged:
         """Pin a batch and issue its copy to the device, once fewer than ``depth`` staged
         batches wait for the consumer. A failure ends the epoch in the batch's turn."""
         device, rec = self.device, self.stats.device

@@ -5,7 +5,7 @@ timeout and the retry policy (:class:`Attempts`), and the epoch's budget of samp
 Owns: counting attempts and failures in the fetch stage's recorder, the backoff between
 attempts, the notes a failure gets ("gave up after N attempts", "max_failures=N exhausted"),
 and which skipped keys the statistics keep. Never: decides what a sample is or where it goes
-(``_pipeline.py``).
+(``_pipeline/epoch.py``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import anyio
 
-from ._exceptions import annotate, is_annotated
-from ._retry import RetryPolicy
-from ._stats import Recorders, StageRecorder
+from .._base.exceptions import annotate, is_annotated
+from .._base.retry import RetryPolicy
+from .._base.stats import Recorders, StageRecorder
 
 __all__ = ["Attempts", "FailureBudget"]
 

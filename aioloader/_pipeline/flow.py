@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._stats import StageRecorder
+from .._base.stats import StageRecorder
 
 __all__ = ["ByteBudget", "blocked", "get", "nbytes_of", "put"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from ._checks import check_int
+from .._base.checks import check_int
 
 __all__ = ["BatchAssembler", "ReorderBuffer"]
 

@@ -2,8 +2,8 @@
 
 Owns: the batcher's scope (its task group and runner tasks), admission, each request's life
 (queued, deadline, cancellation) and handing every caller its own outcome. Never: decides when
-to cut a batch or how big (:mod:`aioloader._batching`), runs collate/model/split itself
-(:mod:`aioloader._batcher_run`), or polls (a runner waits on an event with the policy's
+to cut a batch or how big (:mod:`aioloader._serving.policy`), runs collate/model/split itself
+(:mod:`aioloader._serving.runner`), or polls (a runner waits on an event with the policy's
 deadline).
 
 A request's life: ``WAITING`` in the queue → ``RUNNING`` in a batch → ``DONE`` (outcome set), or
@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import math
+import multiprocessing.context
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -25,17 +26,18 @@ import anyio
 import anyio.abc
 import torch
 
-from ._batcher_run import BatchRunner, device_plan_of
-from ._batcher_stats import BatcherRecorder, BatcherStatistics
-from ._batching import (
+from .._base.exceptions import LoaderStateError, Overloaded, annotate
+from .._data.collate import default_collate
+from .._workers.processes import start_method_of
+from .policy import (
     BatchPolicy,
     PendingQueue,
     check_arguments,
     check_timeout,
     default_split,
 )
-from ._collate import default_collate
-from ._exceptions import LoaderStateError, Overloaded, annotate
+from .runner import BatchRunner, device_plan_of
+from .stats import BatcherRecorder, BatcherStatistics
 
 __all__ = ["DynamicBatcher"]
 
@@ -132,8 +134,8 @@ class DynamicBatcher:
             (for heavy collation; light collation is faster inline).
         num_workers: Collate in this many worker processes instead (``collate_fn`` must
             pickle; items travel pickled, batch tensors come back through shared memory).
-        multiprocessing_context: The workers' start method (``"forkserver"``, the default, as
-            the loader's, or ``"spawn"``).
+        multiprocessing_context: The workers' start method, as the loader takes it: a name
+            (``"forkserver"``, the default, or ``"spawn"``) or a multiprocessing context.
         on_exit: ``"drain"`` or ``"cancel"``: what leaving ``async with`` does to requests
             not yet served (see above).
         device: Move each collated batch to this device before ``model_fn`` sees it (the
@@ -166,7 +168,7 @@ class DynamicBatcher:
         split_fn: Callable[[Any, int], Sequence[Any]] | None = None,
         collate_in_thread: bool = False,
         num_workers: int = 0,
-        multiprocessing_context: str = "forkserver",
+        multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
         on_exit: Literal["drain", "cancel"] = "drain",
         device: str | torch.device | None = None,
         pin_memory: bool = False,
@@ -174,6 +176,7 @@ class DynamicBatcher:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = BatchPolicy(max_batch_size, max_delay, tuple(preferred_batch_sizes))
+        start_method = start_method_of(multiprocessing_context)  # the loader's rule: never fork
         check_arguments(
             model_fn=model_fn,
             max_batch_size=max_batch_size,
@@ -183,7 +186,6 @@ class DynamicBatcher:
             split_fn=split_fn,
             collate_in_thread=collate_in_thread,
             num_workers=num_workers,
-            multiprocessing_context=multiprocessing_context,
             on_exit=on_exit,
             clock=clock,
         )
@@ -197,7 +199,7 @@ class DynamicBatcher:
             split_fn or default_split,
             collate_in_thread=collate_in_thread,
             num_workers=num_workers,
-            start_method=multiprocessing_context,
+            start_method=start_method,
             concurrency=max_concurrent_batches,
             device=device_plan_of(device, pin_memory=pin_memory, transform=device_transform),
             host_transform=device_transform,
@@ -430,7 +432,7 @@ class DynamicBatcher:
 
         Cancellation (the scope closing with ``on_exit="cancel"``): the batch's callers get
         :class:`LoaderStateError`; a running thread or worker job is waited for first (see
-        ``_offload.py`` and ``_processes.py``).
+        ``_workers/offload.py`` and ``_workers/processes.py``).
         """
         rec, n = self._rec, len(requests)
         started = self._clock()

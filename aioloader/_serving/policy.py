@@ -19,8 +19,8 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 import numpy as np
 import torch
 
-from ._arguments import check_picklable, positive_int
-from ._exceptions import Overloaded
+from .._base.checks import check_int, check_picklable, check_seconds
+from .._base.exceptions import Overloaded
 
 __all__ = [
     "BatchPolicy",
@@ -66,7 +66,7 @@ class BatchPolicy:
     preferred_sizes: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        positive_int("max_batch_size", self.max_batch_size)
+        check_int("max_batch_size", self.max_batch_size, minimum=1)
         if (
             isinstance(self.max_delay, bool)
             or not isinstance(self.max_delay, int | float)
@@ -76,7 +76,9 @@ class BatchPolicy:
             raise ValueError(
                 f"max_delay must be a finite number of seconds >= 0, got {self.max_delay!r}"
             )
-        sizes = sorted({positive_int("preferred_batch_sizes", s) for s in self.preferred_sizes})
+        sizes = sorted(
+            {check_int("preferred_batch_sizes", s, minimum=1) for s in self.preferred_sizes}
+        )
         if sizes and sizes[-1] > self.max_batch_size:
             raise ValueError(
                 f"preferred_batch_sizes must be <= max_batch_size={self.max_batch_size}, "
@@ -144,7 +146,7 @@ class PendingQueue(Generic[E]):
     """
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = positive_int("max_queue", capacity)
+        self.capacity = check_int("max_queue", capacity, minimum=1)
         self._entries: OrderedDict[E, None] = OrderedDict()
         self.max_len = 0
 
@@ -276,7 +278,6 @@ def check_arguments(
     split_fn: object,
     collate_in_thread: bool,
     num_workers: object,
-    multiprocessing_context: object,
     on_exit: object,
     clock: object,
 ) -> None:
@@ -284,9 +285,9 @@ def check_arguments(
     :class:`BatchPolicy`).
 
     Raises:
+        TypeError: An argument has the wrong type (a count that is not an int, a function that
+            is not callable), or ``collate_fn`` does not pickle while ``num_workers > 0``.
         ValueError: An argument is out of range or unknown (the message names it).
-        TypeError: A function is not callable, or ``collate_fn`` does not pickle while
-            ``num_workers > 0``.
     """
     for name, fn in (("model_fn", model_fn), ("clock", clock)):
         if not callable(fn):
@@ -294,18 +295,12 @@ def check_arguments(
     for name, opt in (("collate_fn", collate_fn), ("split_fn", split_fn)):
         if opt is not None and not callable(opt):
             raise TypeError(f"{name} must be callable or None, got {type(opt).__qualname__}")
-    if positive_int("max_queue", max_queue) < max_batch_size:
+    if check_int("max_queue", max_queue, minimum=1) < max_batch_size:
         raise ValueError(f"max_queue must be >= max_batch_size ({max_batch_size}), got {max_queue}")
-    positive_int("max_concurrent_batches", max_concurrent_batches)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
+    check_int("max_concurrent_batches", max_concurrent_batches, minimum=1)
+    check_int("num_workers", num_workers, minimum=0)
     if num_workers and collate_in_thread:
         raise ValueError("collate_in_thread=True and num_workers > 0 exclude each other")
-    if multiprocessing_context not in ("spawn", "forkserver"):  # never fork: see _processes.py
-        raise ValueError(
-            "multiprocessing_context must be 'spawn' or 'forkserver', "
-            f"got {multiprocessing_context!r}"
-        )
     if on_exit not in ("drain", "cancel"):
         raise ValueError(f"on_exit must be 'drain' or 'cancel', got {on_exit!r}")
     if num_workers:
@@ -316,10 +311,7 @@ def check_timeout(name: str, value: object) -> float | None:
     """``value`` as seconds: a positive number, or None for no limit.
 
     Raises:
-        ValueError: Anything else (the message names ``name``).
+        TypeError: Not a number. ValueError: Not positive and finite (the message names
+        ``name``).
     """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
-    return float(value)
+    return None if value is None else check_seconds(name, value)

@@ -6,26 +6,28 @@ the device stage (the loader's: pinned pool, side stream, event) when a CUDA dev
 a blocking ``model_fn`` in a thread, an async one on the loop — and the resources that takes
 (opened and closed with the batcher's scope). A failure comes out with its original type and a
 note naming the step and the batch. Never: touches requests, the queue or statistics
-(``_batcher.py``), or runs blocking user code on the event loop unless told (inline collation).
+(``_serving/batcher.py``), or runs blocking user code on the event loop unless told (inline
+collation).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import multiprocessing.context
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._accelerator import resolve_device
-from ._arguments import check_picklable
-from ._batching import split_outputs
-from ._device import DevicePlan, DeviceStage, device_plan, hand_out
-from ._exceptions import annotate
-from ._job import collate_only
-from ._offload import ThreadOffload
-from ._processes import ProcessWorkers
-from ._sampler import derive_seed
-from ._stats import WorkerRecorder
+from .._base.checks import check_picklable
+from .._base.exceptions import annotate
+from .._base.stats import WorkerRecorder
+from .._data.seeds import derive_seed
+from .._device.accelerator import resolve_device
+from .._device.stage import DevicePlan, DeviceStage, device_plan, hand_out
+from .._workers.job import collate_only
+from .._workers.offload import ThreadOffload
+from .._workers.processes import ProcessWorkers
+from .policy import split_outputs
 
 __all__ = ["BatchRunner", "device_plan_of"]
 
@@ -70,7 +72,7 @@ class BatchRunner:
         *,
         collate_in_thread: bool,
         num_workers: int,
-        start_method: str,
+        start_method: str | multiprocessing.context.BaseContext,
         concurrency: int,
         device: DevicePlan | None = None,
         host_transform: Callable[[Any], Any] | None = None,
@@ -135,7 +137,8 @@ class BatchRunner:
                 note naming the stage (``collate``, ``model``, ``split``) and batch ``seq``.
 
         Cancellation: a thread call already running is waited for and its result dropped
-        (``_offload.py``); a worker job likewise, up to its grace (``_processes.py``).
+        (``_workers/offload.py``); a worker job likewise, up to its grace
+        (``_workers/processes.py``).
         """
         n = len(items)
         stage = "collate"

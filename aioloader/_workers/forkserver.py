@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from ._worker import name_this_process
+from .worker import name_this_process
 
 __all__ = ["prepare_forkserver"]
 
-_PRELOAD = ("aioloader._worker",)  # imports torch and NumPy: what every worker needs
+_PRELOAD = ("aioloader._workers.worker",)  # imports torch and NumPy: what every worker needs
 _SERVER_STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
 
 

@@ -11,8 +11,8 @@ Two shapes of job:
 * :func:`run_batch`: the samples were read in the event loop (an async dataset, a source) and
   travel with the job.
 * :func:`run_indices` and :func:`next_stream_batch`: a torch user's blocking dataset lives in
-  the worker (:func:`~aioloader._worker.worker_dataset`); the job carries a batch's indices, or
-  asks the worker's own iterator for its next batch, as torch's workers do.
+  the worker (:func:`~aioloader._workers.worker.worker_dataset`); the job carries a batch's
+  indices, or asks the worker's own iterator for its next batch, as torch's workers do.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._exceptions import annotate
-from ._retry import RetryPolicy
-from ._worker import worker_dataset
+from .._base.exceptions import annotate
+from .._base.retry import RetryPolicy
+from .worker import worker_dataset
 
 __all__ = [
     "JobResult",

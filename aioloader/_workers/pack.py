@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._tree import map_tensors, plain_cpu_tensor, tensors_in
+from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
 
 __all__ = ["pack_tensors"]
 

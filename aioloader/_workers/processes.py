@@ -6,8 +6,8 @@ worker (or, for a worker's own stream, to that worker) over its pipe, awaiting t
 pipe's readability, noticing a dead worker through its pipe's EOF and its process sentinel (so a
 crash surfaces in milliseconds, named), and stopping them.
 
-Start-up: the fork server is a fork of this process when that is safe (``_forkserver.py``), or
-else the stdlib's, told to preload torch and the worker module; either way every worker start
+Start-up: the fork server is a fork of this process when that is safe (``_workers/forkserver.py``),
+or else the stdlib's, told to preload torch and the worker module; either way every worker start
 after the server's is a fork of it (tens of milliseconds), where spawn imports torch in every
 worker, every time.
 
@@ -34,12 +34,18 @@ from typing import Any, TypeVar
 import anyio
 import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory reductions
 
-from ._exceptions import WorkerCrashed, first_leaf
-from ._forkserver import prepare_forkserver
-from ._stats import WorkerRecorder
-from ._worker import worker_main
+from .._base.exceptions import WorkerCrashed, first_leaf
+from .._base.stats import WorkerRecorder
+from .forkserver import prepare_forkserver
+from .worker import worker_main
 
-__all__ = ["CANCEL_GRACE", "DEFAULT_START_METHOD", "START_METHODS", "ProcessWorkers"]
+__all__ = [
+    "CANCEL_GRACE",
+    "DEFAULT_START_METHOD",
+    "START_METHODS",
+    "ProcessWorkers",
+    "start_method_of",
+]
 
 R = TypeVar("R")
 
@@ -348,3 +354,37 @@ class ProcessWorkers:
 
 def _is_pickling_error(exc: BaseException) -> bool:
     return isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))
+
+
+def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
+    """The worker processes' start method: ``context`` (a name or a multiprocessing context)
+    when given, else forkserver.
+
+    Raises:
+        ValueError: The method is fork, or unknown.
+        TypeError: ``context`` is neither a string nor a multiprocessing context.
+    """
+    if context is None:
+        return DEFAULT_START_METHOD
+    if isinstance(context, str):
+        method = context
+    elif isinstance(context, multiprocessing.context.BaseContext):
+        method = context.get_start_method()
+    else:
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context!r} "
+            f"(a {type(context).__qualname__})"
+        )
+    if method == "fork":
+        raise ValueError(
+            "multiprocessing_context='fork' is not supported: forking a process that runs an "
+            "event loop, threads, obstore/tokio or CUDA can hang or corrupt it; use "
+            "'forkserver' (the default: workers start as fast as forked ones) or 'spawn'"
+        )
+    if method not in START_METHODS:
+        raise ValueError(
+            f"multiprocessing_context option should specify a valid start method in "
+            f"{START_METHODS!r}, but got multiprocessing_context={method!r}"
+        )
+    return context if isinstance(context, multiprocessing.context.BaseContext) else method

@@ -6,8 +6,8 @@ it runs in without changing a line), the worker's copy of a blocking dataset (se
 worker starts, as torch does), the per-worker and per-batch seeding of ``random``, NumPy and
 torch, and :func:`worker_main`, the loop a worker runs: receive a job (a function and its
 arguments, pickled), run it, send the result back. Tensors in results travel through shared
-memory (torch's reductions in ``ForkingPickler``), packed into one block first (``_pack.py``):
-only a handle crosses the pipe. Never: touches
+memory (torch's reductions in ``ForkingPickler``), packed into one block first
+(``_workers/pack.py``): only a handle crosses the pipe. Never: touches
 an event loop, opens network clients or imports user code it was not sent.
 """
 
@@ -32,8 +32,8 @@ import torch
 import torch.multiprocessing  # registers torch's shared-memory reductions
 import torch.utils.data
 
-from ._exceptions import RemoteError
-from ._pack import pack_tensors
+from .._base.exceptions import RemoteError
+from .pack import pack_tensors
 
 __all__ = [
     "WorkerInfo",

@@ -52,6 +52,6 @@ __all__ = [
     "urls",
 ]
 
-from .. import _report_public_module
+from .._base.public import report_public_module
 
-_report_public_module(globals(), __all__, __name__)
+report_public_module(globals(), __all__, __name__)

@@ -43,9 +43,9 @@ from types import TracebackType
 
 import aiofiles
 
-from .._checks import check_int
-from .._dataset import AsyncDataset
-from .._offload import wait_thread_future
+from .._base.checks import check_int
+from .._data.dataset import AsyncDataset
+from .._workers.offload import wait_thread_future
 
 __all__ = ["FileDataset", "files"]
 

@@ -29,9 +29,9 @@ import aiohttp
 import anyio
 from multidict import CIMultiDictProxy
 
-from .._checks import check_seconds
-from .._dataset import AsyncDataset
-from .._exceptions import AioLoaderError, LoaderStateError, TransientError
+from .._base.checks import check_seconds
+from .._base.exceptions import AioLoaderError, LoaderStateError, TransientError
+from .._data.dataset import AsyncDataset
 from ._gate import ByteGate, holding
 
 __all__ = [

@@ -21,9 +21,10 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from .._dataset import AsyncDataset
-from .._exceptions import TransientError
-from .._lanes import OpensEpochs, interleaved
+from .._base.exceptions import TransientError
+from .._data.dataset import AsyncDataset
+from .._data.epochs import OpensEpochs
+from .._fanin.lanes import interleaved
 from ._gate import ByteGate, holding
 
 __all__ = ["ObjectDataset", "ObjectStream", "TransientStoreError", "object_stream", "objects"]

@@ -18,9 +18,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
-from .._checks import check_int
-from .._lanes import OpensEpochs, close_iterator, interleaved
-from .._sampler import epoch_parts
+from .._base.checks import check_int
+from .._data.epochs import OpensEpochs
+from .._data.sharding import epoch_parts
+from .._fanin.lanes import close_iterator, interleaved
 
 __all__ = ["SlotPolicy", "SlotSample", "SlotStreams", "slot_streams"]
 
@@ -71,7 +72,7 @@ def slot_streams(
     sequences).
 
     Each epoch, the parts are shuffled (``seed``, epoch) and split by rank as
-    :func:`aioloader._sampler.epoch_parts` says, then dealt out: stream ``i`` reads parts ``i,
+    :func:`aioloader._data.sharding.epoch_parts` says, then dealt out: stream ``i`` reads parts ``i,
     i + slots, ...`` of that order, one after the other. For tar shards, see
     :meth:`aioloader.sources.TarShards.per_slot`.
 

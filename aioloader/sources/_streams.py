@@ -25,7 +25,7 @@ import aiofiles
 import aiohttp
 import anyio
 
-from .._retry import RetryPolicy
+from .._base.retry import RetryPolicy
 from ._http import (
     HTTPConnectionError,
     HTTPStatusError,

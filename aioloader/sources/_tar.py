@@ -20,10 +20,12 @@ from urllib.parse import urlsplit
 import aiohttp
 import anyio
 
-from .._checks import check_bool, check_int, check_seconds, check_seed
-from .._lanes import OpensEpochs, ahead_for, interleaved
-from .._retry import RetryPolicy
-from .._sampler import derive_seed, epoch_parts, resolve_rank
+from .._base.checks import check_bool, check_int, check_seconds, check_seed
+from .._base.retry import RetryPolicy
+from .._data.epochs import OpensEpochs
+from .._data.seeds import derive_seed
+from .._data.sharding import epoch_parts, resolve_rank
+from .._fanin.lanes import ahead_for, interleaved
 from ._braces import expand_braces
 from ._http import new_session, redact_url
 from ._objects import redact_store_url, store_from_url
@@ -100,7 +102,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
     ``random.Random(derive_seed(seed, epoch, 1))``. The same seed and epoch give the same order.
 
     Ranks: after the shuffle, shard ``j`` of the epoch's order goes to rank ``j % world_size``
-    (``rank`` and ``world_size`` resolved with :func:`aioloader._sampler.resolve_rank` at each
+    (``rank`` and ``world_size`` resolved with :func:`aioloader._data.sharding.resolve_rank` at each
     epoch: explicit values, else ``torch.distributed``, else rank 0 of 1). When the number of
     shards is not a multiple of ``world_size``, the last ``len(shards) % world_size`` shards of the
     epoch's order are dropped, so every rank reads the same number of shards (equal shard counts,

@@ -1,0 +1,7 @@
+"""Loader: the ``DataLoader`` torch users know, and the scopes its epochs run in.
+
+Owns: the ``DataLoader`` class (``loader``), its argument checks in torch's words
+(``arguments``), the frozen plan a scope runs with (``plan``), the scope that owns the worker
+pool and device stage over epochs (``scope``), and the background loop of a plain ``for``
+(``session``). Never: carries out an epoch's data path itself (``_pipeline`` does).
+"""

@@ -1,0 +1,217 @@
+"""A torch ``IterableDataset`` in the worker processes: every worker iterates its own copy.
+
+Owns: :class:`WorkerStreams` (pulling each worker's batches, in turn or as they come, with the
+pass closed in the worker when the epoch ends early) and :class:`RankBatches` (those batches
+split over ranks and padded, ``distributed=True``). Never: schedules, fetches or emits (the
+epoch does; batches go to it through ``Epoch.pass_on``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from .._base.exceptions import WorkerCrashed
+from .._base.stats import Operation, Recorders
+from .._data.seeds import derive_seed
+from .._data.sharding import StreamShare
+from .._workers.job import JobResult, close_stream, next_stream_batch, open_stream
+from .._workers.pool import WorkerPool
+from .._workers.processes import CANCEL_GRACE
+from .config import PipelineConfig
+from .fetch import FailureBudget
+from .items import Batch, Done, one_item_lanes
+
+__all__ = ["RankBatches", "WorkerStreams"]
+
+
+class Epoch(Protocol):
+    """What the worker streams need of their epoch (``epoch.Epoch`` is one)."""
+
+    number: int
+    config: PipelineConfig
+    stats: Recorders
+    work: WorkerPool
+    budget: FailureBudget
+
+    async def pass_on(self, item: Done, seq: int, done: MemoryObjectSendStream[Done]) -> None:
+        """Hand a batch to the emitter as the epoch's batch ``seq``."""
+
+    async def skip_then_collate(
+        self,
+        batch: Batch,
+        result: JobResult,
+        keys: Sequence[object],
+        run: Callable[..., Awaitable[Any]],
+        *,
+        seed: int | None = None,
+    ) -> JobResult:
+        """Skip a job's failed samples within the budget, then collate the rest."""
+
+
+class RankBatches:
+    """The batches of per-worker streams, numbered in their order, split over ranks
+    (``distributed=True``): every rank's workers read the whole dataset, rank ``r`` keeps
+    batches ``r, r + W, ...`` and repeats batches from the start so that every rank yields as
+    many (``StreamShare``'s rule, over batches)."""
+
+    def __init__(self, epoch: Epoch, done: MemoryObjectSendStream[Done]) -> None:
+        cfg = epoch.config
+        self._epoch = epoch
+        self._done = done
+        self._seq = 0
+        self._share: StreamShare[Done] | None = None
+        if cfg.world_size > 1:
+            self._share = StreamShare(cfg.rank, cfg.world_size)
+
+    async def offer(self, item: Done) -> None:
+        if self._share is None or self._share.mine(item):
+            await self._send(item)
+
+    async def finish(self) -> None:
+        for _, item in self._share.padding() if self._share is not None else ():
+            batch = dataclasses.replace(item.batch)  # its own place in the epoch
+            await self._send(dataclasses.replace(item, batch=batch))
+
+    async def _send(self, item: Done) -> None:
+        await self._epoch.pass_on(item, self._seq, self._done)
+        self._seq += 1
+
+
+class WorkerStreams:
+    """The batches of an epoch whose iterable dataset lives in the workers, handed to
+    ``epoch`` one by one (:meth:`run`)."""
+
+    def __init__(self, epoch: Epoch) -> None:
+        self.epoch = epoch
+        self.config = epoch.config
+        self.stats = epoch.stats
+        self.number = epoch.number
+        self.work = epoch.work
+
+    async def run(self, done: MemoryObjectSendStream[Done]) -> None:
+        """Every worker iterates its own copy of an iterable dataset (torch's semantics: it
+        shards itself with ``get_worker_info()``). Batches go out round-robin over the workers
+        still going (``in_order``) or as they come; a worker whose pass ends stops contributing.
+        A failed batch is raised in its turn and its worker goes on, as in torch."""
+        work = self.work
+        if not work.per_worker:
+            raise TypeError("an iterable dataset in workers needs process workers")
+        n, in_order = work.concurrency, self.config.in_order
+        out = RankBatches(self.epoch, done)
+        # The lanes outlive the task group: no pull task ever sends into a closed lane.
+        with one_item_lanes(Done, n if in_order else 0) as lanes:
+            async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
+                if in_order:  # one lane per worker, taken in turn
+                    for worker_id, (send, _) in enumerate(lanes):
+                        tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
+                    receivers = [recv for _, recv in lanes]
+                    while receivers:
+                        for recv in list(receivers):
+                            try:
+                                item = await recv.receive()
+                            except anyio.EndOfStream:  # that worker's pass is over
+                                receivers.remove(recv)
+                                continue
+                            await out.offer(item)
+                    await out.finish()
+                    return
+                merged_send, merged_recv = anyio.create_memory_object_stream[Done](n)
+                async with merged_send:
+                    for worker_id in range(n):
+                        send = merged_send.clone()
+                        tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
+                async with merged_recv:
+                    async for item in merged_recv:
+                        await out.offer(item)
+                await out.finish()
+
+    async def _pull_worker_stream(
+        self,
+        run_on: Callable[..., Awaitable[Any]],
+        worker_id: int,
+        results: MemoryObjectSendStream[Done],
+    ) -> None:
+        cfg = self.config
+        async with results:
+            seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
+            await run_on(worker_id, open_stream, seed=seed)  # a dead worker is replaced here
+            try:
+                await self._pull_batches(run_on, worker_id, results)
+            finally:  # ended early (a break, a failure): the pass's `finally` blocks run now
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(CANCEL_GRACE),
+                    contextlib.suppress(Exception),
+                ):
+                    await run_on(worker_id, close_stream, replace=False)
+
+    async def _pull_batches(
+        self,
+        run_on: Callable[..., Awaitable[Any]],
+        worker_id: int,
+        results: MemoryObjectSendStream[Done],
+    ) -> None:
+        rec = self.stats.transform
+        seq = 0  # this worker's batches; the epoch's order is given when they go out
+        while True:
+            try:
+                with rec.operation() as op:
+                    result = await self._next_worker_batch(run_on, worker_id, seq, op)
+            except WorkerCrashed:  # its copy of the stream is gone with it
+                raise
+            except Exception as exc:
+                exc.add_note(
+                    f"aioloader: in worker {worker_id}'s pass over its copy of the dataset, "
+                    f"its batch {seq}, epoch {self.number}"
+                )
+                await results.send(Done(Batch(seq, [worker_id], []), None, 0, exc))
+                seq += 1
+                continue
+            if result is None:
+                return
+            if result.size:  # else every sample of it was skipped
+                done = Done(Batch(seq, [worker_id], []), result.batch, result.size)
+                await results.send(done)
+            seq += 1
+
+    async def _next_worker_batch(
+        self,
+        run_on: Callable[..., Awaitable[Any]],
+        worker_id: int,
+        seq: int,
+        op: Operation,
+    ) -> JobResult | None:
+        """One batch of a worker's pass (None at its end); failed samples skipped as the
+        failure budget allows."""
+        cfg = self.config
+        try:
+            result: JobResult | None = await run_on(
+                worker_id,
+                next_stream_batch,
+                None if cfg.unbatched else cfg.batch_size,
+                cfg.drop_last,
+                cfg.transform,
+                cfg.collate_fn,
+                cfg.finish,
+                self.epoch.budget.left > 0,
+                replace=False,  # a fresh worker would have no pass: it would end silently
+            )
+        except WorkerCrashed:
+            op.not_a_failure()  # counted with the worker's crash
+            raise
+        if result is not None and result.failures:
+            keys = [
+                f"worker {worker_id}, its batch {seq}, position {position}"
+                for position, _, _ in result.failures
+            ]
+            run = functools.partial(run_on, worker_id, replace=False)
+            batch = Batch(seq, [worker_id], [])
+            result = await self.epoch.skip_then_collate(batch, result, keys, run)
+        return result
