@@ -117,8 +117,8 @@ def test_ranks_yield_the_same_number_of_batches(
 def test_torchrun_two_ranks_over_a_stream_never_hang(tmp_path: Path) -> None:
     """Two real processes under torchrun (gloo): 101 samples in batches of 10 gave rank 0 six
     batches and rank 1 five, and the sixth all-reduce waited for ever."""
-    job = Path(__file__).with_name("ddp_stream_job.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    job = Path(__file__).parents[1] / "support" / "ddp_stream_job.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     with subprocess.Popen(
         [*torchrun, "--nproc-per-node", "2", str(job)],

@@ -1,6 +1,7 @@
-"""The HTTP source against a real server on 127.0.0.1 that injects faults (tests/http_server.py),
-through the real loader: whole epochs under transient failures, retries counted, errors that name
-the item and a redacted URL, timeouts, ranges, redirects, and the session's lifetime."""
+"""The HTTP source against a real server on 127.0.0.1 that injects faults
+(tests/support/http_server.py), through the real loader: whole epochs under transient failures,
+retries counted, errors that name the item and a redacted URL, timeouts, ranges, redirects, and the
+session's lifetime."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from aioloader.sources._http import (
     TransientHTTPError,
     redact_url,
 )
-from tests import http_server
-from tests.http_server import Fault, FaultServer, body
-from tests.test_tar import collect
+from tests.sources.test_tar import collect
+from tests.support import http_server
+from tests.support.http_server import Fault, FaultServer, body
 
 fault_server = http_server.fault_server  # the fixture: a started server, stopped at teardown
 

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 import aioloader
-from tests.helpers import Counting, Gated, Stream, TorchMap, flat
+from tests.support.helpers import Counting, Gated, Stream, TorchMap, flat
 
 
 def notes(exc: BaseException) -> str:
@@ -127,7 +127,7 @@ async def test_exhausted_failure_budget_raises_the_next_failure() -> None:
 
 
 async def test_batched_source_failure_falls_back_to_items_when_skipping() -> None:
-    from tests.helpers import Batched
+    from tests.support.helpers import Batched
 
     ds = Batched(12, fail={5})
     dl = aioloader.DataLoader(ds, batch_size=4, max_failures=1)

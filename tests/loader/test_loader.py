@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import aioloader
-from tests.helpers import Batched, Counting, Stream, TorchMap, TorchStream, flat
+from tests.support.helpers import Batched, Counting, Stream, TorchMap, TorchStream, flat
 
 
 async def epoch(loader: aioloader.DataLoader[Any]) -> list[Any]:
@@ -69,7 +69,7 @@ async def test_shuffle_is_seeded_whatever_the_concurrency(in_order: bool) -> Non
 
 
 async def test_out_of_order_yields_a_finished_batch_first() -> None:
-    from tests.helpers import Gated
+    from tests.support.helpers import Gated
 
     ds = Gated(4)
     async with aioloader.DataLoader(ds, batch_size=2, in_order=False, max_inflight=4) as dl:

@@ -14,7 +14,7 @@ import torch
 import torch.utils.data
 
 import aioloader
-from tests import worker_datasets as wd
+from tests.support import worker_datasets as wd
 
 TORCH_CONTEXT = {"multiprocessing_context": "fork"}  # torch's default; ours refuses it
 

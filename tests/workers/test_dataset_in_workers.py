@@ -1,6 +1,6 @@
 """A torch user's blocking dataset runs where torch runs it: in the worker processes.
 
-The datasets (``tests/worker_datasets.py``) are written as for torch: their work is in
+The datasets (``tests/support/worker_datasets.py``) are written as for torch: their work is in
 ``__getitem__``/``__iter__`` and they ask ``torch.utils.data.get_worker_info()`` who they run in.
 Where the expected batches are torch's own, torch's ``DataLoader`` computes them in the test."""
 
@@ -25,8 +25,8 @@ import torch
 import torch.utils.data
 
 import aioloader
-from tests import worker_datasets as wd
 from tests.conftest import aioloader_threads
+from tests.support import worker_datasets as wd
 
 
 def open_fds() -> dict[int, str]:
@@ -456,7 +456,7 @@ def test_an_iterator_collected_on_the_loop_thread_still_closes_its_epoch() -> No
 
 
 def test_max_failures_skips_a_failed_transform_in_a_worker_stream() -> None:
-    from tests import worker_fns
+    from tests.support import worker_fns
 
     dl = aioloader.DataLoader(
         wd.Ranges(0, 12),

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import aioloader
 from aioloader._device.stage import DevicePlan
 from aioloader._serving.policy import BatchPolicy, Decision, PendingQueue, default_split
-from tests.test_device import FakeAccelerator
+from tests.device.test_device import FakeAccelerator
 
 FAST = settings(max_examples=200, deadline=None)
 

@@ -11,7 +11,7 @@ import pytest
 
 import aioloader
 from tests.conftest import aioloader_threads
-from tests.helpers import Counting, Gated, Stream, flat, open_fds, other_tasks
+from tests.support.helpers import Counting, Gated, Stream, flat, open_fds, other_tasks
 
 
 async def until(predicate: Any, seconds: float = 10.0) -> None:

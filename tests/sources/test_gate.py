@@ -13,9 +13,9 @@ from obstore.store import from_url
 import aioloader
 from aioloader.sources import objects, urls
 from aioloader.sources._gate import ByteGate
-from tests import http_server
-from tests.http_server import FaultServer, body
-from tests.test_objects import CREDS, _boto_creds
+from tests.sources.test_objects import CREDS, _boto_creds
+from tests.support import http_server
+from tests.support.http_server import FaultServer, body
 
 fault_server = http_server.fault_server
 

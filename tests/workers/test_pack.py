@@ -8,7 +8,7 @@ import torch
 
 import aioloader
 from aioloader._workers.pack import pack_tensors
-from tests import worker_fns
+from tests.support import worker_fns
 
 
 class Pair(NamedTuple):

@@ -21,10 +21,10 @@ from aioloader.sources import StallError, TarShards, TransientHTTPError, tar_sha
 from aioloader.sources._braces import expand_braces
 from aioloader.sources._http import new_session
 from aioloader.sources._streams import HTTPReader, StoreReader, resumable
-from tests import http_server
-from tests.http_server import Fault, FaultServer, body
-from tests.test_objects import CREDS
-from tests.test_tar import ALL_KEYS, collect, keys, make_shard, make_shards
+from tests.sources.test_objects import CREDS
+from tests.sources.test_tar import ALL_KEYS, collect, keys, make_shard, make_shards
+from tests.support import http_server
+from tests.support.http_server import Fault, FaultServer, body
 
 fault_server = http_server.fault_server
 

@@ -1,5 +1,5 @@
-"""Run by ``tests/test_ranks.py`` under ``torchrun --standalone --nproc-per-node 2`` (gloo, CPU):
-every rank iterates a stream whose length is not a multiple of the batch size, with an
+"""Run by ``tests/data/test_ranks.py`` under ``torchrun --standalone --nproc-per-node 2`` (gloo,
+CPU): every rank iterates a stream whose length is not a multiple of the batch size, with an
 all-reduce per step (as DDP's backward does); a rank with one batch more would hang here."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 import webdataset as wds
 
 from aioloader.sources import CorruptShardError, tar_shards
-from tests.test_tar import collect
+from tests.sources.test_tar import collect
 
 
 def webdataset_reads(path: Path) -> list[dict[str, Any]]:

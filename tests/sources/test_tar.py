@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import aioloader
 from aioloader.sources._tar import CorruptShardError, TarShards, tar_shards
 from aioloader.sources._tarfmt import TarParser
-from tests import worker_fns
+from tests.support import worker_fns
 
 EXTS = ("jpg", "cls", "seg.png")
 

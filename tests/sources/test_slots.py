@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import aioloader
 from aioloader.sources import SlotSample, SlotStreams, slot_streams, tar_shards
-from tests.test_tar import make_shard, payload
+from tests.sources.test_tar import make_shard, payload
 
 # A part is (name, length): reading it yields (name, 0), (name, 1), ... (name, length - 1).
 Part = tuple[str, int]

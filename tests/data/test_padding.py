@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aioloader._data.padding import PadCollate, PaddedBatch, pad_collate
-from tests.test_collate import _random_tensor, assert_same
+from tests.data.test_collate import _random_tensor, assert_same
 
 
 def _expected_padding(

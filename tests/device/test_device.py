@@ -27,7 +27,7 @@ from aioloader._base.tree import map_tensors, tensors_in
 from aioloader._device.accelerator import PinnedPool, cuda_index, resolve_device, size_class
 from aioloader._device.stage import DevicePlan, DeviceStage
 from tests.conftest import aioloader_threads
-from tests.helpers import Counting, other_tasks
+from tests.support.helpers import Counting, other_tasks
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
 

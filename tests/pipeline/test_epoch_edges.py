@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import aioloader
-from tests.helpers import Batched, Counting, Stream, flat
+from tests.support.helpers import Batched, Counting, Stream, flat
 
 
 @pytest.mark.parametrize("in_order", [True, False])

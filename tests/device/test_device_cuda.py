@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 import aioloader
 from aioloader._base.tree import tensors_in
 from tests.conftest import aioloader_threads
-from tests.helpers import Counting, other_tasks
-from tests.test_device import Records, collate_records, same
+from tests.device.test_device import Records, collate_records, same
+from tests.support.helpers import Counting, other_tasks
 
 pytestmark = pytest.mark.cuda
 

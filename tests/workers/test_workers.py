@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import aioloader
-from tests import worker_fns
-from tests.helpers import Counting, flat, open_fds
+from tests.support import worker_fns
+from tests.support.helpers import Counting, flat, open_fds
 
 
 def shm() -> set[str]:
