@@ -7,6 +7,7 @@ few attribute writes done on the loop thread, so recording costs nothing measura
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -266,8 +267,7 @@ class Operation:
         self._started = 0.0
 
     def __enter__(self) -> Operation:
-        for _ in range(self._count):
-            self._rec.start()
+        self._rec.start(self._count)
         self._started = time.perf_counter()
         return self
 
@@ -298,9 +298,7 @@ class Operation:
         if exc_type is not None and not issubclass(exc_type, Exception):
             rec.in_flight -= count  # cancelled: nothing else is counted
             return
-        latency = time.perf_counter() - self._started
-        for _ in range(count):
-            rec.finish(latency, ok=exc_type is None)
+        rec.finish(time.perf_counter() - self._started, ok=exc_type is None, count=count)
         if exc_type is not None and self._counted:
             rec.failed += count
 
@@ -341,18 +339,30 @@ class StageRecorder:
         self.blocked_get_s = 0.0
         self._latencies: deque[float] = deque(maxlen=_RESERVOIR)
 
-    def start(self) -> None:
-        self.in_flight += 1
+    def start(self, count: int = 1) -> None:
+        """Begin ``count`` operations."""
+        self.in_flight += count
         if self.in_flight > self.max_in_flight:
             self.max_in_flight = self.in_flight
 
-    def finish(self, latency: float | None, *, ok: bool = True) -> None:
-        """End one operation; ``latency`` None records no duration."""
-        self.in_flight -= 1
+    def finish(self, latency: float | None, *, ok: bool = True, count: int = 1) -> None:
+        """End ``count`` operations that took ``latency`` seconds each (None: no duration)."""
+        self.in_flight -= count
         if latency is not None:
-            self._latencies.append(latency)
+            if count == 1:
+                self._latencies.append(latency)
+            else:
+                self._latencies.extend(itertools.repeat(latency, min(count, _RESERVOIR)))
         if ok:
-            self.completed += 1
+            self.completed += count
+
+    def finish_in_turn(self, count: int, seconds: float) -> None:
+        """End one operation in flight that completed ``count`` operations one after another
+        in ``seconds`` (a slice read in turn): counted as ``count`` of ``seconds / count``."""
+        self.in_flight -= 1
+        if count:
+            self._latencies.extend(itertools.repeat(seconds / count, min(count, _RESERVOIR)))
+            self.completed += count
 
     def operation(self, count: int = 1) -> Operation:
         """Count ``count`` operations of this stage around a ``with`` block: started on entry;

@@ -148,15 +148,7 @@ def _collate(batch: Sequence[Any], path: str) -> Any:
 
 def _collate_tensors(batch: Sequence[Any], path: str) -> torch.Tensor:
     """Stack same-shaped tensors along a new first dimension."""
-    tensors: list[torch.Tensor] = []
-    for i, item in enumerate(batch):
-        if not isinstance(item, torch.Tensor):
-            raise TypeError(
-                f"{path}: expected a tensor in every sample (as in sample 0), "
-                f"but sample {i} has {type(item)!r}"
-            )
-        tensors.append(item)
-    elem = tensors[0]
+    elem = batch[0]
     if elem.is_nested:
         raise RuntimeError(
             "Batches of nested tensors are not currently supported by the default collate_fn "
@@ -168,13 +160,22 @@ def _collate_tensors(batch: Sequence[Any], path: str) -> torch.Tensor:
             "pass a custom collate function"
         )
     shape = elem.shape
-    for i, item in enumerate(tensors):
+    for i, item in enumerate(batch):  # one pass: the checks cost per sample
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(
+                f"{path}: expected a tensor in every sample (as in sample 0), "
+                f"but sample {i} has {type(item)!r}"
+            )
         if item.shape != shape:
             raise RuntimeError(
                 f"{path}: cannot stack tensors of different shapes: sample 0 has shape "
                 f"{tuple(shape)} but sample {i} has shape {tuple(item.shape)}"
             )
-    out = _alloc_like(elem, len(tensors)) if _can_preallocate(tensors) else None
+    tensors = batch if isinstance(batch, list | tuple) else list(batch)
+    # In a worker the batch is allocated in shared memory (see _alloc_like); elsewhere a plain
+    # stack allocates the same tensor.
+    in_worker = get_worker_info() is not None
+    out = _alloc_like(elem, len(tensors)) if in_worker and _can_preallocate(tensors) else None
     try:
         return torch.stack(tensors, 0, out=out)
     except (RuntimeError, TypeError, ValueError) as exc:
@@ -204,12 +205,11 @@ def _can_preallocate(batch: Sequence[torch.Tensor]) -> bool:
 def _alloc_like(elem: torch.Tensor, n: int) -> torch.Tensor:
     """Allocate the (uninitialised) output of stacking ``n`` tensors shaped like ``elem``.
 
-    This is the one place batch memory is allocated. In a worker process it is allocated in
-    shared memory, so the batch reaches the main process without another copy (only a handle
-    crosses the pipe).
+    Called in a worker: the batch is allocated in shared memory, so it reaches the main process
+    without another copy (only a handle crosses the pipe).
     """
     out = torch.empty((n, *elem.shape), dtype=elem.dtype, device=elem.device)
-    if elem.device.type == "cpu" and get_worker_info() is not None:
+    if elem.device.type == "cpu":
         out.share_memory_()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     return out
 

@@ -126,6 +126,7 @@ class _AsyncMap(MapSource):
     def __init__(self, dataset: AsyncDataset[Any]) -> None:
         self._dataset = dataset
         self.batched = type(dataset).get_many is not AsyncDataset.get_many
+        self.get = dataset.get  # type: ignore[method-assign]  # no wrapper coroutine per read
 
     def __len__(self) -> int:
         return len(self._dataset)
@@ -165,7 +166,14 @@ class _BlockingMap(MapSource):
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         getitems = getattr(self._dataset, "__getitems__", None)
         if getitems is None:
-            return [self._read(i) for i in indices]
+            dataset, items = self._dataset, []
+            try:
+                for i in indices:  # one try for the slice: a sample costs what its read costs
+                    items.append(dataset[i])
+            except Exception as exc:
+                annotate(exc, "fetch", index=indices[len(items)])
+                raise
+            return items
         items = list(getitems(list(indices)))  # torch's batched protocol (torch >= 2.1)
         if len(items) != len(indices):
             raise ValueError(
@@ -250,7 +258,7 @@ class _BlockingStream(StreamSource):
             close = getattr(iterator, "close", None)
             if close is not None:  # a generator: run its finally blocks on our thread, now
                 with anyio.CancelScope(shield=True):
-                    await self._offload().run(close)
+                    await self._offload().run(close, inline=False)
 
 
 def open_source(

@@ -49,6 +49,13 @@ EPOCH_DEFINING = frozenset(
 )
 
 
+# A call of the user's blocking code that has been taking under this long runs on the event
+# loop's thread rather than hopping to a thread (see _workers/offload.py): a hop (about 50 µs
+# on the 2-core machine, GIL hand-overs included) is then over 5% of the call, and a loop
+# blocked for a millisecond delays nothing that matters (asyncio calls a callback slow at 100).
+INLINE_BELOW_S = 1e-3
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoaderPlan:
     """A loader's settings, checked and resolved.
@@ -107,6 +114,19 @@ class LoaderPlan:
     def worker_threads(self) -> int:
         """Threads that transform and collate when the workers are not processes."""
         return max(1, self.arguments.num_workers)
+
+    @property
+    def io_inline_below(self) -> float | None:
+        """Fast blocking reads run inline, unless ``io_threads`` was given (reads then always
+        run on that many threads: for a dataset that must be called from one thread)."""
+        return INLINE_BELOW_S if self.arguments.io_threads is None else None
+
+    @property
+    def work_inline_below(self) -> float | None:
+        """Fast transforms and collation run inline with ``num_workers=0`` (as torch runs them
+        in the calling thread), unless a ``worker_init_fn`` set up the worker thread."""
+        a = self.arguments
+        return INLINE_BELOW_S if a.num_workers == 0 and a.worker_init_fn is None else None
 
     @property
     def device_depth(self) -> int:

@@ -89,7 +89,12 @@ class Scope:
                 dataset=plan.dataset if isinstance(plan.source, InWorkers) else None,
             )
         else:
-            self.work = ThreadOffload(plan.worker_threads, "worker", worker_init_fn=worker_init_fn)
+            self.work = ThreadOffload(
+                plan.worker_threads,
+                "worker",
+                worker_init_fn=worker_init_fn,
+                inline_below=plan.work_inline_below,
+            )
         self.io: ThreadOffload | None = None
         device = plan.device_plan
         self.device = DeviceStage(device, depth=plan.device_depth) if device else None
@@ -97,7 +102,9 @@ class Scope:
 
     def offload(self) -> ThreadOffload:
         if self.io is None:
-            self.io = ThreadOffload(self.plan.io_threads, "io")
+            self.io = ThreadOffload(
+                self.plan.io_threads, "io", inline_below=self.plan.io_inline_below
+            )
         return self.io
 
     def close_iteration(self) -> None:
@@ -233,8 +240,14 @@ class EpochIterator(Generic[T_Batch]):
         timeout = self._plan.arguments.timeout
         item: Any = None
         try:
-            with anyio.fail_after(timeout if timeout > 0 else None):
-                item = await recv.receive()
+            # A cancellation point still (a cancelled caller gets no batch), but a batch that is
+            # ready is taken without a trip round the event loop.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            try:
+                item = recv.receive_nowait()
+            except anyio.WouldBlock:
+                with anyio.fail_after(timeout if timeout > 0 else None):
+                    item = await recv.receive()
         except anyio.EndOfStream:
             pass
         except TimeoutError:

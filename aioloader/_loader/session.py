@@ -17,8 +17,12 @@ and stops the workers before ``multiprocessing`` would terminate them.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import contextlib
+import functools
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -80,6 +84,39 @@ def _close_all_at_exit() -> None:
     for session in list(_open):
         with contextlib.suppress(Exception):
             session.close()
+
+
+async def _loop_and_event() -> tuple[asyncio.AbstractEventLoop, asyncio.Event]:
+    return asyncio.get_running_loop(), asyncio.Event()
+
+
+async def _pump(
+    epoch: EpochIterator[Any], wanted: asyncio.Event, replies: queue.SimpleQueue[tuple[bool, Any]]
+) -> None:
+    """Receive a batch of ``epoch`` each time ``wanted`` is set, into ``replies``: ``(True,
+    batch)`` or ``(False, error)``. Ends after the epoch's end (``StopAsyncIteration``).
+
+    Cancellation: a waiting consumer gets ``concurrent.futures.CancelledError`` (what a portal
+    call gets when its loop stops).
+    """
+    try:
+        while True:
+            await wanted.wait()
+            wanted.clear()
+            try:
+                batch = await epoch.receive()
+            except StopAsyncIteration as end:
+                replies.put((False, end))
+                return
+            except Exception as exc:  # a failed batch: raised in the consumer, which goes on
+                replies.put((False, exc))
+                del exc
+            else:
+                replies.put((True, batch))
+                del batch
+    except BaseException:
+        replies.put((False, concurrent.futures.CancelledError()))
+        raise
 
 
 def _hook_exit() -> None:
@@ -191,7 +228,7 @@ class Session:
         _open.add(self)
 
     def _stop_loop(self) -> None:
-        self.portal.call(self.portal.stop)
+        self.portal.call(self.portal.stop, True)  # cancel what is left (an iterator's pump)
         self._thread.join()
 
     def close(self) -> None:
@@ -220,6 +257,11 @@ class PlainIterator(Generic[T_Batch]):
         self._owned = owned
         self._loader = loader  # as torch's iterator: the loader lives as long as it
         self._done = False
+        # Batches come from a pump task on the loop, one per request, over a plain queue: a
+        # request and its reply cost two thread wake-ups, a third of a portal call each.
+        self._replies: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._ask: Callable[[], object] | None = None
+        self._pump: concurrent.futures.Future[None] | None = None
         try:
             self._epoch: EpochIterator[T_Batch] = session.portal.call(self._loader.__aiter__)
         except BaseException:
@@ -245,7 +287,9 @@ class PlainIterator(Generic[T_Batch]):
         if self._done:
             raise StopIteration
         try:
-            batch = self._session.portal.call(self._epoch.receive)
+            ok, batch = self._receive()
+            if not ok:
+                raise batch
         except StopAsyncIteration:
             self.close()
             raise StopIteration from None
@@ -265,6 +309,19 @@ class PlainIterator(Generic[T_Batch]):
         finally:
             del error
 
+    def _receive(self) -> tuple[bool, Any]:
+        """``(True, batch)``, the next batch as the loop holds it, or ``(False, error)``: what
+        :meth:`EpochIterator.receive` raised (``concurrent.futures.CancelledError`` when the
+        session closed meanwhile). Returned, not raised: the error's traceback must not hold
+        this frame, which holds the iterator (see :meth:`__next__`)."""
+        if self._ask is None:
+            portal = self._session.portal
+            loop, wanted = portal.call(_loop_and_event)
+            self._pump = portal.start_task_soon(_pump, self._epoch, wanted, self._replies)
+            self._ask = functools.partial(loop.call_soon_threadsafe, wanted.set)
+        self._ask()
+        return self._replies.get()
+
     def close(self) -> None:
         """Stop the epoch (and the session, when this iterator owns it). Idempotent."""
         if self._done:
@@ -272,6 +329,8 @@ class PlainIterator(Generic[T_Batch]):
         self._done = True
         session = self._session
         try:
+            if self._pump is not None:
+                self._pump.cancel()
             if not session.closed:
                 session.portal.call(self._epoch.aclose)
         finally:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -56,8 +57,8 @@ from .._workers.job import (
 )
 from .._workers.pool import WorkerPool
 from .config import PipelineConfig
-from .fetch import Attempts, FailureBudget
-from .flow import ByteBudget, blocked, get, nbytes_of, put
+from .fetch import Attempts, FailureBudget, Pace
+from .flow import ByteBudget, blocked, get, nbytes_of, nbytes_of_all, put
 from .items import Batch, Done, Raised, one_item_lanes
 from .reorder import BatchAssembler, ReorderBuffer
 from .worker_streams import WorkerStreams
@@ -105,6 +106,7 @@ class Epoch:
         self.cancel_scope = anyio.CancelScope()
         batched = isinstance(source, MapSource) and source.batched
         self._chunk = config.chunk(batched)
+        self._pace = Pace()  # a plain source's reads: a task per sample, or a batch per task
         self._fetch_workers = config.fetch_workers(batched)
         in_workers = isinstance(source, InWorkers)
         self.window = config.window(work.concurrency, in_workers=in_workers)
@@ -175,11 +177,18 @@ class Epoch:
                     buffer
                 )
                 tg.start_soon(self._schedule_map, self.source, self.batches, jobs_send)
+                # A pool whose fast calls run inline is called by the fetch workers themselves:
+                # a batch goes on to be transformed without a hand-off to a stage of its own.
+                then = done_send if self.work.inlines else ready_send
                 for _ in range(self._fetch_workers):
-                    tg.start_soon(
-                        self._fetch_worker, self.source, jobs_recv.clone(), ready_send.clone()
-                    )
+                    tg.start_soon(self._fetch_worker, self.source, jobs_recv.clone(), then.clone())
                 jobs_recv.close()
+                if self.work.inlines:
+                    ready_send.close()
+                    ready_recv.close()
+                    done_send.close()
+                    tg.start_soon(self._emit, done_recv, out)
+                    return
             else:
                 tg.start_soon(self._schedule_stream, self.source, ready_send.clone())
             ready_send.close()
@@ -199,8 +208,11 @@ class Epoch:
     # -- schedule -------------------------------------------------------------------------------
 
     async def admit(self, batch: Batch) -> None:
-        with blocked(self.stats.window, "put"):
-            await self._slots.acquire()
+        try:  # a free slot costs no trip round the event loop (anyio's acquire always makes one)
+            self._slots.acquire_nowait()
+        except anyio.WouldBlock:
+            with blocked(self.stats.window, "put"):
+                await self._slots.acquire()
         self.stats.window.start()
         self._open_batches += 1
         self._bytes.active.add(batch.seq)
@@ -220,7 +232,7 @@ class Epoch:
                 batch = Batch(seq, ids, [None] * len(ids), pending=len(ids))
                 seq += 1
                 await self.admit(batch)
-                step = self._chunk
+                step = self._chunk if source.batched else self._pace.samples_per_job(len(ids))
                 for start in range(0, len(ids), step):
                     await put(jobs, (batch, start, min(len(ids), start + step)), self.stats.window)
 
@@ -329,17 +341,30 @@ class Epoch:
         self,
         source: MapSource,
         jobs: MemoryObjectReceiveStream[tuple[Batch, int, int]],
-        ready: MemoryObjectSendStream[Batch],
+        ready: MemoryObjectSendStream[Batch] | MemoryObjectSendStream[Done],
     ) -> None:
+        """Fetch jobs' samples; a batch whose last sample arrives goes on: to the transform
+        stage (``ready`` of batches), or transformed here (``ready`` of done batches, for a
+        pool that ``inlines``)."""
         async with jobs, ready:
             while (job := await get(jobs, self.stats.fetch)) is not None:
                 batch, start, stop = job
                 await self._bytes.wait_room(batch.seq)
                 if source.batched:
                     await self._fetch_many(source, batch, start, stop)
-                else:
+                elif stop - start == 1:
+                    began = time.perf_counter()
                     await self._fetch_one(source, batch, start)
-                if batch.pending == 0:
+                    self._pace.observe(time.perf_counter() - began)
+                else:
+                    await self._fetch_in_turn(source, batch, start, stop)
+                if batch.pending != 0:
+                    continue
+                if self.work.inlines:
+                    await put(
+                        ready, await self._transform(batch, self.work.run), self.stats.transform
+                    )
+                else:
                     await put(ready, batch, self.stats.fetch)
 
     async def _fetch_one(self, source: MapSource, batch: Batch, position: int) -> None:
@@ -347,15 +372,53 @@ class Epoch:
         try:
             sample = await self._attempts.run(lambda: source.get(index), index, batch.seq)
         except Exception as exc:
-            try:
-                self.budget.skip_or_raise(exc, "fetch", batch.seq, index)
-            except Exception as fatal:
-                batch.error = batch.error or fatal
-            batch.failed.add(position)
+            self._skip_or_end(batch, position, exc)
         else:
             batch.samples[position] = sample
-            self._charge(batch, sample)
+            self._charge(batch, nbytes_of(sample))
         batch.pending -= 1
+
+    async def _fetch_in_turn(self, source: MapSource, batch: Batch, start: int, stop: int) -> None:
+        """Read positions ``start`` to ``stop`` one after another in this task (reads that do
+        not wait: see :class:`~aioloader._pipeline.fetch.Pace`), each failure handled alone
+        as :meth:`_fetch_one` handles it. One read in flight; each counted when the slice
+        ends, with the slice's mean time."""
+        attempts, rec = self._attempts, self.stats.fetch
+        if not attempts.plain:  # retries or timeouts: each read through the whole machinery
+            began = time.perf_counter()
+            for position in range(start, stop):
+                await self._fetch_one(source, batch, position)
+            self._pace.observe(time.perf_counter() - began, stop - start)
+            return
+        ids, samples, get, ok = batch.ids, batch.samples, source.get, 0
+        rec.start()  # one read in flight at a time
+        began = time.perf_counter()
+        try:
+            for position in range(start, stop):
+                try:
+                    samples[position] = await get(ids[position])
+                except Exception as exc:
+                    rec.failed += 1
+                    error = attempts.failed(exc, ids[position], batch.seq)
+                    self._skip_or_end(batch, position, error)
+                else:
+                    ok += 1
+                batch.pending -= 1
+        except BaseException:  # cancelled: no longer in flight, nothing else counted
+            rec.in_flight -= 1
+            raise
+        took = time.perf_counter() - began
+        rec.finish_in_turn(ok, took)
+        self._charge(batch, nbytes_of_all(samples[start:stop]))
+        self._pace.observe(took, stop - start)
+
+    def _skip_or_end(self, batch: Batch, position: int, exc: Exception) -> None:
+        """A sample failed: skip it within the budget, or fail its batch."""
+        try:
+            self.budget.skip_or_raise(exc, "fetch", batch.seq, batch.ids[position])
+        except Exception as fatal:
+            batch.error = batch.error or fatal
+        batch.failed.add(position)
 
     async def _fetch_many(self, source: MapSource, batch: Batch, start: int, stop: int) -> None:
         ids = batch.ids[start:stop]
@@ -377,11 +440,10 @@ class Epoch:
             return
         batch.samples[start:stop] = samples
         batch.pending -= len(ids)
-        for sample in samples:
-            self._charge(batch, sample)
+        self._charge(batch, nbytes_of_all(samples))
 
-    def _charge(self, batch: Batch, sample: Any) -> None:
-        n = nbytes_of(sample)
+    def _charge(self, batch: Batch, n: int) -> None:
+        """Count ``n`` fetched bytes held by ``batch``."""
         batch.nbytes += n
         self._bytes.charge(n)
         stats = self.stats
@@ -529,8 +591,11 @@ class Epoch:
         device, rec = self.device, self.stats.device
         if device is None:
             raise RuntimeError("no device stage")
-        with blocked(rec, "put"):  # the device is `depth` batches ahead of the consumer
-            await self._on_device.acquire()
+        try:
+            self._on_device.acquire_nowait()
+        except anyio.WouldBlock:
+            with blocked(rec, "put"):  # the device is `depth` batches ahead of the consumer
+                await self._on_device.acquire()
         try:
             with rec.operation():
                 staged = await device.stage(d.value, self._taken)

@@ -1,6 +1,6 @@
 """The fetch path's rules, each testable without a loader: one read under the per-sample
-timeout and the retry policy (:class:`Attempts`), and the epoch's budget of samples it may skip
-(:class:`FailureBudget`).
+timeout and the retry policy (:class:`Attempts`), the epoch's budget of samples it may skip
+(:class:`FailureBudget`), and whether a source's reads wait (:class:`Pace`).
 
 Owns: counting attempts and failures in the fetch stage's recorder, the backoff between
 attempts, the notes a failure gets ("gave up after N attempts", "max_failures=N exhausted"),
@@ -21,11 +21,44 @@ from .._base.exceptions import annotate, is_annotated
 from .._base.retry import RetryPolicy
 from .._base.stats import Recorders, StageRecorder
 
-__all__ = ["Attempts", "FailureBudget"]
+__all__ = ["Attempts", "FailureBudget", "Pace"]
 
 logger = logging.getLogger("aioloader")
 
 _MAX_SKIPPED_KEPT = 1000  # skipped sample ids remembered for the statistics
+
+
+# Reads that take under this long each (on average, waiting included) gain nothing from running
+# concurrently: a batch's reads then run one after another in one task, where a task per read
+# would cost more than the read (a task switch and two stream hand-offs per sample).
+SEQUENTIAL_BELOW_S = 50e-6
+
+
+class Pace:
+    """How long a source's reads take, and so how a batch's reads are dealt out: one job per
+    sample (reads that wait overlap, up to ``max_inflight``) or one job per batch (reads that
+    return at once run back to back in one task).
+
+    The first batch is read a sample per job; after that the moving average of the time a read
+    took (per sample) decides, batch by batch.
+    """
+
+    __slots__ = ("_below", "_recent")
+
+    def __init__(self, below: float = SEQUENTIAL_BELOW_S) -> None:
+        self._below = below
+        self._recent: float | None = None
+
+    def observe(self, seconds: float, count: int = 1) -> None:
+        """``count`` reads took ``seconds`` together."""
+        each = seconds / count
+        recent = self._recent
+        self._recent = each if recent is None else recent + (each - recent) / 4
+
+    def samples_per_job(self, per_batch: int) -> int:
+        """1 while reads wait (or nothing is known yet), else the whole batch."""
+        recent = self._recent
+        return per_batch if recent is not None and recent < self._below else 1
 
 
 class Attempts:
@@ -44,6 +77,17 @@ class Attempts:
         self._timeout = sample_timeout
         self._epoch = epoch
         self._rng = random.Random()  # retry jitter only: never affects which data is produced
+
+    @property
+    def plain(self) -> bool:
+        """No retries and no per-sample timeout: an attempt is just the call."""
+        return self._retry is None and self._timeout is None
+
+    def failed(self, error: Exception, key: object, seq: int) -> Exception:
+        """``error`` of a plain attempt (see :attr:`plain`), noted as :meth:`run` notes it."""
+        index = None if is_annotated(error) else key
+        annotate(error, "fetch", epoch=self._epoch, batch=seq, index=index)
+        return error
 
     async def run(
         self, call: Callable[[], Awaitable[Any]], key: object, seq: int, *, count: int = 1

@@ -8,6 +8,14 @@ Cancellation policy: a call that has not started is withdrawn; a call that is ru
 interrupted (Python threads can't be), so the cancelled caller waits for it, shielded, before
 the cancellation goes on. That keeps the guarantee that when the loader's scope exits, no thread
 of ours is still running user code. The wait is bounded by one call of the user's function.
+
+Fast calls inline (``inline_below``): a thread hop costs tens of microseconds, more than reading
+a row from memory or collating a few small tensors. A pool made with ``inline_below=s`` times
+every call; while the recent ones (a moving average) took under ``s`` seconds and none of its
+calls is running on a thread, the next call runs on the calling (event loop) thread instead. A
+call that takes longer raises the average, and the calls after it go back to the threads. So
+the loop is never blocked for long by calls known to be slow, and calls known to be fast cost
+what the call costs. A function run this way must not care which thread calls it.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -45,6 +54,13 @@ async def wait_thread_future(future: Future[R]) -> R:
         raise
 
 
+def _timed(fn: Callable[..., R], args: tuple[object, ...]) -> tuple[R, float]:
+    """``fn(*args)`` and how long it took (on a pool thread)."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
+
+
 class ThreadOffload:
     """A bounded pool of named threads for blocking work.
 
@@ -52,9 +68,12 @@ class ThreadOffload:
         threads: Number of threads (they start lazily, on first use).
         name: Prefix of the threads' names (``aioloader-<name>_<n>``).
         worker_init_fn: Called once in each thread as it starts, with the thread's 0-based id.
+        inline_below: Run a call on the calling thread while recent calls took under this many
+            seconds (see the module); None: always on the pool's threads. Only for a pool of
+            one thread: its calls run one at a time, inline or not.
 
     Raises:
-        ValueError: ``threads`` is less than 1.
+        ValueError: ``threads`` is less than 1, or over 1 with ``inline_below``.
     """
 
     def __init__(
@@ -63,10 +82,17 @@ class ThreadOffload:
         name: str,
         *,
         worker_init_fn: Callable[[int], object] | None = None,
+        inline_below: float | None = None,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        if inline_below is not None and threads != 1:
+            raise ValueError(f"inline_below needs threads=1, got threads={threads}")
         self.concurrency = threads
+        self.inlines = inline_below is not None
+        self._inline_below = inline_below
+        self._recent_s: float | None = None  # moving average of calls' durations; None: none yet
+        self._one_at_a_time: asyncio.Semaphore | None = None  # made on the loop, when needed
         ids = itertools.count()  # next() on a count is atomic under the GIL
 
         def init() -> None:
@@ -77,8 +103,13 @@ class ThreadOffload:
             max_workers=threads, thread_name_prefix=f"aioloader-{name}", initializer=init
         )
 
-    async def run(self, fn: Callable[..., R], *args: object, seed: int | None = None) -> R:
-        """Run ``fn(*args)`` on a pool thread and return its result.
+    async def run(
+        self, fn: Callable[..., R], *args: object, seed: int | None = None, inline: bool = True
+    ) -> R:
+        """Run ``fn(*args)`` on a pool thread (or inline, see the module) and return its result.
+
+        ``inline=False`` keeps this call on the pool's threads whatever its speed (a
+        generator's ``finally`` blocks, which may release what was opened there).
 
         ``seed`` is accepted for symmetry with the process pool and ignored: the global random
         generators belong to the application, and threads share them.
@@ -87,9 +118,29 @@ class ThreadOffload:
             Exception: Whatever ``fn`` raises, with its original type and traceback.
 
         Cancellation: a call not yet started is withdrawn; a running one is waited for
-        (shielded) and its result dropped; then ``CancelledError`` goes on.
+        (shielded) and its result dropped; then ``CancelledError`` goes on. A call run inline
+        is not a waiting point.
         """
-        return await wait_thread_future(self._pool.submit(fn, *args))
+        if self._inline_below is None:
+            return await wait_thread_future(self._pool.submit(fn, *args))
+        limit = self._inline_below if inline else None
+        if self._one_at_a_time is None:
+            self._one_at_a_time = asyncio.Semaphore(1)
+        async with self._one_at_a_time:  # not waiting: an inline call never holds it across a yield
+            recent = self._recent_s
+            if limit is not None and recent is not None and recent < limit:
+                started = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    self._observe(time.perf_counter() - started)
+            result, took = await wait_thread_future(self._pool.submit(_timed, fn, args))
+        self._observe(took)
+        return result
+
+    def _observe(self, seconds: float) -> None:
+        recent = self._recent_s
+        self._recent_s = seconds if recent is None else recent + (seconds - recent) / 4
 
     #: Threads share one copy of everything: no worker is distinct (see ``_pool.WorkerPool``).
     per_worker = False

@@ -22,10 +22,14 @@ class WorkerPool(Protocol):
         concurrency: Calls it runs at once.
         per_worker: Whether its workers are distinct processes, each with its own copy of a
             dataset (so a batch can go to the worker of its choice, as torch deals them).
+        inlines: Whether its calls run one at a time, the fast ones inline on the caller's
+            thread (a pool of one thread with ``inline_below``): any task may call it directly,
+            without a stage of tasks queueing work for it.
     """
 
     concurrency: int
     per_worker: bool
+    inlines: bool
 
     async def start(self) -> None:
         """Start the workers (processes: spawned, ``worker_init_fn`` run)."""

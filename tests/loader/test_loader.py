@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -139,12 +140,13 @@ async def test_stream_is_closed_when_epoch_is_abandoned() -> None:
     assert ds.closed == 2
 
 
-async def test_transform_and_collate_run_off_the_event_loop() -> None:
+async def test_slow_transform_and_collate_run_off_the_event_loop() -> None:
     loop_thread = threading.get_ident()
     seen: set[int] = set()
 
     def double(x: int) -> int:
         seen.add(threading.get_ident())
+        time.sleep(0.001)  # slower than a thread hop: worth moving off the loop
         return 2 * x
 
     def collate(samples: list[int]) -> tuple[str, list[int]]:
@@ -156,6 +158,23 @@ async def test_transform_and_collate_run_off_the_event_loop() -> None:
         batches = await epoch(dl)
     assert batches == [("batch", [0, 2, 4]), ("batch", [6, 8, 10]), ("batch", [12, 14, 16])]
     assert seen and loop_thread not in seen
+
+
+async def test_fast_transform_and_collate_run_inline_once_known_fast() -> None:
+    """A call that costs less than a thread hop runs on the loop's thread (with num_workers=0,
+    as torch runs them in the calling thread); the first, not yet timed, runs on a thread."""
+    loop_thread = threading.get_ident()
+    where: list[int] = []
+
+    def collate(samples: list[int]) -> list[int]:
+        where.append(threading.get_ident())
+        return samples
+
+    dl = aioloader.DataLoader(Counting(60), batch_size=3, collate_fn=collate)
+    async with dl:
+        batches = await epoch(dl)
+    assert [x for b in batches for x in b] == list(range(60))
+    assert where[0] != loop_thread and loop_thread in where
 
 
 async def test_worker_threads_are_initialised_with_their_ids() -> None:
