@@ -25,7 +25,7 @@ from .._data.source import InWorkers, Kind, MapSource, StreamSource, open_source
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
 from .._workers.forkserver import prepare_forkserver
-from .._workers.offload import ThreadOffload
+from .._workers.offload import INLINE_BELOW_S, ThreadOffload
 from .arguments import Arguments, check_arguments
 
 __all__ = ["EPOCH_DEFINING", "LoaderPlan", "plan_loader"]
@@ -47,13 +47,6 @@ EPOCH_DEFINING = frozenset(
         "world_size",
     }
 )
-
-
-# A call of the user's blocking code that has been taking under this long runs on the event
-# loop's thread rather than hopping to a thread (see _workers/offload.py): a hop (about 50 µs
-# on the 2-core machine, GIL hand-overs included) is then over 5% of the call, and a loop
-# blocked for a millisecond delays nothing that matters (asyncio calls a callback slow at 100).
-INLINE_BELOW_S = 1e-3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

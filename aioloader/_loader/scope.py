@@ -172,6 +172,11 @@ class EpochIterator(Generic[T_Batch]):
     def __aiter__(self) -> EpochIterator[T_Batch]:
         return self
 
+    @property
+    def stages_on_device(self) -> bool:
+        """Whether batches come staged for a device (:func:`hand_out` finishes them)."""
+        return self._scope.device is not None
+
     async def _start(self) -> MemoryObjectReceiveStream[Any]:
         scope, plan, state = self._scope, self._plan, self._state
         if scope is not state.scope or scope.task_group is None:
@@ -220,12 +225,16 @@ class EpochIterator(Generic[T_Batch]):
         Cancellation: safe; no batch is lost (the next call returns the batch this one would
         have returned).
         """
-        return hand_out(await self.receive())  # type: ignore[no-any-return]
+        batch, warning = await self.receive()
+        if warning is not None:
+            warnings.warn(warning, UserWarning, stacklevel=2)
+        return hand_out(batch)  # type: ignore[no-any-return]
 
-    async def receive(self) -> Any:
+    async def receive(self) -> tuple[Any, str | None]:
         """The next batch as the event loop holds it: a :class:`Staged` batch with a device
         stage, to be finished with :func:`hand_out` in the thread that uses it (a plain ``for``
-        runs this on the loop's thread, then ``hand_out`` on its own).
+        runs this on the loop's thread, then ``hand_out`` on its own); and torch's warning for
+        an iterable past its reported length, or None, for the consumer to give.
 
         Raises and cancellation: as :meth:`__anext__`.
         """
@@ -276,15 +285,16 @@ class EpochIterator(Generic[T_Batch]):
         stats.batches += 1
         stats.samples += size
         self._yielded += 1
-        reported = self._state.iterable_len
+        reported, warning = self._state.iterable_len, None
         if reported is not None and self._yielded > reported and not self._plan.kind.is_map:
-            self._warn_past_length(reported)
+            warning = self._past_length(reported)
         self._last_yield = time.perf_counter()
-        return batch
+        return batch, warning
 
-    def _warn_past_length(self, reported: int) -> None:
-        """torch's warning: an iterable yielded more than ``len(loader)`` said it would (as
-        torch does, the dataset's length is compared with the batches yielded)."""
+    def _past_length(self, reported: int) -> str:
+        """torch's warning, for the consumer to give where it takes the batch: an iterable
+        yielded more than ``len(loader)`` said it would (as torch does, the dataset's length
+        is compared with the batches yielded)."""
         plan = self._plan
         text = (
             f"Length of IterableDataset {plan.dataset!r} was reported to be {reported} (when "
@@ -296,7 +306,7 @@ class EpochIterator(Generic[T_Batch]):
                 "configuring the IterableDataset replica at each worker (each worker iterates "
                 "its own copy: shard it with get_worker_info())."
             )
-        warnings.warn(text, UserWarning, stacklevel=4)
+        return text
 
     def close_stream(self) -> None:
         self._closed = True

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import queue
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -86,23 +87,28 @@ def _close_all_at_exit() -> None:
             session.close()
 
 
-async def _loop_and_event() -> tuple[asyncio.AbstractEventLoop, asyncio.Event]:
-    return asyncio.get_running_loop(), asyncio.Event()
+_AHEAD = 2  # host batches a plain `for` reads ahead of its requests
+
+
+async def _loop_and_credits(ahead: int) -> tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]:
+    return asyncio.get_running_loop(), asyncio.Semaphore(ahead)
 
 
 async def _pump(
-    epoch: EpochIterator[Any], wanted: asyncio.Event, replies: queue.SimpleQueue[tuple[bool, Any]]
+    epoch: EpochIterator[Any],
+    credits: asyncio.Semaphore,
+    replies: queue.SimpleQueue[tuple[bool, Any]],
 ) -> None:
-    """Receive a batch of ``epoch`` each time ``wanted`` is set, into ``replies``: ``(True,
-    batch)`` or ``(False, error)``. Ends after the epoch's end (``StopAsyncIteration``).
+    """Receive a batch of ``epoch`` for each credit (one per request, plus the ``ahead`` it
+    started with) into ``replies``: ``(True, batch)`` or ``(False, error)``. Ends after the
+    epoch's end (``StopAsyncIteration``).
 
     Cancellation: a waiting consumer gets ``concurrent.futures.CancelledError`` (what a portal
     call gets when its loop stops).
     """
     try:
         while True:
-            await wanted.wait()
-            wanted.clear()
+            await credits.acquire()
             try:
                 batch = await epoch.receive()
             except StopAsyncIteration as end:
@@ -257,8 +263,8 @@ class PlainIterator(Generic[T_Batch]):
         self._owned = owned
         self._loader = loader  # as torch's iterator: the loader lives as long as it
         self._done = False
-        # Batches come from a pump task on the loop, one per request, over a plain queue: a
-        # request and its reply cost two thread wake-ups, a third of a portal call each.
+        # Batches come from a pump task on the loop over a plain queue, up to `ahead` of the
+        # requests (see _receive): far cheaper than a portal call per batch.
         self._replies: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
         self._ask: Callable[[], object] | None = None
         self._pump: concurrent.futures.Future[None] | None = None
@@ -298,6 +304,9 @@ class PlainIterator(Generic[T_Batch]):
                 self.close()  # KeyboardInterrupt and the like: the epoch stops here
             error = exc
         else:
+            batch, warning = batch
+            if warning is not None:  # given here, where torch gives it: in the consumer
+                warnings.warn(warning, UserWarning, stacklevel=2)
             # This thread is the consumer: its current stream must wait for the copy.
             return hand_out(batch)  # type: ignore[no-any-return]
         # The error's traceback holds this frame: without `self` in it, a caller that keeps the
@@ -315,10 +324,14 @@ class PlainIterator(Generic[T_Batch]):
         session closed meanwhile). Returned, not raised: the error's traceback must not hold
         this frame, which holds the iterator (see :meth:`__next__`)."""
         if self._ask is None:
+            # A host batch is read ahead while this thread works on the one before (a request
+            # answered at once costs no wait for the loop's thread); a staged one is not, so the
+            # device holds no more batches than the stage's depth.
+            ahead = 0 if self._epoch.stages_on_device else _AHEAD
             portal = self._session.portal
-            loop, wanted = portal.call(_loop_and_event)
-            self._pump = portal.start_task_soon(_pump, self._epoch, wanted, self._replies)
-            self._ask = functools.partial(loop.call_soon_threadsafe, wanted.set)
+            loop, credits = portal.call(_loop_and_credits, ahead)
+            self._pump = portal.start_task_soon(_pump, self._epoch, credits, self._replies)
+            self._ask = functools.partial(loop.call_soon_threadsafe, credits.release)
         self._ask()
         return self._replies.get()
 

@@ -25,8 +25,11 @@ folder gives the same indices on every run and machine (``os.scandir`` order is 
 Threads: inside ``async with dataset:`` (the loader enters it when its scope opens) the dataset
 owns a small pool of threads named ``aioloader-files_<n>``: :meth:`FileDataset.get_many` reads
 a whole slice in one call there (one thread hop per slice, not per file: for small local files
-the hop costs more than the read), and aiofiles runs its calls there too. Leaving the context
-joins them. Outside it, :meth:`FileDataset.get_many` reads item by item with aiofiles on the
+the hop costs more than the read), and aiofiles runs its calls there too. A slice whose reads
+have been taking under a millisecond (files in the page cache) is read on the calling thread
+instead, as the loader runs fast blocking calls (``_workers/offload.py``): there the hop and
+the threads' contention for the GIL cost more than the reads. Leaving the context joins the
+threads. Outside it, :meth:`FileDataset.get_many` reads item by item with aiofiles on the
 event loop's default executor.
 """
 
@@ -36,6 +39,7 @@ import errno
 import logging
 import os
 import stat
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -45,7 +49,8 @@ import aiofiles
 
 from .._base.checks import check_int
 from .._data.dataset import AsyncDataset
-from .._workers.offload import wait_thread_future
+from .._workers.offload import INLINE_BELOW_S, wait_thread_future
+from .._workers.offload import timed as _timed
 
 __all__ = ["FileDataset", "files"]
 
@@ -142,6 +147,7 @@ class FileDataset(AsyncDataset[bytes]):
         self._keys, self._paths = self._list()
         self._pool: ThreadPoolExecutor | None = None
         self._entered = 0
+        self._recent_s: float | None = None  # how long a slice's reads took of late
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -279,7 +285,22 @@ class FileDataset(AsyncDataset[bytes]):
         if pool is None:
             return [await self.get(i) for i in indices]
         items = [(self._keys[i], self._paths[i]) for i in indices]  # a bad index fails here
-        return await wait_thread_future(pool.submit(self._read_many, items))
+        recent = self._recent_s
+        if recent is not None and recent < INLINE_BELOW_S:  # cached files: read them here
+            started = time.perf_counter()
+            try:
+                return self._read_many(items)
+            finally:
+                self._observe(time.perf_counter() - started)
+        out, took = await wait_thread_future(pool.submit(_timed, self._read_many, items))
+        self._observe(took)
+        return out
+
+    def _observe(self, seconds: float) -> None:
+        """A slice took ``seconds`` to read: the moving average that decides where the next
+        one is read."""
+        recent = self._recent_s
+        self._recent_s = seconds if recent is None else recent + (seconds - recent) / 4
 
     def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
         """Blocking: read each ``(key, path)`` in turn (runs on one of the dataset's threads)."""

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -311,3 +312,27 @@ def test_listing_and_reading_is_deterministic_across_instances(tmp_path: Path) -
     make_tree(tmp_path, names)
     a, b = files(tmp_path), files(os.fspath(tmp_path) + os.sep)
     assert a.keys == b.keys == sorted(names)
+
+
+async def test_cached_slices_are_read_here_and_slow_ones_on_the_threads(tmp_path: Path) -> None:
+    """A slice known to read fast (files in the page cache) is read on the calling thread: a
+    hop to a thread would cost more than the reads. One that took over a millisecond sends the
+    next back to the dataset's threads."""
+    make_tree(tmp_path, [f"{i}.bin" for i in range(8)])
+    loop, where, pause = threading.get_ident(), [], [0.0]
+
+    class Spy(FileDataset):
+        def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
+            where.append(threading.get_ident())
+            time.sleep(pause[0])
+            return super()._read_many(items)
+
+    ds = Spy(tmp_path, threads=2)
+    async with ds:
+        for _ in range(6):
+            assert await ds.get_many(range(8)) == [content(f"{i}.bin") for i in range(8)]
+        assert where[0] != loop and where[-2:] == [loop, loop]  # the first is not timed yet
+        pause[0] = 0.02
+        await ds.get_many([0])  # known fast, so here; now known slow
+        await ds.get_many([0])
+        assert where[-2:] == [loop, where[-1]] and where[-1] != loop
