@@ -95,6 +95,12 @@ class MapSource(ABC):
     @abstractmethod
     async def get_many(self, indices: Sequence[int]) -> list[Any]: ...
 
+    @property
+    def reads_inline(self) -> bool:
+        """Whether a read would run at once on the caller's thread, not suspending (fast
+        blocking reads: see ``_workers/offload.py``)."""
+        return False
+
 
 class StreamSource(ABC):
     """Samples in the order the dataset yields them, read once per epoch."""
@@ -181,6 +187,10 @@ class _BlockingMap(MapSource):
                 f"for {len(indices)} indices {list(indices)}"
             )
         return items
+
+    @property
+    def reads_inline(self) -> bool:
+        return self._offload().inline_now
 
     async def get(self, index: int) -> Any:
         return await self._offload().run(self._read, index)

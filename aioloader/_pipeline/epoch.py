@@ -33,6 +33,7 @@ Never: decides order or sharding itself (``_data/sampler.py``, ``_data/sharding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -176,10 +177,11 @@ class Epoch:
                 jobs_send, jobs_recv = anyio.create_memory_object_stream[tuple[Batch, int, int]](
                     buffer
                 )
-                tg.start_soon(self._schedule_map, self.source, self.batches, jobs_send)
                 # A pool whose fast calls run inline is called by the fetch workers themselves:
                 # a batch goes on to be transformed without a hand-off to a stage of its own.
                 then = done_send if self.work.inlines else ready_send
+                direct = done_send.clone() if self.work.inlines else None
+                tg.start_soon(self._schedule_map, self.source, self.batches, jobs_send, direct)
                 for _ in range(self._fetch_workers):
                     tg.start_soon(self._fetch_worker, self.source, jobs_recv.clone(), then.clone())
                 jobs_recv.close()
@@ -222,8 +224,12 @@ class Epoch:
         source: MapSource,
         batches: Iterable[Sequence[int]],
         jobs: MemoryObjectSendStream[tuple[Batch, int, int]],
+        done: MemoryObjectSendStream[Done] | None,
     ) -> None:
-        async with jobs:
+        """Cut each batch into fetch jobs; or, with ``done`` (the pool inlines), make a batch
+        whose reads are known to return at once here, start to finish: reads, transform and
+        collate in this task, no hand-off to a fetch worker."""
+        async with jobs, done or contextlib.nullcontext():
             seq = 0
             for indices in batches:
                 ids = list(indices)
@@ -233,6 +239,16 @@ class Epoch:
                 seq += 1
                 await self.admit(batch)
                 step = self._chunk if source.batched else self._pace.samples_per_job(len(ids))
+                quick = source.reads_inline if source.batched else step > 1
+                if done is not None and quick and step >= len(ids):
+                    await self._bytes.wait_room(batch.seq)
+                    if source.batched:
+                        await self._fetch_many(source, batch, 0, len(ids))
+                    else:
+                        await self._fetch_in_turn(source, batch, 0, len(ids))
+                    done_batch = await self._transform(batch, self.work.run)
+                    await put(done, done_batch, self.stats.transform)
+                    continue
                 for start in range(0, len(ids), step):
                     await put(jobs, (batch, start, min(len(ids), start + step)), self.stats.window)
 

@@ -143,6 +143,12 @@ class ThreadOffload:
         self._observe(took)
         return result
 
+    @property
+    def inline_now(self) -> bool:
+        """Whether the next call would run inline (recent calls were fast)."""
+        limit, recent = self._inline_below, self._recent_s
+        return limit is not None and recent is not None and recent < limit
+
     def _observe(self, seconds: float) -> None:
         recent = self._recent_s
         self._recent_s = seconds if recent is None else recent + (seconds - recent) / 4

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -300,3 +301,32 @@ async def test_statistics_snapshot_is_frozen_and_readable() -> None:
     assert "40 samples" in text and "fetch" in text and "transform" in text
     with pytest.raises(KeyError, match="nope"):
         stats.stage("nope")
+
+
+async def test_reads_that_wait_overlap_up_to_max_inflight_and_fast_ones_run_in_turn() -> None:
+    """An AsyncDataset's reads that wait run side by side, max_inflight at once and never
+    more; reads that return at once are read a batch per task (Pace), still within the bound."""
+
+    class Tracked(aioloader.AsyncDataset[int]):
+        def __init__(self, n: int, wait: float) -> None:
+            self.n, self.wait, self.now, self.most = n, wait, 0, 0
+
+        def __len__(self) -> int:
+            return self.n
+
+        async def get(self, index: int) -> int:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            if self.wait:
+                await anyio.sleep(self.wait)
+            self.now -= 1
+            return index
+
+    slow = Tracked(96, 0.02)
+    async with aioloader.DataLoader(slow, batch_size=8, max_inflight=16) as dl:
+        assert [x for b in await epoch(dl) for x in b.tolist()] == list(range(96))
+    assert slow.most == 16
+    fast = Tracked(960, 0.0)
+    async with aioloader.DataLoader(fast, batch_size=8, max_inflight=16) as dl:
+        assert [x for b in await epoch(dl) for x in b.tolist()] == list(range(960))
+    assert fast.most == 1  # none waits: each read is over before the next starts

@@ -10,7 +10,7 @@ import pytest
 
 import aioloader
 from aioloader._base.stats import Recorders
-from aioloader._pipeline.fetch import Attempts, FailureBudget
+from aioloader._pipeline.fetch import Attempts, FailureBudget, Pace
 
 
 def recorders() -> Recorders:
@@ -78,3 +78,15 @@ def test_no_budget_raises_at_once_without_a_budget_note() -> None:
         budget.skip_or_raise(KeyError("k"), "fetch", seq=0, key="k")
     notes: list[Any] = getattr(info.value, "__notes__", [])
     assert not any("exhausted" in n for n in notes)
+
+
+def test_pace_reads_a_batch_per_task_only_while_reads_return_at_once() -> None:
+    pace = Pace(below=50e-6)
+    assert pace.samples_per_job(32) == 1  # nothing known: a task per sample
+    pace.observe(32 * 2e-6, 32)  # 2 µs a read: they do not wait
+    assert pace.samples_per_job(32) == 32
+    pace.observe(0.02)  # one read waited 20 ms: overlap them again
+    assert pace.samples_per_job(32) == 1
+    for _ in range(20):
+        pace.observe(32 * 2e-6, 32)
+    assert pace.samples_per_job(32) == 32
