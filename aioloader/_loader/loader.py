@@ -118,7 +118,10 @@ class DataLoader(Generic[T_Batch]):
         pin_memory_device: Accepted for torch compatibility (``device`` says where batches go).
         in_order: Yield batches in sampler order (through a reorder buffer); False yields each
             batch as soon as it is complete.
-        transform: Applied to every sample off the event loop, before collation.
+        transform: Applied to every sample before collation: off the event loop, except with
+            ``num_workers=0`` while it (with ``collate_fn``) has been taking under a
+            millisecond a batch, when it runs on the loop's thread as torch runs it in the
+            caller's.
         max_inflight: Most sample fetches running at once (a batched source counts its whole
             batch).
         prefetch: Most finished batches waiting for the consumer.
@@ -142,10 +145,14 @@ class DataLoader(Generic[T_Batch]):
         rank: This process's rank (default: ``torch.distributed`` when initialised, else 0).
         world_size: The number of ranks (default: ``torch.distributed``, else 1).
         io_threads: Threads that call a blocking (torch) dataset read in this process
-            (``num_workers=0`` or ``worker_mode="thread"``). Default 1: as in torch, one thread
-            calls ``__getitem__`` at a time, so a dataset that is not thread-safe (a shared file
-            handle, an HDF5 file) reads correctly. More overlap blocking reads (slow storage,
-            network): only for a dataset that can be called from several threads at once.
+            (``num_workers=0`` or ``worker_mode="thread"``). Default (None): as in torch, one
+            call of ``__getitem__`` at a time, so a dataset that is not thread-safe (a shared
+            file handle, an HDF5 file) reads correctly; on one thread of the loader's own, or,
+            while reads have been taking under a millisecond, on the event loop's thread (a
+            thread hop would cost more than the read). Given, every read runs on that many
+            threads: 1 for a dataset that must always be called from the same thread (a
+            sqlite connection); more overlap blocking reads (slow storage, network), only for a
+            dataset that can be called from several threads at once.
         worker_mode: ``"process"`` (default): ``num_workers`` spawned processes;
             ``"thread"``: ``num_workers`` threads (for GIL-releasing code or free-threaded
             Python). Processes need ``transform``, ``collate_fn`` and ``worker_init_fn`` to be
