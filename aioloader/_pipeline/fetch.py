@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from .._base.exceptions import annotate, is_annotated
+from .._base.recent import Recent
 from .._base.retry import RetryPolicy
 from .._base.stats import Recorders, StageRecorder
 
@@ -47,18 +48,15 @@ class Pace:
 
     def __init__(self, below: float = SEQUENTIAL_BELOW_S) -> None:
         self._below = below
-        self._recent: float | None = None
+        self._recent = Recent()  # a read's time, per sample
 
     def observe(self, seconds: float, count: int = 1) -> None:
         """``count`` reads took ``seconds`` together."""
-        each = seconds / count
-        recent = self._recent
-        self._recent = each if recent is None else recent + (each - recent) / 4
+        self._recent.add(seconds / count)
 
     def samples_per_job(self, per_batch: int) -> int:
         """1 while reads wait (or nothing is known yet), else the whole batch."""
-        recent = self._recent
-        return per_batch if recent is not None and recent < self._below else 1
+        return per_batch if self._recent.under(self._below) else 1
 
 
 class Attempts:

@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from .._base.recent import Recent
+
 __all__ = ["INLINE_BELOW_S", "ThreadOffload", "timed", "wait_thread_future"]
 
 R = TypeVar("R")
@@ -96,7 +98,7 @@ class ThreadOffload:
         self.concurrency = threads
         self.inlines = inline_below is not None
         self._inline_below = inline_below
-        self._recent_s: float | None = None  # moving average of calls' durations; None: none yet
+        self._recent = Recent()  # how long calls have been taking
         self._one_at_a_time: asyncio.Semaphore | None = None  # made on the loop, when needed
         ids = itertools.count()  # next() on a count is atomic under the GIL
 
@@ -132,26 +134,21 @@ class ThreadOffload:
         if self._one_at_a_time is None:
             self._one_at_a_time = asyncio.Semaphore(1)
         async with self._one_at_a_time:  # not waiting: an inline call never holds it across a yield
-            recent = self._recent_s
-            if limit is not None and recent is not None and recent < limit:
+            if limit is not None and self._recent.under(limit):
                 started = time.perf_counter()
                 try:
                     return fn(*args)
                 finally:
-                    self._observe(time.perf_counter() - started)
+                    self._recent.add(time.perf_counter() - started)
             result, took = await wait_thread_future(self._pool.submit(timed, fn, *args))
-        self._observe(took)
+        self._recent.add(took)
         return result
 
     @property
     def inline_now(self) -> bool:
         """Whether the next call would run inline (recent calls were fast)."""
-        limit, recent = self._inline_below, self._recent_s
-        return limit is not None and recent is not None and recent < limit
-
-    def _observe(self, seconds: float) -> None:
-        recent = self._recent_s
-        self._recent_s = seconds if recent is None else recent + (seconds - recent) / 4
+        limit = self._inline_below
+        return limit is not None and self._recent.under(limit)
 
     #: Threads share one copy of everything: no worker is distinct (see ``_pool.WorkerPool``).
     per_worker = False

@@ -48,6 +48,7 @@ from types import TracebackType
 import aiofiles
 
 from .._base.checks import check_int
+from .._base.recent import Recent
 from .._data.dataset import AsyncDataset
 from .._workers.offload import INLINE_BELOW_S, wait_thread_future
 from .._workers.offload import timed as _timed
@@ -147,7 +148,7 @@ class FileDataset(AsyncDataset[bytes]):
         self._keys, self._paths = self._list()
         self._pool: ThreadPoolExecutor | None = None
         self._entered = 0
-        self._recent_s: float | None = None  # how long a slice's reads took of late
+        self._recent = Recent()  # how long a slice's reads have been taking
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -285,22 +286,15 @@ class FileDataset(AsyncDataset[bytes]):
         if pool is None:
             return [await self.get(i) for i in indices]
         items = [(self._keys[i], self._paths[i]) for i in indices]  # a bad index fails here
-        recent = self._recent_s
-        if recent is not None and recent < INLINE_BELOW_S:  # cached files: read them here
+        if self._recent.under(INLINE_BELOW_S):  # cached files: read them here
             started = time.perf_counter()
             try:
                 return self._read_many(items)
             finally:
-                self._observe(time.perf_counter() - started)
+                self._recent.add(time.perf_counter() - started)
         out, took = await wait_thread_future(pool.submit(_timed, self._read_many, items))
-        self._observe(took)
+        self._recent.add(took)
         return out
-
-    def _observe(self, seconds: float) -> None:
-        """A slice took ``seconds`` to read: the moving average that decides where the next
-        one is read."""
-        recent = self._recent_s
-        self._recent_s = seconds if recent is None else recent + (seconds - recent) / 4
 
     def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
         """Blocking: read each ``(key, path)`` in turn (runs on one of the dataset's threads)."""
