@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -59,8 +58,9 @@ from .._workers.job import (
 from .._workers.pool import WorkerPool
 from .config import PipelineConfig
 from .fetch import Attempts, FailureBudget, Pace
-from .flow import ByteBudget, blocked, get, nbytes_of, nbytes_of_all, put
+from .flow import ByteBudget, blocked, get, put
 from .items import Batch, Done, Raised, one_item_lanes
+from .reads import Reads
 from .reorder import BatchAssembler, ReorderBuffer
 from .worker_streams import WorkerStreams
 
@@ -115,6 +115,7 @@ class Epoch:
         self._bytes = ByteBudget(config.max_inflight_bytes)
         self.budget = FailureBudget(config.max_failures, stats, number)
         self._attempts = Attempts(stats.fetch, config.retry, config.sample_timeout, number)
+        self._reads = Reads(self._attempts, self.budget, self._pace, self._bytes, stats)
         self._open_batches = 0
         stats.window.limit = self.window
         stats.fetch.limit = max(config.max_inflight, self._chunk)
@@ -242,10 +243,7 @@ class Epoch:
                 quick = source.reads_inline if source.batched else step > 1
                 if done is not None and quick and step >= len(ids):
                     await self._bytes.wait_room(batch.seq)
-                    if source.batched:
-                        await self._fetch_many(source, batch, 0, len(ids))
-                    else:
-                        await self._fetch_in_turn(source, batch, 0, len(ids))
+                    await self._reads.slice(source, batch, 0, len(ids))
                     done_batch = await self._transform(batch, self.work.run)
                     await put(done, done_batch, self.stats.transform)
                     continue
@@ -366,14 +364,7 @@ class Epoch:
             while (job := await get(jobs, self.stats.fetch)) is not None:
                 batch, start, stop = job
                 await self._bytes.wait_room(batch.seq)
-                if source.batched:
-                    await self._fetch_many(source, batch, start, stop)
-                elif stop - start == 1:
-                    began = time.perf_counter()
-                    await self._fetch_one(source, batch, start)
-                    self._pace.observe(time.perf_counter() - began)
-                else:
-                    await self._fetch_in_turn(source, batch, start, stop)
+                await self._reads.slice(source, batch, start, stop)
                 if batch.pending != 0:
                     continue
                 if self.work.inlines:
@@ -382,90 +373,6 @@ class Epoch:
                     )
                 else:
                     await put(ready, batch, self.stats.fetch)
-
-    async def _fetch_one(self, source: MapSource, batch: Batch, position: int) -> None:
-        index = batch.ids[position]
-        try:
-            sample = await self._attempts.run(lambda: source.get(index), index, batch.seq)
-        except Exception as exc:
-            self._skip_or_end(batch, position, exc)
-        else:
-            batch.samples[position] = sample
-            self._charge(batch, nbytes_of(sample))
-        batch.pending -= 1
-
-    async def _fetch_in_turn(self, source: MapSource, batch: Batch, start: int, stop: int) -> None:
-        """Read positions ``start`` to ``stop`` one after another in this task (reads that do
-        not wait: see :class:`~aioloader._pipeline.fetch.Pace`), each failure handled alone
-        as :meth:`_fetch_one` handles it. One read in flight; each counted when the slice
-        ends, with the slice's mean time."""
-        attempts, rec = self._attempts, self.stats.fetch
-        if not attempts.plain:  # retries or timeouts: each read through the whole machinery
-            began = time.perf_counter()
-            for position in range(start, stop):
-                await self._fetch_one(source, batch, position)
-            self._pace.observe(time.perf_counter() - began, stop - start)
-            return
-        ids, samples, get, ok = batch.ids, batch.samples, source.get, 0
-        rec.start()  # one read in flight at a time
-        began = time.perf_counter()
-        try:
-            for position in range(start, stop):
-                try:
-                    samples[position] = await get(ids[position])
-                except Exception as exc:
-                    rec.failed += 1
-                    error = attempts.failed(exc, ids[position], batch.seq)
-                    self._skip_or_end(batch, position, error)
-                else:
-                    ok += 1
-                batch.pending -= 1
-        except BaseException:  # cancelled: no longer in flight, nothing else counted
-            rec.in_flight -= 1
-            raise
-        took = time.perf_counter() - began
-        rec.finish_in_turn(ok, took)
-        self._charge(batch, nbytes_of_all(samples[start:stop]))
-        self._pace.observe(took, stop - start)
-
-    def _skip_or_end(self, batch: Batch, position: int, exc: Exception) -> None:
-        """A sample failed: skip it within the budget, or fail its batch."""
-        try:
-            self.budget.skip_or_raise(exc, "fetch", batch.seq, batch.ids[position])
-        except Exception as fatal:
-            batch.error = batch.error or fatal
-        batch.failed.add(position)
-
-    async def _fetch_many(self, source: MapSource, batch: Batch, start: int, stop: int) -> None:
-        ids = batch.ids[start:stop]
-        try:
-            samples = await self._attempts.run(
-                lambda: source.get_many(ids), ids, batch.seq, count=len(ids)
-            )
-        except Exception as exc:
-            if self.budget.left == 0:
-                self.budget.exhausted_note(exc)
-                batch.error = batch.error or exc
-                batch.pending -= len(ids)
-                return
-            # Some of the slice may be fine: fetch it item by item so only bad samples go (and
-            # only they count as failed).
-            self.stats.fetch.failed -= len(ids)
-            for position in range(start, stop):
-                await self._fetch_one(source, batch, position)
-            return
-        batch.samples[start:stop] = samples
-        batch.pending -= len(ids)
-        self._charge(batch, nbytes_of_all(samples))
-
-    def _charge(self, batch: Batch, n: int) -> None:
-        """Count ``n`` fetched bytes held by ``batch``."""
-        batch.nbytes += n
-        self._bytes.charge(n)
-        stats = self.stats
-        stats.bytes_held = self._bytes.held
-        if stats.bytes_held > stats.max_bytes_held:
-            stats.max_bytes_held = stats.bytes_held
 
     # -- transform + collate ----------------------------------------------------------------------
 
