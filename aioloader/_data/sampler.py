@@ -8,6 +8,7 @@ event loop, no I/O, no threads.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, TypeVar
 
@@ -279,13 +280,10 @@ class BatchSampler(Sampler[list[int]]):
             set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        batch: list[int] = []
-        for index in self._sampler:
-            batch.append(index)
-            if len(batch) == self._batch_size:
-                yield batch
-                batch = []
-        if batch and not self._drop_last:
+        indices, size = iter(self._sampler), self._batch_size
+        while batch := list(itertools.islice(indices, size)):  # a batch per C-level slice
+            if len(batch) < size and self._drop_last:
+                return
             yield batch
 
     def __len__(self) -> int:

@@ -420,7 +420,12 @@ class Epoch:
         cfg, rec = self.config, self.stats.transform
         if batch.error is not None:
             return Done(batch, None, 0, batch.error)
-        keep = [p for p in range(len(batch.ids)) if p not in batch.failed]
+        failed = batch.failed
+        keep = (
+            range(len(batch.ids))
+            if not failed
+            else [p for p in range(len(batch.ids)) if p not in failed]
+        )
         if not keep:
             return Done(batch, None, 0)
         unbatched = cfg.unbatched
@@ -439,7 +444,7 @@ class Epoch:
     async def _run_batch(
         self,
         batch: Batch,
-        keep: list[int],
+        keep: Sequence[int],
         run: Callable[..., Awaitable[Any]],
         seed: int | None,
     ) -> tuple[Any, int]:

@@ -185,3 +185,18 @@ def test_nested_tensor_collate_error_reads_like_torchs() -> None:
     for collate in (torch.utils.data.default_collate, aioloader.default_collate):
         with pytest.raises(RuntimeError, match="not currently supported by the default collate"):
             collate(nested)
+
+
+def test_warnings_of_a_setting_point_at_the_users_line() -> None:
+    """A setting checked again when set warns as construction does, at the caller's line."""
+    if torch.cuda.is_available():
+        pytest.skip("pin_memory warns only without an accelerator")
+    with pytest.warns(UserWarning, match="pin_memory") as at_init:
+        dl = aioloader.DataLoader(MAP, batch_size=2, pin_memory=True)
+    dl = aioloader.DataLoader(MAP, batch_size=2)
+    with pytest.warns(UserWarning, match="pin_memory") as when_set:
+        dl.pin_memory = True
+    dl = aioloader.DataLoader(MAP, batch_size=2)
+    with pytest.warns(UserWarning, match="excessive worker creation") as many:
+        dl.num_workers = 1000
+    assert at_init[0].filename == when_set[0].filename == many[0].filename == __file__
