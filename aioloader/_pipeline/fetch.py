@@ -101,6 +101,14 @@ class Attempts:
         Cancellation: the attempt in progress is cancelled; nothing stays counted in flight.
         """
         retry, failures = self._retry, 0
+        if retry is None and self._timeout is None:  # one plain attempt
+            try:
+                with self._rec.operation(count):
+                    return await call()
+            except Exception as exc:
+                index = None if is_annotated(exc) else key
+                annotate(exc, "fetch", epoch=self._epoch, batch=seq, index=index)
+                raise
         while True:
             again = False  # the policy is asked once per failure
             try:

@@ -73,8 +73,9 @@ class ByteBudget:
     def release(self, seq: int, n: int) -> None:
         self.active.discard(seq)
         self.held -= n
-        self._room.set()
-        self._room = anyio.Event()
+        if self.limit is not None:  # no bound: nobody waits for room
+            self._room.set()
+            self._room = anyio.Event()
 
 
 class blocked:  # used like a function: `with blocked(rec, "put"):`
