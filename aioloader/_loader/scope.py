@@ -255,7 +255,10 @@ class EpochIterator(Generic[T_Batch]):
             try:
                 item = recv.receive_nowait()
             except anyio.WouldBlock:
-                with anyio.fail_after(timeout if timeout > 0 else None):
+                if timeout > 0:
+                    with anyio.fail_after(timeout):
+                        item = await recv.receive()
+                else:  # no cancel scope to make and leave per batch
                     item = await recv.receive()
         except anyio.EndOfStream:
             pass

@@ -37,16 +37,21 @@ def nbytes_of(sample: Any) -> int:
 
 
 def nbytes_of_all(samples: list[Any]) -> int:
-    """``sum(map(nbytes_of, samples))``, without a Python call per sample when every sample is
-    of one type with a plain ``nbytes`` (tensors, arrays) or is ``bytes``."""
+    """``sum(map(nbytes_of, samples))``, without a Python call per sample when the samples are
+    arrays or tensors (an ``nbytes`` each) or ``bytes``, as the first one is."""
     if not samples:
         return 0
-    kind = type(samples[0])
-    if all(type(s) is kind for s in samples):
-        if kind is bytes or kind is bytearray:
-            return sum(map(len, samples))
-        if isinstance(getattr(samples[0], "nbytes", None), int):
-            return sum(map(_NBYTES, samples))
+    first = samples[0]
+    try:
+        if isinstance(first, (bytes, bytearray)):
+            if all(isinstance(s, (bytes, bytearray)) for s in samples):
+                return sum(map(len, samples))
+        if isinstance(getattr(first, "nbytes", None), int):
+            total = sum(map(_NBYTES, samples))
+            if isinstance(total, int):
+                return total
+    except (AttributeError, TypeError):  # not all alike: count them one by one
+        pass
     return sum(map(nbytes_of, samples))
 
 
