@@ -43,9 +43,10 @@ def nbytes_of_all(samples: list[Any]) -> int:
         return 0
     first = samples[0]
     try:
-        if isinstance(first, (bytes, bytearray)):
-            if all(isinstance(s, (bytes, bytearray)) for s in samples):
-                return sum(map(len, samples))
+        if isinstance(first, (bytes, bytearray)) and all(
+            isinstance(s, (bytes, bytearray)) for s in samples
+        ):
+            return sum(map(len, samples))
         if isinstance(getattr(first, "nbytes", None), int):
             total = sum(map(_NBYTES, samples))
             if isinstance(total, int):

@@ -100,6 +100,7 @@ class ThreadOffload:
         self._inline_below = inline_below
         self._recent = Recent()  # how long calls have been taking
         self._one_at_a_time: asyncio.Semaphore | None = None  # made on the loop, when needed
+        self._queued = 0  # calls waiting for or running on the thread
         ids = itertools.count()  # next() on a count is atomic under the GIL
 
         def init() -> None:
@@ -131,18 +132,27 @@ class ThreadOffload:
         if self._inline_below is None:
             return await wait_thread_future(self._pool.submit(fn, *args))
         limit = self._inline_below if inline else None
+        if limit is not None and not self._queued and self._recent.under(limit):
+            return self._inline(fn, args)  # nothing on the thread: no semaphore to take
         if self._one_at_a_time is None:
             self._one_at_a_time = asyncio.Semaphore(1)
-        async with self._one_at_a_time:  # not waiting: an inline call never holds it across a yield
-            if limit is not None and self._recent.under(limit):
-                started = time.perf_counter()
-                try:
-                    return fn(*args)
-                finally:
-                    self._recent.add(time.perf_counter() - started)
-            result, took = await wait_thread_future(self._pool.submit(timed, fn, *args))
+        self._queued += 1  # no call runs inline while this one waits or runs on the thread
+        try:
+            async with self._one_at_a_time:
+                if limit is not None and self._recent.under(limit):
+                    return self._inline(fn, args)
+                result, took = await wait_thread_future(self._pool.submit(timed, fn, *args))
+        finally:
+            self._queued -= 1
         self._recent.add(took)
         return result
+
+    def _inline(self, fn: Callable[..., R], args: tuple[object, ...]) -> R:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._recent.add(time.perf_counter() - started)
 
     @property
     def inline_now(self) -> bool:
