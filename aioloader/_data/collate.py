@@ -159,8 +159,29 @@ def _collate_tensors(batch: Sequence[Any], path: str) -> torch.Tensor:
             f"{path}: batches of sparse tensors are not supported by default_collate; "
             "pass a custom collate function"
         )
-    shape = elem.shape
-    for i, item in enumerate(batch):  # one pass: the checks cost per sample
+    tensors = batch if isinstance(batch, list | tuple) else list(batch)
+    # In a worker the batch is allocated in shared memory (see _alloc_like); elsewhere a plain
+    # stack allocates the same tensor.
+    in_worker = get_worker_info() is not None
+    try:
+        out = _alloc_like(elem, len(tensors)) if in_worker and _can_preallocate(tensors) else None
+        return torch.stack(tensors, 0, out=out)
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        _explain_unstackable(tensors, path)  # a sample that differs: say which
+        exc.add_note(f"while collating {path}")
+        raise
+
+
+def _explain_unstackable(batch: Sequence[Any], path: str) -> None:
+    """Raise the error that names the sample unlike sample 0 (a stack that failed is
+    diagnosed here, after the fact: checking every sample first would cost each batch).
+
+    Raises:
+        TypeError: A sample is not a tensor.
+        RuntimeError: A sample's shape differs from sample 0's.
+    """
+    shape = batch[0].shape
+    for i, item in enumerate(batch):
         if not isinstance(item, torch.Tensor):
             raise TypeError(
                 f"{path}: expected a tensor in every sample (as in sample 0), "
@@ -171,16 +192,6 @@ def _collate_tensors(batch: Sequence[Any], path: str) -> torch.Tensor:
                 f"{path}: cannot stack tensors of different shapes: sample 0 has shape "
                 f"{tuple(shape)} but sample {i} has shape {tuple(item.shape)}"
             )
-    tensors = batch if isinstance(batch, list | tuple) else list(batch)
-    # In a worker the batch is allocated in shared memory (see _alloc_like); elsewhere a plain
-    # stack allocates the same tensor.
-    in_worker = get_worker_info() is not None
-    out = _alloc_like(elem, len(tensors)) if in_worker and _can_preallocate(tensors) else None
-    try:
-        return torch.stack(tensors, 0, out=out)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        exc.add_note(f"while collating {path}")
-        raise
 
 
 def _can_preallocate(batch: Sequence[torch.Tensor]) -> bool:

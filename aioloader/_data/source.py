@@ -172,14 +172,12 @@ class _BlockingMap(MapSource):
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         getitems = getattr(self._dataset, "__getitems__", None)
         if getitems is None:
-            dataset, items = self._dataset, []
-            try:
-                for i in indices:  # one try for the slice: a sample costs what its read costs
-                    items.append(dataset[i])
+            dataset, index = self._dataset, None
+            try:  # one try for the slice: a sample costs what its read costs
+                return [dataset[(index := i)] for i in indices]
             except Exception as exc:
-                annotate(exc, "fetch", index=indices[len(items)])
+                annotate(exc, "fetch", index=index)
                 raise
-            return items
         items = list(getitems(list(indices)))  # torch's batched protocol (torch >= 2.1)
         if len(items) != len(indices):
             raise ValueError(
