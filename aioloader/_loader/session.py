@@ -21,7 +21,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import functools
 import queue
 import threading
 import warnings
@@ -87,7 +86,12 @@ def _close_all_at_exit() -> None:
             session.close()
 
 
-_AHEAD = 2  # host batches a plain `for` reads ahead of its requests
+_AHEAD = 4  # host batches a plain `for` reads ahead of its requests
+
+
+def _give(credits: asyncio.Semaphore, n: int) -> None:
+    for _ in range(n):
+        credits.release()
 
 
 async def _loop_and_credits(ahead: int) -> tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]:
@@ -266,7 +270,9 @@ class PlainIterator(Generic[T_Batch]):
         # Batches come from a pump task on the loop over a plain queue, up to `ahead` of the
         # requests (see _receive): far cheaper than a portal call per batch.
         self._replies: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        self._ask: Callable[[], object] | None = None
+        self._ask: Callable[[int], object] | None = None
+        self._owed = 0  # batches asked for whose credits the pump has not had yet
+        self._every = 1
         self._pump: concurrent.futures.Future[None] | None = None
         try:
             self._epoch: EpochIterator[T_Batch] = session.portal.call(self._loader.__aiter__)
@@ -327,12 +333,21 @@ class PlainIterator(Generic[T_Batch]):
             # A host batch is read ahead while this thread works on the one before (a request
             # answered at once costs no wait for the loop's thread); a staged one is not, so the
             # device holds no more batches than the stage's depth.
+            # Credits go back two at a time: half the wake-ups of the loop's thread.
             ahead = 0 if self._epoch.stages_on_device else _AHEAD
+            self._every = 1 if ahead == 0 else _AHEAD // 2
             portal = self._session.portal
             loop, credits = portal.call(_loop_and_credits, ahead)
             self._pump = portal.start_task_soon(_pump, self._epoch, credits, self._replies)
-            self._ask = functools.partial(loop.call_soon_threadsafe, credits.release)
-        self._ask()
+
+            def ask(n: int) -> None:
+                loop.call_soon_threadsafe(_give, credits, n)
+
+            self._ask = ask
+        self._owed += 1
+        if self._owed >= self._every:
+            self._ask(self._owed)
+            self._owed = 0
         return self._replies.get()
 
     def close(self) -> None:
