@@ -160,9 +160,7 @@ def _collate_tensors(batch: Sequence[Any], path: str) -> torch.Tensor:
             "pass a custom collate function"
         )
     tensors = batch if isinstance(batch, list | tuple) else list(batch)
-    # In a worker the batch is allocated in shared memory (see _alloc_like); elsewhere a plain
-    # stack allocates the same tensor.
-    in_worker = get_worker_info() is not None
+    in_worker = get_worker_info() is not None  # there: into shared memory (see _alloc_like)
     try:
         out = _alloc_like(elem, len(tensors)) if in_worker and _can_preallocate(tensors) else None
         return torch.stack(tensors, 0, out=out)
@@ -173,13 +171,8 @@ def _collate_tensors(batch: Sequence[Any], path: str) -> torch.Tensor:
 
 
 def _explain_unstackable(batch: Sequence[Any], path: str) -> None:
-    """Raise the error that names the sample unlike sample 0 (a stack that failed is
-    diagnosed here, after the fact: checking every sample first would cost each batch).
-
-    Raises:
-        TypeError: A sample is not a tensor.
-        RuntimeError: A sample's shape differs from sample 0's.
-    """
+    """After a failed stack (checking first would cost every batch): raise ``TypeError`` for
+    a sample that is no tensor, ``RuntimeError`` for one shaped unlike sample 0, naming it."""
     shape = batch[0].shape
     for i, item in enumerate(batch):
         if not isinstance(item, torch.Tensor):
