@@ -168,9 +168,19 @@ class EpochIterator(Generic[T_Batch]):
         self._last_yield: float | None = None
         self._closed = False
         self._yielded = 0
+        self._held_elsewhere = 0  # ready batches the consumer's side holds (see hold_ahead)
 
     def __aiter__(self) -> EpochIterator[T_Batch]:
         return self
+
+    def hold_ahead(self, most: int) -> int:
+        """Let the consumer's side hold ready batches of its own (a plain ``for`` reads ahead
+        across threads): up to ``most``, and half of ``prefetch`` at most, taken out of
+        ``prefetch`` so that no more than ``prefetch`` finished batches wait in all (the other
+        half stays in the epoch's stream, so its emitter does not wait on every hand-over).
+        Call before the first batch. Returns how many it may hold."""
+        self._held_elsewhere = min(most, self._plan.config.prefetch // 2)
+        return self._held_elsewhere
 
     @property
     def stages_on_device(self) -> bool:
@@ -202,7 +212,8 @@ class EpochIterator(Generic[T_Batch]):
             if callable(set_epoch):
                 set_epoch(self._number)
         config = plan.config
-        send, recv = anyio.create_memory_object_stream[Any](config.prefetch)
+        buffer = config.prefetch - self._held_elsewhere  # the rest waits beyond the stream
+        send, recv = anyio.create_memory_object_stream[Any](buffer)
         epoch = Epoch(
             self._number, config, plan.source, batches, scope.work, state.stats, scope.device
         )

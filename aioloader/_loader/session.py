@@ -86,7 +86,7 @@ def _close_all_at_exit() -> None:
             session.close()
 
 
-_AHEAD = 4  # host batches a plain `for` reads ahead of its requests
+_AHEAD = 4  # at most this many host batches a plain `for` reads ahead (half of `prefetch` at most)
 
 
 def _give(credits: asyncio.Semaphore, n: int) -> None:
@@ -330,12 +330,14 @@ class PlainIterator(Generic[T_Batch]):
         session closed meanwhile). Returned, not raised: the error's traceback must not hold
         this frame, which holds the iterator (see :meth:`__next__`)."""
         if self._ask is None:
-            # A host batch is read ahead while this thread works on the one before (a request
-            # answered at once costs no wait for the loop's thread); a staged one is not, so the
-            # device holds no more batches than the stage's depth.
-            # Credits go back two at a time: half the wake-ups of the loop's thread.
-            ahead = 0 if self._epoch.stages_on_device else _AHEAD
-            self._every = 1 if ahead == 0 else _AHEAD // 2
+            # Host batches are read ahead while this thread works on the one before (a request
+            # answered at once costs no wait for the loop's thread), out of `prefetch`: the
+            # epoch's stream holds that many fewer. Staged ones are not, so the device holds no
+            # more than the stage's depth. Credits go back two at a time (enough while at least
+            # one batch is read ahead): half the wake-ups of the loop's thread.
+            epoch = self._epoch
+            ahead = 0 if epoch.stages_on_device else epoch.hold_ahead(_AHEAD)
+            self._every = 2 if ahead else 1
             portal = self._session.portal
             loop, credits = portal.call(_loop_and_credits, ahead)
             self._pump = portal.start_task_soon(_pump, self._epoch, credits, self._replies)

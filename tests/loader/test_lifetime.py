@@ -4,10 +4,12 @@ leaving the scope in any way leaves no task, thread or file descriptor behind an
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import anyio
 import pytest
+import torch
 
 import aioloader
 from tests.conftest import aioloader_threads
@@ -213,3 +215,28 @@ def test_plain_for_exception_propagates_unwrapped_and_cleans_up() -> None:
     with dl:
         assert flat(dl) == list(range(100))
         assert flat(dl) == list(range(100))
+
+
+def test_a_plain_for_holds_no_more_ready_batches_than_prefetch() -> None:
+    """The plain-for pump's read-ahead is taken out of ``prefetch``: while the consumer holds
+    its first batch, what is read ahead is the window (batches in progress) plus ``prefetch``
+    finished ones, no more."""
+
+    class Counted(torch.utils.data.Dataset[int]):
+        reads = 0
+
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, index: int) -> int:
+            Counted.reads += 1
+            return index
+
+    dl = aioloader.DataLoader(Counted(), batch_size=1, max_inflight=1, prefetch=2)
+    window = 2 * 1 + 1 + 1  # 2 x the batches max_inflight fetches, + 1 worker, + 1
+    with dl:
+        it = iter(dl)
+        first = next(it)
+        time.sleep(0.3)  # the pipeline fills everything it may
+        assert Counted.reads <= 1 + window + 2
+        assert [first.item(), *(b.item() for b in it)] == list(range(64))
