@@ -2,12 +2,18 @@
 
 Owns: :class:`Recent`, the moving average that the adaptive decisions read (run a call inline
 or on a thread, read a batch's samples in one task or a task each). Never: decides anything
-itself, or reads a clock (callers measure).
+itself.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
 __all__ = ["Recent"]
+
+R = TypeVar("R")
 
 
 class Recent:
@@ -27,3 +33,11 @@ class Recent:
     def under(self, limit: float) -> bool:
         """Whether something was measured and the average is under ``limit``."""
         return self.seconds is not None and self.seconds < limit
+
+    def call(self, fn: Callable[..., R], *args: object) -> R:
+        """``fn(*args)``, here and now, its duration added (a failed call's too)."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.add(time.perf_counter() - started)

@@ -242,8 +242,7 @@ class Epoch:
                 step = self._chunk if source.batched else self._pace.samples_per_job(len(ids))
                 quick = source.reads_inline if source.batched else step > 1
                 if done is not None and quick and step >= len(ids):
-                    if self._bytes.limit is not None:
-                        await self._bytes.wait_room(batch.seq)
+                    await self._bytes.wait_room(batch.seq)
                     await self._reads.slice(source, batch, 0, len(ids))
                     done_batch = await self._transform(batch, self.work.run)
                     await put(done, done_batch, self.stats.transform)
@@ -364,8 +363,7 @@ class Epoch:
         async with jobs, ready:
             while (job := await get(jobs, self.stats.fetch)) is not None:
                 batch, start, stop = job
-                if self._bytes.limit is not None:
-                    await self._bytes.wait_room(batch.seq)
+                await self._bytes.wait_room(batch.seq)
                 await self._reads.slice(source, batch, start, stop)
                 if batch.pending != 0:
                     continue

@@ -82,7 +82,9 @@ class Attempts:
         return self._retry is None and self._timeout is None
 
     def failed(self, error: Exception, key: object, seq: int) -> Exception:
-        """``error`` of a plain attempt (see :attr:`plain`), noted as :meth:`run` notes it."""
+        """``error``, the last attempt's, with the note naming the stage, the sample ``key``
+        and the batch ``seq`` (a blocking dataset's own note already names the sample within
+        its slice: then not ``key``)."""
         index = None if is_annotated(error) else key
         annotate(error, "fetch", epoch=self._epoch, batch=seq, index=index)
         return error
@@ -101,14 +103,6 @@ class Attempts:
         Cancellation: the attempt in progress is cancelled; nothing stays counted in flight.
         """
         retry, failures = self._retry, 0
-        if retry is None and self._timeout is None:  # one plain attempt
-            try:
-                with self._rec.operation(count):
-                    return await call()
-            except Exception as exc:
-                index = None if is_annotated(exc) else key
-                annotate(exc, "fetch", epoch=self._epoch, batch=seq, index=index)
-                raise
         while True:
             again = False  # the policy is asked once per failure
             try:
@@ -128,9 +122,7 @@ class Attempts:
             if not again or retry is None:
                 if failures > 1:
                     error.add_note(f"aioloader: gave up after {failures} attempts")
-                # A blocking dataset's own note already names the sample within the slice.
-                index = None if is_annotated(error) else key
-                raise annotate(error, "fetch", epoch=self._epoch, batch=seq, index=index)
+                raise self.failed(error, key, seq)
             self._rec.retries += 1
             logger.debug("aioloader: retrying %r after %r", key, error)
             await anyio.sleep(retry.backoff(failures, self._rng))

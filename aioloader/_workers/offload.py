@@ -133,26 +133,19 @@ class ThreadOffload:
             return await wait_thread_future(self._pool.submit(fn, *args))
         limit = self._inline_below if inline else None
         if limit is not None and not self._queued and self._recent.under(limit):
-            return self._inline(fn, args)  # nothing on the thread: no semaphore to take
+            return self._recent.call(fn, *args)  # nothing on the thread: no semaphore to take
         if self._one_at_a_time is None:
             self._one_at_a_time = asyncio.Semaphore(1)
         self._queued += 1  # no call runs inline while this one waits or runs on the thread
         try:
             async with self._one_at_a_time:
                 if limit is not None and self._recent.under(limit):
-                    return self._inline(fn, args)
+                    return self._recent.call(fn, *args)
                 result, took = await wait_thread_future(self._pool.submit(timed, fn, *args))
         finally:
             self._queued -= 1
         self._recent.add(took)
         return result
-
-    def _inline(self, fn: Callable[..., R], args: tuple[object, ...]) -> R:
-        started = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self._recent.add(time.perf_counter() - started)
 
     @property
     def inline_now(self) -> bool:

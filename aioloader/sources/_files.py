@@ -39,7 +39,6 @@ import errno
 import logging
 import os
 import stat
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -287,11 +286,7 @@ class FileDataset(AsyncDataset[bytes]):
             return [await self.get(i) for i in indices]
         items = [(self._keys[i], self._paths[i]) for i in indices]  # a bad index fails here
         if self._recent.under(INLINE_BELOW_S):  # cached files: read them here
-            started = time.perf_counter()
-            try:
-                return self._read_many(items)
-            finally:
-                self._recent.add(time.perf_counter() - started)
+            return self._recent.call(self._read_many, items)
         out, took = await wait_thread_future(pool.submit(_timed, self._read_many, items))
         self._recent.add(took)
         return out
