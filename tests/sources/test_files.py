@@ -193,10 +193,14 @@ async def test_loader_reads_every_file_once_per_epoch(tmp_path: Path, shuffle: b
     assert files_threads() == []
     for got in epochs:
         assert sorted(got) == sorted(expected)  # every file exactly once
-    # One thread call per batch, on the dataset's own threads; never a read per file.
+    # One call per batch, never a read per file: on the dataset's own threads, or, once the
+    # slices are known to read fast (cached files), on the loop's thread (see get_many). The
+    # first slice is not timed yet: always on a thread.
     assert ds.gets == 0
     assert sorted(ds.slices) == [5, 5] + [8] * 10
-    assert ds.thread_names and all(n.startswith("aioloader-files_") for n in ds.thread_names)
+    here = threading.current_thread().name
+    assert any(n.startswith("aioloader-files_") for n in ds.thread_names)
+    assert all(n.startswith("aioloader-files_") or n == here for n in ds.thread_names)
     if shuffle:
         assert epochs[0] != expected and epochs[0] != epochs[1]
         again: aioloader.DataLoader[list[bytes]] = aioloader.DataLoader(
@@ -329,9 +333,11 @@ async def test_cached_slices_are_read_here_and_slow_ones_on_the_threads(tmp_path
 
     ds = Spy(tmp_path, threads=2)
     async with ds:
-        for _ in range(6):
+        for _ in range(50):  # a loaded machine may need a few slices to show they are fast
             assert await ds.get_many(range(8)) == [content(f"{i}.bin") for i in range(8)]
-        assert where[0] != loop and where[-2:] == [loop, loop]  # the first is not timed yet
+            if where[-1] == loop:
+                break
+        assert where[0] != loop and where[-1] == loop  # the first is not timed yet
         pause[0] = 0.02
         await ds.get_many([0])  # known fast, so here; now known slow
         await ds.get_many([0])
