@@ -31,6 +31,7 @@ from ._data.sampler import RandomSampler as RandomSampler
 from ._data.sampler import SequentialSampler as SequentialSampler
 from ._fanin.parts import Interleaved as Interleaved
 from ._fanin.parts import interleave as interleave
+from ._loader.checkpoint import merge_states as merge_states
 from ._loader.loader import DataLoader as DataLoader
 from ._serving.batcher import DynamicBatcher as DynamicBatcher
 from ._serving.stats import BatcherStatistics as BatcherStatistics
@@ -81,6 +82,7 @@ __all__ = [
     "default_convert",
     "get_worker_info",
     "interleave",
+    "merge_states",
     "pad_collate",
 ]
 

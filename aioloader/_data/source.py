@@ -25,7 +25,15 @@ from .._workers.offload import ThreadOffload
 from .dataset import AsyncDataset, AsyncIterableDataset
 from .epochs import OpensEpochs
 
-__all__ = ["InWorkers", "Kind", "MapSource", "StreamSource", "classify", "open_source"]
+__all__ = [
+    "InWorkers",
+    "Kind",
+    "MapSource",
+    "StreamSource",
+    "classify",
+    "is_resumable",
+    "open_source",
+]
 
 _STREAM_CHUNK = 64  # items pulled from a blocking iterator per thread call
 
@@ -102,12 +110,33 @@ class MapSource(ABC):
         return False
 
 
+def is_resumable(dataset: object) -> bool:
+    """Whether a stream dataset takes part in ``state_dict()``: it defines both ``state_dict()``
+    (its state after the items its current epoch's iterator has given) and
+    ``load_state_dict(state)`` (the next epoch's iterator starts there), as torchdata's
+    ``Stateful`` does."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
+
+
 class StreamSource(ABC):
-    """Samples in the order the dataset yields them, read once per epoch."""
+    """Samples in the order the dataset yields them, read once per epoch.
+
+    A :attr:`resumable` source gives its :meth:`state` after the items its open iterator has
+    given, and :meth:`open` takes such a state to start from.
+    """
+
+    resumable = False
 
     @abstractmethod
-    def open(self) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Any]]:
-        """An iterator for one epoch, closed (``aclose``) when the context exits."""
+    def open(self, state: Any = None) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Any]]:
+        """An iterator for one epoch, closed (``aclose``) when the context exits; with
+        ``state`` (from :meth:`state`), one that starts where that state stood."""
+
+    def state(self) -> Any:
+        """The dataset's state after the items the open iterator has given (resumable only)."""
+        raise TypeError(f"{type(self).__qualname__} cannot resume")
 
 
 class InWorkers:
@@ -201,6 +230,10 @@ class _AsyncStream(StreamSource):
     def __init__(self, dataset: Any) -> None:
         self._dataset = dataset
         self._consumed = False
+        self.resumable = is_resumable(dataset)
+
+    def state(self) -> Any:
+        return self._dataset.state_dict()
 
     def _iterator(self) -> AsyncIterator[Any]:
         if inspect.isasyncgenfunction(self._dataset):
@@ -217,7 +250,9 @@ class _AsyncStream(StreamSource):
         return iterator
 
     @contextlib.asynccontextmanager
-    async def open(self) -> AsyncIterator[AsyncIterator[Any]]:
+    async def open(self, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
+        if state is not None:
+            self._dataset.load_state_dict(state)
         if (  # its readers' task group lives here, unless a subclass iterates its own way
             isinstance(self._dataset, OpensEpochs)
             and type(self._dataset).__aiter__ is OpensEpochs.__aiter__
@@ -235,19 +270,33 @@ class _AsyncStream(StreamSource):
 
 
 class _BlockingStream(StreamSource):
-    """A torch IterableDataset (or any iterable) advanced on one dedicated thread, in chunks."""
+    """A torch IterableDataset (or any iterable) advanced on one dedicated thread, in chunks.
 
-    def __init__(self, dataset: Iterable[Any], offload: Callable[[], ThreadOffload]) -> None:
+    A resumable one (``state_dict``/``load_state_dict``) is pulled a batch (``per_batch``
+    items) per chunk, and its state taken after each chunk, on the same thread: the state after
+    a batch's last item, whenever the loader asks between batches.
+    """
+
+    def __init__(
+        self, dataset: Iterable[Any], offload: Callable[[], ThreadOffload], per_batch: int
+    ) -> None:
         self._dataset = dataset
         self._offload = offload
+        self.resumable = is_resumable(dataset)
+        self._chunk = per_batch if self.resumable else _STREAM_CHUNK
+        self._state: Any = None
 
-    @staticmethod
-    def _pull(iterator: Iterator[Any]) -> list[Any]:
+    def state(self) -> Any:
+        return self._state
+
+    def _pull(self, iterator: Iterator[Any]) -> list[Any]:
         chunk = []
         for item in iterator:
             chunk.append(item)
-            if len(chunk) == _STREAM_CHUNK:
+            if len(chunk) == self._chunk:
                 break
+        if self.resumable:
+            self._state = self._dataset.state_dict()  # type: ignore[attr-defined]
         return chunk
 
     async def _chunks(self, iterator: Iterator[Any]) -> AsyncGenerator[Any, None]:
@@ -255,9 +304,14 @@ class _BlockingStream(StreamSource):
             for item in chunk:
                 yield item
 
+    def _start(self, state: Any) -> Iterator[Any]:
+        if state is not None:
+            self._dataset.load_state_dict(state)  # type: ignore[attr-defined]
+        return iter(self._dataset)
+
     @contextlib.asynccontextmanager
-    async def open(self) -> AsyncIterator[AsyncIterator[Any]]:
-        iterator = await self._offload().run(iter, self._dataset)
+    async def open(self, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
+        iterator = await self._offload().run(self._start, state)
         chunks = self._chunks(iterator)
         try:
             yield chunks
@@ -270,7 +324,12 @@ class _BlockingStream(StreamSource):
 
 
 def open_source(
-    dataset: object, kind: Kind, offload: Callable[[], ThreadOffload], *, in_workers: bool
+    dataset: object,
+    kind: Kind,
+    offload: Callable[[], ThreadOffload],
+    *,
+    in_workers: bool,
+    per_batch: int = 1,
 ) -> MapSource | StreamSource | InWorkers:
     """Wrap ``dataset`` (already classified as ``kind``) once, for the loader's whole life.
 
@@ -281,6 +340,7 @@ def open_source(
             read in this process (called at each blocking call, never at construction).
         in_workers: A blocking dataset lives in the worker processes (``num_workers > 0``
             with process workers); ignored for async datasets, which run in the event loop.
+        per_batch: Samples per batch (a resumable blocking stream is pulled a batch at a time).
     """
     if kind.is_blocking and in_workers:
         return InWorkers(dataset, kind)
@@ -290,4 +350,4 @@ def open_source(
         return _BlockingMap(dataset, offload)
     if kind is Kind.ASYNC_STREAM:
         return _AsyncStream(dataset)
-    return _BlockingStream(dataset, offload)  # type: ignore[arg-type]  # an Iterable
+    return _BlockingStream(dataset, offload, per_batch)  # type: ignore[arg-type]  # an Iterable

@@ -10,6 +10,7 @@ itself (``_pipeline/epoch.py``) or decides order (``_data/sampler.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -23,11 +24,13 @@ import torch
 from .._base.exceptions import LoaderStateError
 from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics, Recorders
-from .._data.source import dataset_length
+from .._data.resume import Layer, Taken
+from .._data.source import InWorkers, StreamSource, dataset_length
 from .._workers.offload import ThreadOffload
 from .arguments import Arguments, non_negative_int
+from .checkpoint import EpochState, dumps_checked, replayable
 from .plan import plan_loader
-from .scope import EpochIterator, LoaderState, Scope
+from .scope import EpochIterator, LoaderState, Scope, fresh_state
 from .session import PlainIterator, Session, close_from_anywhere
 
 __all__ = ["DataLoader"]
@@ -217,6 +220,7 @@ class DataLoader(Generic[T_Batch]):
         self._state = LoaderState(self._new_recorders())  # shared with the scopes
         self._session: Session | None = None  # the background loop of `with` / plain `for`
         self._next_epoch = 0
+        self._resume: EpochState | None = None  # loaded, for the next epoch to go on from
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope
 
@@ -310,8 +314,171 @@ class DataLoader(Generic[T_Batch]):
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration runs (it seeds the shuffle order). Without it,
-        each iteration runs the epoch after the previous one, starting at 0."""
-        self._next_epoch = non_negative_int("epoch", epoch)
+        each iteration runs the epoch after the previous one, starting at 0.
+
+        Raises:
+            TypeError, ValueError: ``epoch`` is not an int >= 0.
+            LoaderStateError: A state loaded with :meth:`load_state_dict` is of another epoch
+                (setting this one would drop it silently).
+        """
+        epoch = non_negative_int("epoch", epoch)
+        if self._resume is not None and epoch != self._resume.epoch:
+            raise LoaderStateError(
+                f"the state loaded with load_state_dict() goes on with epoch "
+                f"{self._resume.epoch}; set_epoch({epoch}) would drop it (call "
+                f"set_epoch({self._resume.epoch}), or none, to resume)"
+            )
+        self._next_epoch = epoch
+
+    # -- resuming ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: the batches of the current epoch its consumer has taken (a
+        ``for``/``async for`` between two batches: "batches ``0..k`` were taken"), as a small
+        JSON-serialisable dict (a seed and counters, whatever the epoch's size; no pickles).
+        Between epochs (and before the first) it is the start of the next one.
+
+        :meth:`load_state_dict` on a new loader with the same dataset and settings (in
+        another process, perhaps with another ``world_size``: see :func:`merge_states`) goes on
+        from there: every sample of the epoch once, none twice, none lost. It does not depend on
+        ``num_workers``, ``max_inflight``, ``prefetch`` or the order batches completed in.
+
+        Raises:
+            TypeError: The loader cannot resume, named: a stream dataset without
+                ``state_dict``/``load_state_dict`` (an async generator, say), an iterable
+                dataset read in worker processes, a stream split by ``distributed=True``, a
+                sampler whose order cannot be replayed; or a dataset's state that is not
+                JSON-serialisable.
+        """
+        self._check_resumable()
+        if self._resume is not None:
+            state = self._resume
+        else:
+            progress = self._state.progress
+            if progress is None or progress.finished:
+                state = fresh_state(self._plan, self._next_epoch)
+            else:
+                state = progress.state()
+        document = state.to_json()
+        dumps_checked(document, self.dataset)
+        return document
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of a loader over the same data with the
+        same settings, or :func:`merge_states` of every rank's): the next iteration runs the
+        state's epoch and yields its batches not yet taken, with the places (and per-batch
+        seeds) they had, so with the same seed and world size the batches are the same as an
+        uninterrupted run's. With another ``world_size`` (a merged state, or a single rank's
+        state of a world of 1) the epoch's remaining samples are re-divided among the new
+        ranks: together they yield exactly those, every rank as many batches.
+
+        A loader built without ``seed`` takes the state's (its shuffle order is the saved
+        run's); a stream dataset gets its own state through its ``load_state_dict`` when the
+        epoch starts.
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed (the message names the field), or it
+                does not fit this loader (another dataset length, ``batch_size``, ``drop_last``,
+                ``seed``, kind of dataset), or a single rank's state of a world of several is
+                loaded with another ``world_size`` or rank (merge the ranks' states first).
+            TypeError: This loader cannot resume (see :meth:`state_dict`).
+            LoaderStateError: An epoch is in progress (load between epochs, or before the
+                first).
+        """
+        loaded = EpochState.from_json(state)
+        self._check_resumable()
+        scope = self._scope
+        running = scope.current if scope is not None else None
+        if running is not None and not running.closed and not running.epoch.finished.is_set():
+            raise LoaderStateError(
+                "load_state_dict() while an epoch is in progress: call it before iterating "
+                "(or after the epoch's loop ends)"
+            )
+        resume = self._resolve(loaded)
+        plan = self._plan
+        if self.seed is None and (resume.seed, resume.order_seed) != (
+            plan.base_seed,
+            plan.order_seed,
+        ):
+            self._plan = plan.reseeded(resume.seed, resume.order_seed)
+        self._resume = resume
+        self._next_epoch = resume.epoch
+
+    def _resolve(self, s: EpochState) -> EpochState:
+        """``s`` as this rank resumes it: its own record, or a merged (or world-of-one) state
+        made this rank's; checked against the loader's settings."""
+        plan = self._plan
+        if s.map != plan.kind.is_map:
+            kind = "map-style" if s.map else "stream"
+            raise ValueError(f"the state is of a {kind} dataset; this loader's is not")
+        if s.map:
+            length = dataset_length(self.dataset)
+            if s.length != length:
+                raise ValueError(
+                    f"the state is of a dataset of {s.length} samples; this one has {length}"
+                )
+        for name, saved, mine in (
+            ("batch_size", s.batch_size, plan.batch_size),
+            ("drop_last", s.drop_last, self.drop_last),
+        ):
+            if saved != mine:
+                raise ValueError(f"the state was saved with {name}={saved}; this loader has {mine}")
+        if self.seed is not None and s.seed != self.seed:
+            raise ValueError(f"the state was saved with seed={s.seed}; this loader has {self.seed}")
+        world, rank = plan.world_size, plan.rank
+        if s.merged or (s.world_size == 1 and world > 1):
+            if not plan.ours:
+                raise ValueError(
+                    "an elastic resume (another world size, or a merged state) re-divides the "
+                    "loader's own order; this loader was given a sampler or batch sampler"
+                )
+            layers = list(s.layers)
+            if not s.merged:
+                layers.append(Layer(1, s.batch_size or 1, s.drop_last, {0: s.taken}))
+            last = layers[-1]
+            if last.world_size == world:  # the same ranks again: each goes on with its own record
+                s = dataclasses.replace(s, taken=last.taken[rank].copy(), layers=layers[:-1])
+            else:
+                s = dataclasses.replace(s, taken=Taken(), layers=layers)
+            return dataclasses.replace(s, world_size=world, rank=rank, stream=None)
+        if (s.world_size, s.rank) != (world, rank):
+            raise ValueError(
+                f"the state is rank {s.rank}'s of a world of {s.world_size}; this loader is rank "
+                f"{rank} of {world}: combine every rank's state with aioloader.merge_states() "
+                "and load that"
+            )
+        return s
+
+    def _check_resumable(self) -> None:
+        plan = self._plan
+        name = type(self.dataset).__qualname__
+        if not plan.kind.is_map:
+            if isinstance(plan.source, InWorkers):
+                raise TypeError(
+                    f"the loader cannot resume: its iterable dataset {name} is read in worker "
+                    "processes (each worker's copy has its own place); read it in this process "
+                    "(num_workers=0, or worker_mode='thread') with state_dict/load_state_dict"
+                )
+            if not isinstance(plan.source, StreamSource) or not plan.source.resumable:
+                raise TypeError(
+                    f"the loader cannot resume: its dataset {name} is a stream without "
+                    "state_dict()/load_state_dict() (an async generator cannot be resumed); "
+                    "define both on the dataset (see docs/design.md, 'Resuming')"
+                )
+            if plan.world_size > 1:
+                raise TypeError(
+                    f"the loader cannot resume: its stream {name} is split across ranks by "
+                    "distributed=True; split it in the dataset instead (tar_shards(rank=, "
+                    "world_size=)), where each rank resumes its own part"
+                )
+            return
+        order = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
+        if not plan.ours and not replayable(order):
+            raise TypeError(
+                f"the loader cannot resume: its {type(order).__qualname__} may give another "
+                "order when iterated again; use shuffle=True with seed=, or one of "
+                "aioloader's samplers"
+            )
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of the counters of the current (or last) scope."""
@@ -453,7 +620,10 @@ class DataLoader(Generic[T_Batch]):
                 "loader: ...` (or use a plain `for` loop, which runs its own scope)"
             )
         number, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        return EpochIterator(self._state, self._scope, number)
+        resume, self._resume = self._resume, None
+        if resume is not None and resume.epoch != number:  # pragma: no cover - set_epoch refuses
+            resume = None
+        return EpochIterator(self._state, self._scope, number, resume)
 
     def __iter__(self) -> PlainIterator[T_Batch]:
         """Iterate one epoch from synchronous code: the pipeline runs on an event loop in a

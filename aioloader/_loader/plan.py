@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._data.collate import default_collate, default_convert
-from .._data.sampler import map_order
+from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, map_order
 from .._data.seeds import draw_seed
 from .._data.sharding import resolve_rank
 from .._data.source import InWorkers, Kind, MapSource, StreamSource, open_source
@@ -133,6 +133,38 @@ class LoaderPlan:
             return self.base_seed
         return draw_seed(self.arguments.generator)
 
+    @property
+    def ours(self) -> bool:
+        """Whether the map-style order is the loader's own (no sampler or batch sampler given):
+        its shuffle seed can be restored and its remainder re-divided (elastic resume)."""
+        a = self.arguments
+        return self.kind.is_map and a.sampler is None and a.batch_sampler is None
+
+    @property
+    def order_seed(self) -> int | None:
+        """The seed of the loader's own shuffled order (None: not shuffled, or not ours)."""
+        sampler = self.sampler
+        if not self.ours:
+            return None
+        if isinstance(sampler, RandomSampler):
+            return sampler.seed
+        if isinstance(sampler, DistributedSampler) and sampler.shuffle:
+            return sampler.seed
+        return None
+
+    def reseeded(self, base_seed: int, order_seed: int | None) -> LoaderPlan:
+        """The plan with a saved run's seeds (``seed=None``: drawn then, to be restored now),
+        its own order rebuilt with ``order_seed``."""
+        sampler, batch_sampler = self.sampler, self.batch_sampler
+        if self.ours and isinstance(sampler, RandomSampler) and order_seed is not None:
+            sampler = RandomSampler(self.dataset, seed=order_seed)
+            if batch_sampler is not None and self.batch_size is not None:
+                batch_sampler = BatchSampler(sampler, self.batch_size, self.arguments.drop_last)
+        config = dataclasses.replace(self.config, seed=base_seed)
+        return dataclasses.replace(
+            self, base_seed=base_seed, sampler=sampler, batch_sampler=batch_sampler, config=config
+        )
+
     def replaced(
         self, name: str, value: object, offload: Callable[[], ThreadOffload]
     ) -> LoaderPlan:
@@ -239,7 +271,9 @@ def plan_loader(
     return LoaderPlan(
         arguments=a,
         kind=kind,
-        source=open_source(a.dataset, kind, offload, in_workers=in_workers),
+        source=open_source(
+            a.dataset, kind, offload, in_workers=in_workers, per_batch=config.per_batch
+        ),
         sampler=sampler,
         batch_sampler=batch_sampler,
         batch_size=batch_size,

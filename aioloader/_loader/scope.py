@@ -16,8 +16,8 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import anyio
 import anyio.abc
@@ -25,19 +25,20 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import LoaderStateError, LoaderTimeout
 from .._data.seeds import derive_seed
-from .._data.source import InWorkers
+from .._data.source import InWorkers, dataset_length
 from .._device.stage import DeviceStage, Staged, hand_out
 from .._pipeline.epoch import Epoch
 from .._pipeline.items import Raised
 from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
 from .._workers.processes import ProcessWorkers
+from .checkpoint import EpochState, Mark, Progress, resumed_batches
 
 if TYPE_CHECKING:
     from .._base.stats import Recorders
     from .plan import LoaderPlan
 
-__all__ = ["EpochIterator", "LoaderState", "Running", "Scope"]
+__all__ = ["EpochIterator", "LoaderState", "Received", "Running", "Scope", "fresh_state"]
 
 T_Batch = TypeVar("T_Batch")
 
@@ -50,14 +51,41 @@ class LoaderState:
         scope: The open scope, or None.
         iterable_len: The length an iterable dataset reported to ``len(loader)`` (batches past
             it warn, as torch's do), or None.
+        progress: The consumer's record of the current (or last) epoch, or None before any.
     """
 
-    __slots__ = ("iterable_len", "scope", "stats")
+    __slots__ = ("iterable_len", "progress", "scope", "stats")
 
     def __init__(self, stats: Recorders) -> None:
         self.stats = stats
         self.scope: Scope | None = None
         self.iterable_len: int | None = None
+        self.progress: Progress | None = None
+
+
+class Received(NamedTuple):
+    """A batch as the event loop holds it (see :meth:`EpochIterator.receive`)."""
+
+    batch: Any  # None when `error` is set
+    warning: str | None  # torch's warning for an iterable past its reported length
+    mark: Mark  # what the consumer takes: (seq, samples, stream mark)
+    error: BaseException | None  # the batch failed: the consumer raises this
+
+
+def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
+    """The state at the start of ``epoch``, nothing taken."""
+    length = dataset_length(plan.dataset) if plan.kind.is_map else None
+    return EpochState(
+        epoch=epoch,
+        seed=plan.base_seed,
+        order_seed=plan.order_seed,
+        map=plan.kind.is_map,
+        length=length,
+        batch_size=plan.batch_size,
+        drop_last=plan.arguments.drop_last,
+        world_size=plan.world_size,
+        rank=plan.rank,
+    )
 
 
 class Scope:
@@ -159,11 +187,15 @@ class EpochIterator(Generic[T_Batch]):
     """The consumer's end of one epoch. Created by ``DataLoader.__aiter__``; the epoch's tasks
     start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
 
-    def __init__(self, state: LoaderState, scope: Scope, number: int) -> None:
+    def __init__(
+        self, state: LoaderState, scope: Scope, number: int, resume: EpochState | None = None
+    ) -> None:
         self._state = state
         self._plan = scope.plan
         self._scope = scope
         self._number = number
+        self._resume = resume  # a loaded state of this epoch: it goes on from there
+        self.progress = Progress(resume if resume is not None else fresh_state(scope.plan, number))
         self._running: Running | None = None
         self._last_yield: float | None = None
         self._closed = False
@@ -193,19 +225,20 @@ class EpochIterator(Generic[T_Batch]):
             raise LoaderStateError("the loader's scope this iteration began in has closed")
         if scope.current is not None:
             await scope.current.aclose()
-        batches: Iterable[Sequence[int]] | None = None
+        resume = self._resume
+        batches: Iterable[tuple[int, list[int]]] | None = None
         if plan.kind.is_map:
             for obj in (plan.sampler, plan.batch_sampler):
                 set_epoch = getattr(obj, "set_epoch", None)
                 if callable(set_epoch):
                     set_epoch(self._number)
-            if plan.batch_sampler is not None:
-                batches = plan.batch_sampler
-            else:
-                sampler = plan.sampler
-                if sampler is None:  # impossible for a map-style loader; keeps mypy honest
-                    raise LoaderStateError("map-style loader without a sampler")
-                batches = ([i] for i in sampler)
+            batches = resumed_batches(
+                plan.sampler,
+                plan.batch_sampler,
+                resume,
+                rank=plan.rank,
+                world_size=plan.world_size,
+            )
         elif not isinstance(plan.source, InWorkers):
             # A stream read here (tar shards, an interleave) shuffles by the loader's epoch.
             set_epoch = getattr(plan.dataset, "set_epoch", None)
@@ -215,8 +248,17 @@ class EpochIterator(Generic[T_Batch]):
         buffer = config.prefetch - self._held_elsewhere  # the rest waits beyond the stream
         send, recv = anyio.create_memory_object_stream[Any](buffer)
         epoch = Epoch(
-            self._number, config, plan.source, batches, scope.work, state.stats, scope.device
+            self._number,
+            config,
+            plan.source,
+            batches,
+            scope.work,
+            state.stats,
+            scope.device,
+            taken=resume.taken if resume is not None else None,
+            stream_from=resume.stream if resume is not None else None,
         )
+        state.progress = self.progress
         self._running = scope.current = Running(epoch, recv)
         state.stats.epochs += 1
         await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
@@ -236,18 +278,29 @@ class EpochIterator(Generic[T_Batch]):
         Cancellation: safe; no batch is lost (the next call returns the batch this one would
         have returned).
         """
-        batch, warning = await self.receive()
-        if warning is not None:
-            warnings.warn(warning, UserWarning, stacklevel=2)
-        return hand_out(batch)  # type: ignore[no-any-return]
+        got = await self.receive()
+        self.progress.took(got.mark)  # this task is the consumer: it has the batch (or error)
+        if got.error is not None:
+            error = got.error
+            del got
+            try:
+                raise error
+            finally:  # no cycle through this frame: the traceback will hold the caller's
+                del error
+        if got.warning is not None:
+            warnings.warn(got.warning, UserWarning, stacklevel=2)
+        return hand_out(got.batch)  # type: ignore[no-any-return]
 
-    async def receive(self) -> tuple[Any, str | None]:
+    async def receive(self) -> Received:
         """The next batch as the event loop holds it: a :class:`Staged` batch with a device
         stage, to be finished with :func:`hand_out` in the thread that uses it (a plain ``for``
-        runs this on the loop's thread, then ``hand_out`` on its own); and torch's warning for
-        an iterable past its reported length, or None, for the consumer to give.
+        runs this on the loop's thread, then ``hand_out`` on its own); torch's warning for an
+        iterable past its reported length, or None, for the consumer to give; the batch's mark,
+        for the consumer to give :attr:`progress` when it takes the batch; or, for a failed
+        batch, its error for the consumer to raise (the next call goes on).
 
-        Raises and cancellation: as :meth:`__anext__`.
+        Raises: as :meth:`__anext__`, except a failed batch's error (returned).
+        Cancellation: as :meth:`__anext__`.
         """
         running = self._running
         if self._closed or (running is not None and running.closed):
@@ -282,18 +335,15 @@ class EpochIterator(Generic[T_Batch]):
         if item is None:
             self._closed = True
             recv.close()
+            if self._running is not None and self._running.epoch.error is None:
+                self.progress.finished = True  # every batch was handed out
             error = self._running.epoch.error if self._running is not None else None
             if error is not None:
                 raise error
             raise StopAsyncIteration
         if isinstance(item, Raised):
-            error = item.error
-            del item
-            try:
-                raise error
-            finally:  # no cycle through this frame: the traceback will hold the caller's
-                del error
-        batch, size = item
+            return Received(None, None, item.mark, item.error)
+        batch, size, mark = item
         if isinstance(batch, Staged):
             batch.release()  # taken: no longer ahead of the consumer
         stats.batches += 1
@@ -303,7 +353,7 @@ class EpochIterator(Generic[T_Batch]):
         if reported is not None and self._yielded > reported and not self._plan.kind.is_map:
             warning = self._past_length(reported)
         self._last_yield = time.perf_counter()
-        return batch, warning
+        return Received(batch, warning, mark, None)
 
     def _past_length(self, reported: int) -> str:
         """torch's warning, for the consumer to give where it takes the batch: an iterable

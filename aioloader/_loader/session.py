@@ -104,8 +104,9 @@ async def _pump(
     replies: queue.SimpleQueue[tuple[bool, Any]],
 ) -> None:
     """Receive a batch of ``epoch`` for each credit (one per request, plus the ``ahead`` it
-    started with) into ``replies``: ``(True, batch)`` or ``(False, error)``. Ends after the
-    epoch's end (``StopAsyncIteration``).
+    started with) into ``replies``: ``(True, received)`` (a batch, or a failed batch's error:
+    see :meth:`EpochIterator.receive`) or ``(False, error)``. Ends after the epoch's end
+    (``StopAsyncIteration``).
 
     Cancellation: a waiting consumer gets ``concurrent.futures.CancelledError`` (what a portal
     call gets when its loop stops).
@@ -118,7 +119,7 @@ async def _pump(
             except StopAsyncIteration as end:
                 replies.put((False, end))
                 return
-            except Exception as exc:  # a failed batch: raised in the consumer, which goes on
+            except Exception as exc:  # a timeout: raised in the consumer, which goes on
                 replies.put((False, exc))
                 del exc
             else:
@@ -298,10 +299,14 @@ class PlainIterator(Generic[T_Batch]):
         """
         if self._done:
             raise StopIteration
+        got: Any = None
         try:
-            ok, batch = self._receive()
+            ok, got = self._receive()
             if not ok:
-                raise batch
+                raise got
+            self._epoch.progress.took(got.mark)  # this thread is the consumer: it has it now
+            if got.error is not None:
+                raise got.error
         except StopAsyncIteration:
             self.close()
             raise StopIteration from None
@@ -310,15 +315,14 @@ class PlainIterator(Generic[T_Batch]):
                 self.close()  # KeyboardInterrupt and the like: the epoch stops here
             error = exc
         else:
-            batch, warning = batch
-            if warning is not None:  # given here, where torch gives it: in the consumer
-                warnings.warn(warning, UserWarning, stacklevel=2)
+            if got.warning is not None:  # given here, where torch gives it: in the consumer
+                warnings.warn(got.warning, UserWarning, stacklevel=2)
             # This thread is the consumer: its current stream must wait for the copy.
-            return hand_out(batch)  # type: ignore[no-any-return]
+            return hand_out(got.batch)  # type: ignore[no-any-return]
         # The error's traceback holds this frame: without `self` in it, a caller that keeps the
         # error (a log, a test) does not keep the epoch running; dropping the iterator stops it.
         # Without `error` in it there is no reference cycle: refcounting frees it all at once.
-        del self
+        del self, got
         try:
             raise error
         finally:

@@ -45,6 +45,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._base.exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
 from .._base.stats import Recorders
+from .._data.resume import Taken
 from .._data.seeds import derive_seed
 from .._data.sharding import StreamShare
 from .._data.source import InWorkers, MapSource, StreamSource
@@ -77,10 +78,18 @@ class Epoch:
         config: The pipeline settings.
         source: Where samples come from.
         batches: For a map-style source, the epoch's batches of indices (each index alone when
-            ``batch_size`` is None); None for a stream.
+            ``batch_size`` is None), numbered with their places in the epoch (those a resumed
+            epoch's consumer already took are left out); None for a stream.
         work: Runs transform + collate jobs.
         stats: The loader's recorders.
         device: The scope's device stage, or None (batches are yielded as collated).
+        taken: A resumed epoch: the places of the batches its consumer took before (not
+            yielded again; a stream's batches are re-formed and dropped).
+        stream_from: A resumed stream: the position and the dataset's state to start from.
+
+    Output items: ``(batch, samples, mark)`` with ``mark = (seq, samples, stream mark)``, the
+    stream mark being ``(position, dataset state)`` after the batch (None unless the stream is
+    resumable); or :class:`Raised` in a failed batch's turn.
     """
 
     def __init__(
@@ -88,10 +97,13 @@ class Epoch:
         number: int,
         config: PipelineConfig,
         source: MapSource | StreamSource | InWorkers,
-        batches: Iterable[Sequence[int]] | None,
+        batches: Iterable[tuple[int, list[int]]] | None,
         work: WorkerPool,
         stats: Recorders,
         device: DeviceStage | None = None,
+        *,
+        taken: Taken | None = None,
+        stream_from: tuple[int, Any] | None = None,
     ) -> None:
         self.number = number
         self.config = config
@@ -100,6 +112,8 @@ class Epoch:
         self.work = work
         self.stats = stats
         self.device = device
+        self.taken = taken
+        self.stream_from = stream_from
         # Staged batches the consumer has not taken: on the device, ahead of it.
         self._on_device = anyio.Semaphore(device.depth if device is not None else 1)
         self.error: BaseException | None = None
@@ -223,7 +237,7 @@ class Epoch:
     async def _schedule_map(
         self,
         source: MapSource,
-        batches: Iterable[Sequence[int]],
+        batches: Iterable[tuple[int, list[int]]],
         jobs: MemoryObjectSendStream[tuple[Batch, int, int]],
         done: MemoryObjectSendStream[Done] | None,
     ) -> None:
@@ -231,13 +245,8 @@ class Epoch:
         whose reads are known to return at once here, start to finish: reads, transform and
         collate in this task, no hand-off to a fetch worker."""
         async with jobs, done or contextlib.nullcontext():
-            seq = 0
-            for indices in batches:
-                ids = list(indices)
-                if not ids:  # an empty batch (a bucketing batch sampler): nothing to yield
-                    continue
+            for seq, ids in batches:
                 batch = Batch(seq, ids, [None] * len(ids), pending=len(ids))
-                seq += 1
                 await self.admit(batch)
                 step = self._chunk if source.batched else self._pace.samples_per_job(len(ids))
                 quick = source.reads_inline if source.batched else step > 1
@@ -251,17 +260,12 @@ class Epoch:
                     await put(jobs, (batch, start, min(len(ids), start + step)), self.stats.window)
 
     async def _schedule_indices(
-        self, batches: Iterable[Sequence[int]], ready: MemoryObjectSendStream[Batch]
+        self, batches: Iterable[tuple[int, list[int]]], ready: MemoryObjectSendStream[Batch]
     ) -> None:
         """Batches of indices straight to the workers, which read them (no fetch stage)."""
         async with ready:
-            seq = 0
-            for indices in batches:
-                ids = list(indices)
-                if not ids:
-                    continue
+            for seq, ids in batches:
                 batch = Batch(seq, ids, [])
-                seq += 1
                 await self.admit(batch)
                 await put(ready, batch, self.stats.fetch)
 
@@ -306,20 +310,27 @@ class Epoch:
         cfg = self.config
         per_batch = cfg.per_batch
         assembler: BatchAssembler[tuple[int, Any]] = BatchAssembler(per_batch)
-        seq = 0
+        taken = self.taken
+        seq = taken.through if taken is not None else 0
+        start, state = self.stream_from if self.stream_from is not None else (0, None)
+        # A resumable stream's state after each batch travels with it to the consumer.
+        marked = source.resumable
 
         async def ship(items: list[tuple[int, Any]]) -> None:
             nonlocal seq
-            batch = Batch(seq, [p for p, _ in items], [s for _, s in items])
+            mark = (position + 1, source.state()) if marked else None
+            batch = Batch(seq, [p for p, _ in items], [s for _, s in items], mark=mark)
             seq += 1
+            if taken is not None and batch.seq in taken:
+                return  # taken before the stop: formed again, the same, and left out
             await self.admit(batch)
             await put(ready, batch, self.stats.fetch)
 
         share: StreamShare[Any] | None = None
         if cfg.world_size > 1:
             share = StreamShare(cfg.rank, cfg.world_size)
-        async with ready, source.open() as iterator:
-            position = -1
+        async with ready, source.open(state) as iterator:
+            position = start - 1
             while True:
                 position += 1
                 try:
@@ -332,7 +343,7 @@ class Epoch:
                 except Exception as exc:
                     annotate(exc, "source", epoch=self.number, batch=seq, index=position)
                     # Raised in its turn, after the batches before it (the partial one is lost).
-                    failed = Batch(seq, [position], [], error=exc)
+                    failed = Batch(seq, [position], [], error=exc, mark=None)
                     await self.admit(failed)
                     await put(ready, failed, self.stats.fetch)
                     return
@@ -341,6 +352,7 @@ class Epoch:
                 full = assembler.add((position, sample))
                 if full is not None:
                     await ship(full)
+            marked = False  # past the end: the padding and the tail end the epoch, no mark
             for repeated in share.padding() if share is not None else ():
                 full = assembler.add(repeated)  # every rank as many samples as the others
                 if full is not None:
@@ -487,7 +499,10 @@ class Epoch:
     async def _emit(
         self, done: MemoryObjectReceiveStream[Done], out: MemoryObjectSendStream[Any]
     ) -> None:
-        reorder: ReorderBuffer[Done] = ReorderBuffer()
+        taken = self.taken
+        reorder: ReorderBuffer[Done] = ReorderBuffer(taken.through if taken else 0)
+        for seq in sorted(taken.beyond) if taken else ():
+            reorder.skip(seq)  # taken before the stop: never scheduled
         async with done:
             while (item := await get(done, self.stats.output)) is not None:
                 deliverable = reorder.push(item.batch.seq, item) if self.config.in_order else [item]
@@ -500,11 +515,13 @@ class Epoch:
                         # holds the consumer's frames (and its iterator), which no task of ours
                         # may keep alive.
                         error, d.error, d.batch.error = d.error, None, None
-                        await put(out, Raised(error), self.stats.output)
+                        mark = (d.batch.seq, 0, d.batch.mark)
+                        await put(out, Raised(error, mark), self.stats.output)
                         del error
                     elif d.size:
                         value = d.value if self.device is None else await self._stage(d)
-                        await put(out, (value, d.size), self.stats.output)
+                        mark = (d.batch.seq, d.size, d.batch.mark)
+                        await put(out, (value, d.size, mark), self.stats.output)
                         self.stats.output.completed += 1
                         self.stats.output.set_queued(out.statistics().current_buffer_used)
                     self._bytes.release(d.batch.seq, d.batch.nbytes)

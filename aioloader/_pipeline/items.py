@@ -27,13 +27,16 @@ class Batch:
     failed: set[int] = field(default_factory=set)  # positions skipped under max_failures
     nbytes: int = 0
     error: Exception | None = None  # ends the epoch when the batch's turn to be yielded comes
+    mark: Any = None  # a resumable stream's (position, dataset state) after this batch
 
 
 @dataclass(frozen=True, slots=True)
 class Raised:
-    """An output item: the batch in this turn failed; the consumer raises ``error``."""
+    """An output item: the batch in this turn failed; the consumer raises ``error``.
+    ``mark`` is the batch's ``(seq, 0, stream mark)``: a failed batch counts as taken."""
 
     error: BaseException
+    mark: Any = None
 
 
 @dataclass(slots=True, eq=False)
