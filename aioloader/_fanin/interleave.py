@@ -15,8 +15,10 @@ The consumer asks :meth:`Interleave.turn` for the part to draw from, then says w
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["Interleave"]
+__all__ = ["Interleave", "rng_from_json", "rng_to_json"]
 
 _EMPTY = -1  # a slot that will take the next part of the plan when its turn comes
 _CLOSED = -2  # a slot the plan ran out for
@@ -54,6 +56,11 @@ class Interleave:
         #: The index of the part the next empty slot takes (= how many parts were taken).
         self.next_part = 0
         self._new_round()
+
+    @property
+    def width(self) -> int:
+        """The number of slots."""
+        return len(self._slots)
 
     @property
     def done(self) -> bool:
@@ -111,9 +118,72 @@ class Interleave:
             if self._slots[self._order[self._pos]] != _CLOSED:
                 return
 
+    def to_json(self) -> dict[str, Any]:
+        """Where the order stands, as JSON-ready values: restored by :meth:`from_json`, it goes
+        on exactly as this one would (its generator's state included)."""
+        return {
+            "slots": list(self._slots),
+            "order": list(self._order),
+            "pos": self._pos,
+            "closed": self._closed,
+            "next_part": self.next_part,
+            "rng": None if self._rng is None else rng_to_json(self._rng),
+        }
+
+    @classmethod
+    def from_json(cls, state: object, rng: random.Random | None) -> Interleave:
+        """An interleave where ``state`` (from :meth:`to_json`) stood; ``rng`` is set to the
+        saved generator state.
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed, or has a generator state where
+                ``rng`` is None (or none where it is not).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"an interleave's state must be a mapping, got {state!r}")
+        try:
+            slots = [int(p) for p in state["slots"]]
+            order = [int(p) for p in state["order"]]
+            pos, closed, next_part = (int(state[k]) for k in ("pos", "closed", "next_part"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"an interleave's state is malformed: {exc!r}") from None
+        if (state.get("rng") is None) != (rng is None):
+            raise ValueError("the interleave's state and its shuffle setting disagree")
+        width = len(slots)
+        if not (slots and 0 <= pos < max(1, len(order)) and 0 <= closed <= width):
+            raise ValueError(f"an interleave's state is out of range: {dict(state)!r}")
+        if any(p < _CLOSED or p >= next_part for p in slots):
+            raise ValueError(f"an interleave's slots are out of range: {slots}")
+        self = cls(width)
+        self._slots, self._order, self._pos, self._closed = slots, order, pos, closed
+        self.next_part = next_part
+        if rng is not None:
+            rng_from_json(rng, state["rng"])
+        self._rng = rng
+        return self
+
     def _new_round(self) -> None:
         self._pos = 0
         if self._closed:
             self._order = [s for s in range(len(self._slots)) if self._slots[s] != _CLOSED]
         if self._rng is not None:
             self._rng.shuffle(self._order)
+
+
+def rng_to_json(rng: random.Random) -> list[Any]:
+    """A ``random.Random``'s state as JSON-ready values (its 625-word Mersenne Twister state)."""
+    version, words, gauss = rng.getstate()
+    return [version, list(words), gauss]
+
+
+def rng_from_json(rng: random.Random, state: Any) -> None:
+    """Set ``rng`` to a state from :func:`rng_to_json`.
+
+    Raises:
+        ValueError: ``state`` is not such a state.
+    """
+    try:
+        version, words, gauss = state
+        rng.setstate((int(version), tuple(int(w) for w in words), gauss))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"a random generator's state is malformed: {exc}") from None

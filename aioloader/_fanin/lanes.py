@@ -15,6 +15,10 @@ Errors: a part's error is raised when the consumer reaches it in the order (afte
 before it), with a note naming the part; leaving the ``async with`` then closes every other
 part. An error while listing the parts is raised where the consumer needs the part that could
 not be listed.
+
+Resuming: a :class:`Cursor` says where the consumer stands (the interleave's state, and how many
+items it took from each open part); an interleave given a saved cursor reopens the open parts,
+passes over the items already taken, and goes on with the plan where it stood.
 """
 
 from __future__ import annotations
@@ -22,7 +26,14 @@ from __future__ import annotations
 import contextlib
 import random
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Sequence,
+)
 from contextlib import aclosing
 from typing import Any, Generic, TypeVar
 
@@ -30,7 +41,7 @@ import anyio
 
 from .interleave import Interleave
 
-__all__ = ["ahead_for", "close_iterator", "interleaved"]
+__all__ = ["Cursor", "ahead_for", "close_iterator", "interleaved"]
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -88,6 +99,45 @@ class _Lane(Generic[T]):
         return item
 
 
+class Cursor:
+    """Where the consumer of an interleave stands: the :class:`Interleave`, the items it took
+    from each open part (``taken``), and the ``(part, item)`` of the last item it took."""
+
+    __slots__ = ("last", "order", "taken")
+
+    def __init__(self, order: Interleave, taken: dict[int, int] | None = None) -> None:
+        self.order = order
+        self.taken = dict(taken or {})
+        self.last: tuple[int, int] = (-1, -1)
+
+    @property
+    def started(self) -> bool:
+        return self.order.next_part > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "interleave": self.order.to_json(),
+            "taken": [[p, n] for p, n in self.taken.items()],
+        }
+
+    @classmethod
+    def from_json(cls, state: object, rng: random.Random | None) -> Cursor:
+        """Raises: TypeError, ValueError: ``state`` is malformed."""
+        if not isinstance(state, dict):
+            raise TypeError(f"an interleave cursor must be a mapping, got {state!r}")
+        order = Interleave.from_json(state.get("interleave"), rng)
+        try:
+            taken = {int(p): int(n) for p, n in state["taken"]}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"an interleave cursor's 'taken' is malformed: {exc!r}") from None
+        if set(taken) != set(order.open_parts) or any(n < 1 for n in taken.values()):
+            raise ValueError(
+                f"an interleave cursor's taken parts {sorted(taken)} are not its open parts "
+                f"{order.open_parts}"
+            )
+        return cls(order, taken)
+
+
 class _Parts(Generic[P, T]):
     """The parts opened so far, in plan order, and the room for more."""
 
@@ -102,6 +152,16 @@ class _Parts(Generic[P, T]):
     def add(self, lane: _Lane[T]) -> None:
         self.lanes[self.opened] = lane
         self.opened += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def reopened(self, index: int, lane: _Lane[T]) -> None:
+        """A part a resumed interleave had open: its lane, before the plan goes on."""
+        self.lanes[index] = lane
+
+    def go_on_from(self, index: int) -> None:
+        """The plan goes on from part ``index`` (every part before it opened, or done)."""
+        self.opened = index
         self._changed.set()
         self._changed = anyio.Event()
 
@@ -147,6 +207,7 @@ async def interleaved(
     size: Callable[[T], int] | None = None,
     rng: random.Random | None = None,
     name: Callable[[P], str] = str,
+    cursor: Cursor | None = None,
 ) -> AsyncIterator[AsyncIterator[T]]:
     """Read ``parts`` with up to ``width + ahead`` open at once; give their items interleaved.
 
@@ -159,6 +220,9 @@ async def interleaved(
         size: An item's size (default: 1 per item).
         rng: Draws each round's slot order; None visits slots in order.
         name: A part's name for error notes.
+        cursor: Filled in as the consumer takes items (see :class:`Cursor`); one that has
+            ``started`` (restored from a saved state, with ``rng`` restored in it) resumes
+            there, ``parts`` then being a sequence.
 
     Yields:
         An async iterator over the items (valid inside the ``async with`` only).
@@ -172,12 +236,20 @@ async def interleaved(
     """
     shelf: _Parts[P, T] = _Parts(width + ahead)
     measure = size if size is not None else (lambda _item: 1)
+    if cursor is None:
+        cursor = Cursor(Interleave(width, rng))
+    resumed = cursor.started
+    if resumed and not isinstance(parts, Sequence):
+        raise TypeError("resuming an interleave needs its parts as a sequence")
 
-    async def fill(part: P, lane: _Lane[T]) -> None:
+    async def fill(part: P, lane: _Lane[T], skip: int = 0) -> None:
         try:
             items = read(part)
             try:
                 async for item in items:
+                    if skip:  # taken before the stop
+                        skip -= 1
+                        continue
                     await lane.put(item, measure(item))
             finally:
                 await close_iterator(items)
@@ -187,8 +259,17 @@ async def interleaved(
             lane.close()
 
     async def plan(tg: anyio.abc.TaskGroup) -> None:
+        plan = parts
         try:
-            async with aclosing(_as_async(parts)) as listing:
+            if resumed and isinstance(parts, Sequence):
+                for index in sorted(cursor.taken):
+                    await shelf.room.acquire()
+                    again: _Lane[T] = _Lane(name(parts[index]), part_limit)
+                    shelf.reopened(index, again)
+                    tg.start_soon(fill, parts[index], again, cursor.taken[index])
+                shelf.go_on_from(cursor.order.next_part)
+                plan = parts[cursor.order.next_part :]
+            async with aclosing(_as_async(plan)) as listing:
                 async for part in listing:
                     await shelf.room.acquire()
                     lane: _Lane[T] = _Lane(name(part), part_limit)
@@ -200,7 +281,7 @@ async def interleaved(
             shelf.close()
 
     async def items() -> AsyncGenerator[T, None]:
-        order = Interleave(width, rng)
+        order, taken = cursor.order, cursor.taken
         while not order.done:
             index = order.turn()
             try:
@@ -219,9 +300,13 @@ async def interleaved(
             if item is _END:
                 order.ended()
                 del shelf.lanes[index]  # its reader is done: let it go
+                taken.pop(index, None)
                 shelf.room.release()
                 continue
             order.drew()
+            n = taken.get(index, 0)
+            taken[index] = n + 1
+            cursor.last = (index, n)
             yield item
 
     failure: Exception | None = None

@@ -18,7 +18,8 @@ The document::
 
 ``taken`` names the batches of epoch ``epoch`` this rank's consumer had, by place; ``layers``
 the earlier world sizes of this epoch (an elastic resume), each with every rank's ``taken``;
-``stream`` a stream's position and its dataset's own state at ``taken["through"]``. A merged
+``stream`` where a stream goes on: the place of the next batch formed after the last one taken
+in order that had a state, the stream position and the dataset's own state there. A merged
 state has ``rank: null`` and every old rank in its last layer.
 """
 
@@ -46,9 +47,9 @@ __all__ = ["FORMAT", "EpochState", "Progress", "merge_states", "resumed_batches"
 
 FORMAT = "aioloader.state/1"
 
-#: ``(seq, samples, stream mark)`` of a batch the consumer took; the mark is ``(position,
-#: dataset state)`` after the batch, for a resumable stream, else None.
-Mark = tuple[int, int, "tuple[int, Any] | None"]
+#: ``(seq, samples, stream mark)`` of a batch the consumer took; the mark is ``(next seq,
+#: position, dataset state)`` after the batch, for a resumable stream, else None.
+Mark = tuple[int, int, "tuple[int, int, Any] | None"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -67,7 +68,7 @@ class EpochState:
     taken: Taken = field(default_factory=Taken)
     samples: int = 0
     layers: list[Layer] = field(default_factory=list)
-    stream: tuple[int, Any] | None = None
+    stream: tuple[int, int, Any] | None = None
 
     @property
     def merged(self) -> bool:
@@ -90,7 +91,7 @@ class EpochState:
             "layers": [layer.to_json() for layer in self.layers],
             "stream": None
             if self.stream is None
-            else {"position": self.stream[0], "dataset": self.stream[1]},
+            else {"batch": self.stream[0], "position": self.stream[1], "dataset": self.stream[2]},
         }
 
     @classmethod
@@ -131,12 +132,15 @@ class EpochState:
         layers_json = get("layers", list)
         layers = [Layer.from_json(x, f"state['layers'][{i}]") for i, x in enumerate(layers_json)]
         stream_json = get("stream", dict, none=True)
-        stream: tuple[int, Any] | None = None
+        stream: tuple[int, int, Any] | None = None
         if stream_json is not None:
-            position = stream_json.get("position")
-            if not isinstance(position, int) or isinstance(position, bool) or position < 0:
-                raise ValueError("state['stream']['position'] must be an int >= 0")
-            stream = (position, stream_json.get("dataset"))
+            where = []
+            for key in ("batch", "position"):
+                value = stream_json.get(key)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"state['stream'][{key!r}] must be an int >= 0")
+                where.append(value)
+            stream = (where[0], where[1], stream_json.get("dataset"))
         return cls(
             epoch=get("epoch", int),
             seed=get("seed", int),
@@ -161,8 +165,8 @@ def _kind(kind: type | tuple[type, ...]) -> str:
 
 class Progress:
     """The consumer's record of one epoch: which batches it took (:class:`Taken`), how many
-    samples, and, for a stream, the mark (position, dataset state) after the batch at
-    ``taken.through - 1``: where a resumed epoch starts reading.
+    samples, and, for a stream, the last mark (next seq, position, dataset state) of the batches
+    up to ``taken.through - 1``: where a resumed epoch starts reading.
 
     Only the consumer's thread calls :meth:`took` (a plain ``for``'s thread, or the event loop's
     for ``async for``); ``state_dict()`` reads it on that same thread.
@@ -175,25 +179,25 @@ class Progress:
         self.taken = base.taken.copy()
         self.samples = base.samples
         self.stream = base.stream
-        self.marks: dict[int, tuple[int, Any]] = {}  # stream marks of batches past `through`
+        self.marks: dict[int, tuple[int, int, Any]] = {}  # marks of batches past `through`
         self.finished = False
 
     def took(self, mark: Mark) -> None:
         seq, size, stream = mark
         taken = self.taken
         self.samples += size
-        if stream is None:
-            taken.add(seq)
-            return
         if seq != taken.through:
-            self.marks[seq] = stream
+            if stream is not None:
+                self.marks[seq] = stream
             taken.add(seq)
             return
         taken.add(seq)
-        last = taken.through - 1
-        self.stream = stream if last == seq else self.marks.pop(last)
-        for s in range(seq + 1, last):
-            self.marks.pop(s, None)
+        if stream is not None:
+            self.stream = stream
+        for s in range(seq + 1, taken.through):  # taken before, now in order
+            passed = self.marks.pop(s, None)
+            if passed is not None:
+                self.stream = passed
 
     def state(self) -> EpochState:
         base = self.base

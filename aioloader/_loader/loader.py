@@ -623,7 +623,9 @@ class DataLoader(Generic[T_Batch]):
         resume, self._resume = self._resume, None
         if resume is not None and resume.epoch != number:  # pragma: no cover - set_epoch refuses
             resume = None
-        return EpochIterator(self._state, self._scope, number, resume)
+        iterator: EpochIterator[T_Batch] = EpochIterator(self._state, self._scope, number, resume)
+        self._state.progress = iterator.progress  # the epoch under way, even before its first batch
+        return iterator
 
     def __iter__(self) -> PlainIterator[T_Batch]:
         """Iterate one epoch from synchronous code: the pipeline runs on an event loop in a

@@ -85,11 +85,13 @@ class Epoch:
         device: The scope's device stage, or None (batches are yielded as collated).
         taken: A resumed epoch: the places of the batches its consumer took before (not
             yielded again; a stream's batches are re-formed and dropped).
-        stream_from: A resumed stream: the position and the dataset's state to start from.
+        stream_from: A resumed stream: the place of its next batch, the position and the
+            dataset's state to start from.
 
     Output items: ``(batch, samples, mark)`` with ``mark = (seq, samples, stream mark)``, the
-    stream mark being ``(position, dataset state)`` after the batch (None unless the stream is
-    resumable); or :class:`Raised` in a failed batch's turn.
+    stream mark being ``(next seq, position, dataset state)`` after the batch (None unless the
+    stream is resumable, and for the batches formed after its end); or :class:`Raised` in a
+    failed batch's turn.
     """
 
     def __init__(
@@ -103,7 +105,7 @@ class Epoch:
         device: DeviceStage | None = None,
         *,
         taken: Taken | None = None,
-        stream_from: tuple[int, Any] | None = None,
+        stream_from: tuple[int, int, Any] | None = None,
     ) -> None:
         self.number = number
         self.config = config
@@ -311,14 +313,13 @@ class Epoch:
         per_batch = cfg.per_batch
         assembler: BatchAssembler[tuple[int, Any]] = BatchAssembler(per_batch)
         taken = self.taken
-        seq = taken.through if taken is not None else 0
-        start, state = self.stream_from if self.stream_from is not None else (0, None)
+        seq, start, state = self.stream_from if self.stream_from is not None else (0, 0, None)
         # A resumable stream's state after each batch travels with it to the consumer.
         marked = source.resumable
 
         async def ship(items: list[tuple[int, Any]]) -> None:
             nonlocal seq
-            mark = (position + 1, source.state()) if marked else None
+            mark = (seq + 1, position + 1, source.state()) if marked else None
             batch = Batch(seq, [p for p, _ in items], [s for _, s in items], mark=mark)
             seq += 1
             if taken is not None and batch.seq in taken:

@@ -25,7 +25,8 @@ from .._base.retry import RetryPolicy
 from .._data.epochs import OpensEpochs
 from .._data.seeds import derive_seed
 from .._data.sharding import epoch_parts, resolve_rank
-from .._fanin.lanes import ahead_for, interleaved
+from .._fanin.interleave import Interleave, rng_from_json, rng_to_json
+from .._fanin.lanes import Cursor, ahead_for, interleaved
 from ._braces import expand_braces
 from ._http import new_session, redact_url
 from ._objects import redact_store_url, store_from_url
@@ -93,6 +94,14 @@ class TarShards(OpensEpochs[dict[str, Any]]):
 
     Epochs: each :meth:`__aiter__` call starts the next epoch (the first is 0);
     :meth:`set_epoch` chooses the epoch of the next call.
+
+    Resuming: :meth:`state_dict` gives where the open epoch's iterator stands (the interleave's
+    order, how many samples it took from each open shard, and what the shuffle buffer holds, by
+    shard and place, with the generators' states), and :meth:`load_state_dict` makes the next
+    epoch go on from there: the open shards are read again from their starts, their samples
+    already taken passed over, and the buffer's samples read again, so the samples that follow
+    are exactly those of the uninterrupted epoch. A loader calls both for you
+    (``DataLoader.state_dict()``).
 
     Shuffling: with ``shuffle_shards`` the epoch's shard order is a permutation drawn with
     ``random.Random(derive_seed(seed, epoch))``, and the interleave's rounds are drawn with
@@ -212,6 +221,8 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         self._store = store
         self._stores: dict[str, Any] = {}  # one per scheme://bucket, built at first use
         self._next_epoch = 0
+        self._resume: dict[str, Any] | None = None  # loaded: where the next epoch goes on
+        self._running: _EpochRun | None = None  # the open epoch, whose state state_dict() gives
         #: Reads resumed after a transient failure, over the dataset's life.
         self.retries = 0
 
@@ -235,6 +246,36 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             ValueError: ``epoch`` is negative.
         """
         self._next_epoch = check_int("epoch", epoch, minimum=0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the open epoch's iterator stands (after the samples it has given), or, with no
+        epoch open, the start of the next epoch: a JSON-serialisable dict whose size does not
+        grow with the epoch (a few numbers per open shard and per buffered sample, and the
+        shuffles' generator states)."""
+        run = self._running
+        if run is None:
+            if self._resume is not None:
+                return self._resume
+            return {"epoch": self._next_epoch, "shards": len(self._shards), "cursor": None}
+        return run.state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next epoch go on where ``state`` (from :meth:`state_dict`) stood.
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed, or of a different list of shards.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from TarShards.state_dict(), got {state!r}")
+        epoch, shards = state.get("epoch"), state.get("shards")
+        check_int("state['epoch']", epoch, minimum=0)
+        if shards != len(self._shards):
+            raise ValueError(
+                f"state['shards'] is {shards!r}: the state is of a dataset of other shards "
+                f"(this one has {len(self._shards)})"
+            )
+        self._next_epoch = epoch  # type: ignore[assignment]  # checked above
+        self._resume = state if state.get("cursor") is not None else None
 
     def epoch_shards(self, epoch: int) -> list[str]:
         """The shards this rank reads in ``epoch``, in reading order.
@@ -300,7 +341,10 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         open shard (its file or connection) before the block is left.
         """
         epoch = self._take_epoch()
-        return self._samples(self.epoch_shards(epoch), epoch)
+        resume, self._resume = self._resume, None
+        if resume is not None and resume["epoch"] != epoch:
+            resume = None  # set_epoch chose another epoch: it starts afresh
+        return self._samples(self.epoch_shards(epoch), epoch, resume)
 
     @contextlib.asynccontextmanager
     async def _open_reader(
@@ -357,12 +401,29 @@ class TarShards(OpensEpochs[dict[str, Any]]):
 
     @contextlib.asynccontextmanager
     async def _samples(
-        self, shards: list[str], epoch: int
+        self, shards: list[str], epoch: int, resume: dict[str, Any] | None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         width = self.shards_in_flight(len(shards))
         ahead = ahead_for(width, len(shards))
         per_shard = max(self._chunk_size, self._buffer_bytes // (width + ahead))
         order = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle_shards else None
+        if resume is not None:
+            cursor = Cursor.from_json(resume["cursor"], order)
+            if cursor.order.width != width:
+                raise ValueError(
+                    f"the state was saved reading {cursor.order.width} shards at once; this "
+                    f"epoch reads {width} (shards_in_flight must be the same to resume)"
+                )
+        else:
+            cursor = Cursor(Interleave(width, order))
+        buffer = None
+        if self._shuffle_buffer > 1:
+            buffer = _ShuffleBuffer(
+                self._shuffle_buffer, random.Random(derive_seed(self._seed, epoch, 1))
+            )
+            if resume is not None:
+                buffer.restore(resume.get("buffer"))
+        run = _EpochRun(epoch, len(self._shards), cursor, buffer)
         async with (
             self._open_reader() as read,
             interleaved(
@@ -374,32 +435,145 @@ class TarShards(OpensEpochs[dict[str, Any]]):
                 size=_sample_bytes,
                 rng=order,
                 name=_display,
+                cursor=cursor,
             ) as samples,
         ):
-            if self._shuffle_buffer <= 1:
-                yield samples
+            if buffer is None:
+                self._running = run
+                try:
+                    yield samples
+                finally:
+                    self._running = None
                 return
-            rng = random.Random(derive_seed(self._seed, epoch, 1))
-            async with aclosing(_shuffled(samples, self._shuffle_buffer, rng)) as shuffled:
-                yield shuffled
+            await buffer.read_again(read, shards, width)
+            async with aclosing(buffer.run(samples, cursor)) as shuffled:
+                self._running = run
+                try:
+                    yield shuffled
+                finally:
+                    self._running = None
 
 
-async def _shuffled(
-    samples: AsyncIterator[dict[str, Any]], size: int, rng: random.Random
-) -> AsyncGenerator[dict[str, Any], None]:
-    """``samples`` through a shuffle buffer of ``size``: filled first, then each new sample takes
-    a random slot and the evicted one is yielded; the rest in random order at the end."""
-    buffer: list[dict[str, Any]] = []
-    async for sample in samples:
-        if len(buffer) < size:
-            buffer.append(sample)
-            continue
-        slot = rng.randrange(size)
-        evicted, buffer[slot] = buffer[slot], sample
-        yield evicted
-    rng.shuffle(buffer)
-    while buffer:
-        yield buffer.pop()
+class _EpochRun:
+    """An open epoch, as :meth:`TarShards.state_dict` describes it."""
+
+    __slots__ = ("buffer", "cursor", "epoch", "shards")
+
+    def __init__(
+        self, epoch: int, shards: int, cursor: Cursor, buffer: _ShuffleBuffer | None
+    ) -> None:
+        self.epoch = epoch
+        self.shards = shards
+        self.cursor = cursor
+        self.buffer = buffer
+
+    def state(self) -> dict[str, Any]:
+        state = {"epoch": self.epoch, "shards": self.shards, "cursor": self.cursor.to_json()}
+        if self.buffer is not None:
+            state["buffer"] = self.buffer.to_json()
+        return state
+
+
+class _ShuffleBuffer:
+    """The sample shuffle buffer: filled first, then each new sample takes a random slot and the
+    evicted one is yielded; the rest in random order at the end. It knows where each sample it
+    holds came from (shard, place), so a saved state can fill it again."""
+
+    __slots__ = ("draining", "items", "origins", "rng", "size")
+
+    def __init__(self, size: int, rng: random.Random) -> None:
+        self.size = size
+        self.rng = rng
+        self.items: list[dict[str, Any]] = []
+        self.origins: list[tuple[int, int]] = []  # (part in the epoch's order, sample in it)
+        self.draining = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "origins": list(self.origins),
+            "rng": rng_to_json(self.rng),
+            "draining": self.draining,
+        }
+
+    def restore(self, state: object) -> None:
+        """Where a saved buffer stood (its samples are read again by :meth:`read_again`).
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"a shuffle buffer's state must be a mapping, got {state!r}")
+        try:
+            origins = [(int(p), int(i)) for p, i in state["origins"]]
+            draining = bool(state["draining"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a shuffle buffer's state is malformed: {exc!r}") from None
+        if len(origins) > self.size:
+            raise ValueError(
+                f"the saved shuffle buffer holds {len(origins)} samples; shuffle_buffer is "
+                f"{self.size} (it must be the same to resume)"
+            )
+        rng_from_json(self.rng, state.get("rng"))
+        self.origins, self.draining = origins, draining
+
+    async def read_again(
+        self,
+        read: Callable[[str], AsyncGenerator[dict[str, Any], None]],
+        shards: Sequence[str],
+        concurrency: int,
+    ) -> None:
+        """Read the samples a restored buffer held, from their shards, ``concurrency`` shards
+        at once."""
+        wanted: dict[int, set[int]] = {}
+        for part, place in self.origins:
+            wanted.setdefault(part, set()).add(place)
+        found: dict[tuple[int, int], dict[str, Any]] = {}
+        limit = anyio.Semaphore(concurrency)
+
+        async def take(part: int, places: set[int]) -> None:
+            async with limit, aclosing(read(shards[part])) as samples:
+                last = max(places)
+                place = -1
+                async for sample in samples:
+                    place += 1
+                    if place in places:
+                        found[part, place] = sample
+                    if place == last:
+                        return
+            raise ValueError(
+                f"shard {_display(shards[part])!r} has {place + 1} samples; the saved shuffle "
+                f"buffer held sample {last} of it (the shard changed since the state was saved)"
+            )
+
+        async with anyio.create_task_group() as tg:
+            for part, places in sorted(wanted.items()):
+                tg.start_soon(take, part, places)
+        self.items = [found[origin] for origin in self.origins]
+
+    async def run(
+        self, samples: AsyncIterator[dict[str, Any]], cursor: Cursor
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """``samples`` through the buffer (``cursor.last`` names each one's origin)."""
+        size, rng = self.size, self.rng
+        if not self.draining:
+            items, origins = self.items, self.origins
+            async for sample in samples:
+                if len(items) < size:
+                    items.append(sample)
+                    origins.append(cursor.last)
+                    continue
+                slot = rng.randrange(size)
+                evicted, items[slot] = items[slot], sample
+                origins[slot] = cursor.last
+                yield evicted
+            order = list(range(len(items)))
+            rng.shuffle(order)  # the same draws as shuffling the samples themselves
+            self.items = [items[k] for k in order]
+            self.origins = [origins[k] for k in order]
+            self.draining = True
+        while self.items:
+            self.origins.pop()
+            yield self.items.pop()
 
 
 _SAMPLE_OVERHEAD = 256  # bytes a sample holds besides its members: the dict, the key, headers
