@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .._base.checks import check_bool, check_int, check_seed
 from .._data.epochs import OpensEpochs
 from .._data.seeds import derive_seed
 from .._data.sharding import epoch_parts, resolve_rank
-from .lanes import ahead_for, interleaved
+from .interleave import Interleave
+from .lanes import Cursor, ahead_for, interleaved
 
 __all__ = ["Interleaved", "interleave"]
 
@@ -134,9 +135,40 @@ class Interleaved(OpensEpochs[T]):
         self._rank = rank
         self._world_size = world_size
         self._next_epoch = 0
+        self._resume: dict[str, Any] | None = None  # loaded: where the next epoch goes on
+        self._running: tuple[int, Cursor] | None = None  # the open epoch and its cursor
 
     def __repr__(self) -> str:
         return f"Interleaved(parts={len(self._parts)}, in_flight={self.in_flight})"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the open epoch's iterator stands (the interleave's order and how many items
+        it took from each open part), or, with none open, the start of the next epoch.
+        Resuming reopens the open parts and passes over the items they gave before, so a part
+        must give the same items each time it is opened."""
+        if self._running is None:
+            if self._resume is not None:
+                return self._resume
+            return {"epoch": self._next_epoch, "parts": len(self._parts), "cursor": None}
+        epoch, cursor = self._running
+        return {"epoch": epoch, "parts": len(self._parts), "cursor": cursor.to_json()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next epoch go on where ``state`` (from :meth:`state_dict`) stood.
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed, or of another number of parts.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from Interleaved.state_dict(), got {state!r}")
+        epoch = check_int("state['epoch']", state.get("epoch"), minimum=0)
+        if state.get("parts") != len(self._parts):
+            raise ValueError(
+                f"state['parts'] is {state.get('parts')!r}; this interleave has "
+                f"{len(self._parts)} parts"
+            )
+        self._next_epoch = epoch
+        self._resume = state if state.get("cursor") is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration reads.
@@ -164,17 +196,40 @@ class Interleaved(OpensEpochs[T]):
         Cancellation: leaving the block early closes every open part before it is left.
         """
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        resume, self._resume = self._resume, None
+        return self._epoch(epoch, resume if resume and resume["epoch"] == epoch else None)
+
+    @contextlib.asynccontextmanager
+    async def _epoch(
+        self, epoch: int, resume: dict[str, Any] | None
+    ) -> AsyncIterator[AsyncIterator[T]]:
         plan = self.epoch_parts(epoch)
         width = min(self.in_flight, len(plan)) or 1
-        return interleaved(
+        rng = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle else None
+        if resume is not None:
+            cursor = Cursor.from_json(resume["cursor"], rng)
+            if cursor.order.width != width:
+                raise ValueError(
+                    f"the state was saved reading {cursor.order.width} parts at once; this "
+                    f"epoch reads {width} (in_flight must be the same to resume)"
+                )
+        else:
+            cursor = Cursor(Interleave(width, rng))
+        async with interleaved(
             plan,
             self._open,
             width=width,
             ahead=ahead_for(width, len(plan)),
             part_limit=self.buffer,
-            rng=random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle else None,
+            rng=rng,
             name=self._name,
-        )
+            cursor=cursor,
+        ) as items:
+            self._running = (epoch, cursor)
+            try:
+                yield items
+            finally:
+                self._running = None
 
     def _open(self, index: int) -> AsyncIterator[T]:
         part = self._parts[index]

@@ -297,7 +297,13 @@ def object_stream(
 
 class ObjectStream(OpensEpochs[tuple[str, bytes]]):
     """``(key, bytes)`` of every object under a prefix, listed anew each epoch; see
-    :func:`object_stream`."""
+    :func:`object_stream`.
+
+    Resuming: :meth:`state_dict` is the last key the open epoch's iterator gave (its listing
+    position); after :meth:`load_state_dict` the next epoch lists the keys after it. That needs
+    the store to list keys in order, as S3, GCS and Azure do: a listing found out of order
+    makes :meth:`state_dict` raise rather than resume wrongly.
+    """
 
     def __init__(
         self, store: Any, url: str, suffixes: tuple[str, ...], glob: str | None, concurrency: int
@@ -307,6 +313,37 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
         self._suffixes = suffixes
         self._glob = glob
         self.concurrency = concurrency
+        self._after: str | None = None  # loaded: the next epoch lists the keys after it
+        self._running: _Listed | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"after": key}``: the last key the open epoch's iterator gave (None before the
+        first, or with no epoch open and nothing loaded).
+
+        Raises:
+            ValueError: The store listed keys out of order this epoch (a listing position
+                would not resume it).
+        """
+        run = self._running
+        if run is None:
+            return {"after": self._after}
+        if not run.in_order:
+            raise ValueError(
+                f"{self!r} cannot resume: the store listed {run.out_of_order!r} after a later "
+                "key, so a listing position does not say what is left"
+            )
+        return {"after": run.last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next epoch lists the keys after ``state["after"]``.
+
+        Raises:
+            TypeError: ``state`` is not such a dict.
+        """
+        after = state.get("after") if isinstance(state, dict) else state
+        if not (after is None or isinstance(after, str)):
+            raise TypeError(f"state must be {{'after': key or None}}, got {state!r}")
+        self._after = after
 
     def __repr__(self) -> str:
         return f"ObjectStream({self._url!r}, concurrency={self.concurrency})"
@@ -325,23 +362,45 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
 
         Cancellation: leaving the block cancels the reads in flight; nothing is left running.
         """
-        return interleaved(
-            self._listing(),
-            self._read,
-            width=1,
-            ahead=self.concurrency,
-            part_limit=1,
-            name=self._name,
-        )
+        after, self._after = self._after, None
+        return self._epoch(after)
+
+    @contextlib.asynccontextmanager
+    async def _epoch(self, after: str | None) -> AsyncIterator[AsyncIterator[tuple[str, bytes]]]:
+        run = _Listed(after)
+
+        async def taken(
+            items: AsyncIterator[tuple[str, bytes]],
+        ) -> AsyncGenerator[tuple[str, bytes], None]:
+            async for key, data in items:
+                run.took(key)
+                yield key, data
+
+        async with (
+            interleaved(
+                self._listing(after),
+                self._read,
+                width=1,
+                ahead=self.concurrency,
+                part_limit=1,
+                name=self._name,
+            ) as items,
+            contextlib.aclosing(taken(items)) as objects,
+        ):
+            self._running = run
+            try:
+                yield objects
+            finally:
+                self._running = None
 
     def _name(self, key: str) -> str:
         return f"{self._url.rstrip('/')}/{key}"
 
-    async def _listing(self) -> AsyncGenerator[str, None]:
+    async def _listing(self, after: str | None = None) -> AsyncGenerator[str, None]:
         import obstore
 
         try:
-            async for chunk in obstore.list(self._store, chunk_size=1000):
+            async for chunk in obstore.list(self._store, offset=after, chunk_size=1000):
                 for meta in chunk:
                     if self._wanted(meta["path"]):
                         yield meta["path"]
@@ -359,3 +418,23 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
             error = store_error(exc, self._name(key))
             raise error from error.__cause__
         yield key, data
+
+
+class _Listed:
+    """The keys an epoch of an :class:`ObjectStream` gave: the last one, and whether they came
+    in key order."""
+
+    __slots__ = ("last", "out_of_order")
+
+    def __init__(self, after: str | None) -> None:
+        self.last = after
+        self.out_of_order: str | None = None
+
+    @property
+    def in_order(self) -> bool:
+        return self.out_of_order is None
+
+    def took(self, key: str) -> None:
+        if self.last is not None and key <= self.last and self.out_of_order is None:
+            self.out_of_order = key
+        self.last = key
