@@ -25,6 +25,7 @@ state has ``rank: null`` and every old rank in its last layer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -264,7 +265,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise TypeError("states must be a list of DataLoader.state_dict() results, one per rank")
     if not states:
         raise ValueError("states is empty: give the state of every rank")
-    read = [EpochState.from_json(s) for s in states]
+    read = _as_one_epoch([EpochState.from_json(s) for s in states])
     first = read[0]
     for i, s in enumerate(read):
         if s.merged:
@@ -291,10 +292,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             f"states hold ranks {ranks}; a run of world_size {first.world_size} needs each of "
             f"0..{first.world_size - 1} once"
         )
-    # Ranks that finished the epoch are a state of the next one: all of them, or none.
-    epochs = {s.epoch for s in read}
-    if len(epochs) > 1:
-        raise ValueError(f"states are at different epochs: {sorted(epochs)}")
     batch = first.batch_size or 1
     layer = Layer(
         first.world_size,
@@ -318,22 +315,51 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return merged.to_json()
 
 
+def _as_one_epoch(states: list[EpochState]) -> list[EpochState]:
+    """The states of one epoch: a rank that saw its epoch end saved the start of the next one
+    (nothing taken); beside ranks still in that epoch it is a rank that took every batch.
+
+    Raises:
+        ValueError: The states are more than an epoch apart, or a rank is into the next epoch.
+    """
+    epochs = sorted({s.epoch for s in states})
+    if len(epochs) == 1:
+        return states
+    if len(epochs) > 2 or epochs[1] != epochs[0] + 1:
+        raise ValueError(f"states are at different epochs: {epochs}")
+    during = next(s for s in states if s.epoch == epochs[0])
+    every = Taken((during.length or 0) + 1)  # more batches than any share has
+    merged = []
+    for s in states:
+        if s.epoch == epochs[0]:
+            merged.append(s)
+        elif len(s.taken) or s.stream is not None:
+            raise ValueError(
+                f"rank {s.rank}'s state is into epoch {s.epoch} while others are in "
+                f"{epochs[0]}: save every rank's state at the same step"
+            )
+        else:
+            merged.append(dataclasses.replace(during, rank=s.rank, taken=every.copy()))
+    return merged
+
+
 # -- the batches of a resumed map-style epoch --------------------------------------------------
 
 
-def replayable(order: object) -> bool:
-    """Whether iterating ``order`` (a sampler or batch sampler) again, after ``set_epoch`` with
-    the same epoch, gives the same batches: ours, torch's sequential and distributed samplers,
-    a sequence of indices, a batch sampler over one of those."""
+def not_replayable(order: object) -> object | None:
+    """What in ``order`` (a sampler or batch sampler) may give other batches when iterated
+    again after ``set_epoch`` with the same epoch, or None: ours, torch's sequential and
+    distributed samplers, a sequence of indices and a batch sampler over one of those replay
+    their order."""
     if isinstance(order, (SequentialSampler, RandomSampler, DistributedSampler)):
-        return True
+        return None
     if isinstance(order, (torch.utils.data.SequentialSampler, torch.utils.data.DistributedSampler)):
-        return True
+        return None
     if isinstance(order, (range, list, tuple)):
-        return True
+        return None
     if isinstance(order, (BatchSampler, torch.utils.data.BatchSampler)):
-        return replayable(order.sampler)
-    return False
+        return not_replayable(order.sampler)
+    return order
 
 
 def _fast_batches(

@@ -28,7 +28,7 @@ from .._data.resume import Layer, Taken
 from .._data.source import InWorkers, StreamSource, dataset_length
 from .._workers.offload import ThreadOffload
 from .arguments import Arguments, non_negative_int
-from .checkpoint import EpochState, dumps_checked, replayable
+from .checkpoint import EpochState, dumps_checked, not_replayable
 from .plan import plan_loader
 from .scope import EpochIterator, LoaderState, Scope, fresh_state
 from .session import PlainIterator, Session, close_from_anywhere
@@ -473,9 +473,10 @@ class DataLoader(Generic[T_Batch]):
                 )
             return
         order = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
-        if not plan.ours and not replayable(order):
+        culprit = None if plan.ours else not_replayable(order)
+        if culprit is not None:
             raise TypeError(
-                f"the loader cannot resume: its {type(order).__qualname__} may give another "
+                f"the loader cannot resume: its {type(culprit).__qualname__} may give another "
                 "order when iterated again; use shuffle=True with seed=, or one of "
                 "aioloader's samplers"
             )
