@@ -3,10 +3,9 @@ and :func:`merge_states` combines, and the epoch that goes on from it.
 
 Owns: :class:`EpochState` (the document: JSON-serialisable, checked field by field when loaded),
 :class:`Progress` (the consumer's record of the running epoch: what it took, and for a stream the
-dataset's state after the last batch taken in order), :func:`merge_states` and
-:func:`resumed_batches` (a map-style epoch's batches from a state: the same batches with the
-same places when the world size is the same, the remainder re-divided when it is not). Never:
-runs an epoch, or decides an order itself (``_data/resume.py`` and the samplers do).
+dataset's state after the last batch taken in order) and :func:`merge_states`. Never: runs an
+epoch, checks a state against a loader or builds its batches (``resuming.py``), or decides an
+order itself (``_data/resume.py`` and the samplers do).
 
 The document::
 
@@ -26,25 +25,14 @@ state has ``rank: null`` and every old rank in its last layer.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch.utils.data
+from .._data.resume import Layer, Taken
 
-from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
-from .._data.sampler import (
-    BatchSampler,
-    DistributedSampler,
-    RandomSampler,
-    SequentialSampler,
-)
-from .._data.seeds import epoch_permutation
-
-__all__ = ["FORMAT", "EpochState", "Progress", "merge_states", "resumed_batches"]
+__all__ = ["FORMAT", "EpochState", "Progress", "dumps_checked", "merge_states"]
 
 FORMAT = "aioloader.state/1"
 
@@ -341,75 +329,3 @@ def _as_one_epoch(states: list[EpochState]) -> list[EpochState]:
         else:
             merged.append(dataclasses.replace(during, rank=s.rank, taken=every.copy()))
     return merged
-
-
-# -- the batches of a resumed map-style epoch --------------------------------------------------
-
-
-def not_replayable(order: object) -> object | None:
-    """What in ``order`` (a sampler or batch sampler) may give other batches when iterated
-    again after ``set_epoch`` with the same epoch, or None: ours, torch's sequential and
-    distributed samplers, a sequence of indices and a batch sampler over one of those replay
-    their order."""
-    if isinstance(order, (SequentialSampler, RandomSampler, DistributedSampler)):
-        return None
-    if isinstance(order, (torch.utils.data.SequentialSampler, torch.utils.data.DistributedSampler)):
-        return None
-    if isinstance(order, (range, list, tuple)):
-        return None
-    if isinstance(order, (BatchSampler, torch.utils.data.BatchSampler)):
-        return not_replayable(order.sampler)
-    return order
-
-
-def _fast_batches(
-    sampler: Iterable[int], batch_size: int, drop_last: bool, taken: Taken
-) -> Iterator[tuple[int, list[int]]]:
-    """Our ``BatchSampler``'s batches from ``taken.through`` on: the samples before it skipped
-    in one C-level slice (a 10-million-sample order in well under a second)."""
-    indices = iter(sampler)
-    start = taken.through
-    next(itertools.islice(indices, start * batch_size, start * batch_size), None)
-    for seq in itertools.count(start):
-        batch = list(itertools.islice(indices, batch_size))
-        if not batch or (len(batch) < batch_size and drop_last):
-            return
-        if seq not in taken.beyond:
-            yield seq, batch
-
-
-def resumed_batches(
-    sampler: Iterable[int] | None,
-    batch_sampler: Iterable[Sequence[int]] | None,
-    state: EpochState | None,
-    *,
-    rank: int,
-    world_size: int,
-) -> Iterator[tuple[int, list[int]]]:
-    """The ``(seq, indices)`` of a map-style epoch's batches (``set_epoch`` already called),
-    those ``state`` says were taken left out. With ``state.layers``, the epoch is the
-    remainder those layers left, re-divided among ``world_size`` ranks."""
-    taken = state.taken if state is not None else None
-    if state is not None and state.layers:
-        if state.length is None:  # pragma: no cover - checked when the state was loaded
-            raise ValueError("an elastic state needs the dataset's length")
-        if state.order_seed is None:
-            order = np.arange(state.length, dtype=np.int64)
-        else:
-            order = np.asarray(
-                epoch_permutation(state.length, state.order_seed, state.epoch), dtype=np.int64
-            )
-        rest = remainder(order, state.layers)
-        batches = rank_batches(rest, rank, world_size, state.batch_size, state.drop_last)
-        return numbered(batches, taken)
-    if batch_sampler is None:
-        if sampler is None:  # pragma: no cover - a map-style plan has one of them
-            raise ValueError("a map-style epoch needs a sampler")
-        if taken is not None and taken.through:
-            return _fast_batches(sampler, 1, False, taken)
-        return numbered(([i] for i in sampler), taken)
-    if taken is not None and taken.through and type(batch_sampler) is BatchSampler:
-        return _fast_batches(
-            batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last, taken
-        )
-    return numbered(batch_sampler, taken)

@@ -10,7 +10,6 @@ itself (``_pipeline/epoch.py``) or decides order (``_data/sampler.py``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 import weakref
@@ -24,12 +23,12 @@ import torch
 from .._base.exceptions import LoaderStateError
 from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics, Recorders
-from .._data.resume import Layer, Taken
-from .._data.source import InWorkers, StreamSource, dataset_length
+from .._data.source import dataset_length
 from .._workers.offload import ThreadOffload
 from .arguments import Arguments, non_negative_int
-from .checkpoint import EpochState, dumps_checked, not_replayable
+from .checkpoint import EpochState, dumps_checked
 from .plan import plan_loader
+from .resuming import check_resumable, resolve
 from .scope import EpochIterator, LoaderState, Scope, fresh_state
 from .session import PlainIterator, Session, close_from_anywhere
 
@@ -350,7 +349,7 @@ class DataLoader(Generic[T_Batch]):
                 sampler whose order cannot be replayed; or a dataset's state that is not
                 JSON-serialisable.
         """
-        self._check_resumable()
+        check_resumable(self._plan)
         if self._resume is not None:
             state = self._resume
         else:
@@ -386,7 +385,7 @@ class DataLoader(Generic[T_Batch]):
                 first).
         """
         loaded = EpochState.from_json(state)
-        self._check_resumable()
+        check_resumable(self._plan)
         scope = self._scope
         running = scope.current if scope is not None else None
         if running is not None and not running.closed and not running.epoch.finished.is_set():
@@ -394,7 +393,7 @@ class DataLoader(Generic[T_Batch]):
                 "load_state_dict() while an epoch is in progress: call it before iterating "
                 "(or after the epoch's loop ends)"
             )
-        resume = self._resolve(loaded)
+        resume = resolve(self._plan, loaded)
         plan = self._plan
         if self.seed is None and (resume.seed, resume.order_seed) != (
             plan.base_seed,
@@ -403,83 +402,6 @@ class DataLoader(Generic[T_Batch]):
             self._plan = plan.reseeded(resume.seed, resume.order_seed)
         self._resume = resume
         self._next_epoch = resume.epoch
-
-    def _resolve(self, s: EpochState) -> EpochState:
-        """``s`` as this rank resumes it: its own record, or a merged (or world-of-one) state
-        made this rank's; checked against the loader's settings."""
-        plan = self._plan
-        if s.map != plan.kind.is_map:
-            kind = "map-style" if s.map else "stream"
-            raise ValueError(f"the state is of a {kind} dataset; this loader's is not")
-        if s.map:
-            length = dataset_length(self.dataset)
-            if s.length != length:
-                raise ValueError(
-                    f"the state is of a dataset of {s.length} samples; this one has {length}"
-                )
-        for name, saved, mine in (
-            ("batch_size", s.batch_size, plan.batch_size),
-            ("drop_last", s.drop_last, self.drop_last),
-        ):
-            if saved != mine:
-                raise ValueError(f"the state was saved with {name}={saved}; this loader has {mine}")
-        if self.seed is not None and s.seed != self.seed:
-            raise ValueError(f"the state was saved with seed={s.seed}; this loader has {self.seed}")
-        world, rank = plan.world_size, plan.rank
-        if s.merged or (s.world_size == 1 and world > 1):
-            if not plan.ours:
-                raise ValueError(
-                    "an elastic resume (another world size, or a merged state) re-divides the "
-                    "loader's own order; this loader was given a sampler or batch sampler"
-                )
-            layers = list(s.layers)
-            if not s.merged:
-                layers.append(Layer(1, s.batch_size or 1, s.drop_last, {0: s.taken}))
-            last = layers[-1]
-            if last.world_size == world:  # the same ranks again: each goes on with its own record
-                s = dataclasses.replace(s, taken=last.taken[rank].copy(), layers=layers[:-1])
-            else:
-                s = dataclasses.replace(s, taken=Taken(), layers=layers)
-            return dataclasses.replace(s, world_size=world, rank=rank, stream=None)
-        if (s.world_size, s.rank) != (world, rank):
-            raise ValueError(
-                f"the state is rank {s.rank}'s of a world of {s.world_size}; this loader is rank "
-                f"{rank} of {world}: combine every rank's state with aioloader.merge_states() "
-                "and load that"
-            )
-        return s
-
-    def _check_resumable(self) -> None:
-        plan = self._plan
-        name = type(self.dataset).__qualname__
-        if not plan.kind.is_map:
-            if isinstance(plan.source, InWorkers):
-                raise TypeError(
-                    f"the loader cannot resume: its iterable dataset {name} is read in worker "
-                    "processes (each worker's copy has its own place); read it in this process "
-                    "(num_workers=0, or worker_mode='thread') with state_dict/load_state_dict"
-                )
-            if not isinstance(plan.source, StreamSource) or not plan.source.resumable:
-                raise TypeError(
-                    f"the loader cannot resume: its dataset {name} is a stream without "
-                    "state_dict()/load_state_dict() (an async generator cannot be resumed); "
-                    "define both on the dataset (see docs/design.md, 'Resuming')"
-                )
-            if plan.world_size > 1:
-                raise TypeError(
-                    f"the loader cannot resume: its stream {name} is split across ranks by "
-                    "distributed=True; split it in the dataset instead (tar_shards(rank=, "
-                    "world_size=)), where each rank resumes its own part"
-                )
-            return
-        order = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
-        culprit = None if plan.ours else not_replayable(order)
-        if culprit is not None:
-            raise TypeError(
-                f"the loader cannot resume: its {type(culprit).__qualname__} may give another "
-                "order when iterated again; use shuffle=True with seed=, or one of "
-                "aioloader's samplers"
-            )
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of the counters of the current (or last) scope."""

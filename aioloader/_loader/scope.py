@@ -32,7 +32,8 @@ from .._pipeline.items import Raised
 from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
 from .._workers.processes import ProcessWorkers
-from .checkpoint import EpochState, Mark, Progress, resumed_batches
+from .checkpoint import EpochState, Mark, Progress
+from .resuming import resumed_batches
 
 if TYPE_CHECKING:
     from .._base.stats import Recorders

@@ -16,10 +16,10 @@ from ._http import HTTPTimeoutError as HTTPTimeoutError
 from ._http import TransientHTTPError as TransientHTTPError
 from ._http import UrlDataset as UrlDataset
 from ._http import urls as urls
+from ._object_stream import ObjectStream as ObjectStream
+from ._object_stream import object_stream as object_stream
 from ._objects import ObjectDataset as ObjectDataset
-from ._objects import ObjectStream as ObjectStream
 from ._objects import TransientStoreError as TransientStoreError
-from ._objects import object_stream as object_stream
 from ._objects import objects as objects
 from ._slots import SlotSample as SlotSample
 from ._slots import SlotStreams as SlotStreams

@@ -1,0 +1,237 @@
+"""Resuming streams mid-epoch: tar shards (several open at once, the shuffle buffer), an
+interleave of parts, an object store's listing (moto), a user's stream that defines
+``state_dict``/``load_state_dict``; and a stream that cannot resume, named."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import obstore
+import pytest
+import torch
+
+import aioloader
+from aioloader import DataLoader
+from aioloader.sources import tar_shards
+from tests.sources.test_objects import bucket
+from tests.sources.test_tar import make_shards
+
+__all__ = ["bucket"]  # the fixture, used here
+
+
+def keys(batch: list[dict[str, Any]]) -> list[str]:
+    return [f"{s['__key__']}@{Path(s['__shard__']).name}" for s in batch]
+
+
+def tar_loader(paths: list[Path], **kw: Any) -> DataLoader[Any]:
+    options = {
+        "shuffle_shards": True,
+        "shuffle_buffer": 10,
+        "shards_in_flight": 3,
+        "seed": 5,
+        **kw.pop("tar", {}),
+    }
+    return DataLoader(
+        tar_shards([str(p) for p in paths], **options), batch_size=4, collate_fn=keys, **kw
+    )
+
+
+def stop_and_resume(make: Any, stop: int) -> tuple[list[Any], list[Any], list[Any], dict[str, Any]]:
+    full = list(make())
+    loader = make()
+    it = iter(loader)
+    first = [next(it) for _ in range(stop)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    it.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    return full, first, list(resumed), state
+
+
+@pytest.mark.parametrize("stop", [0, 1, 6, 17, 22, 23])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"in_order": False},
+        {"num_workers": 2},
+        {"tar": {"shuffle_buffer": 0, "shuffle_shards": False}},
+        {"tar": {"shards_in_flight": 1}},
+    ],
+    ids=["buffer", "out-of-order", "workers", "plain", "one-at-a-time"],
+)
+def test_tar_shards_resume_exactly(tmp_path: Path, stop: int, kw: dict[str, Any]) -> None:
+    """7 shards of 13 samples, 3 read at once, through a buffer of 10: whatever the stop, the
+    samples after it are the uninterrupted epoch's, in its order."""
+    paths = make_shards(tmp_path, n_shards=7, n_samples=13)
+    full, first, rest, state = stop_and_resume(lambda: tar_loader(paths, **kw), stop)
+    assert len(full) == 23  # 91 samples in batches of 4
+    if kw.get("in_order", True):
+        assert first + rest == full
+    else:
+        assert sorted(map(tuple, first + rest)) == sorted(map(tuple, full))
+    assert state["stream"] is None if stop == 0 else state["stream"]["position"] > 0
+
+
+def test_compressed_shards_resume_too(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path, n_shards=4, n_samples=9)
+    zipped = []
+    for p in paths:
+        z = p.with_suffix(".tar.gz")
+        z.write_bytes(gzip.compress(p.read_bytes()))
+        zipped.append(z)
+    full, first, rest, _ = stop_and_resume(lambda: tar_loader(zipped), 4)
+    assert first + rest == full
+
+
+def test_a_tar_state_of_other_shards_or_settings_is_refused(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path, n_shards=5, n_samples=6)
+    loader = tar_loader(paths)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    it.close()
+    fewer = tar_loader(paths[:4])
+    with pytest.raises(ValueError, match="dataset of other shards"):
+        fewer.load_state_dict(state)
+        list(fewer)
+    wider = tar_loader(paths, tar={"shards_in_flight": 2})
+    wider.load_state_dict(state)
+    with pytest.raises(ValueError, match="shards_in_flight must be the same"):
+        list(wider)
+    smaller = tar_loader(paths, tar={"shuffle_buffer": 3})
+    smaller.load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle_buffer is 3"):
+        list(smaller)
+
+
+def test_an_interleave_resumes_its_parts(tmp_path: Path) -> None:
+    async def part(start: int) -> AsyncIterator[int]:
+        for i in range(start, start + 7):
+            yield i
+
+    parts = [lambda s=s: part(100 * s) for s in range(5)]
+
+    def make() -> DataLoader[Any]:
+        ds = aioloader.interleave(parts, in_flight=2, shuffle=True, seed=3)
+        return DataLoader(ds, batch_size=3, collate_fn=list)
+
+    full, first, rest, state = stop_and_resume(make, 4)
+    assert first + rest == full and len(full) == 12
+    assert state["stream"]["dataset"]["parts"] == 5
+
+
+async def test_an_object_stream_resumes_at_its_listing_position(bucket: dict[str, Any]) -> None:
+    def make() -> DataLoader[Any]:
+        ds = aioloader.sources.object_stream(bucket["url"], store=bucket["store"], suffix=".bin")
+        return DataLoader(ds, batch_size=6, collate_fn=lambda b: [k for k, _ in b])
+
+    loader = make()
+    async with loader:
+        batches = aiter(loader)
+        first = [await anext(batches) for _ in range(2)]
+        state = loader.state_dict()
+    assert state["stream"]["dataset"] == {"after": "0011.bin"}
+    obstore.put(bucket["store"], "0005b.bin", b"added before the stop's position: not read")
+    obstore.put(bucket["store"], "0099.bin", b"added after it: read")
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    async with resumed:
+        rest = [k async for batch in resumed for k in batch]
+    assert [k for b in first for k in b] == [f"{i:04d}.bin" for i in range(12)]
+    assert rest == [f"{i:04d}.bin" for i in range(12, 40)] + ["0099.bin"]
+
+
+class Counter(aioloader.AsyncIterableDataset[int]):
+    """A user's stream that takes part: its state is where its iterator is."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.at = 0
+        self.start = 0
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[int]:
+        self.at = self.start
+        self.start = 0
+        while self.at < self.n:
+            self.at += 1
+            yield self.at - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start = state["at"]
+
+
+class TorchCounter(torch.utils.data.IterableDataset[int]):
+    """The same for a torch ``IterableDataset`` (read on the loader's thread)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.at, self.start = n, 0, 0
+
+    def __iter__(self) -> Iterator[int]:
+        self.at, self.start = self.start, 0
+        while self.at < self.n:
+            self.at += 1
+            yield self.at - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start = state["at"]
+
+
+@pytest.mark.parametrize("kind", [Counter, TorchCounter])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_users_stream_that_defines_state_dict_resumes(kind: type, in_order: bool) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(kind(50), batch_size=8, collate_fn=list, in_order=in_order)
+
+    full, first, rest, state = stop_and_resume(make, 3)
+    assert sorted(map(tuple, first + rest)) == sorted(map(tuple, full))
+    if in_order:
+        assert first + rest == full
+        assert state["stream"] == {"batch": 3, "position": 24, "dataset": {"at": 24}}
+
+
+async def generator() -> AsyncIterator[int]:
+    for i in range(10):
+        yield i
+
+
+class NotJSON(Counter):
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": {self.at}}  # a set
+
+
+def test_a_stream_that_cannot_resume_is_named() -> None:
+    with pytest.raises(TypeError, match="its dataset function is a stream without state_dict"):
+        DataLoader(generator, batch_size=2).state_dict()
+    with pytest.raises(TypeError, match="split across ranks by distributed=True"):
+        DataLoader(Counter(9), batch_size=2, distributed=True, rank=0, world_size=2).state_dict()
+    with pytest.raises(TypeError, match="TorchCounter is read in worker processes"):
+        DataLoader(TorchCounter(9), batch_size=2, num_workers=1).state_dict()
+    loader = DataLoader(NotJSON(9), batch_size=2, collate_fn=list)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(TypeError, match=r"NotJSON\.state_dict\(\) is not JSON-serialisable"):
+        loader.state_dict()
+    it.close()
+
+
+def test_a_stream_state_is_not_loaded_into_a_map_style_loader(tmp_path: Path) -> None:
+    loader = DataLoader(Counter(9), batch_size=2, collate_fn=list)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="state is of a stream dataset"):
+        DataLoader(list(range(9)), batch_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="is of a stream"):
+        aioloader.merge_states([state])
