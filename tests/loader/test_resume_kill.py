@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +65,8 @@ async def run_job(tmp: Path, log: Path, state: Path, *args: str) -> tuple[int, i
         raise
     if proc.returncode not in (0, -signal.SIGKILL):
         pytest.fail(f"the job failed ({proc.returncode}):\n{output.decode()}")
+    # The output holds what the job's workers wrote too, until the last of them exited.
+    assert "Traceback" not in output.decode(), output.decode()
     return proc.returncode, proc.pid
 
 
@@ -103,3 +106,58 @@ async def test_a_killed_job_resumes_from_its_last_saved_state(
     assert killed[saved_at:] == resumed[:repeated]
     assert killed[:saved_at] + resumed == epoch
     assert [b["batch"] for b in logged[die_at:]] == list(range(saved_at + 1, 24))
+
+
+def torchrun(ranks: int, *args: str, cwd: Path) -> None:
+    job = ROOT / "tests" / "support" / "ddp_resume_job.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    with subprocess.Popen(
+        [*command, "--nproc-per-node", str(ranks), str(job), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        cwd=cwd,
+        start_new_session=True,  # torchrun and its ranks: one group, killed together
+    ) as run:
+        try:
+            output, _ = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            output, _ = run.communicate()
+            pytest.fail(f"the ranks hung (killed after 60 s):\n{output}")
+    assert run.returncode == 0, output
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_stop_and_three_go_on_with_the_remainder(tmp_path: Path) -> None:
+    """torchrun with 2 ranks takes 7 steps of a 104-sample epoch and saves the merged state;
+    torchrun with 3 ranks loads it: every step all-reduced on every rank (none hangs), no
+    sample on two ranks, and together the 5 ranks yield the epoch once."""
+    torchrun(2, "stop", str(tmp_path), cwd=tmp_path)
+    torchrun(3, "resume", str(tmp_path), cwd=tmp_path)
+    before = json.loads((tmp_path / "stop.json").read_text())
+    after = json.loads((tmp_path / "resume.json").read_text())
+    assert [len(r) for r in before] == [7, 7]
+    assert [len(r) for r in after] == [4, 4, 4]  # 104 - 56 = 48 left: 16 samples per rank
+    ranks = [[i for b in r for i in b] for r in before + after]
+    flat = [i for r in ranks for i in r]
+    assert sorted(flat) == list(range(104))  # each sample once, on one rank
+
+
+@pytest.mark.timeout(200)
+def test_the_resume_example_runs() -> None:
+    """``examples/resume.py``: killed at step 12, resumed from step 10's checkpoint."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "resume.py")],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=150,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "resumed at step 10" in output and "epoch done at step 18" in output
+    assert "144 of 144 samples trained on; 16 twice" in output
+    assert "Traceback" not in output
