@@ -105,7 +105,7 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
         Raises:
             TypeError: ``state`` is not such a dict.
         """
-        after = state.get("after") if isinstance(state, dict) else state
+        after = state.get("after") if isinstance(state, dict) else ...
         if not (after is None or isinstance(after, str)):
             raise TypeError(f"state must be {{'after': key or None}}, got {state!r}")
         self._after = after
