@@ -73,6 +73,15 @@ class AsyncIterableDataset(ABC, Generic[T_co]):
     batch_size, in_order, distributed)``: the loader calls it when it is built, and it raises
     ``ValueError`` naming an option it cannot work with (``SlotStreams`` needs batches of its
     ``slots``, in order, unsplit). Any dataset kind may define it.
+
+    Resuming: a stream takes part in ``DataLoader.state_dict()`` by defining both
+    ``state_dict()``, its state after the samples its current epoch's iterator has given (a
+    JSON-serialisable dict: dicts, lists, str, numbers, bools, None), and
+    ``load_state_dict(state)``, after which the next :meth:`__aiter__` starts where that state
+    stood (torchdata's ``Stateful`` protocol). The loader calls ``state_dict()`` between
+    samples, after each batch's last one, and gives the state it saved to ``load_state_dict``
+    before the resumed epoch's :meth:`__aiter__`. A torch ``IterableDataset`` read in the
+    loader's process takes part the same way.
     """
 
     @abstractmethod

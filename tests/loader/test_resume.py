@@ -368,3 +368,39 @@ def test_a_sampler_that_cannot_replay_its_order_is_named() -> None:
         loader.state_dict()
     replayable = DataLoader(ds, sampler=torch.utils.data.SequentialSampler(ds), batch_size=2)
     assert replayable.state_dict()["taken"]["through"] == 0
+
+
+def test_a_batch_sampler_with_empty_batches_resumes_by_place() -> None:
+    """A bucketing batch sampler may give empty batches: they have no place, and a resumed
+    epoch numbers the others as the uninterrupted one did."""
+    order = [[0, 1], [], [2, 3, 4], [], [], [5], [6, 7]]
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(list(range(8)), batch_sampler=order, collate_fn=list)
+
+    full = list(make())
+    loader = make()
+    it = iter(loader)
+    head = [next(it), next(it)]
+    state = loader.state_dict()
+    it.close()
+    assert state["taken"]["through"] == 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == full == [[0, 1], [2, 3, 4], [5], [6, 7]]
+
+
+async def test_a_files_source_resumes(tmp_path: Any) -> None:
+    for i in range(30):
+        (tmp_path / f"{i:02d}.bin").write_bytes(bytes([i]))
+
+    def make() -> DataLoader[Any]:
+        ds = aioloader.sources.files(tmp_path, "*.bin")
+        return DataLoader(ds, batch_size=4, shuffle=True, seed=4, collate_fn=list)
+
+    full, _ = await batches_of(make())
+    head, state = await batches_of(make(), stop=3)
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest, _ = await batches_of(resumed)
+    assert head + rest == full
