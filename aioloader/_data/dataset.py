@@ -80,8 +80,10 @@ class AsyncIterableDataset(ABC, Generic[T_co]):
     ``load_state_dict(state)``, after which the next :meth:`__aiter__` starts where that state
     stood (torchdata's ``Stateful`` protocol). The loader calls ``state_dict()`` between
     samples, after each batch's last one, and gives the state it saved to ``load_state_dict``
-    before the resumed epoch's :meth:`__aiter__`. A torch ``IterableDataset`` read in the
-    loader's process takes part the same way.
+    before the resumed epoch's :meth:`__aiter__`. The loader keeps a deep copy of each state
+    (a state kept by reference would move on with the read-ahead), unless the class sets
+    ``state_dict_is_a_copy = True`` to say each call builds a new object. A torch
+    ``IterableDataset`` read in the loader's process takes part the same way.
     """
 
     @abstractmethod

@@ -22,7 +22,11 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-__all__ = ["Layer", "Taken", "numbered", "rank_batches", "remainder", "share_positions"]
+__all__ = ["Layer", "Mark", "Taken", "numbered", "rank_batches", "remainder", "share_positions"]
+
+#: ``(seq, samples, stream mark)``: a batch a consumer takes, by place; the stream mark is
+#: ``(next seq, position, dataset state)`` after the batch, for a resumable stream, else None.
+Mark = tuple[int, int, "tuple[int, int, Any] | None"]
 
 
 class Taken:

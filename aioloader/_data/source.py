@@ -11,6 +11,7 @@ schedules, retries or batches; that is ``_pipeline``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
 import inspect
 from abc import ABC, abstractmethod
@@ -118,6 +119,14 @@ def is_resumable(dataset: object) -> bool:
     return callable(getattr(dataset, "state_dict", None)) and callable(
         getattr(dataset, "load_state_dict", None)
     )
+
+
+def _snapshot(dataset: Any) -> Any:
+    """``dataset.state_dict()`` as it is now: copied, unless the dataset says it gives a new
+    object each call (``state_dict_is_a_copy = True``), for a state kept by reference would
+    move on with the dataset's read-ahead."""
+    state = dataset.state_dict()
+    return state if getattr(dataset, "state_dict_is_a_copy", False) else copy.deepcopy(state)
 
 
 class StreamSource(ABC):
@@ -233,7 +242,7 @@ class _AsyncStream(StreamSource):
         self.resumable = is_resumable(dataset)
 
     def state(self) -> Any:
-        return self._dataset.state_dict()
+        return _snapshot(self._dataset)
 
     def _iterator(self) -> AsyncIterator[Any]:
         if inspect.isasyncgenfunction(self._dataset):
@@ -296,7 +305,7 @@ class _BlockingStream(StreamSource):
             if len(chunk) == self._chunk:
                 break
         if self.resumable:
-            self._state = self._dataset.state_dict()  # type: ignore[attr-defined]
+            self._state = _snapshot(self._dataset)
         return chunk
 
     async def _chunks(self, iterator: Iterator[Any]) -> AsyncGenerator[Any, None]:

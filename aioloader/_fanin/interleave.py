@@ -141,19 +141,26 @@ class Interleave:
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"an interleave's state must be a mapping, got {state!r}")
-        try:
-            slots = [int(p) for p in state["slots"]]
-            order = [int(p) for p in state["order"]]
-            pos, closed, next_part = (int(state[k]) for k in ("pos", "closed", "next_part"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"an interleave's state is malformed: {exc!r}") from None
+        raw: list[Any] = [state.get(k) for k in ("slots", "order")]
+        numbers = [state.get(k) for k in ("pos", "closed", "next_part")]
+        if not (_ints(raw[0]) and raw[0] and _ints(raw[1]) and _ints(numbers)):
+            raise ValueError(f"an interleave's state is malformed: {dict(state)!r}")
+        slots: list[int] = list(raw[0])
+        order: list[int] = list(raw[1])
+        pos, closed, next_part = (int(n) for n in numbers if isinstance(n, int))
         if (state.get("rng") is None) != (rng is None):
             raise ValueError("the interleave's state and its shuffle setting disagree")
         width = len(slots)
-        if not (slots and 0 <= pos < max(1, len(order)) and 0 <= closed <= width):
-            raise ValueError(f"an interleave's state is out of range: {dict(state)!r}")
-        if any(p < _CLOSED or p >= next_part for p in slots):
-            raise ValueError(f"an interleave's slots are out of range: {slots}")
+        shut = {i for i, p in enumerate(slots) if p == _CLOSED}
+        consistent = (
+            all(_CLOSED <= p < next_part for p in slots)
+            and closed == len(shut)
+            and len(set(order)) == len(order)
+            and set(range(width)) - shut <= set(order) <= set(range(width))
+            and (closed == width or (0 <= pos < len(order) and order[pos] not in shut))
+        )
+        if not consistent:
+            raise ValueError(f"an interleave's state is inconsistent: {dict(state)!r}")
         self = cls(width)
         self._slots, self._order, self._pos, self._closed = slots, order, pos, closed
         self.next_part = next_part
@@ -168,6 +175,12 @@ class Interleave:
             self._order = [s for s in range(len(self._slots)) if self._slots[s] != _CLOSED]
         if self._rng is not None:
             self._rng.shuffle(self._order)
+
+
+def _ints(values: object) -> bool:
+    return isinstance(values, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    )
 
 
 def rng_to_json(rng: random.Random) -> list[Any]:

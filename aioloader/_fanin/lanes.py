@@ -24,6 +24,8 @@ passes over the items already taken, and goes on with the plan where it stood.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import random
 from collections import deque
 from collections.abc import (
@@ -41,7 +43,7 @@ import anyio
 
 from .interleave import Interleave
 
-__all__ = ["Cursor", "ahead_for", "close_iterator", "interleaved"]
+__all__ = ["Cursor", "ahead_for", "check_plan", "close_iterator", "interleaved", "plan_digest"]
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -126,16 +128,40 @@ class Cursor:
         if not isinstance(state, dict):
             raise TypeError(f"an interleave cursor must be a mapping, got {state!r}")
         order = Interleave.from_json(state.get("interleave"), rng)
-        try:
-            taken = {int(p): int(n) for p, n in state["taken"]}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"an interleave cursor's 'taken' is malformed: {exc!r}") from None
+        pairs = state.get("taken")
+        if not (isinstance(pairs, list) and all(_count_pair(x) for x in pairs)):
+            raise ValueError(f"an interleave cursor's 'taken' is malformed: {pairs!r}")
+        taken = {p: n for p, n in pairs}
         if set(taken) != set(order.open_parts) or any(n < 1 for n in taken.values()):
             raise ValueError(
                 f"an interleave cursor's taken parts {sorted(taken)} are not its open parts "
                 f"{order.open_parts}"
             )
         return cls(order, taken)
+
+
+def plan_digest(*plan: object) -> str:
+    """A short digest of what decides an epoch's order (its parts in plan order, the seeds and
+    settings), saved beside a cursor: a cursor means nothing for another plan."""
+    text = json.dumps(plan, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def check_plan(saved: object, digest: str, what: str) -> None:
+    """Raises: ValueError: ``saved`` (a state's ``plan``) is not ``digest``, naming ``what``
+    may differ."""
+    if saved != digest:
+        raise ValueError(
+            f"the state was saved for another plan of the epoch ({what}): it cannot resume here"
+        )
+
+
+def _count_pair(pair: object) -> bool:
+    return (
+        isinstance(pair, (list, tuple))
+        and len(pair) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
+    )
 
 
 class _Parts(Generic[P, T]):

@@ -17,7 +17,7 @@ from .._data.epochs import OpensEpochs
 from .._data.seeds import derive_seed
 from .._data.sharding import epoch_parts, resolve_rank
 from .interleave import Interleave
-from .lanes import Cursor, ahead_for, interleaved
+from .lanes import Cursor, ahead_for, check_plan, interleaved, plan_digest
 
 __all__ = ["Interleaved", "interleave"]
 
@@ -98,6 +98,9 @@ def interleave(
 class Interleaved(OpensEpochs[T]):
     """Parts of one stream read several at once; see :func:`interleave`."""
 
+    #: :meth:`state_dict` builds a new object each call: the loader need not copy it.
+    state_dict_is_a_copy = True
+
     def __init__(
         self,
         parts: Sequence[Part[T]],
@@ -136,7 +139,7 @@ class Interleaved(OpensEpochs[T]):
         self._world_size = world_size
         self._next_epoch = 0
         self._resume: dict[str, Any] | None = None  # loaded: where the next epoch goes on
-        self._running: tuple[int, Cursor] | None = None  # the open epoch and its cursor
+        self._running: tuple[int, str, Cursor] | None = None  # the open epoch: plan, cursor
 
     def __repr__(self) -> str:
         return f"Interleaved(parts={len(self._parts)}, in_flight={self.in_flight})"
@@ -150,8 +153,16 @@ class Interleaved(OpensEpochs[T]):
             if self._resume is not None:
                 return self._resume
             return {"epoch": self._next_epoch, "parts": len(self._parts), "cursor": None}
-        epoch, cursor = self._running
-        return {"epoch": epoch, "parts": len(self._parts), "cursor": cursor.to_json()}
+        epoch, digest, cursor = self._running
+        return {
+            "epoch": epoch,
+            "parts": len(self._parts),
+            "plan": digest,
+            "cursor": cursor.to_json(),
+        }
+
+    def _digest(self, epoch: int) -> str:
+        return plan_digest(self.epoch_parts(epoch), self._seed, self._shuffle)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next epoch go on where ``state`` (from :meth:`state_dict`) stood.
@@ -206,7 +217,9 @@ class Interleaved(OpensEpochs[T]):
         plan = self.epoch_parts(epoch)
         width = min(self.in_flight, len(plan)) or 1
         rng = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle else None
+        digest = self._digest(epoch)
         if resume is not None:
+            check_plan(resume.get("plan"), digest, "seed, shuffle, rank or world_size")
             cursor = Cursor.from_json(resume["cursor"], rng)
             if cursor.order.width != width:
                 raise ValueError(
@@ -225,7 +238,7 @@ class Interleaved(OpensEpochs[T]):
             name=self._name,
             cursor=cursor,
         ) as items:
-            self._running = (epoch, cursor)
+            self._running = (epoch, digest, cursor)
             try:
                 yield items
             finally:

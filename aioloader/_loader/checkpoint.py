@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._data.resume import Layer, Taken
+from .._data.resume import Layer, Mark, Taken
 
 __all__ = ["FORMAT", "EpochState", "Progress", "dumps_checked", "merge_states"]
 
 FORMAT = "aioloader.state/1"
-
-#: ``(seq, samples, stream mark)`` of a batch the consumer took; the mark is ``(next seq,
-#: position, dataset state)`` after the batch, for a resumable stream, else None.
-Mark = tuple[int, int, "tuple[int, int, Any] | None"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -158,10 +155,11 @@ class Progress:
     up to ``taken.through - 1``: where a resumed epoch starts reading.
 
     Only the consumer's thread calls :meth:`took` (a plain ``for``'s thread, or the event loop's
-    for ``async for``); ``state_dict()`` reads it on that same thread.
+    for ``async for``); :meth:`state` may be called from any thread (a lock keeps the two
+    apart, so a state is never half of one batch's change).
     """
 
-    __slots__ = ("base", "finished", "marks", "samples", "stream", "taken")
+    __slots__ = ("_lock", "base", "finished", "marks", "samples", "stream", "taken")
 
     def __init__(self, base: EpochState) -> None:
         self.base = base  # what the epoch started from (a loaded state, or a fresh one)
@@ -170,8 +168,16 @@ class Progress:
         self.stream = base.stream
         self.marks: dict[int, tuple[int, int, Any]] = {}  # marks of batches past `through`
         self.finished = False
+        self._lock = threading.Lock()  # state() may be asked from a thread of the user's
 
-    def took(self, mark: Mark) -> None:
+    def took(self, marks: tuple[Mark, ...]) -> None:
+        """The consumer has what these marks name (a batch, or its error, and the places of
+        empty batches before it)."""
+        with self._lock:
+            for mark in marks:
+                self._took(mark)
+
+    def _took(self, mark: Mark) -> None:
         seq, size, stream = mark
         taken = self.taken
         self.samples += size
@@ -189,6 +195,10 @@ class Progress:
                 self.stream = passed
 
     def state(self) -> EpochState:
+        with self._lock:
+            return self._state()
+
+    def _state(self) -> EpochState:
         base = self.base
         if self.finished:
             return EpochState(
@@ -253,7 +263,13 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise TypeError("states must be a list of DataLoader.state_dict() results, one per rank")
     if not states:
         raise ValueError("states is empty: give the state of every rank")
-    read = _as_one_epoch([EpochState.from_json(s) for s in states])
+    given: list[EpochState] = []
+    for i, document in enumerate(states):
+        try:
+            given.append(EpochState.from_json(document))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"states[{i}]: {exc}") from None
+    read = _as_one_epoch(given)
     first = read[0]
     for i, s in enumerate(read):
         if s.merged:

@@ -315,18 +315,24 @@ class DataLoader(Generic[T_Batch]):
         """Choose the epoch the next iteration runs (it seeds the shuffle order). Without it,
         each iteration runs the epoch after the previous one, starting at 0.
 
+        An epoch left unfinished (a ``break``) is over for :meth:`state_dict` from here: the
+        state becomes the start of ``epoch``.
+
         Raises:
             TypeError, ValueError: ``epoch`` is not an int >= 0.
             LoaderStateError: A state loaded with :meth:`load_state_dict` is of another epoch
                 (setting this one would drop it silently).
         """
         epoch = non_negative_int("epoch", epoch)
-        if self._resume is not None and epoch != self._resume.epoch:
-            raise LoaderStateError(
-                f"the state loaded with load_state_dict() goes on with epoch "
-                f"{self._resume.epoch}; set_epoch({epoch}) would drop it (call "
-                f"set_epoch({self._resume.epoch}), or none, to resume)"
-            )
+        if self._resume is not None:
+            if epoch != self._resume.epoch:
+                raise LoaderStateError(
+                    f"the state loaded with load_state_dict() goes on with epoch "
+                    f"{self._resume.epoch}; set_epoch({epoch}) would drop it (call "
+                    f"set_epoch({self._resume.epoch}), or none, to resume)"
+                )
+        elif self._state.progress is not None and not self._state.progress.finished:
+            self._state.progress = None  # left by a break: the next epoch starts afresh
         self._next_epoch = epoch
 
     # -- resuming ------------------------------------------------------------------------------
@@ -335,7 +341,9 @@ class DataLoader(Generic[T_Batch]):
         """Where the loader stands: the batches of the current epoch its consumer has taken (a
         ``for``/``async for`` between two batches: "batches ``0..k`` were taken"), as a small
         JSON-serialisable dict (a seed and counters, whatever the epoch's size; no pickles).
-        Between epochs (and before the first) it is the start of the next one.
+        Between epochs (and before the first) it is the start of the next one. After a
+        ``break`` it is where the loop stopped, until :meth:`set_epoch` or the next iteration
+        starts another epoch. It may be called from any thread.
 
         :meth:`load_state_dict` on a new loader with the same dataset and settings (in
         another process, perhaps with another ``world_size``: see :func:`merge_states`) goes on
@@ -381,27 +389,40 @@ class DataLoader(Generic[T_Batch]):
                 ``seed``, kind of dataset), or a single rank's state of a world of several is
                 loaded with another ``world_size`` or rank (merge the ranks' states first).
             TypeError: This loader cannot resume (see :meth:`state_dict`).
-            LoaderStateError: An epoch is in progress (load between epochs, or before the
-                first).
+
+        An epoch still running (a loop left by ``break``, an iterator kept) is ended first, as
+        starting another epoch would end it: an iterator still held stops.
         """
         loaded = EpochState.from_json(state)
         check_resumable(self._plan)
-        scope = self._scope
-        running = scope.current if scope is not None else None
-        if running is not None and not running.closed and not running.epoch.finished.is_set():
-            raise LoaderStateError(
-                "load_state_dict() while an epoch is in progress: call it before iterating "
-                "(or after the epoch's loop ends)"
-            )
         resume = resolve(self._plan, loaded)
+        self._end_running_epoch()
         plan = self._plan
         if self.seed is None and (resume.seed, resume.order_seed) != (
             plan.base_seed,
             plan.order_seed,
         ):
             self._plan = plan.reseeded(resume.seed, resume.order_seed)
+            if self._scope is not None:  # the open scope's next epoch runs with these seeds
+                self._scope.plan = self._plan
         self._resume = resume
         self._next_epoch = resume.epoch
+        self._state.progress = None
+
+    def _end_running_epoch(self) -> None:
+        """End the epoch in progress, if any (from the thread that calls the loader)."""
+        owner = self._plain() if self._plain is not None else None
+        if owner is not None and self._session is None:
+            owner.close()  # a plain for's own scope: closed with its epoch
+            return
+        scope = self._scope
+        running = scope.current if scope is not None else None
+        if running is None or running.closed:
+            return
+        if self._session is not None:  # the scope's loop runs on the session's thread
+            self._session.portal.call(running.close_stream)
+        else:
+            running.close_stream()
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of the counters of the current (or last) scope."""

@@ -119,6 +119,11 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
     ):
         if saved != mine:
             raise ValueError(f"the state was saved with {name}={saved}; this loader has {mine}")
+    if plan.ours and (s.order_seed is None) != (plan.order_seed is None):
+        raise ValueError(
+            f"the state was saved with shuffle={s.order_seed is not None}; this loader has "
+            f"shuffle={plan.order_seed is not None}"
+        )
     if plan.arguments.seed is not None and s.seed != plan.arguments.seed:
         raise ValueError(
             f"the state was saved with seed={s.seed}; this loader has {plan.arguments.seed}"
@@ -138,7 +143,8 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
             s = dataclasses.replace(s, taken=last.taken[rank].copy(), layers=layers[:-1])
         else:
             s = dataclasses.replace(s, taken=Taken(), layers=layers)
-        return dataclasses.replace(s, world_size=world, rank=rank, stream=None)
+        # `samples` counts this rank's from here (a merged state's are every rank's).
+        return dataclasses.replace(s, world_size=world, rank=rank, stream=None, samples=0)
     if (s.world_size, s.rank) != (world, rank):
         raise ValueError(
             f"the state is rank {s.rank}'s of a world of {s.world_size}; this loader is rank "

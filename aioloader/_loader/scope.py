@@ -24,6 +24,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import LoaderStateError, LoaderTimeout
+from .._data.resume import Mark
 from .._data.seeds import derive_seed
 from .._data.source import InWorkers, dataset_length
 from .._device.stage import DeviceStage, Staged, hand_out
@@ -32,7 +33,7 @@ from .._pipeline.items import Raised
 from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
 from .._workers.processes import ProcessWorkers
-from .checkpoint import EpochState, Mark, Progress
+from .checkpoint import EpochState, Progress
 from .resuming import resumed_batches
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class Received(NamedTuple):
 
     batch: Any  # None when `error` is set
     warning: str | None  # torch's warning for an iterable past its reported length
-    mark: Mark  # what the consumer takes: (seq, samples, stream mark)
+    marks: tuple[Mark, ...]  # what the consumer takes with it (see ``Epoch``)
     error: BaseException | None  # the batch failed: the consumer raises this
 
 
@@ -202,6 +203,9 @@ class EpochIterator(Generic[T_Batch]):
         self._closed = False
         self._yielded = 0
         self._held_elsewhere = 0  # ready batches the consumer's side holds (see hold_ahead)
+        #: The epoch's last batch was received (with no error after it): the consumer that
+        #: sees the end marks :attr:`progress` finished (a plain ``for``'s pump sees it first).
+        self.ended = False
 
     def __aiter__(self) -> EpochIterator[T_Batch]:
         return self
@@ -279,8 +283,13 @@ class EpochIterator(Generic[T_Batch]):
         Cancellation: safe; no batch is lost (the next call returns the batch this one would
         have returned).
         """
-        got = await self.receive()
-        self.progress.took(got.mark)  # this task is the consumer: it has the batch (or error)
+        try:
+            got = await self.receive()
+        except StopAsyncIteration:
+            if self.ended:
+                self.progress.finished = True
+            raise
+        self.progress.took(got.marks)  # this task is the consumer: it has the batch (or error)
         if got.error is not None:
             error = got.error
             del got
@@ -337,14 +346,14 @@ class EpochIterator(Generic[T_Batch]):
             self._closed = True
             recv.close()
             if self._running is not None and self._running.epoch.error is None:
-                self.progress.finished = True  # every batch was handed out
+                self.ended = True  # every batch was handed out: finished once the consumer sees it
             error = self._running.epoch.error if self._running is not None else None
             if error is not None:
                 raise error
             raise StopAsyncIteration
         if isinstance(item, Raised):
-            return Received(None, None, item.mark, item.error)
-        batch, size, mark = item
+            return Received(None, None, item.marks, item.error)
+        batch, size, marks = item
         if isinstance(batch, Staged):
             batch.release()  # taken: no longer ahead of the consumer
         stats.batches += 1
@@ -354,7 +363,7 @@ class EpochIterator(Generic[T_Batch]):
         if reported is not None and self._yielded > reported and not self._plan.kind.is_map:
             warning = self._past_length(reported)
         self._last_yield = time.perf_counter()
-        return Received(batch, warning, mark, None)
+        return Received(batch, warning, marks, None)
 
     def _past_length(self, reported: int) -> str:
         """torch's warning, for the consumer to give where it takes the batch: an iterable

@@ -45,7 +45,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._base.exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
 from .._base.stats import Recorders
-from .._data.resume import Taken
+from .._data.resume import Mark, Taken
 from .._data.seeds import derive_seed
 from .._data.sharding import StreamShare
 from .._data.source import InWorkers, MapSource, StreamSource
@@ -88,10 +88,13 @@ class Epoch:
         stream_from: A resumed stream: the place of its next batch, the position and the
             dataset's state to start from.
 
-    Output items: ``(batch, samples, mark)`` with ``mark = (seq, samples, stream mark)``, the
-    stream mark being ``(next seq, position, dataset state)`` after the batch (None unless the
-    stream is resumable, and for the batches formed after its end); or :class:`Raised` in a
-    failed batch's turn.
+    Output items: ``(batch, samples, marks)``, or :class:`Raised` in a failed batch's turn. The
+    marks are what the consumer takes with the item: ``(seq, samples, stream mark)`` of the
+    batch, after those of the batches emitted with nothing in them since the last item (every
+    sample skipped under ``max_failures``), so that their places are taken too. The stream mark
+    is ``(next seq, position, dataset state)`` after the batch (None unless the stream is
+    resumable, and for the batches formed after its end). A stream source's failure has no
+    mark of its own: a resumed epoch reads the stream again from before it.
     """
 
     def __init__(
@@ -344,7 +347,9 @@ class Epoch:
                 except Exception as exc:
                     annotate(exc, "source", epoch=self.number, batch=seq, index=position)
                     # Raised in its turn, after the batches before it (the partial one is lost).
-                    failed = Batch(seq, [position], [], error=exc, mark=None)
+                    while taken is not None and seq in taken:  # its place is another's now
+                        seq += 1
+                    failed = Batch(seq, [position], [], error=exc, mark=None, counted=False)
                     await self.admit(failed)
                     await put(ready, failed, self.stats.fetch)
                     return
@@ -504,6 +509,7 @@ class Epoch:
         reorder: ReorderBuffer[Done] = ReorderBuffer(taken.through if taken else 0)
         for seq in sorted(taken.beyond) if taken else ():
             reorder.skip(seq)  # taken before the stop: never scheduled
+        empty: list[Mark] = []  # places of batches with nothing left: taken with the next item
         async with done:
             while (item := await get(done, self.stats.output)) is not None:
                 deliverable = reorder.push(item.batch.seq, item) if self.config.in_order else [item]
@@ -516,15 +522,18 @@ class Epoch:
                         # holds the consumer's frames (and its iterator), which no task of ours
                         # may keep alive.
                         error, d.error, d.batch.error = d.error, None, None
-                        mark = (d.batch.seq, 0, d.batch.mark)
-                        await put(out, Raised(error, mark), self.stats.output)
+                        own = ((d.batch.seq, 0, d.batch.mark),) if d.batch.counted else ()
+                        marks, empty = (*empty, *own), []
+                        await put(out, Raised(error, marks), self.stats.output)
                         del error
                     elif d.size:
                         value = d.value if self.device is None else await self._stage(d)
-                        mark = (d.batch.seq, d.size, d.batch.mark)
-                        await put(out, (value, d.size, mark), self.stats.output)
+                        marks, empty = (*empty, (d.batch.seq, d.size, d.batch.mark)), []
+                        await put(out, (value, d.size, marks), self.stats.output)
                         self.stats.output.completed += 1
                         self.stats.output.set_queued(out.statistics().current_buffer_used)
+                    else:  # nothing left of it: its place goes with the next item
+                        empty.append((d.batch.seq, 0, d.batch.mark))
                     self._bytes.release(d.batch.seq, d.batch.nbytes)
                     self.stats.bytes_held = self._bytes.held
                     self.stats.window.finish(None)

@@ -27,16 +27,18 @@ class Batch:
     failed: set[int] = field(default_factory=set)  # positions skipped under max_failures
     nbytes: int = 0
     error: Exception | None = None  # ends the epoch when the batch's turn to be yielded comes
-    mark: Any = None  # a resumable stream's (position, dataset state) after this batch
+    mark: Any = None  # a resumable stream's (next seq, position, dataset state) after it
+    counted: bool = True  # taken when handed over (a stream source's failure is not)
 
 
 @dataclass(frozen=True, slots=True)
 class Raised:
     """An output item: the batch in this turn failed; the consumer raises ``error``.
-    ``mark`` is the batch's ``(seq, 0, stream mark)``: a failed batch counts as taken."""
+    ``marks`` are taken with it (see ``Epoch``): a failed batch counts as taken, a stream
+    source's failure does not."""
 
     error: BaseException
-    mark: Any = None
+    marks: tuple[Any, ...] = ()
 
 
 @dataclass(slots=True, eq=False)

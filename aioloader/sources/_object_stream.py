@@ -70,6 +70,9 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
     makes :meth:`state_dict` raise rather than resume wrongly.
     """
 
+    #: :meth:`state_dict` builds a new object each call: the loader need not copy it.
+    state_dict_is_a_copy = True
+
     def __init__(
         self, store: Any, url: str, suffixes: tuple[str, ...], glob: str | None, concurrency: int
     ) -> None:

@@ -26,7 +26,7 @@ from .._data.epochs import OpensEpochs
 from .._data.seeds import derive_seed
 from .._data.sharding import epoch_parts, resolve_rank
 from .._fanin.interleave import Interleave, rng_from_json, rng_to_json
-from .._fanin.lanes import Cursor, ahead_for, interleaved
+from .._fanin.lanes import Cursor, ahead_for, check_plan, interleaved, plan_digest
 from ._braces import expand_braces
 from ._http import new_session, redact_url
 from ._objects import redact_store_url, store_from_url
@@ -165,6 +165,9 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         TransientStoreError, FileNotFoundError, TimeoutError: A remote read failed and ``retry``
             gave up, with a note naming the shard, the byte offset and the attempt.
     """
+
+    #: :meth:`state_dict` builds a new object each call: the loader need not copy it.
+    state_dict_is_a_copy = True
 
     def __init__(
         self,
@@ -407,7 +410,13 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         ahead = ahead_for(width, len(shards))
         per_shard = max(self._chunk_size, self._buffer_bytes // (width + ahead))
         order = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle_shards else None
+        digest = plan_digest(shards, self._seed, self._shuffle_shards, self._shuffle_buffer)
         if resume is not None:
+            check_plan(
+                resume.get("plan"),
+                digest,
+                "other shards, seed, shuffle_shards, shuffle_buffer, rank or world_size",
+            )
             cursor = Cursor.from_json(resume["cursor"], order)
             if cursor.order.width != width:
                 raise ValueError(
@@ -423,7 +432,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             )
             if resume is not None:
                 buffer.restore(resume.get("buffer"))
-        run = _EpochRun(epoch, len(self._shards), cursor, buffer)
+        run = _EpochRun(epoch, len(self._shards), digest, cursor, buffer)
         async with (
             self._open_reader() as read,
             interleaved(
@@ -457,18 +466,24 @@ class TarShards(OpensEpochs[dict[str, Any]]):
 class _EpochRun:
     """An open epoch, as :meth:`TarShards.state_dict` describes it."""
 
-    __slots__ = ("buffer", "cursor", "epoch", "shards")
+    __slots__ = ("buffer", "cursor", "epoch", "plan", "shards")
 
     def __init__(
-        self, epoch: int, shards: int, cursor: Cursor, buffer: _ShuffleBuffer | None
+        self, epoch: int, shards: int, plan: str, cursor: Cursor, buffer: _ShuffleBuffer | None
     ) -> None:
         self.epoch = epoch
         self.shards = shards
+        self.plan = plan
         self.cursor = cursor
         self.buffer = buffer
 
     def state(self) -> dict[str, Any]:
-        state = {"epoch": self.epoch, "shards": self.shards, "cursor": self.cursor.to_json()}
+        state = {
+            "epoch": self.epoch,
+            "shards": self.shards,
+            "plan": self.plan,
+            "cursor": self.cursor.to_json(),
+        }
         if self.buffer is not None:
             state["buffer"] = self.buffer.to_json()
         return state

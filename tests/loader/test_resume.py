@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from typing import Any
 
@@ -329,9 +330,9 @@ def test_a_malformed_state_names_the_field(
     assert loader.state_dict()["taken"]["through"] == 0  # nothing was loaded
 
 
-def test_set_epoch_and_a_running_epoch_do_not_drop_a_loaded_state() -> None:
+def test_set_epoch_does_not_drop_a_loaded_state_and_loading_ends_a_running_epoch() -> None:
     state = saved(seed=1)
-    loader = DataLoader(list(range(20)), batch_size=4, seed=1)
+    loader = DataLoader(list(range(20)), batch_size=4, seed=1, collate_fn=list)
     loader.load_state_dict(state)
     with pytest.raises(LoaderStateError, match="set_epoch\\(3\\) would drop it"):
         loader.set_epoch(3)
@@ -340,9 +341,22 @@ def test_set_epoch_and_a_running_epoch_do_not_drop_a_loaded_state() -> None:
     with loader:
         it = iter(loader)
         next(it)
-        with pytest.raises(LoaderStateError, match="while an epoch is in progress"):
-            loader.load_state_dict(state)
-        it.close()
+        loader.load_state_dict(state)  # ends the epoch under way, as a new epoch would
+        assert list(it) == []
+        assert len(list(loader)) == 4  # the state's epoch, from its second batch
+
+
+async def test_after_a_break_the_state_is_where_it_stopped_until_another_epoch() -> None:
+    loader = DataLoader(list(range(20)), batch_size=2, shuffle=True, seed=1, collate_fn=list)
+    async with loader:
+        async for _ in loader:
+            break
+        assert loader.state_dict()["taken"]["through"] == 1
+        loader.set_epoch(1)  # the broken epoch is over: the state is the next one's start
+        state = loader.state_dict()
+        assert (state["epoch"], state["taken"]["through"]) == (1, 0)
+        loader.load_state_dict(state)
+        assert len([b async for b in loader]) == 10
 
 
 def test_merge_states_refuses_what_is_not_one_runs_ranks() -> None:
@@ -355,6 +369,8 @@ def test_merge_states_refuses_what_is_not_one_runs_ranks() -> None:
         merge_states([a, saved(rank=1, world=2, seed=2)])
     with pytest.raises(TypeError, match=r"a list of DataLoader\.state_dict"):
         merge_states(a)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"states\[1\]: state must be a dict"):
+        merge_states([a, 1])  # type: ignore[list-item]
     merged = merge_states([a, b])
     assert merged["rank"] is None and len(merged["layers"]) == 1
     with pytest.raises(ValueError, match="already merged"):
@@ -404,3 +420,70 @@ async def test_a_files_source_resumes(tmp_path: Any) -> None:
     resumed.load_state_dict(state)
     rest, _ = await batches_of(resumed)
     assert head + rest == full
+
+
+def test_a_plain_for_reading_ahead_to_the_end_has_not_finished_the_epoch() -> None:
+    """The pump of a plain ``for`` reads up to the end before the consumer has taken the last
+    batches: the epoch is finished when the consumer sees its end, not before."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(
+            list(range(12)), batch_size=2, shuffle=True, seed=5, prefetch=8, collate_fn=list
+        )
+
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(5)]
+    deadline = time.monotonic() + 10
+    while not it._epoch.ended:  # until the pump has read the sixth batch and the end
+        assert time.monotonic() < deadline, "the pump never read to the end"
+        time.sleep(0.01)
+    state = loader.state_dict()
+    it.close()
+    assert (state["epoch"], state["taken"]["through"]) == (0, 5)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert sorted(flat(head + list(resumed))) == list(range(12))
+
+
+def test_a_loader_without_seed_resumes_inside_its_open_scope() -> None:
+    saved_loader = DataLoader(list(range(30)), batch_size=2, shuffle=True, collate_fn=list)
+    it = iter(saved_loader)
+    head = [next(it) for _ in range(4)]
+    state = saved_loader.state_dict()
+    it.close()
+    with DataLoader(list(range(30)), batch_size=2, shuffle=True, collate_fn=list) as resumed:
+        resumed.load_state_dict(state)  # its seeds differ: the open scope takes the saved ones
+        rest = list(resumed)
+    assert sorted(flat(head + rest)) == list(range(30))
+
+
+def test_a_state_of_another_shuffle_is_refused() -> None:
+    state = saved(seed=1, shuffle=True)
+    with pytest.raises(ValueError, match="shuffle=True; this loader has shuffle=False"):
+        DataLoader(list(range(20)), batch_size=4, seed=1).load_state_dict(state)
+
+
+class Flaky(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> int:
+        if index in (4, 5):  # batch 2 loses both samples under max_failures
+            raise ValueError(f"bad sample {index}")
+        return index
+
+
+def test_a_batch_left_empty_by_skipped_samples_is_taken_in_its_place() -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Flaky(), batch_size=2, max_failures=10, collate_fn=list)
+
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(15)]
+    state = loader.state_dict()
+    it.close()
+    assert state["taken"] == {"through": 16, "beyond": []}  # the empty batch 2 included
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert flat(head + list(resumed)) == [i for i in range(40) if i not in (4, 5)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,22 @@ def test_a_tar_state_of_other_shards_or_settings_is_refused(tmp_path: Path) -> N
         list(wider)
     smaller = tar_loader(paths, tar={"shuffle_buffer": 3})
     smaller.load_state_dict(state)
-    with pytest.raises(ValueError, match="shuffle_buffer is 3"):
+    with pytest.raises(ValueError, match=r"another plan of the epoch.*shuffle_buffer"):
         list(smaller)
+
+
+def test_a_tar_state_of_another_seed_or_rank_is_refused(tmp_path: Path) -> None:
+    paths = make_shards(tmp_path, n_shards=4, n_samples=6)
+    loader = tar_loader(paths, tar={"rank": 0, "world_size": 2})
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    it.close()
+    for other in ({"rank": 0, "world_size": 2, "seed": 6}, {"rank": 1, "world_size": 2}):
+        resumed = tar_loader(paths, tar=other)
+        resumed.load_state_dict(state)
+        with pytest.raises(ValueError, match="saved for another plan of the epoch"):
+            list(resumed)
 
 
 def test_an_interleave_resumes_its_parts(tmp_path: Path) -> None:
@@ -235,3 +250,71 @@ def test_a_stream_state_is_not_loaded_into_a_map_style_loader(tmp_path: Path) ->
         DataLoader(list(range(9)), batch_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match="is of a stream"):
         aioloader.merge_states([state])
+
+
+class Live(Counter):
+    """Its state_dict gives the same dict each time, changed in place as it reads on."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.live = {"at": 0}
+
+    async def _items(self) -> AsyncIterator[int]:
+        async for item in super()._items():
+            self.live["at"] = self.at
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.live
+
+
+def test_a_state_kept_by_reference_is_copied_at_each_batch() -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Live(100), batch_size=4, collate_fn=list, prefetch=8)
+
+    full, first, rest, state = stop_and_resume(make, 3)
+    assert state["stream"]["dataset"] == {"at": 12}  # not where the read-ahead was
+    assert first + rest == full
+
+
+class FailsAt10(Counter):
+    async def _items(self) -> AsyncIterator[int]:
+        async for item in super()._items():
+            if item == 10:
+                raise OSError("bad record 10")
+            yield item
+
+
+def test_a_stream_that_failed_is_read_again_from_before_its_failure() -> None:
+    """A stream source's failure ends its epoch and is not taken: a resumed epoch reads the
+    stream again from the last batch before it (and fails there again, as itself)."""
+    loader = DataLoader(FailsAt10(20), batch_size=4, collate_fn=list)
+    it = iter(loader)
+    head = [next(it), next(it)]
+    with pytest.raises(OSError, match="bad record 10"):
+        next(it)
+    state = loader.state_dict()
+    it.close()
+    assert state["taken"]["through"] == 2 and state["stream"]["position"] == 8
+    again = DataLoader(FailsAt10(20), batch_size=4, collate_fn=list)
+    again.load_state_dict(state)
+    with pytest.raises(OSError, match="bad record 10"):
+        list(again)
+    fixed = DataLoader(Counter(20), batch_size=4, collate_fn=list)
+    fixed.load_state_dict(state)
+    assert head + list(fixed) == [list(range(i, i + 4)) for i in range(0, 20, 4)]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"order": [7, 9]}, {"slots": [True, 0]}, {"pos": 1, "closed": 3}, {"rng": None}],
+)
+def test_a_malformed_interleave_state_is_refused(tmp_path: Path, change: dict[str, Any]) -> None:
+    from aioloader._fanin.interleave import Interleave
+
+    order = Interleave(3, random.Random(1))
+    order.turn()
+    order.drew()
+    state = {**order.to_json(), **change}
+    with pytest.raises(ValueError, match="interleave's state"):
+        Interleave.from_json(state, random.Random(1))
