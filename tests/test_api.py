@@ -11,9 +11,6 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
-import torch
-
 import aioloader
 
 
@@ -72,38 +69,3 @@ def test_importing_installs_no_event_loop_policy() -> None:
         "assert before is after, (before, after)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-def test_demo_trains_and_prints_statistics() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "aioloader", "demo", "--samples", "512", "--epochs", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "samples/s" in result.stdout
-    assert "LoaderStatistics: 16 batches, 1024 samples" in result.stdout
-    assert "epoch 2/2" in result.stdout
-
-
-def test_demo_device_flag() -> None:
-    from aioloader._cli import demo as _demo
-
-    assert _demo.main(["--samples", "256", "--epochs", "1", "--device", "cpu"]) == 0
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit) as info:  # argparse's error: a message and status 2
-            _demo.main(["--device", "cuda"])
-        assert info.value.code == 2
-
-
-def test_cli_rejects_unknown_commands() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "aioloader", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 2 and "unknown command" in result.stderr

@@ -8,11 +8,10 @@ an account or a GPU.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,9 +21,11 @@ from .._base.retry import RetryPolicy
 from .._data.dataset import AsyncDataset
 from .._device.accelerator import resolve_device
 from .._loader.loader import DataLoader
+from .errors import UsageError
 from .progress import Progress
+from .signals import run_until_signal
 
-__all__ = ["main"]
+__all__ = ["add_command", "run", "write_dataset"]
 
 _SHAPE = (3, 16, 16)
 _CLASSES = 4
@@ -114,41 +115,78 @@ async def train(args: argparse.Namespace) -> float:
     return accuracy
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns the process exit status."""
-    parser = argparse.ArgumentParser(prog="aioloader demo", description=__doc__)
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument(
-        "--workers", type=int, default=0, help="worker processes for decoding (0: one thread)"
+def _count(minimum: int) -> Any:
+    """An argparse type: an int of at least ``minimum``, said in words when it is not."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
+        return value
+
+    return parse
+
+
+DESCRIPTION = """\
+Train a tiny model on the CPU (or --device cuda) from small image files streamed through an
+aioloader.DataLoader: by default 4,096 files written to a temporary folder (removed at the end,
+on Ctrl-C and on SIGTERM too), or the objects under --url. Prints a progress bar per epoch and
+the loader's statistics."""
+
+
+def add_command(commands: Any) -> None:
+    """Add ``demo`` to the command line's sub-commands."""
+    parser = commands.add_parser(
+        "demo",
+        help="train a tiny model on files streamed through the loader (no setup needed)",
+        description=DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--max-inflight", type=int, default=64)
+    parser.add_argument("--samples", type=_count(1), default=4096, help="files to write")
+    parser.add_argument("--epochs", type=_count(1), default=3, help="passes over the data")
+    parser.add_argument("--batch-size", type=_count(1), default=64, help="samples per batch")
     parser.add_argument(
-        "--device",
-        default=None,
-        help="train on this device (e.g. cuda): batches go through the loader's device stage",
+        "--workers", type=_count(0), default=0, help="worker processes that decode (0: a thread)"
+    )
+    parser.add_argument(
+        "--max-inflight", type=_count(1), default=64, help="most file or object reads at once"
+    )
+    parser.add_argument(
+        "--device", default=None, help="train on this device, e.g. cuda (default: the CPU)"
     )
     parser.add_argument(
         "--url",
         default=None,
-        help="read demo samples from an object store (s3://bucket/prefix/, with the usual "
-        "environment variables) instead of the embedded local folder; each object is one "
-        "label byte followed by a 3x16x16 uint8 image",
+        help="read the samples from an object store instead, e.g. s3://bucket/prefix/ "
+        "(credentials, region and endpoint from the AWS_* environment variables; each object "
+        "is one label byte, then a 3x16x16 uint8 image)",
     )
-    args = parser.parse_args(argv)
-    try:
-        resolve_device(args.device)
-    except (TypeError, ValueError) as exc:
-        parser.error(f"--device: {exc}")
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-        accuracy = asyncio.run(train(args))
-    else:
-        accuracy = uvloop.run(train(args))
+    parser.add_argument(
+        "--verbose", action="store_true", help="show the traceback of a failure too"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns the exit status (1 if the model did not learn).
+
+    Raises:
+        UsageError: ``--device`` names a device this machine does not have.
+        KeyboardInterrupt, Terminated: Ctrl-C or SIGTERM, after cleaning up.
+        Exception: Reading ``--url`` failed (see ``_cli/errors.py`` for what is said).
+    """
+    if args.device is not None:
+        try:
+            resolve_device(args.device)
+        except (TypeError, ValueError):
+            if str(args.device).startswith("cuda"):
+                raise UsageError(
+                    f"--device {args.device}: this machine has no CUDA device (torch "
+                    f"{torch.__version__}); leave --device out to train on the CPU"
+                ) from None
+            raise UsageError(f"--device {args.device}: not a device torch knows") from None
+    accuracy = run_until_signal(train(args))
     return 0 if accuracy > 1 / _CLASSES else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

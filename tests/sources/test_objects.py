@@ -182,6 +182,7 @@ def test_demo_trains_from_an_s3_url(
     tmp_path: Any,
 ) -> None:
     from aioloader._cli import demo as _demo
+    from aioloader._cli.command import main
 
     url = bucket["url"].replace("/train/", "/demo/")
     store = from_url(url, config=bucket["config"], client_options={"allow_http": True})
@@ -196,7 +197,7 @@ def test_demo_trains_from_an_s3_url(
         "AWS_ALLOW_HTTP": "true",
     }.items():
         monkeypatch.setenv(name, value)
-    assert _demo.main(["--url", url, "--epochs", "2", "--batch-size", "32"]) == 0
+    assert main(["demo", "--url", url, "--epochs", "2", "--batch-size", "32"]) == 0
     out = capsys.readouterr().out
     assert "256 objects under s3://" in out and "512 samples" in out
 
