@@ -2,10 +2,11 @@
 and WebDataset tar shards streamed from any of them.
 
 ``objects``, ``files`` and ``urls`` give an :class:`aioloader.AsyncDataset` of ``bytes`` (listed
-once, indexed by position) that a :class:`aioloader.DataLoader` reads with bounded concurrency;
-``tar_shards`` streams samples; ``slot_streams`` and ``TarShards.per_slot`` give one stream per
-batch position, for stateful sequence models. Sources that hold a client are async context
-managers: the loader's scope opens and closes them.
+once, indexed by position; with ``with_keys=True``, of ``(key, bytes)``) that a
+:class:`aioloader.DataLoader` reads with bounded concurrency; ``tar_shards`` streams samples;
+``slot_streams`` and ``TarShards.per_slot`` give one stream per batch position, for stateful
+sequence models. Sources that hold a client are async context managers: the loader's scope
+opens and closes them.
 """
 
 from ._files import FileDataset as FileDataset
@@ -16,6 +17,7 @@ from ._http import HTTPTimeoutError as HTTPTimeoutError
 from ._http import TransientHTTPError as TransientHTTPError
 from ._http import UrlDataset as UrlDataset
 from ._http import urls as urls
+from ._keyed import Keyed as Keyed
 from ._object_stream import ObjectStream as ObjectStream
 from ._object_stream import object_stream as object_stream
 from ._objects import ObjectDataset as ObjectDataset
@@ -35,6 +37,7 @@ __all__ = [
     "HTTPConnectionError",
     "HTTPStatusError",
     "HTTPTimeoutError",
+    "Keyed",
     "ObjectDataset",
     "ObjectStream",
     "SlotSample",

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from types import TracebackType
+from typing import Literal, overload
 
 import aiofiles
 
@@ -51,6 +52,7 @@ from .._base.recent import Recent
 from .._data.dataset import AsyncDataset
 from .._workers.offload import INLINE_BELOW_S, wait_thread_future
 from .._workers.offload import timed as _timed
+from ._keyed import Keyed, keyed
 
 __all__ = ["FileDataset", "files"]
 
@@ -60,6 +62,7 @@ _THREAD_NAME = "aioloader-files"
 _NAMED_SKIPS = 5  # escaping links named in the warning
 
 
+@overload
 def files(
     root: str | os.PathLike[str],
     pattern: str = "**/*",
@@ -67,7 +70,27 @@ def files(
     suffix: str | Sequence[str] | None = None,
     include_hidden: bool = False,
     threads: int = 8,
-) -> FileDataset:
+    with_keys: Literal[False] = False,
+) -> FileDataset: ...
+@overload
+def files(
+    root: str | os.PathLike[str],
+    pattern: str = "**/*",
+    *,
+    suffix: str | Sequence[str] | None = None,
+    include_hidden: bool = False,
+    threads: int = 8,
+    with_keys: Literal[True],
+) -> Keyed[bytes]: ...
+def files(
+    root: str | os.PathLike[str],
+    pattern: str = "**/*",
+    *,
+    suffix: str | Sequence[str] | None = None,
+    include_hidden: bool = False,
+    threads: int = 8,
+    with_keys: bool = False,
+) -> FileDataset | Keyed[bytes]:
     """List the files under ``root`` once and return them as a dataset of their bytes.
 
     Example::
@@ -85,9 +108,12 @@ def files(
         include_hidden: Also list hidden files and files in hidden folders (a relative path
             part starting with ``.``).
         threads: Threads for reading, while the dataset's context is open.
+        with_keys: Items are ``(key, bytes)``, the key being the file's path relative to
+            ``root`` with ``/`` separators (``"cat/0001.jpg"``: an ImageFolder label is its
+            first part).
 
     Returns:
-        A :class:`FileDataset`.
+        A :class:`FileDataset` (with ``with_keys``, one whose items carry their keys).
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
@@ -98,7 +124,10 @@ def files(
 
     Cancellation: not applicable; listing is synchronous (see :class:`FileDataset`).
     """
-    return FileDataset(root, pattern, suffix=suffix, include_hidden=include_hidden, threads=threads)
+    dataset = FileDataset(
+        root, pattern, suffix=suffix, include_hidden=include_hidden, threads=threads
+    )
+    return keyed(dataset, dataset.key) if with_keys else dataset
 
 
 class FileDataset(AsyncDataset[bytes]):

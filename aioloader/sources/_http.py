@@ -22,7 +22,7 @@ import contextlib
 import re
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self, overload
 from urllib.parse import unquote, urlsplit
 
 import aiohttp
@@ -33,6 +33,7 @@ from .._base.checks import check_seconds
 from .._base.exceptions import AioLoaderError, LoaderStateError, TransientError
 from .._data.dataset import AsyncDataset
 from ._gate import ByteGate, holding
+from ._keyed import Keyed, keyed
 
 __all__ = [
     "HTTPConnectionError",
@@ -190,6 +191,7 @@ def _rebuild(cls: type[Exception], message: str, kwargs: dict[str, Any]) -> Exce
 # -- the dataset --------------------------------------------------------------------------------
 
 
+@overload
 def urls(
     urls: Sequence[str],
     *,
@@ -197,7 +199,27 @@ def urls(
     timeout: float = 30.0,
     headers: Mapping[str, str] | None = None,
     max_bytes_in_flight: int | None = None,
-) -> UrlDataset:
+    with_keys: Literal[False] = False,
+) -> UrlDataset: ...
+@overload
+def urls(
+    urls: Sequence[str],
+    *,
+    connections: int = 64,
+    timeout: float = 30.0,
+    headers: Mapping[str, str] | None = None,
+    max_bytes_in_flight: int | None = None,
+    with_keys: Literal[True],
+) -> Keyed[bytes]: ...
+def urls(
+    urls: Sequence[str],
+    *,
+    connections: int = 64,
+    timeout: float = 30.0,
+    headers: Mapping[str, str] | None = None,
+    max_bytes_in_flight: int | None = None,
+    with_keys: bool = False,
+) -> UrlDataset | Keyed[bytes]:
     """A dataset whose item ``i`` is the body of ``urls[i]``, fetched with HTTP GET.
 
     Example::
@@ -220,6 +242,8 @@ def urls(
             read alone). A body larger than the bound is read alone too. None:
             only ``connections`` bounds the transfer; the loader's ``max_inflight_bytes`` bounds
             what is held after it.
+        with_keys: Items are ``(key, bytes)``, the key being the URL without its query string
+            or credentials (a signed URL's signature stays out of the samples).
 
     Returns:
         The dataset; the loader opens and closes its client session.
@@ -230,13 +254,14 @@ def urls(
         ValueError: A URL is not http(s); ``connections`` or ``max_bytes_in_flight`` is below
             1; ``timeout`` is not a positive number.
     """
-    return UrlDataset(
+    dataset = UrlDataset(
         urls,
         connections=connections,
         timeout=timeout,
         headers=headers,
         max_bytes_in_flight=max_bytes_in_flight,
     )
+    return keyed(dataset, dataset.key) if with_keys else dataset
 
 
 class UrlDataset(AsyncDataset[bytes]):
@@ -285,6 +310,16 @@ class UrlDataset(AsyncDataset[bytes]):
     def __len__(self) -> int:
         """The number of URLs."""
         return len(self._urls)
+
+    def key(self, index: int) -> str:
+        """``urls[index]`` without its query string or credentials.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+        """
+        parts = urlsplit(self._urls[index])
+        host = parts.netloc.rpartition("@")[2]  # user info (credentials) left out
+        return f"{parts.scheme}://{host}{parts.path}"
 
     @property
     def peak_bytes_in_flight(self) -> int:

@@ -18,11 +18,12 @@ import fnmatch
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from .._base.exceptions import TransientError
 from .._data.dataset import AsyncDataset
 from ._gate import ByteGate, holding
+from ._keyed import Keyed, keyed
 
 __all__ = ["ObjectDataset", "TransientStoreError", "objects"]
 
@@ -193,6 +194,7 @@ def store_from_url(
     return from_url(url, **options)  # obstore's typed overloads are per store kind
 
 
+@overload
 def objects(
     url: str,
     *,
@@ -202,7 +204,31 @@ def objects(
     client_options: Mapping[str, Any] | None = None,
     store: Any = None,
     max_bytes_in_flight: int | None = None,
-) -> ObjectDataset:
+    with_keys: Literal[False] = False,
+) -> ObjectDataset: ...
+@overload
+def objects(
+    url: str,
+    *,
+    suffix: str | Sequence[str] | None = None,
+    glob: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    client_options: Mapping[str, Any] | None = None,
+    store: Any = None,
+    max_bytes_in_flight: int | None = None,
+    with_keys: Literal[True],
+) -> Keyed[bytes]: ...
+def objects(
+    url: str,
+    *,
+    suffix: str | Sequence[str] | None = None,
+    glob: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    client_options: Mapping[str, Any] | None = None,
+    store: Any = None,
+    max_bytes_in_flight: int | None = None,
+    with_keys: bool = False,
+) -> ObjectDataset | Keyed[bytes]:
     """A map-style dataset of the objects under ``url`` (``s3://bucket/prefix/``, ``gs://``,
     ``az://``, ``file:///``, ``memory://``), listed once, now.
 
@@ -220,6 +246,8 @@ def objects(
             its listed size from before its request until its bytes are returned (an object
             larger than the bound is read alone). None: no bound beyond the loader's
             ``max_inflight`` requests; its ``max_inflight_bytes`` bounds what is held after.
+        with_keys: Items are ``(key, bytes)``, the key being the object's key under the
+            prefix, as :func:`object_stream` gives them.
 
     Returns:
         The dataset; ``keys`` lists what it holds.
@@ -249,4 +277,5 @@ def objects(
             f"no objects under {redact_store_url(url)!r} match suffix={suffix!r} glob={glob!r}"
         )
     keys, sizes = zip(*listed, strict=True)
-    return ObjectDataset(store, url, keys, sizes, max_bytes_in_flight=max_bytes_in_flight)
+    dataset = ObjectDataset(store, url, keys, sizes, max_bytes_in_flight=max_bytes_in_flight)
+    return keyed(dataset, dataset.keys.__getitem__) if with_keys else dataset
