@@ -68,6 +68,8 @@ class StageStatistics:
         blocked_put_s: Total time spent waiting for room downstream (backpressure).
         blocked_get_s: Total time spent waiting for work from upstream (starvation).
         latency: Percentiles of the operation's duration.
+        busy_s: Total time of its operations (each counted for as long as it ran), so
+            ``busy_s / (elapsed_s * limit)`` is how busy its ``limit`` slots were.
     """
 
     name: str
@@ -84,6 +86,14 @@ class StageStatistics:
     blocked_put_s: float
     blocked_get_s: float
     latency: LatencySummary
+    busy_s: float = 0.0
+
+    def utilisation(self, elapsed_s: float) -> float | None:
+        """The share of its ``limit`` slots' time its operations took over ``elapsed_s``
+        seconds (None for a stage without a limit)."""
+        if self.limit is None or elapsed_s <= 0 or math.isnan(self.latency.p50):
+            return None  # unbounded, or its operations have no duration (batches in progress)
+        return self.busy_s / (elapsed_s * self.limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,23 +222,34 @@ class LoaderStatistics:
         """Samples handed to the consumer per second of the loader's life."""
         return self.consumer.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @property
+    def verdict(self) -> str:
+        """Which stage limited throughput, and what to change, in one sentence (see
+        ``_base/verdict.py``)."""
+        from .verdict import verdict
+
+        return verdict(self)
+
     def __repr__(self) -> str:
         c = self.consumer
         lines = [
-            f"LoaderStatistics: {c.batches} batches, {c.samples} samples in {self.elapsed_s:.2f}s"
-            f" ({self.samples_per_s:,.0f} samples/s) over {self.epochs} epoch(s);"
-            f" consumer waited {c.wait_s:.3f}s ({c.wait_fraction:.0%}),"
-            f" longest {c.max_wait_s:.3f}s",
-            f"  {'stage':<10}{'in flight':>12}{'queued':>10}{'done':>9}{'retry':>7}{'fail':>6}"
-            f"{'skip':>6}{'put-wait':>10}{'get-wait':>10}{'p50 ms':>9}{'p99 ms':>9}",
+            f"LoaderStatistics: {c.batches:,} batches, {c.samples:,} samples in "
+            f"{self.elapsed_s:.2f}s ({self.samples_per_s:,.0f} samples/s), {self.epochs} epoch(s)",
+            f"  verdict: {self.verdict}",
+            f"  consumer: waited for data {c.wait_s:.3f}s ({c.wait_fraction:.0%} of its time), "
+            f"longest wait {c.max_wait_s:.3f}s",
+            f"  {'stage':<12}{'busy':>6}{'in flight':>11}{'queued':>9}{'done':>9}{'retried':>9}"
+            f"{'failed':>8}{'skipped':>9}{'no room':>9}{'no work':>9}{'p50 ms':>9}{'p99 ms':>9}",
         ]
         for s in self.stages:
-            limit = "∞" if s.limit is None else str(s.limit)
-            cap = "∞" if s.queue_capacity is None else str(s.queue_capacity)
+            use = s.utilisation(self.elapsed_s)
+            busy = "-" if use is None else f"{min(use, 1):.0%}"
+            limit = "-" if s.limit is None else str(s.limit)
+            cap = "-" if s.queue_capacity is None else str(s.queue_capacity)
             lines.append(
-                f"  {s.name:<10}{f'{s.max_in_flight}/{limit}':>12}{f'{s.max_queued}/{cap}':>10}"
-                f"{s.completed:>9}{s.retries:>7}{s.failed:>6}{s.skipped:>6}"
-                f"{s.blocked_put_s:>9.3f}s{s.blocked_get_s:>9.3f}s"
+                f"  {_SHOWN.get(s.name, s.name):<12}{busy:>6}{f'{s.max_in_flight}/{limit}':>11}"
+                f"{f'{s.max_queued}/{cap}':>9}{s.completed:>9}{s.retries:>9}{s.failed:>8}"
+                f"{s.skipped:>9}{s.blocked_put_s:>8.3f}s{s.blocked_get_s:>8.3f}s"
                 f"{format_ms(s.latency.p50):>9}{format_ms(s.latency.p99):>9}"
             )
         if self.skipped_samples:
@@ -243,10 +264,16 @@ class LoaderStatistics:
                 f" {w.crashes} crashed, {w.restarts} restarted"
             )
         lines.append(
-            f"  (in flight and queued show peak/limit; fetched bytes held at most"
-            f" {self.max_bytes_held:,})"
+            "  (busy: the share of the stage's slots' time its work took; in flight and queued: "
+            "the most at once / the limit, - for none; no room: time it waited for the next "
+            "stage; no work: time it waited for the stage before; fetched bytes held at most "
+            f"{self.max_bytes_held:,})"
         )
         return "\n".join(lines)
+
+
+#: How the stages are named for a person (``stage()`` takes the names in ``StageStatistics``).
+_SHOWN = {"window": "in progress", "output": "ready"}
 
 
 def format_ms(seconds: float) -> str:
@@ -310,6 +337,7 @@ class StageRecorder:
         "_latencies",
         "blocked_get_s",
         "blocked_put_s",
+        "busy_s",
         "completed",
         "failed",
         "in_flight",
@@ -337,6 +365,7 @@ class StageRecorder:
         self.retries = 0
         self.blocked_put_s = 0.0
         self.blocked_get_s = 0.0
+        self.busy_s = 0.0
         self._latencies: deque[float] = deque(maxlen=_RESERVOIR)
 
     def start(self, count: int = 1) -> None:
@@ -349,6 +378,7 @@ class StageRecorder:
         """End ``count`` operations that took ``latency`` seconds each (None: no duration)."""
         self.in_flight -= count
         if latency is not None:
+            self.busy_s += latency * count
             if count == 1:
                 self._latencies.append(latency)
             else:
@@ -360,6 +390,7 @@ class StageRecorder:
         """End one operation in flight that completed ``count`` operations one after another
         in ``seconds`` (a slice read in turn): counted as ``count`` of ``seconds / count``."""
         self.in_flight -= 1
+        self.busy_s += seconds
         if count:
             self._latencies.extend(itertools.repeat(seconds / count, min(count, _RESERVOIR)))
             self.completed += count
@@ -395,6 +426,7 @@ class StageRecorder:
             blocked_put_s=self.blocked_put_s,
             blocked_get_s=self.blocked_get_s,
             latency=LatencySummary.of(self._latencies, self.completed + self.failed),
+            busy_s=self.busy_s,
         )
 
 

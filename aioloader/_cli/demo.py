@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from .. import sources
+from .._base.progress import Progress
 from .._base.retry import RetryPolicy
 from .._data.dataset import AsyncDataset
 from .._device.accelerator import resolve_device
 from .._loader.loader import DataLoader
 from .errors import UsageError
-from .progress import Progress
 from .signals import run_until_signal
 
 __all__ = ["add_command", "run", "write_dataset"]

@@ -156,6 +156,7 @@ class Arguments:
     worker_mode: str = "process"
     device: object = None
     device_transform: Callable[[Any], Any] | None = None
+    progress: bool = False
 
 
 def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
@@ -193,6 +194,7 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
         raise TypeError(f"shuffle must be a bool or None, got {a.shuffle!r}")
     check_bool("drop_last", a.drop_last)
     check_bool("in_order", a.in_order)
+    check_bool("progress", a.progress)
     if num_workers == 0:
         if a.prefetch_factor is not None:
             raise ValueError(

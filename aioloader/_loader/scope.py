@@ -34,6 +34,7 @@ from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
 from .._workers.processes import ProcessWorkers
 from .checkpoint import EpochState, Progress
+from .progress import EpochProgress
 from .resuming import resumed_batches
 
 if TYPE_CHECKING:
@@ -54,15 +55,17 @@ class LoaderState:
         iterable_len: The length an iterable dataset reported to ``len(loader)`` (batches past
             it warn, as torch's do), or None.
         progress: The consumer's record of the current (or last) epoch, or None before any.
+        shown: The current (or last) epoch's progress line (and bar), or None before any.
     """
 
-    __slots__ = ("iterable_len", "progress", "scope", "stats")
+    __slots__ = ("iterable_len", "progress", "scope", "shown", "stats")
 
     def __init__(self, stats: Recorders) -> None:
         self.stats = stats
         self.scope: Scope | None = None
         self.iterable_len: int | None = None
         self.progress: Progress | None = None
+        self.shown: EpochProgress | None = None
 
 
 class Received(NamedTuple):
@@ -72,6 +75,19 @@ class Received(NamedTuple):
     warning: str | None  # torch's warning for an iterable past its reported length
     marks: tuple[Mark, ...]  # what the consumer takes with it (see ``Epoch``)
     error: BaseException | None  # the batch failed: the consumer raises this
+
+
+def _epoch_samples(plan: LoaderPlan) -> int | None:
+    """Samples a map-style epoch hands out (None when not known: a stream, a batch sampler
+    without a length)."""
+    if not plan.kind.is_map:
+        return None
+    try:
+        n = len(plan.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    size = plan.batch_size
+    return n - n % size if size and plan.arguments.drop_last else n
 
 
 def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
@@ -198,6 +214,13 @@ class EpochIterator(Generic[T_Batch]):
         self._number = number
         self._resume = resume  # a loaded state of this epoch: it goes on from there
         self.progress = Progress(resume if resume is not None else fresh_state(scope.plan, number))
+        self.shown = EpochProgress(
+            number,
+            _epoch_samples(scope.plan),
+            state.stats.consumer,
+            draw=scope.plan.arguments.progress,
+            start=self.progress.samples,
+        )
         self._running: Running | None = None
         self._last_yield: float | None = None
         self._closed = False
@@ -288,8 +311,9 @@ class EpochIterator(Generic[T_Batch]):
         except StopAsyncIteration:
             if self.ended:
                 self.progress.finished = True
+            self.shown.close()
             raise
-        self.progress.took(got.marks)  # this task is the consumer: it has the batch (or error)
+        self.took(got)  # this task is the consumer: it has the batch (or error)
         if got.error is not None:
             error = got.error
             del got
@@ -300,6 +324,11 @@ class EpochIterator(Generic[T_Batch]):
         if got.warning is not None:
             warnings.warn(got.warning, UserWarning, stacklevel=2)
         return hand_out(got.batch)  # type: ignore[no-any-return]
+
+    def took(self, got: Received) -> None:
+        """The consumer has ``got`` (call on the consumer's thread)."""
+        self.progress.took(got.marks)
+        self.shown.took(sum(size for _, size, _ in got.marks))
 
     async def receive(self) -> Received:
         """The next batch as the event loop holds it: a :class:`Staged` batch with a device

@@ -304,12 +304,13 @@ class PlainIterator(Generic[T_Batch]):
             ok, got = self._receive()
             if not ok:
                 raise got
-            self._epoch.progress.took(got.marks)  # this thread is the consumer: it has it now
+            self._epoch.took(got)  # this thread is the consumer: it has it now
             if got.error is not None:
                 raise got.error
         except StopAsyncIteration:
             if self._epoch.ended:  # set on the loop's thread before the end was sent here
                 self._epoch.progress.finished = True
+            self._epoch.shown.close()
             self.close()
             raise StopIteration from None
         except BaseException as exc:

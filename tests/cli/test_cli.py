@@ -54,7 +54,8 @@ def test_the_demo_trains_and_prints_statistics() -> None:
     done = aioloader("demo", "--samples", "512", "--epochs", "2")
     assert done.returncode == 0, done.stderr
     assert "samples/s" in done.stdout
-    assert "LoaderStatistics: 16 batches, 1024 samples" in done.stdout
+    assert "LoaderStatistics: 16 batches, 1,024 samples" in done.stdout
+    assert "verdict: " in done.stdout
     assert "epoch 2/2" in done.stdout
 
 

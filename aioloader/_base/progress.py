@@ -1,6 +1,7 @@
 """A one-line progress bar for terminals, and plain lines elsewhere.
 
-Owns: rendering progress for a person. Never: touches the loader; callers pass the counts.
+Owns: rendering progress for a person (the demo's bar, and ``DataLoader(progress=True)``'s).
+Never: touches the loader; callers pass the counts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Progress:
     def __init__(
         self, total: int, label: str, *, stream: TextIO | None = None, width: int = 30
     ) -> None:
-        self.total = max(1, total)
+        self.total = max(1, total) if total else 0  # 0: not known (a stream)
         self.label = label
         self.stream = stream if stream is not None else sys.stdout
         self.width = width
@@ -38,16 +39,19 @@ class Progress:
         """Count ``n`` more units; redraw at most 20 times a second."""
         self.done += n
         now = time.perf_counter()
-        if self.interactive and (now - self._last_draw > 0.05 or self.done >= self.total):
+        if self.interactive and (now - self._last_draw > 0.05 or self.done == self.total):
             self._last_draw = now
             self.stream.write("\r" + self.render(extra))
             self.stream.flush()
 
     def render(self, extra: str = "") -> str:
-        filled = min(self.width, self.width * self.done // self.total)
         rate = self.done / max(1e-9, time.perf_counter() - self.started)
-        bar = "#" * filled + "-" * (self.width - filled)
-        line = f"{self.label} [{bar}] {self.done}/{self.total} {rate:,.0f}/s"
+        if self.total:
+            filled = min(self.width, self.width * self.done // self.total)
+            bar = "#" * filled + "-" * (self.width - filled)
+            line = f"{self.label} [{bar}] {self.done:,}/{self.total:,} {rate:,.0f}/s"
+        else:
+            line = f"{self.label} {self.done:,} {rate:,.0f}/s"
         return f"{line} {extra}" if extra else line
 
     def close(self, extra: str = "") -> None:

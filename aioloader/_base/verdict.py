@@ -1,0 +1,67 @@
+"""Which stage limited a loader's throughput, said in words a person can act on.
+
+Owns: :func:`verdict`, a pure reading of a :class:`~aioloader.LoaderStatistics` snapshot: did
+the consumer wait for data; if it did, were the fetches at their ``max_inflight`` cap, the
+workers busy, the device copies the slow part, or none of them (the loader's own per-batch
+work, or a source that gives little at a time). Never: measures anything itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .stats import LoaderStatistics
+
+__all__ = ["SATURATED", "WAITED", "verdict"]
+
+WAITED = 0.10  # the consumer waited at least this share of its time: data-bound
+SATURATED = 0.75  # a stage's slots were busy at least this share of the time
+
+
+def verdict(stats: LoaderStatistics) -> str:
+    """One sentence: what limited the run, and what to change."""
+    c = stats.consumer
+    if c.batches == 0:
+        return "no batch handed out yet"
+    waited = c.wait_fraction
+    if waited < WAITED:
+        return (
+            f"the consumer was the bottleneck (it waited for data {waited:.0%} of the time): "
+            "the loader is not slowing training"
+        )
+    head = f"the consumer waited for data {waited:.0%} of the time"
+    elapsed = stats.elapsed_s
+    busy = {
+        s.name: u for s in stats.stages if s.completed and (u := s.utilisation(elapsed)) is not None
+    }
+    fetch, work = busy.get("fetch", 0.0), busy.get("transform", 0.0)
+    device = busy.get("device", 0.0)
+    if work >= SATURATED and work >= fetch:
+        workers = stats.stage("transform").limit
+        return (
+            f"{head}; the workers were busy {min(work, 1):.0%} of the time ({workers} of "
+            "them): add workers (num_workers) or lighten the transform"
+        )
+    if fetch >= SATURATED:
+        stage = stats.stage("fetch")
+        return (
+            f"{head}; fetches ran at their max_inflight={stage.limit} cap ({min(fetch, 1):.0%} "
+            f"busy) with {stage.latency.p50 * 1e3:.1f} ms median latency: raise max_inflight"
+        )
+    if device >= SATURATED:
+        return (
+            f"{head}; copying batches to the device took {min(device, 1):.0%} of the time: "
+            "pin_memory=True, or move less (a device_transform can widen types on the GPU)"
+        )
+    parts = []
+    if "fetch" in busy:
+        parts.append(f"fetches {fetch:.0%} of max_inflight")
+    if "transform" in busy:
+        parts.append(f"workers {work:.0%} busy")
+    said = f" ({', '.join(parts)})" if parts else ""
+    return (
+        f"{head}; no stage was saturated{said}: the source gave samples slowly (its latency "
+        "with too few reads in flight), or samples are so cheap that per-batch overhead "
+        "shows: a larger batch_size, or more max_inflight"
+    )

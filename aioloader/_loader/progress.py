@@ -1,0 +1,104 @@
+"""``DataLoader(progress=True)``: a bar per epoch, and the line ``loader.progress()`` gives.
+
+Owns: :class:`EpochProgress`, what one epoch has handed its consumer (samples, rate, the share
+of the time the consumer waited for data), drawn with tqdm when it is installed, else with the
+plain bar of ``_base/progress.py`` (redrawn on a terminal, one line per epoch elsewhere), on
+stderr. Never: prints unless asked (``progress=True``); reads the pipeline (the consumer's side
+tells it what it took).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._base.progress import Progress
+
+if TYPE_CHECKING:
+    from .._base.stats import ConsumerRecorder
+
+__all__ = ["EpochProgress"]
+
+
+class EpochProgress:
+    """One epoch's progress, as its consumer took it.
+
+    Args:
+        epoch: The epoch's number.
+        total: Samples the epoch should hand out, or None (a stream without a length).
+        consumer: The scope's consumer recorder (its waits; cumulative, read as differences).
+        draw: Show a bar (``progress=True``); else only :meth:`line` reads it.
+        start: Samples taken before (a resumed epoch).
+    """
+
+    def __init__(
+        self,
+        epoch: int,
+        total: int | None,
+        consumer: ConsumerRecorder,
+        *,
+        draw: bool,
+        start: int = 0,
+    ) -> None:
+        self.epoch = epoch
+        self.total = total
+        self.samples = start
+        self._start = start
+        self._consumer = consumer
+        self._waited0, self._busy0 = consumer.wait_s, consumer.busy_s
+        self._started = time.perf_counter()
+        self._bar: Any = None
+        if draw:
+            self._bar = _bar(epoch, total)
+            if start:
+                self._bar.update(start, "resumed")
+
+    def waited(self) -> float:
+        """The share of this epoch's time the consumer waited for data."""
+        waited = self._consumer.wait_s - self._waited0
+        busy = self._consumer.busy_s - self._busy0
+        return waited / (waited + busy) if waited + busy > 0 else 0.0
+
+    def took(self, samples: int) -> None:
+        self.samples += samples
+        if self._bar is not None:
+            self._bar.update(samples, f"waited {self.waited():.0%}")
+
+    def line(self) -> str:
+        """``epoch 1: 3,200/10,000 samples, 5,120 samples/s, consumer waited 12%``."""
+        rate = (self.samples - self._start) / max(1e-9, time.perf_counter() - self._started)
+        of = f"/{self.total:,}" if self.total else ""
+        return (
+            f"epoch {self.epoch}: {self.samples:,}{of} samples, {rate:,.0f} samples/s, "
+            f"consumer waited {self.waited():.0%}"
+        )
+
+    def close(self) -> None:
+        """The epoch ended: the bar's last line stays."""
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close(f"waited {self.waited():.0%}")
+
+
+def _bar(epoch: int, total: int | None) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return Progress(total or 0, f"epoch {epoch}", stream=sys.stderr)
+    return _Tqdm(tqdm(total=total, desc=f"epoch {epoch}", unit="sample", unit_scale=True))
+
+
+class _Tqdm:
+    """tqdm behind the plain bar's two calls."""
+
+    def __init__(self, bar: Any) -> None:
+        self._bar = bar
+
+    def update(self, n: int, extra: str) -> None:
+        self._bar.set_postfix_str(extra, refresh=False)
+        self._bar.update(n)
+
+    def close(self, extra: str) -> None:
+        self._bar.set_postfix_str(extra)
+        self._bar.close()

@@ -1,0 +1,58 @@
+"""``progress=True`` draws a line per epoch (stderr, not a terminal here), ``loader.progress()``
+says the same for a loop of one's own, and without them the library prints nothing."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+import pytest
+
+from aioloader import DataLoader
+
+
+def test_a_line_per_epoch_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    loader = DataLoader(list(range(200)), batch_size=20, progress=True)
+    for _epoch in range(2):
+        for _ in loader:
+            pass
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 2
+    for epoch, line in enumerate(lines):
+        assert re.fullmatch(rf"epoch {epoch} \[#{{30}}\] 200/200 [\d,]+/s waited \d+%", line), line
+
+
+def test_progress_gives_the_running_epochs_line() -> None:
+    loader = DataLoader(list(range(200)), batch_size=20, drop_last=True)
+    assert loader.progress() == "no epoch started"
+    it = iter(loader)
+    next(it), next(it)
+    assert re.fullmatch(
+        r"epoch 0: 40/200 samples, [\d,]+ samples/s, consumer waited \d+%", loader.progress()
+    )
+    it.close()
+
+
+async def numbers() -> AsyncIterator[int]:
+    for i in range(50):
+        yield i
+
+
+async def test_a_stream_counts_without_a_total(capsys: pytest.CaptureFixture[str]) -> None:
+    loader = DataLoader(numbers, batch_size=10, progress=True)
+    async with loader:
+        assert len([b async for b in loader]) == 5
+    assert re.fullmatch(r"epoch 0 50 [\d,]+/s waited \d+%\n", capsys.readouterr().err)
+
+
+def test_without_progress_nothing_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    for _ in DataLoader(list(range(100)), batch_size=10, shuffle=True):
+        pass
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="progress must be a bool"):
+        DataLoader([1], progress="yes")  # type: ignore[arg-type]
