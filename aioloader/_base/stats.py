@@ -195,6 +195,8 @@ class LoaderStatistics:
         bytes_held: Bytes of fetched samples in unfinished batches now.
         max_bytes_held: The most ever held (bounded by ``max_inflight_bytes`` when set).
         workers: The worker processes' counters (None with thread workers).
+        verdict: Which stage limited throughput, and what to change, in one sentence (see
+            ``_base/verdict.py``).
     """
 
     epochs: int
@@ -205,6 +207,7 @@ class LoaderStatistics:
     bytes_held: int = 0
     max_bytes_held: int = 0
     workers: WorkerStatistics | None = None
+    verdict: str = ""
 
     def stage(self, name: str) -> StageStatistics:
         """Return the stage called ``name``.
@@ -221,14 +224,6 @@ class LoaderStatistics:
     def samples_per_s(self) -> float:
         """Samples handed to the consumer per second of the loader's life."""
         return self.consumer.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def verdict(self) -> str:
-        """Which stage limited throughput, and what to change, in one sentence (see
-        ``_base/verdict.py``)."""
-        from .verdict import verdict
-
-        return verdict(self)
 
     def __repr__(self) -> str:
         c = self.consumer

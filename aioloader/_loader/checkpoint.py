@@ -29,11 +29,15 @@ import json
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._data.resume import Layer, Mark, Taken
+from .._data.source import dataset_length
 
-__all__ = ["FORMAT", "EpochState", "Progress", "dumps_checked", "merge_states"]
+if TYPE_CHECKING:
+    from .plan import LoaderPlan
+
+__all__ = ["FORMAT", "EpochState", "Progress", "dumps_checked", "fresh_state", "merge_states"]
 
 FORMAT = "aioloader.state/1"
 
@@ -345,3 +349,19 @@ def _as_one_epoch(states: list[EpochState]) -> list[EpochState]:
         else:
             merged.append(dataclasses.replace(during, rank=s.rank, taken=every.copy()))
     return merged
+
+
+def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
+    """The state at the start of ``epoch``, nothing taken."""
+    length = dataset_length(plan.dataset) if plan.kind.is_map else None
+    return EpochState(
+        epoch=epoch,
+        seed=plan.base_seed,
+        order_seed=plan.order_seed,
+        map=plan.kind.is_map,
+        length=length,
+        batch_size=plan.batch_size,
+        drop_last=plan.arguments.drop_last,
+        world_size=plan.world_size,
+        rank=plan.rank,
+    )

@@ -10,6 +10,7 @@ itself (``_pipeline/epoch.py``) or decides order (``_data/sampler.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -23,13 +24,14 @@ import torch
 from .._base.exceptions import LoaderStateError
 from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics, Recorders
+from .._base.verdict import verdict
 from .._data.source import dataset_length
 from .._workers.offload import ThreadOffload
 from .arguments import Arguments, non_negative_int
-from .checkpoint import EpochState, dumps_checked
+from .checkpoint import EpochState, dumps_checked, fresh_state
 from .plan import plan_loader
 from .resuming import check_resumable, resolve
-from .scope import EpochIterator, LoaderState, Scope, fresh_state
+from .scope import EpochIterator, LoaderState, Scope
 from .session import PlainIterator, Session, close_from_anywhere
 
 __all__ = ["DataLoader"]
@@ -436,11 +438,12 @@ class DataLoader(Generic[T_Batch]):
         return "no epoch started" if shown is None else shown.line()
 
     def statistics(self) -> LoaderStatistics:
-        """A frozen snapshot of the counters of the current (or last) scope."""
+        """A frozen snapshot of the counters of the current (or last) scope, with its verdict:
+        which stage limited throughput, and what to change."""
         s = self._stats
         end = self._stopped_at if self._scope is None else None
         elapsed = (end if end else time.perf_counter()) - s.started
-        return LoaderStatistics(
+        stats = LoaderStatistics(
             epochs=s.epochs,
             elapsed_s=elapsed if s.epochs else 0.0,
             stages=tuple(r.snapshot() for r in s.stages),
@@ -450,6 +453,7 @@ class DataLoader(Generic[T_Batch]):
             max_bytes_held=s.max_bytes_held,
             workers=s.workers.snapshot() if s.workers.processes else None,
         )
+        return dataclasses.replace(stats, verdict=verdict(stats))
 
     # -- the scope -----------------------------------------------------------------------------
 

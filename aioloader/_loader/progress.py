@@ -17,8 +17,9 @@ from .._base.progress import Progress
 
 if TYPE_CHECKING:
     from .._base.stats import ConsumerRecorder
+    from .plan import LoaderPlan
 
-__all__ = ["EpochProgress"]
+__all__ = ["EpochProgress", "epoch_samples"]
 
 
 class EpochProgress:
@@ -102,3 +103,16 @@ class _Tqdm:
     def close(self, extra: str) -> None:
         self._bar.set_postfix_str(extra)
         self._bar.close()
+
+
+def epoch_samples(plan: LoaderPlan) -> int | None:
+    """Samples a map-style epoch hands out (None when not known: a stream, a batch sampler
+    without a length)."""
+    if not plan.kind.is_map:
+        return None
+    try:
+        n = len(plan.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    size = plan.batch_size
+    return n - n % size if size and plan.arguments.drop_last else n

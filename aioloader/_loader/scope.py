@@ -26,22 +26,22 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from .._base.exceptions import LoaderStateError, LoaderTimeout
 from .._data.resume import Mark
 from .._data.seeds import derive_seed
-from .._data.source import InWorkers, dataset_length
+from .._data.source import InWorkers
 from .._device.stage import DeviceStage, Staged, hand_out
 from .._pipeline.epoch import Epoch
 from .._pipeline.items import Raised
 from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
 from .._workers.processes import ProcessWorkers
-from .checkpoint import EpochState, Progress
-from .progress import EpochProgress
+from .checkpoint import EpochState, Progress, fresh_state
+from .progress import EpochProgress, epoch_samples
 from .resuming import resumed_batches
 
 if TYPE_CHECKING:
     from .._base.stats import Recorders
     from .plan import LoaderPlan
 
-__all__ = ["EpochIterator", "LoaderState", "Received", "Running", "Scope", "fresh_state"]
+__all__ = ["EpochIterator", "LoaderState", "Received", "Running", "Scope"]
 
 T_Batch = TypeVar("T_Batch")
 
@@ -75,35 +75,6 @@ class Received(NamedTuple):
     warning: str | None  # torch's warning for an iterable past its reported length
     marks: tuple[Mark, ...]  # what the consumer takes with it (see ``Epoch``)
     error: BaseException | None  # the batch failed: the consumer raises this
-
-
-def _epoch_samples(plan: LoaderPlan) -> int | None:
-    """Samples a map-style epoch hands out (None when not known: a stream, a batch sampler
-    without a length)."""
-    if not plan.kind.is_map:
-        return None
-    try:
-        n = len(plan.sampler)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-    size = plan.batch_size
-    return n - n % size if size and plan.arguments.drop_last else n
-
-
-def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
-    """The state at the start of ``epoch``, nothing taken."""
-    length = dataset_length(plan.dataset) if plan.kind.is_map else None
-    return EpochState(
-        epoch=epoch,
-        seed=plan.base_seed,
-        order_seed=plan.order_seed,
-        map=plan.kind.is_map,
-        length=length,
-        batch_size=plan.batch_size,
-        drop_last=plan.arguments.drop_last,
-        world_size=plan.world_size,
-        rank=plan.rank,
-    )
 
 
 class Scope:
@@ -216,7 +187,7 @@ class EpochIterator(Generic[T_Batch]):
         self.progress = Progress(resume if resume is not None else fresh_state(scope.plan, number))
         self.shown = EpochProgress(
             number,
-            _epoch_samples(scope.plan),
+            epoch_samples(scope.plan),
             state.stats.consumer,
             draw=scope.plan.arguments.progress,
             start=self.progress.samples,

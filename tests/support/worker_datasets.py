@@ -201,3 +201,31 @@ class MarksFinally(torch.utils.data.IterableDataset[int]):
         finally:
             with open(os.path.join(self.folder, f"done-{worker}"), "w") as f:
                 f.write("ok")
+
+
+class ResumableShards(torch.utils.data.IterableDataset[int]):
+    """Each worker reads its own share (``get_worker_info()``): samples ``w, w + n, ...`` of
+    ``range(length)``, worker ``w`` ending early when ``uneven`` (it stops at ``length - 7 *
+    w``). ``state_dict()`` is where its pass stands, ``load_state_dict`` where the next starts."""
+
+    def __init__(self, length: int, *, uneven: bool = False) -> None:
+        self.length = length
+        self.uneven = uneven
+        self.at = 0  # samples of its share this copy has given
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        stop = self.length - 7 * worker if self.uneven else self.length
+        share = range(worker, stop, workers)
+        self.at, self.start = self.start, 0
+        while self.at < len(share):
+            self.at += 1
+            yield share[self.at - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["at"]

@@ -1,0 +1,44 @@
+"""A torch ``IterableDataset`` in worker processes resumes: each worker's copy saves its own
+place (its ``state_dict()`` after each batch it read, sent back with the batch), and the
+round-robin over the workers goes on where it stood."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from aioloader import DataLoader
+from tests.support.worker_datasets import Ranges, ResumableShards
+
+
+def make(length: int, **kw: Any) -> DataLoader[Any]:
+    uneven = kw.pop("uneven", False)
+    return DataLoader(
+        ResumableShards(length, uneven=uneven), batch_size=4, num_workers=3, collate_fn=list, **kw
+    )
+
+
+@pytest.mark.parametrize("stop", [0, 1, 5, 11, 14])
+@pytest.mark.parametrize("kw", [{}, {"uneven": True}, {"in_order": False}])
+def test_workers_resume_their_own_places(stop: int, kw: dict[str, Any]) -> None:
+    full = list(make(60, **kw))
+    loader = make(60, **kw)
+    it = iter(loader)
+    first = [next(it) for _ in range(min(stop, len(full)))]
+    state = json.loads(json.dumps(loader.state_dict()))
+    it.close()
+    resumed = make(60, **kw)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    if kw.get("in_order", True):
+        assert first + rest == full
+    else:
+        assert sorted(i for b in first + rest for i in b) == sorted(i for b in full for i in b)
+
+
+def test_a_dataset_without_state_dict_in_workers_is_named() -> None:
+    loader = DataLoader(Ranges(0, 10), batch_size=2, num_workers=2)
+    with pytest.raises(TypeError, match="Ranges is read in worker processes"):
+        loader.state_dict()
