@@ -20,7 +20,7 @@ import torch.utils.data
 from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
 from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 from .._data.seeds import epoch_permutation
-from .._data.source import InWorkers, StreamSource, dataset_length
+from .._data.source import InWorkers, StreamSource, dataset_length, is_resumable
 from .checkpoint import EpochState
 from .plan import LoaderPlan
 
@@ -159,12 +159,13 @@ def check_resumable(plan: LoaderPlan) -> None:
     name = type(plan.dataset).__qualname__
     if not plan.kind.is_map:
         if isinstance(plan.source, InWorkers):
-            raise TypeError(
-                f"the loader cannot resume: its iterable dataset {name} is read in worker "
-                "processes (each worker's copy has its own place); read it in this process "
-                "(num_workers=0, or worker_mode='thread') with state_dict/load_state_dict"
-            )
-        if not isinstance(plan.source, StreamSource) or not plan.source.resumable:
+            if not is_resumable(plan.dataset):
+                raise TypeError(
+                    f"the loader cannot resume: its iterable dataset {name} is read in worker "
+                    "processes without state_dict()/load_state_dict(); define both (each "
+                    "worker's copy gives its own place, see docs/design.md, 'Resuming')"
+                )
+        elif not isinstance(plan.source, StreamSource) or not plan.source.resumable:
             raise TypeError(
                 f"the loader cannot resume: its dataset {name} is a stream without "
                 "state_dict()/load_state_dict() (an async generator cannot be resumed); "

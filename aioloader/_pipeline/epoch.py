@@ -48,7 +48,7 @@ from .._base.stats import Recorders
 from .._data.resume import Mark, Taken
 from .._data.seeds import derive_seed
 from .._data.sharding import StreamShare
-from .._data.source import InWorkers, MapSource, StreamSource
+from .._data.source import InWorkers, MapSource, StreamSource, is_resumable
 from .._device.stage import DeviceStage, Staged
 from .._workers.job import (
     JobResult,
@@ -181,7 +181,8 @@ class Epoch:
                 # Each worker iterates its own copy: batches come ready-made from the workers.
                 ready_send.close()
                 ready_recv.close()
-                tg.start_soon(WorkerStreams(self).run, done_send)
+                resumable = is_resumable(self.source.dataset)
+                tg.start_soon(WorkerStreams(self, resumable=resumable).run, done_send)
                 tg.start_soon(self._emit, done_recv, out)
                 return
             if isinstance(self.source, InWorkers):

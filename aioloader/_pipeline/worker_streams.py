@@ -2,8 +2,11 @@
 
 Owns: :class:`WorkerStreams` (pulling each worker's batches, in turn or as they come, with the
 pass closed in the worker when the epoch ends early) and :class:`RankBatches` (those batches
-split over ranks and padded, ``distributed=True``). Never: schedules, fetches or emits (the
-epoch does; batches go to it through ``Epoch.pass_on``).
+split over ranks and padded, ``distributed=True``). A resumable dataset (``state_dict`` /
+``load_state_dict``) sends each worker's state back with each batch; a batch's mark holds every
+worker's state as of that batch and the worker whose turn is next, and a resumed epoch starts
+each worker's pass from its own state and the round-robin at that worker. Never: schedules,
+fetches or emits (the epoch does; batches go to it through ``Epoch.pass_on``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Epoch(Protocol):
     stats: Recorders
     work: WorkerPool
     budget: FailureBudget
+    stream_from: tuple[int, int, Any] | None
 
     async def pass_on(self, item: Done, seq: int, done: MemoryObjectSendStream[Done]) -> None:
         """Hand a batch to the emitter as the epoch's batch ``seq``."""
@@ -61,11 +65,19 @@ class RankBatches:
     batches ``r, r + W, ...`` and repeats batches from the start so that every rank yields as
     many (``StreamShare``'s rule, over batches)."""
 
-    def __init__(self, epoch: Epoch, done: MemoryObjectSendStream[Done]) -> None:
+    def __init__(
+        self,
+        epoch: Epoch,
+        done: MemoryObjectSendStream[Done],
+        *,
+        start: int = 0,
+        mark: Callable[[Done, int], None] | None = None,
+    ) -> None:
         cfg = epoch.config
         self._epoch = epoch
         self._done = done
-        self._seq = 0
+        self._seq = start
+        self._mark = mark
         self._share: StreamShare[Done] | None = None
         if cfg.world_size > 1:
             self._share = StreamShare(cfg.rank, cfg.world_size)
@@ -80,6 +92,8 @@ class RankBatches:
             await self._send(dataclasses.replace(item, batch=batch))
 
     async def _send(self, item: Done) -> None:
+        if self._mark is not None:
+            self._mark(item, self._seq)
         await self._epoch.pass_on(item, self._seq, self._done)
         self._seq += 1
 
@@ -88,12 +102,29 @@ class WorkerStreams:
     """The batches of an epoch whose iterable dataset lives in the workers, handed to
     ``epoch`` one by one (:meth:`run`)."""
 
-    def __init__(self, epoch: Epoch) -> None:
+    def __init__(self, epoch: Epoch, *, resumable: bool = False) -> None:
         self.epoch = epoch
         self.config = epoch.config
         self.stats = epoch.stats
         self.number = epoch.number
         self.work = epoch.work
+        self.resumable = resumable
+        start, _, saved = epoch.stream_from or (0, 0, None)
+        self.start = start
+        self._saved: dict[str, Any] = dict(saved["workers"]) if saved else {}
+        self._next: int = saved["next"] if saved else 0
+        self._latest: dict[str, Any] = dict(self._saved)  # each worker's state, in output order
+
+    def _marked(self, item: Done, seq: int) -> None:
+        """Give ``item`` (a batch going out as the epoch's ``seq``) the mark a resumed epoch
+        starts from: every worker's state as of it, and the worker whose turn is next."""
+        worker, state = item.batch.ids[0], item.batch.mark
+        if state is None:  # a failed batch: its worker's place is not known
+            item.batch.mark = None
+            return
+        self._latest[str(worker)] = state
+        turn = (worker + 1) % self.work.concurrency
+        item.batch.mark = (seq + 1, 0, {"workers": dict(self._latest), "next": turn})
 
     async def run(self, done: MemoryObjectSendStream[Done]) -> None:
         """Every worker iterates its own copy of an iterable dataset (torch's semantics: it
@@ -104,7 +135,8 @@ class WorkerStreams:
         if not work.per_worker:
             raise TypeError("an iterable dataset in workers needs process workers")
         n, in_order = work.concurrency, self.config.in_order
-        out = RankBatches(self.epoch, done)
+        mark = self._marked if self.resumable else None
+        out = RankBatches(self.epoch, done, start=self.start, mark=mark)
         # The lanes outlive the task group: no pull task ever sends into a closed lane.
         with one_item_lanes(Done, n if in_order else 0) as lanes:
             async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
@@ -112,6 +144,8 @@ class WorkerStreams:
                     for worker_id, (send, _) in enumerate(lanes):
                         tg.start_soon(self._pull_worker_stream, run_on, worker_id, send)
                     receivers = [recv for _, recv in lanes]
+                    turn = self._next % n  # a resumed epoch: the worker whose turn was next
+                    receivers = receivers[turn:] + receivers[:turn]  # the same cycle
                     while receivers:
                         for recv in list(receivers):
                             try:
@@ -141,7 +175,8 @@ class WorkerStreams:
         cfg = self.config
         async with results:
             seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
-            await run_on(worker_id, open_stream, seed=seed)  # a dead worker is replaced here
+            saved = self._saved.get(str(worker_id))
+            await run_on(worker_id, open_stream, saved, seed=seed)  # a dead one is replaced here
             try:
                 await self._pull_batches(run_on, worker_id, results)
             finally:  # ended early (a break, a failure): the pass's `finally` blocks run now
@@ -177,7 +212,8 @@ class WorkerStreams:
             if result is None:
                 return
             if result.size:  # else every sample of it was skipped
-                done = Done(Batch(seq, [worker_id], []), result.batch, result.size)
+                batch = Batch(seq, [worker_id], [], mark=result.state)
+                done = Done(batch, result.batch, result.size)
                 await results.send(done)
             seq += 1
 
@@ -201,6 +237,7 @@ class WorkerStreams:
                 cfg.collate_fn,
                 cfg.finish,
                 self.epoch.budget.left > 0,
+                self.resumable,
                 replace=False,  # a fresh worker would have no pass: it would end silently
             )
         except WorkerCrashed:

@@ -17,6 +17,7 @@ Two shapes of job:
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import random
@@ -54,6 +55,8 @@ class JobResult:
             read (stage ``"fetch"``) or transformed (``"transform"``).
         retries: Reads retried under the loader's retry policy (worker-side datasets).
         size: Samples in the batch (for a stream's batch, which the worker sized).
+        state: The worker's dataset's ``state_dict()`` after the batch's samples were read (a
+            copy), when asked for (a resumable stream's batch).
     """
 
     batch: Any = None
@@ -61,6 +64,7 @@ class JobResult:
     failures: list[Failure] = field(default_factory=list)
     retries: int = 0
     size: int = 0
+    state: Any = None
 
 
 def _transform_all(
@@ -224,12 +228,16 @@ def run_indices(
 _stream: Iterator[Any] | None = None  # this worker's iterator over its copy of the dataset
 
 
-def open_stream() -> None:
+def open_stream(state: Any = None) -> None:
     """Start a new pass over the worker's copy of the dataset (``iter(dataset)``), as torch's
-    worker does at each epoch; an unfinished earlier pass is closed first."""
+    worker does at each epoch; an unfinished earlier pass is closed first. With ``state`` (a
+    resumed epoch), the copy's ``load_state_dict(state)`` is called first."""
     global _stream
     close_stream()
-    _stream = iter(worker_dataset())
+    dataset = worker_dataset()
+    if state is not None:
+        dataset.load_state_dict(state)
+    _stream = iter(dataset)
 
 
 def close_stream() -> None:
@@ -248,12 +256,14 @@ def next_stream_batch(
     collate: Callable[[Any], Any],
     finish: Callable[[Any], Any] | None,
     isolate: bool = False,
+    snapshot: bool = False,
 ) -> JobResult | None:
     """The next batch of the worker's own pass: up to ``batch_size`` samples (one, collated
     alone, when None), transformed and collated; None once the pass is over (a short last batch
     comes first unless ``drop_last``). With ``isolate`` (the loader may skip failed samples) a
     transform failure is reported in the result, its survivors left uncollated, as
-    :func:`run_batch` does.
+    :func:`run_batch` does. With ``snapshot``, the result carries a copy of the dataset's
+    ``state_dict()`` after the batch's samples were read.
 
     Raises:
         Exception: The dataset's iterator, ``transform``, ``collate`` or ``finish`` raised (with
@@ -273,7 +283,9 @@ def next_stream_batch(
     if not samples or (drop_last and len(samples) < want):
         close_stream()
         return None
+    state = copy.deepcopy(worker_dataset().state_dict()) if snapshot else None
     result = run_batch(transform, collate, samples, batch_size is None, finish)
+    result.state = state
     if result.failures and not isolate:  # no budget to skip: the first one raises
         _position, stage, error = result.failures[0]
         raise annotate(error, stage)

@@ -16,7 +16,7 @@ from tests.support.worker_datasets import Ranges, ResumableShards
 def make(length: int, **kw: Any) -> DataLoader[Any]:
     uneven = kw.pop("uneven", False)
     return DataLoader(
-        ResumableShards(length, uneven=uneven), batch_size=4, num_workers=3, collate_fn=list, **kw
+        ResumableShards(length, uneven=uneven), batch_size=4, num_workers=2, collate_fn=list, **kw
     )
 
 
