@@ -234,6 +234,7 @@ async def interleaved(
     rng: random.Random | None = None,
     name: Callable[[P], str] = str,
     cursor: Cursor | None = None,
+    reopen: Callable[[int, P, int], AsyncIterator[T] | None] | None = None,
 ) -> AsyncIterator[AsyncIterator[T]]:
     """Read ``parts`` with up to ``width + ahead`` open at once; give their items interleaved.
 
@@ -249,6 +250,9 @@ async def interleaved(
         cursor: Filled in as the consumer takes items (see :class:`Cursor`); one that has
             ``started`` (restored from a saved state, with ``rng`` restored in it) resumes
             there, ``parts`` then being a sequence.
+        reopen: For a resumed part: ``reopen(index, part, taken)`` gives an iterator that
+            starts after the ``taken`` items already taken (a seek), or None to read the part
+            from its start and pass over them.
 
     Yields:
         An async iterator over the items (valid inside the ``async with`` only).
@@ -268,9 +272,15 @@ async def interleaved(
     if resumed and not isinstance(parts, Sequence):
         raise TypeError("resuming an interleave needs its parts as a sequence")
 
-    async def fill(part: P, lane: _Lane[T], skip: int = 0) -> None:
+    async def fill(part: P, lane: _Lane[T], skip: int = 0, index: int = -1) -> None:
         try:
-            items = read(part)
+            items = None
+            if skip and reopen is not None:
+                items = reopen(index, part, skip)
+            if items is None:
+                items = read(part)
+            else:
+                skip = 0
             try:
                 async for item in items:
                     if skip:  # taken before the stop
@@ -292,7 +302,7 @@ async def interleaved(
                     await shelf.room.acquire()
                     again: _Lane[T] = _Lane(name(parts[index]), part_limit)
                     shelf.reopened(index, again)
-                    tg.start_soon(fill, parts[index], again, cursor.taken[index])
+                    tg.start_soon(fill, parts[index], again, cursor.taken[index], index)
                 shelf.go_on_from(cursor.order.next_part)
                 plan = parts[cursor.order.next_part :]
             async with aclosing(_as_async(plan)) as listing:

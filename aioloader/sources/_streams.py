@@ -236,9 +236,10 @@ async def resumable(
     *,
     stall_timeout: float | None,
     on_retry: Any = None,
+    start: int = 0,
 ) -> AsyncGenerator[bytes, None]:
-    """The bytes of ``reader``'s object, resuming from the next byte after a failure that
-    ``retry`` calls worth another attempt.
+    """The bytes of ``reader``'s object from byte ``start`` on, resuming from the next byte
+    after a failure that ``retry`` calls worth another attempt.
 
     Attempts are counted per stall: an attempt that delivered bytes before failing starts the
     count afresh, so a long object on a flaky link is not failed by breaks spread over hours.
@@ -252,7 +253,7 @@ async def resumable(
     Cancellation: the open request or file is closed before the cancellation propagates.
     """
     rng = random.Random()
-    offset = 0
+    offset = start
     failures = 0
     while True:
         try:

@@ -25,13 +25,13 @@ from .._base.retry import RetryPolicy
 from .._data.epochs import OpensEpochs
 from .._data.seeds import derive_seed
 from .._data.sharding import epoch_parts, resolve_rank
-from .._fanin.interleave import Interleave, rng_from_json, rng_to_json
-from .._fanin.lanes import Cursor, ahead_for, check_plan, interleaved, plan_digest
+from .._fanin.lanes import ahead_for, interleaved, plan_digest
 from ._braces import expand_braces
 from ._http import new_session, redact_url
 from ._objects import redact_store_url, store_from_url
 from ._streams import ChunkReader, FileReader, HTTPReader, StoreReader, resumable
-from ._tarfmt import CorruptShardError, read_samples
+from ._tarfmt import CorruptShardError, read_located
+from ._tarstate import EpochRun, Located, ShuffleBuffer, Spanned, without_spans
 
 if TYPE_CHECKING:
     from ._slots import SlotPolicy, SlotStreams
@@ -225,7 +225,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         self._stores: dict[str, Any] = {}  # one per scheme://bucket, built at first use
         self._next_epoch = 0
         self._resume: dict[str, Any] | None = None  # loaded: where the next epoch goes on
-        self._running: _EpochRun | None = None  # the open epoch, whose state state_dict() gives
+        self._running: EpochRun | None = None  # the open epoch, whose state state_dict() gives
         #: Reads resumed after a transient failure, over the dataset's life.
         self.retries = 0
 
@@ -353,8 +353,15 @@ class TarShards(OpensEpochs[dict[str, Any]]):
     async def _open_reader(
         self,
     ) -> AsyncIterator[Callable[[str], AsyncGenerator[dict[str, Any], None]]]:
-        """For one epoch: a function giving the samples of a shard. It owns the epoch's HTTP
-        session (opened at the first URL, closed on exit, shielded from cancellation)."""
+        """For one epoch: a function giving the samples of a shard (see :meth:`_open_located`)."""
+        async with self._open_located() as located:
+            yield lambda shard: without_spans(located(shard))
+
+    @contextlib.asynccontextmanager
+    async def _open_located(self) -> AsyncIterator[Located]:
+        """For one epoch: a function giving the samples of a shard from a byte offset on, each
+        with where it lies (``read_located``). It owns the epoch's HTTP session (opened at the
+        first URL, closed on exit, shielded from cancellation)."""
         session: aiohttp.ClientSession | None = None
 
         def reader(shard: str) -> ChunkReader:
@@ -383,24 +390,27 @@ class TarShards(OpensEpochs[dict[str, Any]]):
                 self._stores[root], parts.path.lstrip("/"), _display(shard), self._chunk_size
             )
 
-        def samples(shard: str) -> AsyncGenerator[dict[str, Any], None]:
+        def located(shard: str, start: int = 0) -> AsyncGenerator[Spanned, None]:
             fields = None
             if self._store is None and _scheme(shard) in _LOCAL:  # as webdataset names it
                 fields = {"__local_path__": urlsplit(shard).path if _scheme(shard) else shard}
-            return read_samples(_display(shard), self._chunks(reader(shard)), fields)
+            chunks = self._chunks(reader(shard), start)
+            return read_located(_display(shard), chunks, fields, start=start)
 
         try:
-            yield samples
+            yield located
         finally:
             if session is not None:
                 with anyio.CancelScope(shield=True):
                     await session.close()
 
-    def _chunks(self, reader: ChunkReader) -> AsyncGenerator[bytes, None]:
+    def _chunks(self, reader: ChunkReader, start: int = 0) -> AsyncGenerator[bytes, None]:
         def count() -> None:
             self.retries += 1
 
-        return resumable(reader, self._retry, stall_timeout=self._timeout, on_retry=count)
+        return resumable(
+            reader, self._retry, stall_timeout=self._timeout, on_retry=count, start=start
+        )
 
     @contextlib.asynccontextmanager
     async def _samples(
@@ -411,187 +421,49 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         per_shard = max(self._chunk_size, self._buffer_bytes // (width + ahead))
         order = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle_shards else None
         digest = plan_digest(shards, self._seed, self._shuffle_shards, self._shuffle_buffer)
-        if resume is not None:
-            check_plan(
-                resume.get("plan"),
-                digest,
-                "other shards, seed, shuffle_shards, shuffle_buffer, rank or world_size",
-            )
-            cursor = Cursor.from_json(resume["cursor"], order)
-            if cursor.order.width != width:
-                raise ValueError(
-                    f"the state was saved reading {cursor.order.width} shards at once; this "
-                    f"epoch reads {width} (shards_in_flight must be the same to resume)"
-                )
-        else:
-            cursor = Cursor(Interleave(width, order))
-        buffer = None
+        run = EpochRun(epoch, len(self._shards), digest, width, order, resume)
         if self._shuffle_buffer > 1:
-            buffer = _ShuffleBuffer(
-                self._shuffle_buffer, random.Random(derive_seed(self._seed, epoch, 1))
-            )
+            rng = random.Random(derive_seed(self._seed, epoch, 1))
+            run.buffer = ShuffleBuffer(self._shuffle_buffer, rng, run)
             if resume is not None:
-                buffer.restore(resume.get("buffer"))
-        run = _EpochRun(epoch, len(self._shards), digest, cursor, buffer)
+                run.buffer.restore(resume.get("buffer"))
         async with (
-            self._open_reader() as read,
+            self._open_located() as located,
             interleaved(
                 shards,
-                read,
+                located,
                 width=width,
                 ahead=ahead,
                 part_limit=per_shard,
-                size=_sample_bytes,
+                size=_spanned_bytes,
                 rng=order,
                 name=_display,
-                cursor=cursor,
-            ) as samples,
+                cursor=run.cursor,
+                reopen=run.reopener(located),
+            ) as spanned,
+            aclosing(run.samples(spanned)) as samples,
         ):
-            if buffer is None:
-                self._running = run
-                try:
-                    yield samples
-                finally:
-                    self._running = None
+            if run.buffer is not None:
+                await run.buffer.read_again(located, shards, width)
+                async with aclosing(run.buffer.run(samples)) as shuffled:
+                    self._running = run
+                    try:
+                        yield shuffled
+                    finally:
+                        self._running = None
                 return
-            await buffer.read_again(read, shards, width)
-            async with aclosing(buffer.run(samples, cursor)) as shuffled:
-                self._running = run
-                try:
-                    yield shuffled
-                finally:
-                    self._running = None
-
-
-class _EpochRun:
-    """An open epoch, as :meth:`TarShards.state_dict` describes it."""
-
-    __slots__ = ("buffer", "cursor", "epoch", "plan", "shards")
-
-    def __init__(
-        self, epoch: int, shards: int, plan: str, cursor: Cursor, buffer: _ShuffleBuffer | None
-    ) -> None:
-        self.epoch = epoch
-        self.shards = shards
-        self.plan = plan
-        self.cursor = cursor
-        self.buffer = buffer
-
-    def state(self) -> dict[str, Any]:
-        state = {
-            "epoch": self.epoch,
-            "shards": self.shards,
-            "plan": self.plan,
-            "cursor": self.cursor.to_json(),
-        }
-        if self.buffer is not None:
-            state["buffer"] = self.buffer.to_json()
-        return state
-
-
-class _ShuffleBuffer:
-    """The sample shuffle buffer: filled first, then each new sample takes a random slot and the
-    evicted one is yielded; the rest in random order at the end. It knows where each sample it
-    holds came from (shard, place), so a saved state can fill it again."""
-
-    __slots__ = ("draining", "items", "origins", "rng", "size")
-
-    def __init__(self, size: int, rng: random.Random) -> None:
-        self.size = size
-        self.rng = rng
-        self.items: list[dict[str, Any]] = []
-        self.origins: list[tuple[int, int]] = []  # (part in the epoch's order, sample in it)
-        self.draining = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "origins": list(self.origins),
-            "rng": rng_to_json(self.rng),
-            "draining": self.draining,
-        }
-
-    def restore(self, state: object) -> None:
-        """Where a saved buffer stood (its samples are read again by :meth:`read_again`).
-
-        Raises:
-            TypeError, ValueError: ``state`` is malformed.
-        """
-        if not isinstance(state, dict):
-            raise TypeError(f"a shuffle buffer's state must be a mapping, got {state!r}")
-        try:
-            origins = [(int(p), int(i)) for p, i in state["origins"]]
-            draining = bool(state["draining"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"a shuffle buffer's state is malformed: {exc!r}") from None
-        if len(origins) > self.size:
-            raise ValueError(
-                f"the saved shuffle buffer holds {len(origins)} samples; shuffle_buffer is "
-                f"{self.size} (it must be the same to resume)"
-            )
-        rng_from_json(self.rng, state.get("rng"))
-        self.origins, self.draining = origins, draining
-
-    async def read_again(
-        self,
-        read: Callable[[str], AsyncGenerator[dict[str, Any], None]],
-        shards: Sequence[str],
-        concurrency: int,
-    ) -> None:
-        """Read the samples a restored buffer held, from their shards, ``concurrency`` shards
-        at once."""
-        wanted: dict[int, set[int]] = {}
-        for part, place in self.origins:
-            wanted.setdefault(part, set()).add(place)
-        found: dict[tuple[int, int], dict[str, Any]] = {}
-        limit = anyio.Semaphore(concurrency)
-
-        async def take(part: int, places: set[int]) -> None:
-            async with limit, aclosing(read(shards[part])) as samples:
-                last = max(places)
-                place = -1
-                async for sample in samples:
-                    place += 1
-                    if place in places:
-                        found[part, place] = sample
-                    if place == last:
-                        return
-            raise ValueError(
-                f"shard {_display(shards[part])!r} has {place + 1} samples; the saved shuffle "
-                f"buffer held sample {last} of it (the shard changed since the state was saved)"
-            )
-
-        async with anyio.create_task_group() as tg:
-            for part, places in sorted(wanted.items()):
-                tg.start_soon(take, part, places)
-        self.items = [found[origin] for origin in self.origins]
-
-    async def run(
-        self, samples: AsyncIterator[dict[str, Any]], cursor: Cursor
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        """``samples`` through the buffer (``cursor.last`` names each one's origin)."""
-        size, rng = self.size, self.rng
-        if not self.draining:
-            items, origins = self.items, self.origins
-            async for sample in samples:
-                if len(items) < size:
-                    items.append(sample)
-                    origins.append(cursor.last)
-                    continue
-                slot = rng.randrange(size)
-                evicted, items[slot] = items[slot], sample
-                origins[slot] = cursor.last
-                yield evicted
-            order = list(range(len(items)))
-            rng.shuffle(order)  # the same draws as shuffling the samples themselves
-            self.items = [items[k] for k in order]
-            self.origins = [origins[k] for k in order]
-            self.draining = True
-        while self.items:
-            self.origins.pop()
-            yield self.items.pop()
+            self._running = run
+            try:
+                yield samples
+            finally:
+                self._running = None
 
 
 _SAMPLE_OVERHEAD = 256  # bytes a sample holds besides its members: the dict, the key, headers
+
+
+def _spanned_bytes(item: Spanned) -> int:
+    return _sample_bytes(item[0])
 
 
 def _sample_bytes(sample: dict[str, Any]) -> int:

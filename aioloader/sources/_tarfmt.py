@@ -162,12 +162,18 @@ class TarParser:
     larger than a chunk waits in a list of chunks that is joined once, when it is whole.
     """
 
-    def __init__(self, shard: str, fields: dict[str, Any] | None = None) -> None:
+    def __init__(self, shard: str, fields: dict[str, Any] | None = None, start: int = 0) -> None:
         self._shard = shard
         self._fields = {"__url__": shard, "__shard__": shard, **(fields or {})}
         self._pending: list[bytes] = []
         self._have = 0  # bytes in _pending
-        self._offset = 0  # the offset in the shard of _pending's first byte
+        self._offset = start  # the offset in the shard of _pending's first byte
+        self._chain = start  # where the current member's headers (long name, pax) start
+        self._member_end = start  # the end of the member just read (its data and padding)
+        self._span = (start, start)  # where the sample being assembled starts and ends
+        #: ``(start, end)`` in the shard of each sample returned, in order (taken by
+        #: :meth:`take_spans`): a shard resumed at a sample's ``end`` goes on with the next.
+        self.spans: list[tuple[int, int]] = []
         self._need = _BLOCK  # bytes the next unit needs
         self._header: tuple[bytes, int, int, str | None] | None = None  # kind, size, offset, name
         self._long_name: bytes | None = None
@@ -253,7 +259,10 @@ class TarParser:
                 f"tar shard {self._shard!r} is truncated: {what} needs {need} bytes at "
                 f"offset {at}, only {have} left"
             )
-        return [] if self._sample is None else [self._sample]
+        if self._sample is None:
+            return []
+        self.spans.append(self._span)
+        return [self._sample]
 
     def _units(self, buf: bytes, out: list[dict[str, Any]]) -> int:
         """Parse every whole unit (header, member) of ``buf``; return where the rest starts."""
@@ -272,6 +281,7 @@ class TarParser:
             kind, size, offset, name = self._header
             data = buf[at : at + size]
             at += self._need
+            self._member_end = self._offset + at
             self._header = None
             self._need = _BLOCK
             if name is None:
@@ -288,6 +298,8 @@ class TarParser:
 
     def _start_member(self, header: bytes, offset: int) -> None:
         shard = self._shard
+        if self._long_name is None and not self._pax:  # no header before it: a new chain
+            self._chain = offset
         if not _checksum_ok(header, shard, offset):
             raise _corrupt(shard, offset, "header checksum mismatch")
         size = _size(header, shard, offset)
@@ -325,15 +337,23 @@ class TarParser:
         sample = self._sample
         if sample is not None and sample["__key__"] != key:
             out.append(sample)
+            self.spans.append(self._span)
             sample = None
         if sample is None:
             sample = self._sample = {"__key__": key, **self._fields}
+            self._span = (self._chain, self._chain)
         if ext in sample:
             raise ValueError(
                 f"tar shard {self._shard!r}: member {member!r} at offset {offset} repeats "
                 f"extension {ext!r} of sample {key!r}"
             )
         sample[ext] = data
+        self._span = (self._span[0], self._member_end)
+
+    def take_spans(self) -> list[tuple[int, int]]:
+        """The spans of the samples returned since the last call (see :attr:`spans`)."""
+        spans, self.spans = self.spans, []
+        return spans
 
 
 async def read_samples(
@@ -348,17 +368,36 @@ async def read_samples(
         CorruptShardError: The bytes are not a whole, valid tar file.
         OSError: Reading failed, with a note naming the shard.
     """
-    parser = TarParser(name, fields)
+    async with aclosing(read_located(name, chunks, fields)) as located:
+        async for sample, _, _ in located:
+            yield sample
+
+
+async def read_located(
+    name: str,
+    chunks: AsyncGenerator[bytes, None],
+    fields: dict[str, Any] | None = None,
+    *,
+    start: int = 0,
+) -> AsyncGenerator[tuple[dict[str, Any], int | None, int | None], None]:
+    """As :func:`read_samples`, each sample with where it lies in the shard: ``(sample, start,
+    end)``, a resumed read going on with the next sample at ``end``; ``chunks`` being the
+    shard's bytes from ``start`` on. A compressed shard's offsets are None (its uncompressed
+    offsets cannot be read from)."""
+    parser = TarParser(name, fields, start)
+    plain = [True]
     try:
-        async with aclosing(chunks), aclosing(_decompressed(chunks, name)) as data:
+        async with aclosing(chunks), aclosing(_decompressed(chunks, name, plain)) as data:
             async for chunk in data:
-                for sample in parser.feed(chunk):
-                    yield sample
+                samples = parser.feed(chunk)
+                for sample, (begin, end) in zip(samples, parser.take_spans(), strict=True):
+                    yield (sample, begin, end) if plain[0] else (sample, None, None)
                 parser.check()  # a problem after those samples
                 if parser.done:
                     break
         for sample in parser.finish():
-            yield sample
+            begin, end = parser.take_spans()[0]
+            yield (sample, begin, end) if plain[0] else (sample, None, None)
     except OSError as exc:
         exc.add_note(f"aioloader.sources.tar_shards: reading {name!r}")
         raise
@@ -370,10 +409,11 @@ _XZ = b"\xfd7zXZ\x00"
 
 
 async def _decompressed(
-    chunks: AsyncGenerator[bytes, None], name: str
+    chunks: AsyncGenerator[bytes, None], name: str, plain: list[bool] | None = None
 ) -> AsyncGenerator[bytes, None]:
     """``chunks``, decompressed when they start as gzip (``.tar.gz``, ``.tgz``: several gzip
-    members one after the other too), bzip2 or xz; as they are otherwise."""
+    members one after the other too), bzip2 or xz; as they are otherwise (``plain[0]`` says
+    which, once the first bytes are read)."""
     first = b""
     async for chunk in chunks:
         first += chunk
@@ -391,6 +431,8 @@ async def _decompressed(
         async for chunk in chunks:
             yield chunk
         return
+    if plain is not None:
+        plain[0] = False
     decompressor = make()
     pending = first
     while True:

@@ -4,9 +4,11 @@ interleave of parts, an object store's listing (moto), a user's stream that defi
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import random
+import tarfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,14 +16,21 @@ from typing import Any
 import obstore
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import aioloader
 from aioloader import DataLoader
 from aioloader.sources import tar_shards
+from aioloader.sources._tarfmt import read_located
 from tests.sources.test_objects import bucket
-from tests.sources.test_tar import make_shards
+from tests.sources.test_remote_tar import serve_shards
+from tests.sources.test_tar import make_shard, make_shards
+from tests.support import http_server
+from tests.support.http_server import FaultServer
 
-__all__ = ["bucket"]  # the fixture, used here
+fault_server = http_server.fault_server
+__all__ = ["bucket", "fault_server"]  # the fixtures, used here
 
 
 def keys(batch: list[dict[str, Any]]) -> list[str]:
@@ -316,3 +325,64 @@ def test_a_malformed_interleave_state_is_refused(tmp_path: Path, change: dict[st
     state = {**order.to_json(), **change}
     with pytest.raises(ValueError, match="interleave's state"):
         Interleave.from_json(state, random.Random(1))
+
+
+async def test_a_resumed_shard_is_read_from_its_offset_not_its_start(
+    tmp_path: Path, fault_server: FaultServer
+) -> None:
+    """Over HTTP: the open shards are asked for from the byte after their last sample taken
+    (a range request), and the shuffle buffer's samples from their own offsets."""
+    paths = make_shards(tmp_path, n_shards=4, n_samples=30)
+    urls = serve_shards(fault_server, paths)
+
+    def make() -> DataLoader[Any]:
+        ds = tar_shards(urls, shards_in_flight=2, shuffle_buffer=5, seed=1, chunk_size=512)
+        return DataLoader(ds, batch_size=4, collate_fn=keys)
+
+    async with make() as loader:
+        full = [b async for b in loader]
+    async with make() as loader:
+        batches = aiter(loader)
+        head = [await anext(batches) for _ in range(9)]
+        state = json.loads(json.dumps(loader.state_dict()))
+    ends = state["stream"]["dataset"]["ends"]
+    assert ends and all(end > 0 for end in ends.values())
+    fault_server.ranges.clear()
+    resumed = make()
+    resumed.load_state_dict(state)
+    async with resumed:
+        rest = [b async for b in resumed]
+    assert head + rest == full
+    starts = {int(r[6:-1]) for r in fault_server.ranges if r.startswith("bytes=")}
+    assert set(ends.values()) <= starts  # each open shard from its offset
+
+
+@given(n=st.integers(1, 12), cut=st.integers(0, 12), long=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_a_shard_read_from_a_samples_end_goes_on_with_the_next(
+    tmp_path_factory: pytest.TempPathFactory, n: int, cut: int, long: bool
+) -> None:
+    """Spans, on files tarfile writes (long names as pax headers too): reading from the end
+    of sample ``k`` gives samples ``k + 1..``; from its start, sample ``k`` and on."""
+    folder = tmp_path_factory.mktemp("spans")
+    stem = "d/" + "x" * 120 if long else "d/s"
+    members = [
+        (f"{stem}{j:03d}.{ext}", f"{j}{ext}".encode() * (j + 1))
+        for j in range(n)
+        for ext in ("a", "b")
+    ]
+    path = make_shard(folder / "s.tar", members, fmt=tarfile.PAX_FORMAT)
+    data = path.read_bytes()
+
+    async def read(start: int) -> list[tuple[dict[str, Any], int | None, int | None]]:
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(start, len(data), 700):
+                yield data[i : i + 700]
+
+        return [s async for s in read_located("s", chunks(), start=start)]
+
+    whole = asyncio.run(read(0))
+    k = cut % n
+    _, begin, end = whole[k]
+    assert [s for s, _, _ in asyncio.run(read(end))] == [s for s, _, _ in whole[k + 1 :]]
+    assert [s for s, _, _ in asyncio.run(read(begin))] == [s for s, _, _ in whole[k:]]

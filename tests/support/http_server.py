@@ -119,6 +119,7 @@ class FaultServer:
         faults: Faults injected, per kind.
         injected: Every injected fault as ``(path, fault)``, in order.
         headers: The request headers of the last request of each path.
+        ranges: Every ``Range`` header asked for, in order.
         active: Requests being handled now; ``max_active``: the most at once.
     """
 
@@ -129,6 +130,7 @@ class FaultServer:
         self.faults: Counter[Fault] = Counter()
         self.injected: list[tuple[str, Fault]] = []
         self.headers: dict[str, dict[str, str]] = {}
+        self.ranges: list[str] = []  # every Range header asked for, in order
         self.active = 0
         self.max_active = 0
         self.port = 0
@@ -191,6 +193,8 @@ class FaultServer:
         path = request.path
         self.requests[path] += 1
         self.headers[path] = dict(request.headers)
+        if "Range" in request.headers:
+            self.ranges.append(request.headers["Range"])
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:

@@ -1,0 +1,238 @@
+"""Where an epoch of ``tar_shards`` stands, and how it goes on from a saved state.
+
+Owns: :class:`EpochRun` (the open epoch as ``TarShards.state_dict`` describes it: the
+interleave's cursor, the byte offset after the last sample taken from each open shard, the
+shuffle buffer) and :class:`ShuffleBuffer` (the sample shuffle buffer, which knows where each
+sample it holds lies, so a saved state can read them again). A resumed shard is read from the
+byte after its last sample taken (a range request, a seek); a compressed shard, whose offsets
+are the uncompressed stream's, is read from its start with the samples taken passed over.
+Never: reads bytes or parses tar itself (``_tar.py`` and ``_tarfmt.py`` do).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+
+from .._fanin.interleave import Interleave, rng_from_json, rng_to_json
+from .._fanin.lanes import Cursor, check_plan
+
+__all__ = ["EpochRun", "Located", "ShuffleBuffer", "Spanned", "without_spans"]
+
+#: A sample with where it lies in its shard: ``(sample, start, end)``, offsets None for a
+#: compressed shard.
+Spanned = tuple[dict[str, Any], int | None, int | None]
+#: ``located(shard, start=0)``: a shard's samples from byte ``start`` on, with their spans.
+Located = Callable[..., AsyncGenerator[Spanned, None]]
+
+
+async def without_spans(
+    items: AsyncGenerator[Spanned, None],
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The samples alone."""
+    async with aclosing(items):
+        async for sample, _, _ in items:
+            yield sample
+
+
+class EpochRun:
+    """An open epoch of ``tar_shards`` (see the module).
+
+    Raises (``__init__``, with a saved state): ValueError, TypeError: the state is malformed,
+    of another plan of shards (other shards, seed, shuffles, rank), or read another number of
+    shards at once.
+    """
+
+    def __init__(
+        self,
+        epoch: int,
+        shards: int,
+        plan: str,
+        width: int,
+        order: random.Random | None,
+        resume: dict[str, Any] | None,
+    ) -> None:
+        self.epoch = epoch
+        self.shards = shards
+        self.plan = plan
+        self.buffer: ShuffleBuffer | None = None
+        self.ends: dict[int, int | None] = {}  # open part -> the byte after its last sample taken
+        self.last_start: int | None = None  # where the last sample taken starts
+        self._resumed_ends: dict[int, int | None] = {}
+        if resume is None:
+            self.cursor = Cursor(Interleave(width, order))
+            return
+        check_plan(
+            resume.get("plan"),
+            plan,
+            "other shards, seed, shuffle_shards, shuffle_buffer, rank or world_size",
+        )
+        self.cursor = Cursor.from_json(resume["cursor"], order)
+        if self.cursor.order.width != width:
+            raise ValueError(
+                f"the state was saved reading {self.cursor.order.width} shards at once; this "
+                f"epoch reads {width} (shards_in_flight must be the same to resume)"
+            )
+        ends = resume.get("ends", {})
+        if not isinstance(ends, dict):
+            raise TypeError(f"a tar state's 'ends' must be a mapping, got {ends!r}")
+        for key, end in ends.items():
+            if not (str(key).isdigit() and (end is None or isinstance(end, int))):
+                raise ValueError(f"a tar state's 'ends' is malformed: {ends!r}")
+            self._resumed_ends[int(key)] = end
+        self.ends = dict(self._resumed_ends)
+
+    def state(self) -> dict[str, Any]:
+        cursor = self.cursor
+        state: dict[str, Any] = {
+            "epoch": self.epoch,
+            "shards": self.shards,
+            "plan": self.plan,
+            "cursor": cursor.to_json(),
+            "ends": {str(p): self.ends.get(p) for p in cursor.taken},
+        }
+        if self.buffer is not None:
+            state["buffer"] = self.buffer.to_json()
+        return state
+
+    def reopener(
+        self, located: Located
+    ) -> Callable[[int, str, int], AsyncIterator[Spanned] | None]:
+        """For the interleave: a resumed open shard read from the byte after its last sample
+        taken, or None (compressed: read from its start, the samples taken passed over)."""
+
+        def reopen(index: int, shard: str, taken: int) -> AsyncIterator[Spanned] | None:
+            end = self._resumed_ends.get(index)
+            return None if end is None else located(shard, end)
+
+        return reopen
+
+    async def samples(
+        self, spanned: AsyncIterator[Spanned]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The interleave's samples, each one's place noted as it is taken."""
+        cursor, ends = self.cursor, self.ends
+        async for sample, start, end in spanned:
+            ends[cursor.last[0]] = end
+            self.last_start = start
+            yield sample
+
+
+class ShuffleBuffer:
+    """The sample shuffle buffer: filled first, then each new sample takes a random slot and the
+    evicted one is yielded; the rest in random order at the end. It knows where each sample it
+    holds came from (shard, place, byte offset), so a saved state can fill it again."""
+
+    __slots__ = ("draining", "epoch", "items", "origins", "rng", "size")
+
+    def __init__(self, size: int, rng: random.Random, run: EpochRun) -> None:
+        self.size = size
+        self.rng = rng
+        self.epoch = run
+        self.items: list[dict[str, Any]] = []
+        # (part in the epoch's order, sample in it, its byte offset or None)
+        self.origins: list[tuple[int, int, int | None]] = []
+        self.draining = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "origins": list(self.origins),
+            "rng": rng_to_json(self.rng),
+            "draining": self.draining,
+        }
+
+    def restore(self, state: object) -> None:
+        """Where a saved buffer stood (its samples are read again by :meth:`read_again`).
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"a shuffle buffer's state must be a mapping, got {state!r}")
+        try:
+            origins = [
+                (int(p), int(i), None if at is None else int(at)) for p, i, at in state["origins"]
+            ]
+            draining = bool(state["draining"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a shuffle buffer's state is malformed: {exc!r}") from None
+        if len(origins) > self.size:
+            raise ValueError(
+                f"the saved shuffle buffer holds {len(origins)} samples; shuffle_buffer is "
+                f"{self.size} (it must be the same to resume)"
+            )
+        rng_from_json(self.rng, state.get("rng"))
+        self.origins, self.draining = origins, draining
+
+    async def read_again(self, located: Located, shards: Sequence[str], concurrency: int) -> None:
+        """Read the samples a restored buffer held, ``concurrency`` at once: each from its byte
+        offset, or (a compressed shard) from its shard's start."""
+        found: dict[tuple[int, int], dict[str, Any]] = {}
+        limit = anyio.Semaphore(concurrency)
+        from_start: dict[int, set[int]] = {}
+        for part, place, at in self.origins:
+            if at is None:
+                from_start.setdefault(part, set()).add(place)
+
+        async def one(part: int, place: int, at: int) -> None:
+            async with limit, aclosing(located(shards[part], at)) as samples:
+                async for sample, _, _ in samples:
+                    found[part, place] = sample
+                    return
+            raise ValueError(
+                f"shard {shards[part]!r} has no sample at byte {at}: the saved shuffle buffer "
+                "held one there (the shard changed since the state was saved)"
+            )
+
+        async def scan(part: int, places: set[int]) -> None:
+            async with limit, aclosing(located(shards[part])) as samples:
+                last, place = max(places), -1
+                async for sample, _, _ in samples:
+                    place += 1
+                    if place in places:
+                        found[part, place] = sample
+                    if place == last:
+                        return
+            raise ValueError(
+                f"shard {shards[part]!r} has {place + 1} samples; the saved shuffle buffer held "
+                f"sample {last} of it (the shard changed since the state was saved)"
+            )
+
+        async with anyio.create_task_group() as tg:
+            for part, place, at in self.origins:
+                if at is not None:
+                    tg.start_soon(one, part, place, at)
+            for part, places in sorted(from_start.items()):
+                tg.start_soon(scan, part, places)
+        self.items = [found[part, place] for part, place, _ in self.origins]
+
+    async def run(
+        self, samples: AsyncIterator[dict[str, Any]]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """``samples`` through the buffer (the run's cursor names each one's origin)."""
+        size, rng, run = self.size, self.rng, self.epoch
+        cursor = run.cursor
+        if not self.draining:
+            items, origins = self.items, self.origins
+            async for sample in samples:
+                origin = (*cursor.last, run.last_start)
+                if len(items) < size:
+                    items.append(sample)
+                    origins.append(origin)
+                    continue
+                slot = rng.randrange(size)
+                evicted, items[slot] = items[slot], sample
+                origins[slot] = origin
+                yield evicted
+            order = list(range(len(items)))
+            rng.shuffle(order)  # the same draws as shuffling the samples themselves
+            self.items = [items[k] for k in order]
+            self.origins = [origins[k] for k in order]
+            self.draining = True
+        while self.items:
+            self.origins.pop()
+            yield self.items.pop()
