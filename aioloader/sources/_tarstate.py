@@ -169,45 +169,38 @@ class ShuffleBuffer:
         self.origins, self.draining = origins, draining
 
     async def read_again(self, located: Located, shards: Sequence[str], concurrency: int) -> None:
-        """Read the samples a restored buffer held, ``concurrency`` at once: each from its byte
-        offset, or (a compressed shard) from its shard's start."""
+        """Read the samples a restored buffer held, one sequential read per shard
+        (``concurrency`` shards at once): from the first buffered sample's byte offset to the
+        last one's, or (a compressed shard) from its start, by place."""
         found: dict[tuple[int, int], dict[str, Any]] = {}
         limit = anyio.Semaphore(concurrency)
-        from_start: dict[int, set[int]] = {}
+        wanted: dict[int, dict[int, int | None]] = {}  # part -> place -> byte offset
         for part, place, at in self.origins:
-            if at is None:
-                from_start.setdefault(part, set()).add(place)
+            wanted.setdefault(part, {})[place] = at
 
-        async def one(part: int, place: int, at: int) -> None:
-            async with limit, aclosing(located(shards[part], at)) as samples:
-                async for sample, _, _ in samples:
-                    found[part, place] = sample
-                    return
-            raise ValueError(
-                f"shard {shards[part]!r} has no sample at byte {at}: the saved shuffle buffer "
-                "held one there (the shard changed since the state was saved)"
-            )
-
-        async def scan(part: int, places: set[int]) -> None:
-            async with limit, aclosing(located(shards[part])) as samples:
-                last, place = max(places), -1
-                async for sample, _, _ in samples:
+        async def read(part: int, places: dict[int, int | None]) -> None:
+            offsets = {at: place for place, at in places.items() if at is not None}
+            by_offset = len(offsets) == len(places)
+            start = min(offsets) if by_offset else 0
+            left = set(places)
+            async with limit, aclosing(located(shards[part], start)) as samples:
+                place = -1
+                async for sample, begin, _ in samples:
                     place += 1
-                    if place in places:
-                        found[part, place] = sample
-                    if place == last:
-                        return
+                    key = offsets.get(begin) if by_offset else place  # type: ignore[arg-type]
+                    if key is not None and key in left:
+                        found[part, key] = sample
+                        left.discard(key)
+                        if not left:
+                            return
             raise ValueError(
-                f"shard {shards[part]!r} has {place + 1} samples; the saved shuffle buffer held "
-                f"sample {last} of it (the shard changed since the state was saved)"
+                f"shard {shards[part]!r} does not hold the samples the saved shuffle buffer held "
+                f"({sorted(left)}): the shard changed since the state was saved"
             )
 
         async with anyio.create_task_group() as tg:
-            for part, place, at in self.origins:
-                if at is not None:
-                    tg.start_soon(one, part, place, at)
-            for part, places in sorted(from_start.items()):
-                tg.start_soon(scan, part, places)
+            for part, places in sorted(wanted.items()):
+                tg.start_soon(read, part, places)
         self.items = [found[part, place] for part, place, _ in self.origins]
 
     async def run(
