@@ -271,6 +271,8 @@ async def interleaved(
     resumed = cursor.started
     if resumed and not isinstance(parts, Sequence):
         raise TypeError("resuming an interleave needs its parts as a sequence")
+    # Read now: the consumer's first turn may take the next part before the plan task runs.
+    next_part, reopened = cursor.order.next_part, dict(cursor.taken)
 
     async def fill(part: P, lane: _Lane[T], skip: int = 0, index: int = -1) -> None:
         try:
@@ -298,13 +300,13 @@ async def interleaved(
         plan = parts
         try:
             if resumed and isinstance(parts, Sequence):
-                for index in sorted(cursor.taken):
+                for index in sorted(reopened):
                     await shelf.room.acquire()
                     again: _Lane[T] = _Lane(name(parts[index]), part_limit)
                     shelf.reopened(index, again)
-                    tg.start_soon(fill, parts[index], again, cursor.taken[index], index)
-                shelf.go_on_from(cursor.order.next_part)
-                plan = parts[cursor.order.next_part :]
+                    tg.start_soon(fill, parts[index], again, reopened[index], index)
+                shelf.go_on_from(next_part)
+                plan = parts[next_part:]
             async with aclosing(_as_async(plan)) as listing:
                 async for part in listing:
                     await shelf.room.acquire()

@@ -298,8 +298,9 @@ class EpochIterator(Generic[T_Batch]):
 
     def took(self, got: Received) -> None:
         """The consumer has ``got`` (call on the consumer's thread)."""
-        self.progress.took(got.marks)
-        self.shown.took(sum(size for _, size, _ in got.marks))
+        marks = got.marks
+        self.progress.took(marks)
+        self.shown.took(marks[-1][1] if len(marks) == 1 else sum(m[1] for m in marks))
 
     async def receive(self) -> Received:
         """The next batch as the event loop holds it: a :class:`Staged` batch with a device

@@ -386,3 +386,33 @@ def test_a_shard_read_from_a_samples_end_goes_on_with_the_next(
     _, begin, end = whole[k]
     assert [s for s, _, _ in asyncio.run(read(end))] == [s for s, _, _ in whole[k + 1 :]]
     assert [s for s, _, _ in asyncio.run(read(begin))] == [s for s, _, _ in whole[k:]]
+
+
+@pytest.mark.parametrize(("width", "stop"), [(3, 1), (16, 1), (16, 2), (5, 1)])
+def test_a_state_saved_before_every_shard_was_open_resumes(
+    tmp_path: Path, width: int, stop: int
+) -> None:
+    """Saved with a slot still empty: the resumed interleave's first turn takes the next
+    shard while its plan reopens the others (found by review: a KeyError)."""
+    paths = make_shards(tmp_path, n_shards=20, n_samples=5)
+
+    def make() -> DataLoader[Any]:
+        ds = tar_shards([str(p) for p in paths], shards_in_flight=width, seed=2)
+        return DataLoader(ds, batch_size=2, collate_fn=keys)
+
+    full, first, rest, _ = stop_and_resume(make, stop)
+    assert first + rest == full
+
+
+def test_an_interleave_saved_early_resumes(tmp_path: Path) -> None:
+    async def part(start: int) -> AsyncIterator[int]:
+        for i in range(start, start + 4):
+            yield i
+
+    parts = [lambda s=s: part(100 * s) for s in range(6)]
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(aioloader.interleave(parts, in_flight=3), batch_size=2, collate_fn=list)
+
+    full, first, rest, _ = stop_and_resume(make, 1)
+    assert first + rest == full
