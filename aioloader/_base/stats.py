@@ -68,8 +68,9 @@ class StageStatistics:
         blocked_put_s: Total time spent waiting for room downstream (backpressure).
         blocked_get_s: Total time spent waiting for work from upstream (starvation).
         latency: Percentiles of the operation's duration.
-        busy_s: Total time of its operations (each counted for as long as it ran), so
-            ``busy_s / (elapsed_s * limit)`` is how busy its ``limit`` slots were.
+        busy_s: Slot-seconds its ``limit`` slots were taken: the time integral of
+            ``min(in_flight, limit)`` (operations waiting beyond the limit, say for a thread,
+            are not counted twice), so ``busy_s / (elapsed_s * limit)`` is how busy they were.
     """
 
     name: str
@@ -93,7 +94,7 @@ class StageStatistics:
         seconds (None for a stage without a limit)."""
         if self.limit is None or elapsed_s <= 0 or math.isnan(self.latency.p50):
             return None  # unbounded, or its operations have no duration (batches in progress)
-        return self.busy_s / (elapsed_s * self.limit)
+        return min(1.0, self.busy_s / (elapsed_s * self.limit))
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +306,7 @@ class Operation:
         """End without counting: no longer in flight, no latency, no completion."""
         if not self._done:
             self._done = True
-            self._rec.in_flight -= self._count
+            self._rec.leave(self._count)
 
     def __exit__(
         self,
@@ -318,7 +319,7 @@ class Operation:
         self._done = True
         rec, count = self._rec, self._count
         if exc_type is not None and not issubclass(exc_type, Exception):
-            rec.in_flight -= count  # cancelled: nothing else is counted
+            rec.leave(count)  # cancelled: nothing else is counted
             return
         rec.finish(time.perf_counter() - self._started, ok=exc_type is None, count=count)
         if exc_type is not None and self._counted:
@@ -330,6 +331,7 @@ class StageRecorder:
 
     __slots__ = (
         "_latencies",
+        "_since",
         "blocked_get_s",
         "blocked_put_s",
         "busy_s",
@@ -361,19 +363,40 @@ class StageRecorder:
         self.blocked_put_s = 0.0
         self.blocked_get_s = 0.0
         self.busy_s = 0.0
+        self._since = time.perf_counter()
         self._latencies: deque[float] = deque(maxlen=_RESERVOIR)
+
+    def _tick(self) -> None:
+        """Count the slots taken since the last change of ``in_flight``."""
+        now = time.perf_counter()
+        if self.limit is not None and self.in_flight:
+            self.busy_s += min(self.in_flight, self.limit) * (now - self._since)
+        self._since = now
+
+    def _busy_now(self) -> float:
+        """``busy_s`` with the slots taken since the last change (read, not recorded: a
+        snapshot may be taken from another thread)."""
+        if self.limit is None or not self.in_flight:
+            return self.busy_s
+        return self.busy_s + min(self.in_flight, self.limit) * (time.perf_counter() - self._since)
+
+    def leave(self, count: int = 1) -> None:
+        """End ``count`` operations uncounted (cancelled, abandoned)."""
+        self._tick()
+        self.in_flight -= count
 
     def start(self, count: int = 1) -> None:
         """Begin ``count`` operations."""
+        self._tick()
         self.in_flight += count
         if self.in_flight > self.max_in_flight:
             self.max_in_flight = self.in_flight
 
     def finish(self, latency: float | None, *, ok: bool = True, count: int = 1) -> None:
         """End ``count`` operations that took ``latency`` seconds each (None: no duration)."""
+        self._tick()
         self.in_flight -= count
         if latency is not None:
-            self.busy_s += latency * count
             if count == 1:
                 self._latencies.append(latency)
             else:
@@ -384,8 +407,8 @@ class StageRecorder:
     def finish_in_turn(self, count: int, seconds: float) -> None:
         """End one operation in flight that completed ``count`` operations one after another
         in ``seconds`` (a slice read in turn): counted as ``count`` of ``seconds / count``."""
+        self._tick()
         self.in_flight -= 1
-        self.busy_s += seconds
         if count:
             self._latencies.extend(itertools.repeat(seconds / count, min(count, _RESERVOIR)))
             self.completed += count
@@ -421,7 +444,7 @@ class StageRecorder:
             blocked_put_s=self.blocked_put_s,
             blocked_get_s=self.blocked_get_s,
             latency=LatencySummary.of(self._latencies, self.completed + self.failed),
-            busy_s=self.busy_s,
+            busy_s=self._busy_now(),
         )
 
 

@@ -45,6 +45,12 @@ def verdict(stats: LoaderStatistics) -> str:
         )
     if fetch >= SATURATED:
         stage = stats.stage("fetch")
+        if stage.limit == 1:  # a stream: its next sample is asked for one at a time
+            return (
+                f"{head}; the stream gave its samples one at a time ({stage.latency.p50 * 1e3:.1f}"
+                " ms each at the median): read it in parts at once (aioloader.interleave, "
+                "tar_shards' shards_in_flight) or make each sample cheaper to produce"
+            )
         return (
             f"{head}; fetches ran at their max_inflight={stage.limit} cap ({min(fetch, 1):.0%} "
             f"busy) with {stage.latency.p50 * 1e3:.1f} ms median latency: raise max_inflight"

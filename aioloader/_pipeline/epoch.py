@@ -137,7 +137,9 @@ class Epoch:
         self._reads = Reads(self._attempts, self.budget, self._pace, self._bytes, stats)
         self._open_batches = 0
         stats.window.limit = self.window
-        stats.fetch.limit = max(config.max_inflight, self._chunk)
+        # A stream is read one sample at a time: its fetch stage has one slot.
+        streamed = isinstance(source, StreamSource)
+        stats.fetch.limit = 1 if streamed else max(config.max_inflight, self._chunk)
         stats.fetch.queue_capacity = self.window
         stats.transform.queue_capacity = self.window
 
@@ -167,7 +169,7 @@ class Epoch:
         finally:
             out.close()
             # Batches abandoned by an early end leave the window and give their bytes back.
-            self.stats.window.in_flight -= self._open_batches
+            self.stats.window.leave(self._open_batches)
             self._open_batches = 0
             self.stats.bytes_held = 0
             self.finished.set()

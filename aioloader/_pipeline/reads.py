@@ -93,7 +93,7 @@ class Reads:
                     ok += 1
                 batch.pending -= 1
         except BaseException:  # cancelled: no longer in flight, nothing else counted
-            rec.in_flight -= 1
+            rec.leave(1)
             raise
         took = time.perf_counter() - began
         rec.finish_in_turn(ok, took)

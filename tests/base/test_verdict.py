@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import aioloader
 from aioloader import DataLoader
@@ -74,3 +75,40 @@ def test_a_consumer_bound_run_says_the_loader_is_not_the_problem() -> None:
 
 def test_before_any_batch_it_says_so() -> None:
     assert DataLoader(Instant(), batch_size=8).statistics().verdict == "no batch handed out yet"
+
+
+class Remote(aioloader.AsyncDataset[int]):
+    def __len__(self) -> int:
+        return 480
+
+    async def get(self, index: int) -> int:
+        await asyncio.sleep(0.05)
+        return index
+
+
+def light(x: int) -> int:
+    deadline = time.perf_counter() + 0.0005
+    while time.perf_counter() < deadline:
+        pass
+    return x
+
+
+async def test_fetches_waiting_for_a_thread_are_not_called_worker_bound() -> None:
+    """Found by review: a transform waiting for the one worker thread was timed as busy, so
+    a fetch-bound run (raising max_inflight doubles it) was called worker-bound."""
+    loader = DataLoader(Remote(), batch_size=16, max_inflight=32, transform=light)
+    stats = await run(loader)
+    assert "raise max_inflight" in stats.verdict, stats
+    assert (stats.stage("transform").utilisation(stats.elapsed_s) or 0) < 0.75
+
+
+async def trickle() -> AsyncIterator[int]:
+    for i in range(120):
+        await asyncio.sleep(0.004)  # each sample takes its producer 4 ms
+        yield i
+
+
+async def test_a_stream_read_one_sample_at_a_time_is_said_so() -> None:
+    stats = await run(DataLoader(trickle, batch_size=8))
+    assert "the stream gave its samples one at a time" in stats.verdict, stats
+    assert "max_inflight" not in stats.verdict
