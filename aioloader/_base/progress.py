@@ -21,16 +21,24 @@ class Progress:
         label: Shown before the bar.
         stream: Where to write (default: stdout).
         width: Characters of the bar itself.
+        initial: Units done before (a resumed epoch): counted, but not in the rate.
     """
 
     def __init__(
-        self, total: int, label: str, *, stream: TextIO | None = None, width: int = 30
+        self,
+        total: int,
+        label: str,
+        *,
+        stream: TextIO | None = None,
+        width: int = 30,
+        initial: int = 0,
     ) -> None:
         self.total = max(1, total) if total else 0  # 0: not known (a stream)
         self.label = label
         self.stream = stream if stream is not None else sys.stdout
         self.width = width
-        self.done = 0
+        self.done = initial
+        self.initial = initial
         self.started = time.perf_counter()
         self._last_draw = 0.0
         self.interactive = self.stream.isatty()
@@ -45,7 +53,7 @@ class Progress:
             self.stream.flush()
 
     def render(self, extra: str = "") -> str:
-        rate = self.done / max(1e-9, time.perf_counter() - self.started)
+        rate = (self.done - self.initial) / max(1e-9, time.perf_counter() - self.started)
         if self.total:
             filled = min(self.width, self.width * self.done // self.total)
             bar = "#" * filled + "-" * (self.width - filled)

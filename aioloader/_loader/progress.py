@@ -51,9 +51,7 @@ class EpochProgress:
         self._started = time.perf_counter()
         self._bar: Any = None
         if draw:
-            self._bar = _bar(epoch, total)
-            if start:
-                self._bar.update(start, "resumed")
+            self._bar = _bar(epoch, total, start)
 
     def waited(self) -> float:
         """The share of this epoch's time the consumer waited for data."""
@@ -76,18 +74,21 @@ class EpochProgress:
         )
 
     def close(self) -> None:
-        """The epoch ended: the bar's last line stays."""
+        """The epoch ended (or was left: a break, an error, the scope closing): the bar's
+        last line stays. Idempotent."""
         bar, self._bar = self._bar, None
         if bar is not None:
             bar.close(f"waited {self.waited():.0%}")
 
 
-def _bar(epoch: int, total: int | None) -> Any:
+def _bar(epoch: int, total: int | None, start: int) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:
-        return Progress(total or 0, f"epoch {epoch}", stream=sys.stderr)
-    return _Tqdm(tqdm(total=total, desc=f"epoch {epoch}", unit="sample", unit_scale=True))
+        return Progress(total or 0, f"epoch {epoch}", stream=sys.stderr, initial=start)
+    return _Tqdm(
+        tqdm(total=total, initial=start, desc=f"epoch {epoch}", unit="sample", unit_scale=True)
+    )
 
 
 class _Tqdm:

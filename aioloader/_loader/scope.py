@@ -149,13 +149,17 @@ class Running:
     """An epoch in progress and the consumer's end of its output. It refers to no loader, so the
     scope can stop it (a new epoch starting, the scope closing) whoever holds the iterator."""
 
-    def __init__(self, epoch: Epoch, recv: MemoryObjectReceiveStream[Any]) -> None:
+    def __init__(
+        self, epoch: Epoch, recv: MemoryObjectReceiveStream[Any], shown: EpochProgress
+    ) -> None:
         self.epoch = epoch
         self.recv = recv
+        self.shown = shown
         self.closed = False
 
     def close_stream(self) -> None:
         self.closed = True
+        self.shown.close()  # a bar left by a break ends its line here
         # Ready batches (perhaps on the device) are dropped now, not when the iterator is.
         with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
             while True:
@@ -258,7 +262,7 @@ class EpochIterator(Generic[T_Batch]):
             stream_from=resume.stream if resume is not None else None,
         )
         state.progress = self.progress
-        self._running = scope.current = Running(epoch, recv)
+        self._running = scope.current = Running(epoch, recv, self.shown)
         state.stats.epochs += 1
         await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
         return recv

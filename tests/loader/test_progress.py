@@ -56,3 +56,31 @@ def test_without_progress_nothing_is_printed(capsys: pytest.CaptureFixture[str])
 def test_progress_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="progress must be a bool"):
         DataLoader([1], progress="yes")  # type: ignore[arg-type]
+
+
+def test_an_epoch_left_by_a_break_ends_its_line(capsys: pytest.CaptureFixture[str]) -> None:
+    loader = DataLoader(list(range(100)), batch_size=10, progress=True)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    for _ in loader:  # the next epoch ends the one left
+        pass
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("epoch 0 [#########") and " 30/100 " in lines[0], lines
+    assert lines[1].startswith("epoch 1 [") and " 100/100 " in lines[1], lines
+
+
+def test_a_resumed_epoch_counts_what_was_taken_but_not_in_its_rate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    saved = DataLoader(list(range(100)), batch_size=10, seed=1)
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()
+    it.close()
+    resumed = DataLoader(list(range(100)), batch_size=10, seed=1, progress=True)
+    resumed.load_state_dict(state)
+    for _ in resumed:
+        pass
+    line = capsys.readouterr().err.strip()
+    assert " 100/100 " in line, line
