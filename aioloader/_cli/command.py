@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 import sys
 import traceback
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"aioloader {args.command}"
     try:
         status: int = args.run(args)
+    except BrokenPipeError:  # the reader went away (`| head`): say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command cut off this way
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

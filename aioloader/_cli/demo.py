@@ -8,6 +8,8 @@ an account or a GPU.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,12 +33,13 @@ _SHAPE = (3, 16, 16)
 _CLASSES = 4
 
 
-def write_dataset(folder: Path, n: int, seed: int = 0) -> list[Path]:
-    """Write ``n`` files: one label byte, then a uint8 3x16x16 image whose class shows in
-    which quadrant is bright, under noise."""
-    g = torch.Generator().manual_seed(seed)
+def write_dataset(folder: Path, n: int, seed: int = 0, first: int = 0) -> list[Path]:
+    """Write files ``first..n - 1``: one label byte, then a uint8 3x16x16 image whose class
+    shows in which quadrant is bright, under noise drawn from a generator seeded with
+    ``seed + first``."""
+    g = torch.Generator().manual_seed(seed + first)
     paths = []
-    for i in range(n):
+    for i in range(first, n):
         label = i % _CLASSES
         image = torch.randint(0, 96, _SHAPE, generator=g, dtype=torch.uint8)
         r, c = divmod(label, 2)
@@ -47,8 +50,28 @@ def write_dataset(folder: Path, n: int, seed: int = 0) -> list[Path]:
     return paths
 
 
+async def write_dataset_soon(folder: Path, n: int) -> None:
+    """:func:`write_dataset`, 256 files at a time, letting the loop run between (a signal is
+    acted on within one of them, not after the whole folder)."""
+    for first in range(0, n, 256):
+        write_dataset(folder, min(n, first + 256), first=first)
+        await asyncio.sleep(0)
+
+
+_SAMPLE_BYTES = 1 + 3 * 16 * 16
+
+
 def decode(raw: bytes) -> tuple[torch.Tensor, int]:
-    """bytes → (normalised float image, label); runs on a worker, off the event loop."""
+    """bytes → (normalised float image, label); runs on a worker, off the event loop.
+
+    Raises:
+        UsageError: ``raw`` is not a demo sample (an object under ``--url`` of another size).
+    """
+    if len(raw) != _SAMPLE_BYTES:
+        raise UsageError(
+            f"--url holds an object of {len(raw)} bytes, not a demo sample (one label byte, "
+            f"then a 3x16x16 uint8 image: {_SAMPLE_BYTES} bytes)"
+        )
     image = torch.frombuffer(bytearray(raw[1:]), dtype=torch.uint8).reshape(_SHAPE)
     return image.float().div_(255.0), raw[0]
 
@@ -64,7 +87,7 @@ async def train(args: argparse.Namespace) -> float:
             dataset: AsyncDataset[bytes] = sources.objects(args.url)
             where = f"{len(dataset)} objects under {args.url}"
         else:  # the embedded default: files in a temporary folder
-            write_dataset(Path(tmp), args.samples)
+            await write_dataset_soon(Path(tmp), args.samples)
             dataset = sources.files(tmp, suffix=".bin")
             where = f"{len(dataset)} files in {tmp}"
         print(
@@ -149,13 +172,13 @@ def add_command(commands: Any) -> None:
     parser.add_argument("--epochs", type=_count(1), default=3, help="passes over the data")
     parser.add_argument("--batch-size", type=_count(1), default=64, help="samples per batch")
     parser.add_argument(
-        "--workers", type=_count(0), default=0, help="worker processes that decode (0: a thread)"
+        "--workers", type=_count(0), default=0, help="worker processes that decode (0: threads)"
     )
     parser.add_argument(
         "--max-inflight", type=_count(1), default=64, help="most file or object reads at once"
     )
     parser.add_argument(
-        "--device", default=None, help="train on this device, e.g. cuda (default: the CPU)"
+        "--device", default=None, help="train on this device, e.g. cuda (None: the CPU)"
     )
     parser.add_argument(
         "--url",
@@ -188,5 +211,17 @@ def run(args: argparse.Namespace) -> int:
                     f"{torch.__version__}); leave --device out to train on the CPU"
                 ) from None
             raise UsageError(f"--device {args.device}: not a device torch knows") from None
+    if args.url is not None and "://" not in args.url:
+        raise UsageError(
+            f"--url {args.url}: give a store URL: s3://bucket/prefix/, gs://..., az://..., "
+            "file:///absolute/path/"
+        )
     accuracy = run_until_signal(train(args))
-    return 0 if accuracy > 1 / _CLASSES else 1
+    if accuracy > 1 / _CLASSES:
+        return 0
+    print(
+        f"aioloader demo: the model reached {accuracy:.1%}, no better than chance: are these "
+        "demo samples (a label byte, then an image whose class shows as a bright quadrant)?",
+        file=sys.stderr,
+    )
+    return 1

@@ -21,7 +21,7 @@ class UsageError(Exception):
     """A command's argument has a value it cannot run with; the message names the flag."""
 
 
-_URL = re.compile(r"(?:GET|PUT|POST|HEAD) (\S+)")
+_URL = re.compile(r"\b[A-Z]+ (https?://\S+)")
 
 
 def _endpoint(text: str) -> str:
@@ -40,10 +40,16 @@ def explain(exc: BaseException) -> str | None:
     text = str(exc)
     if isinstance(exc, UsageError):
         return str(exc)
-    if "169.254.169.254" in text or "api/token" in text or "NoCredentialProviders" in text:
+    metadata = "169.254.169.254" in text or "metadata.google.internal" in text
+    if "S3" in text and (metadata or "api/token" in text or "NoCredentialProviders" in text):
         return (
             "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
             "AWS_PROFILE), or AWS_SKIP_SIGNATURE=true for a public bucket"
+        )
+    if "GCS" in text and metadata:
+        return (
+            "no Google Cloud credentials found: set GOOGLE_APPLICATION_CREDENTIALS to a "
+            "service account's key file (or GOOGLE_SERVICE_ACCOUNT_KEY)"
         )
     if "builder error" in text and "http://" in text:
         return (
@@ -61,4 +67,6 @@ def explain(exc: BaseException) -> str | None:
         return f"{text}: check the prefix (and --url's trailing slash)"
     if isinstance(exc, (PermissionError, FileNotFoundError)):
         return str(exc)
+    if type(exc).__module__.startswith("obstore"):  # the store said no: its first line says why
+        return f"the store failed: {text.splitlines()[0][:300]}"
     return None

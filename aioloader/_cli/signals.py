@@ -27,20 +27,31 @@ async def _main(work: Coroutine[Any, Any, T]) -> T:
     task = asyncio.current_task()
     stopped: list[int] = []
 
-    def stop() -> None:
-        stopped.append(signal.SIGTERM)
+    def stop(signum: int) -> None:
+        if stopped:
+            return  # already cleaning up: a second Ctrl-C must not cut the cleanup short
+        stopped.append(signum)
         if task is not None:
             task.cancel()
 
-    loop.add_signal_handler(signal.SIGTERM, stop)
+    for signum in _STOPPING:
+        loop.add_signal_handler(signum, stop, signum)
     try:
         return await work
     except asyncio.CancelledError:
-        if stopped:
-            raise Terminated from None
-        raise
+        if not stopped:
+            raise
+        if stopped[0] == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise Terminated from None
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        for signum in _STOPPING:
+            loop.remove_signal_handler(signum)
+            if stopped:  # leaving: a later Ctrl-C or SIGTERM must not cut the exit short
+                signal.signal(signum, signal.SIG_IGN)
+
+
+_STOPPING = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_until_signal(work: Coroutine[Any, Any, T]) -> T:
@@ -54,5 +65,12 @@ def run_until_signal(work: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-        return asyncio.run(_main(work))
-    return uvloop.run(_main(work))
+        run: Any = asyncio.run
+    else:
+        run = uvloop.run
+    try:
+        return run(_main(work))  # type: ignore[no-any-return]
+    except (KeyboardInterrupt, Terminated):
+        for signum in _STOPPING:  # the runner put its own back: the exit ignores more
+            signal.signal(signum, signal.SIG_IGN)
+        raise

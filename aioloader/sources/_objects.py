@@ -250,7 +250,7 @@ def objects(
             prefix, as :func:`object_stream` gives them.
 
     Returns:
-        The dataset; ``keys`` lists what it holds.
+        The dataset; ``keys`` lists what it holds (``source.keys`` with ``with_keys``).
 
     Raises:
         ValueError: Nothing under the prefix matches the filters, or ``max_bytes_in_flight``

@@ -123,6 +123,33 @@ def test_an_endpoint_that_refuses_or_is_plain_http_is_one_line(
     )
 
 
+def test_a_url_that_is_no_store_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--url", "/no/such/folder"]) == 2
+    assert capsys.readouterr().err == (
+        "aioloader demo: --url /no/such/folder: give a store URL: s3://bucket/prefix/, "
+        "gs://..., az://..., file:///absolute/path/\n"
+    )
+    assert main(["demo", "--url", "file:///no/such/folder/"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aioloader demo: the store failed: ") and err.count("\n") == 1
+
+
+def test_a_reader_that_goes_away_ends_the_demo_quietly() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-m", "aioloader", "demo", "--samples", "256", "--epochs", "50"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    ) as demo:
+        assert demo.stdout is not None and demo.stderr is not None
+        demo.stdout.readline()
+        demo.stdout.close()  # as `| head -1` does
+        err = demo.stderr.read()
+        assert demo.wait(timeout=120) == 141
+    assert "Traceback" not in err
+
+
 def test_known_failures_are_explained_and_unknown_ones_are_not() -> None:
     imds = RuntimeError(
         "Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/token in "
@@ -167,6 +194,8 @@ def test_ctrl_c_and_sigterm_stop_the_demo_cleanly(
     assert folder is not None, first
     time.sleep(1.0)  # into the epochs
     os.killpg(demo.pid, sig)
+    time.sleep(0.05)
+    os.killpg(demo.pid, sig)  # impatient: a second one must not cut the cleanup short
     rest, _ = demo.communicate(timeout=60)
     assert demo.returncode == status, first + rest
     assert rest.splitlines()[-1] == f"aioloader demo: {word}", rest
