@@ -17,19 +17,18 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import LoaderStateError, LoaderTimeout
-from .._data.resume import Mark
 from .._data.seeds import derive_seed
 from .._data.source import InWorkers
 from .._device.stage import DeviceStage, Staged, hand_out
 from .._pipeline.epoch import Epoch
-from .._pipeline.items import Raised
+from .._pipeline.items import Raised, Received
 from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
 from .._workers.processes import ProcessWorkers
@@ -66,15 +65,6 @@ class LoaderState:
         self.iterable_len: int | None = None
         self.progress: Progress | None = None
         self.shown: EpochProgress | None = None
-
-
-class Received(NamedTuple):
-    """A batch as the event loop holds it (see :meth:`EpochIterator.receive`)."""
-
-    batch: Any  # None when `error` is set
-    warning: str | None  # torch's warning for an iterable past its reported length
-    marks: tuple[Mark, ...]  # what the consumer takes with it (see ``Epoch``)
-    error: BaseException | None  # the batch failed: the consumer raises this
 
 
 class Scope:

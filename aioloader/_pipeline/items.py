@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-__all__ = ["Batch", "Done", "Raised", "one_item_lanes"]
+from .._data.resume import Mark
+
+__all__ = ["Batch", "Done", "Raised", "Received", "one_item_lanes"]
 
 
 @dataclass(slots=True, eq=False)
@@ -64,3 +66,12 @@ def one_item_lanes(
             streams.callback(send.close)
             streams.callback(recv.close)
         yield lanes
+
+
+class Received(NamedTuple):
+    """An output item as the consumer's side receives it (``EpochIterator.receive``)."""
+
+    batch: Any  # None when `error` is set
+    warning: str | None  # torch's warning for an iterable past its reported length
+    marks: tuple[Mark, ...]  # what the consumer takes with it (see ``Epoch``)
+    error: BaseException | None  # the batch failed: the consumer raises this
