@@ -330,6 +330,7 @@ class StageRecorder:
     """Mutable counters of one stage, updated from the event loop thread only."""
 
     __slots__ = (
+        "_busy",
         "_latencies",
         "_since",
         "blocked_get_s",
@@ -348,7 +349,9 @@ class StageRecorder:
         "skipped",
     )
 
-    def __init__(self, name: str, *, limit: int | None, queue_capacity: int | None) -> None:
+    def __init__(
+        self, name: str, *, limit: int | None, queue_capacity: int | None, busy: bool = True
+    ) -> None:
         self.name = name
         self.limit = limit
         self.queue_capacity = queue_capacity
@@ -363,11 +366,14 @@ class StageRecorder:
         self.blocked_put_s = 0.0
         self.blocked_get_s = 0.0
         self.busy_s = 0.0
+        self._busy = busy  # keeps busy_s (a stage whose work has a duration)
         self._since = time.perf_counter()
         self._latencies: deque[float] = deque(maxlen=_RESERVOIR)
 
     def _tick(self) -> None:
         """Count the slots taken since the last change of ``in_flight``."""
+        if not self._busy:
+            return
         now = time.perf_counter()
         if self.limit is not None and self.in_flight:
             self.busy_s += min(self.in_flight, self.limit) * (now - self._since)
@@ -376,7 +382,7 @@ class StageRecorder:
     def _busy_now(self) -> float:
         """``busy_s`` with the slots taken since the last change (read, not recorded: a
         snapshot may be taken from another thread)."""
-        if self.limit is None or not self.in_flight:
+        if self.limit is None or not self.in_flight or not self._busy:
             return self.busy_s
         return self.busy_s + min(self.in_flight, self.limit) * (time.perf_counter() - self._since)
 
@@ -479,13 +485,14 @@ class Recorders:
     ) -> None:
         self.started = time.perf_counter()
         self.epochs = 0
-        self.window = StageRecorder("window", limit=None, queue_capacity=None)
+        # Batches in progress and ready ones have no duration of their own: no busy time.
+        self.window = StageRecorder("window", limit=None, queue_capacity=None, busy=False)
         self.fetch = StageRecorder("fetch", limit=max_inflight, queue_capacity=None)
         self.transform = StageRecorder("transform", limit=workers, queue_capacity=None)
         # One batch staged at a time; `device` of them may wait for the consumer.
         self.device = StageRecorder("device", limit=1, queue_capacity=device)
         self.has_device = device is not None
-        self.output = StageRecorder("output", limit=None, queue_capacity=prefetch)
+        self.output = StageRecorder("output", limit=None, queue_capacity=prefetch, busy=False)
         self.consumer = ConsumerRecorder()
         self.workers = WorkerRecorder()
         self.skipped: list[object] = []

@@ -531,7 +531,11 @@ class Epoch:
                         del error
                     elif d.size:
                         value = d.value if self.device is None else await self._stage(d)
-                        marks, empty = (*empty, (d.batch.seq, d.size, d.batch.mark)), []
+                        mark = (d.batch.seq, d.size, d.batch.mark)
+                        if empty:  # the places of empty batches go with this one
+                            marks, empty = (*empty, mark), []
+                        else:
+                            marks = (mark,)
                         await put(out, (value, d.size, marks), self.stats.output)
                         self.stats.output.completed += 1
                         self.stats.output.set_queued(out.statistics().current_buffer_used)
