@@ -204,29 +204,12 @@ class Progress:
 
     def _state(self) -> EpochState:
         base = self.base
-        if self.finished:
-            return EpochState(
-                epoch=base.epoch + 1,
-                seed=base.seed,
-                order_seed=base.order_seed,
-                map=base.map,
-                length=base.length,
-                batch_size=base.batch_size,
-                drop_last=base.drop_last,
-                world_size=base.world_size,
-                rank=base.rank,
-                stream=None,
+        if self.finished:  # the next epoch's start: nothing taken, no earlier world sizes
+            return dataclasses.replace(
+                base, epoch=base.epoch + 1, taken=Taken(), samples=0, layers=[], stream=None
             )
-        return EpochState(
-            epoch=base.epoch,
-            seed=base.seed,
-            order_seed=base.order_seed,
-            map=base.map,
-            length=base.length,
-            batch_size=base.batch_size,
-            drop_last=base.drop_last,
-            world_size=base.world_size,
-            rank=base.rank,
+        return dataclasses.replace(
+            base,
             taken=self.taken.copy(),
             samples=self.samples,
             layers=list(base.layers),
