@@ -3,10 +3,6 @@ would hang the next collective), whatever the dataset kind, its length and the b
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +14,7 @@ from hypothesis import strategies as st
 
 import aioloader
 from aioloader._data.sharding import StreamShare
+from tests.support.torchrun import torchrun
 
 
 def shares(n: int, world: int) -> list[list[int]]:
@@ -118,22 +115,5 @@ def test_torchrun_two_ranks_over_a_stream_never_hang(tmp_path: Path) -> None:
     """Two real processes under torchrun (gloo): 101 samples in batches of 10 gave rank 0 six
     batches and rank 1 five, and the sixth all-reduce waited for ever."""
     job = Path(__file__).parents[1] / "support" / "ddp_stream_job.py"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    with subprocess.Popen(
-        [*torchrun, "--nproc-per-node", "2", str(job)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        start_new_session=True,  # torchrun and its ranks: one group, killed together
-    ) as run:
-        try:
-            output, _ = run.communicate(timeout=45)
-        except subprocess.TimeoutExpired:
-            os.killpg(run.pid, signal.SIGKILL)
-            output, _ = run.communicate()
-            pytest.fail(f"the ranks hung (killed after 45 s):\n{output}")
-    assert run.returncode == 0, output
+    output = torchrun(2, job, cwd=tmp_path, timeout=45)
     assert "steps per rank: [12, 12]; samples read: 101" in output

@@ -20,6 +20,7 @@ from tests.sources.test_remote_tar import serve_shards
 from tests.sources.test_tar import make_shards
 from tests.support import http_server
 from tests.support.http_server import FaultServer
+from tests.support.torchrun import torchrun
 
 fault_server = http_server.fault_server
 
@@ -108,34 +109,14 @@ async def test_a_killed_job_resumes_from_its_last_saved_state(
     assert [b["batch"] for b in logged[die_at:]] == list(range(saved_at + 1, 24))
 
 
-def torchrun(ranks: int, *args: str, cwd: Path) -> None:
-    job = ROOT / "tests" / "support" / "ddp_resume_job.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    with subprocess.Popen(
-        [*command, "--nproc-per-node", str(ranks), str(job), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-        cwd=cwd,
-        start_new_session=True,  # torchrun and its ranks: one group, killed together
-    ) as run:
-        try:
-            output, _ = run.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(run.pid, signal.SIGKILL)
-            output, _ = run.communicate()
-            pytest.fail(f"the ranks hung (killed after 60 s):\n{output}")
-    assert run.returncode == 0, output
-
-
 @pytest.mark.timeout(200)
 def test_two_ranks_stop_and_three_go_on_with_the_remainder(tmp_path: Path) -> None:
     """torchrun with 2 ranks takes 7 steps of a 104-sample epoch and saves the merged state;
     torchrun with 3 ranks loads it: every step all-reduced on every rank (none hangs), no
     sample on two ranks, and together the 5 ranks yield the epoch once."""
-    torchrun(2, "stop", str(tmp_path), cwd=tmp_path)
-    torchrun(3, "resume", str(tmp_path), cwd=tmp_path)
+    job = ROOT / "tests" / "support" / "ddp_resume_job.py"
+    torchrun(2, job, "stop", str(tmp_path), cwd=tmp_path)
+    torchrun(3, job, "resume", str(tmp_path), cwd=tmp_path)
     before = json.loads((tmp_path / "stop.json").read_text())
     after = json.loads((tmp_path / "resume.json").read_text())
     assert [len(r) for r in before] == [7, 7]
