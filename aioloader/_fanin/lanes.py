@@ -43,7 +43,7 @@ import anyio
 
 from .interleave import Interleave
 
-__all__ = ["Cursor", "ahead_for", "check_plan", "close_iterator", "interleaved", "plan_digest"]
+__all__ = ["Cursor", "ahead_for", "close_iterator", "interleaved", "plan_digest"]
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -123,6 +123,40 @@ class Cursor:
         }
 
     @classmethod
+    def for_epoch(
+        cls,
+        width: int,
+        rng: random.Random | None,
+        plan: str,
+        saved: dict[str, Any] | None,
+        *,
+        differs: str,
+        width_name: str,
+    ) -> Cursor:
+        """A new epoch's cursor, or the one ``saved`` (a state holding the ``plan_digest`` it
+        was saved for and its ``cursor``) stood at.
+
+        Raises:
+            ValueError: ``saved`` is of another plan (``differs`` says what may differ), or
+                read another number of parts at once (``width_name`` is the setting).
+            TypeError: ``saved``'s cursor is malformed.
+        """
+        if saved is None:
+            return cls(Interleave(width, rng))
+        if saved.get("plan") != plan:
+            raise ValueError(
+                f"the state was saved for another plan of the epoch ({differs}): it cannot "
+                "resume here"
+            )
+        cursor = cls.from_json(saved["cursor"], rng)
+        if cursor.order.width != width:
+            raise ValueError(
+                f"the state was saved reading {cursor.order.width} parts at once; this epoch "
+                f"reads {width} ({width_name} must be the same to resume)"
+            )
+        return cursor
+
+    @classmethod
     def from_json(cls, state: object, rng: random.Random | None) -> Cursor:
         """Raises: TypeError, ValueError: ``state`` is malformed."""
         if not isinstance(state, dict):
@@ -145,15 +179,6 @@ def plan_digest(*plan: object) -> str:
     settings), saved beside a cursor: a cursor means nothing for another plan."""
     text = json.dumps(plan, default=str)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
-def check_plan(saved: object, digest: str, what: str) -> None:
-    """Raises: ValueError: ``saved`` (a state's ``plan``) is not ``digest``, naming ``what``
-    may differ."""
-    if saved != digest:
-        raise ValueError(
-            f"the state was saved for another plan of the epoch ({what}): it cannot resume here"
-        )
 
 
 def _count_pair(pair: object) -> bool:

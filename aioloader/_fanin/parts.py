@@ -16,8 +16,7 @@ from .._base.checks import check_bool, check_int, check_seed
 from .._data.epochs import OpensEpochs
 from .._data.seeds import derive_seed
 from .._data.sharding import epoch_parts, resolve_rank
-from .interleave import Interleave
-from .lanes import Cursor, ahead_for, check_plan, interleaved, plan_digest
+from .lanes import Cursor, ahead_for, interleaved, plan_digest
 
 __all__ = ["Interleaved", "interleave"]
 
@@ -161,9 +160,6 @@ class Interleaved(OpensEpochs[T]):
             "cursor": cursor.to_json(),
         }
 
-    def _digest(self, epoch: int) -> str:
-        return plan_digest(self.epoch_parts(epoch), self._seed, self._shuffle)
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next epoch go on where ``state`` (from :meth:`state_dict`) stood.
 
@@ -217,17 +213,15 @@ class Interleaved(OpensEpochs[T]):
         plan = self.epoch_parts(epoch)
         width = min(self.in_flight, len(plan)) or 1
         rng = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle else None
-        digest = self._digest(epoch)
-        if resume is not None:
-            check_plan(resume.get("plan"), digest, "seed, shuffle, rank or world_size")
-            cursor = Cursor.from_json(resume["cursor"], rng)
-            if cursor.order.width != width:
-                raise ValueError(
-                    f"the state was saved reading {cursor.order.width} parts at once; this "
-                    f"epoch reads {width} (in_flight must be the same to resume)"
-                )
-        else:
-            cursor = Cursor(Interleave(width, rng))
+        digest = plan_digest(plan, self._seed, self._shuffle)
+        cursor = Cursor.for_epoch(
+            width,
+            rng,
+            digest,
+            resume,
+            differs="seed, shuffle, rank or world_size",
+            width_name="in_flight",
+        )
         async with interleaved(
             plan,
             self._open,

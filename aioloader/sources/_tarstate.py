@@ -18,8 +18,8 @@ from typing import Any
 
 import anyio
 
-from .._fanin.interleave import Interleave, rng_from_json, rng_to_json
-from .._fanin.lanes import Cursor, check_plan
+from .._fanin.interleave import rng_from_json, rng_to_json
+from .._fanin.lanes import Cursor
 
 __all__ = ["EpochRun", "Located", "ShuffleBuffer", "Spanned", "without_spans"]
 
@@ -63,20 +63,16 @@ class EpochRun:
         self.ends: dict[int, int | None] = {}  # open part -> the byte after its last sample taken
         self.last_start: int | None = None  # where the last sample taken starts
         self._resumed_ends: dict[int, int | None] = {}
-        if resume is None:
-            self.cursor = Cursor(Interleave(width, order))
-            return
-        check_plan(
-            resume.get("plan"),
+        self.cursor = Cursor.for_epoch(
+            width,
+            order,
             plan,
-            "other shards, seed, shuffle_shards, shuffle_buffer, rank or world_size",
+            resume,
+            differs="other shards, seed, shuffle_shards, shuffle_buffer, rank or world_size",
+            width_name="shards_in_flight",
         )
-        self.cursor = Cursor.from_json(resume["cursor"], order)
-        if self.cursor.order.width != width:
-            raise ValueError(
-                f"the state was saved reading {self.cursor.order.width} shards at once; this "
-                f"epoch reads {width} (shards_in_flight must be the same to resume)"
-            )
+        if resume is None:
+            return
         ends = resume.get("ends", {})
         if not isinstance(ends, dict):
             raise TypeError(f"a tar state's 'ends' must be a mapping, got {ends!r}")
