@@ -17,6 +17,7 @@ from .._base.progress import Progress
 
 if TYPE_CHECKING:
     from .._base.stats import ConsumerRecorder
+    from .checkpoint import Progress as Record
     from .plan import LoaderPlan
 
 __all__ = ["EpochProgress", "epoch_samples"]
@@ -29,8 +30,9 @@ class EpochProgress:
         epoch: The epoch's number.
         total: Samples the epoch should hand out, or None (a stream without a length).
         consumer: The scope's consumer recorder (its waits; cumulative, read as differences).
+        taken: The epoch's record of what its consumer took (its ``samples`` are counted
+            there, a resumed epoch's earlier ones included; this reads them).
         draw: Show a bar (``progress=True``); else only :meth:`line` reads it.
-        start: Samples taken before (a resumed epoch).
     """
 
     def __init__(
@@ -38,14 +40,14 @@ class EpochProgress:
         epoch: int,
         total: int | None,
         consumer: ConsumerRecorder,
+        taken: Record,
         *,
         draw: bool,
-        start: int = 0,
     ) -> None:
         self.epoch = epoch
         self.total = total
-        self.samples = start
-        self._start = start
+        self._taken = taken
+        start = self._start = self._shown = taken.samples
         self._consumer = consumer
         self._waited0, self._busy0 = consumer.wait_s, consumer.busy_s
         self._started = time.perf_counter()
@@ -59,17 +61,25 @@ class EpochProgress:
         busy = self._consumer.busy_s - self._busy0
         return waited / (waited + busy) if waited + busy > 0 else 0.0
 
-    def took(self, samples: int) -> None:
-        self.samples += samples
-        if self._bar is not None:
-            self._bar.update(samples, f"waited {self.waited():.0%}")
+    @property
+    def drawing(self) -> bool:
+        """Whether a bar is drawn (else nothing needs :meth:`draw`)."""
+        return self._bar is not None
+
+    def draw(self) -> None:
+        """Bring the bar up to what the consumer has taken."""
+        bar, samples = self._bar, self._taken.samples
+        if bar is not None:
+            bar.update(samples - self._shown, f"waited {self.waited():.0%}")
+            self._shown = samples
 
     def line(self) -> str:
         """``epoch 1: 3,200/10,000 samples, 5,120 samples/s, consumer waited 12%``."""
-        rate = (self.samples - self._start) / max(1e-9, time.perf_counter() - self._started)
+        samples = self._taken.samples
+        rate = (samples - self._start) / max(1e-9, time.perf_counter() - self._started)
         of = f"/{self.total:,}" if self.total else ""
         return (
-            f"epoch {self.epoch}: {self.samples:,}{of} samples, {rate:,.0f} samples/s, "
+            f"epoch {self.epoch}: {samples:,}{of} samples, {rate:,.0f} samples/s, "
             f"consumer waited {self.waited():.0%}"
         )
 

@@ -183,8 +183,8 @@ class EpochIterator(Generic[T_Batch]):
             number,
             epoch_samples(scope.plan),
             state.stats.consumer,
+            self.progress,
             draw=scope.plan.arguments.progress,
-            start=self.progress.samples,
         )
         self._running: Running | None = None
         self._last_yield: float | None = None
@@ -294,7 +294,8 @@ class EpochIterator(Generic[T_Batch]):
         """The consumer has ``got`` (call on the consumer's thread)."""
         marks = got.marks
         self.progress.took(marks)
-        self.shown.took(marks[-1][1] if len(marks) == 1 else sum(m[1] for m in marks))
+        if self.shown.drawing:
+            self.shown.draw()
 
     async def receive(self) -> Received:
         """The next batch as the event loop holds it: a :class:`Staged` batch with a device
