@@ -290,18 +290,13 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         first.drop_last,
         {s.rank: s.taken for s in read if s.rank is not None},
     )
-    merged = EpochState(
-        epoch=first.epoch,
-        seed=first.seed,
-        order_seed=first.order_seed,
-        map=True,
-        length=first.length,
-        batch_size=first.batch_size,
-        drop_last=first.drop_last,
-        world_size=first.world_size,
+    merged = dataclasses.replace(  # every rank's record, as the epoch's last layer
+        first,
         rank=None,
+        taken=Taken(),
         samples=sum(s.samples for s in read),
         layers=[*first.layers, layer],
+        stream=None,
     )
     return merged.to_json()
 
