@@ -41,7 +41,7 @@ class Interleave:
         TypeError, ValueError: ``width`` is not an int >= 1.
     """
 
-    __slots__ = ("_closed", "_order", "_pos", "_rng", "_slots", "next_part")
+    __slots__ = ("_closed", "_order", "_pos", "_rng", "_rng_state", "_slots", "next_part")
 
     def __init__(self, width: int, rng: random.Random | None = None) -> None:
         if isinstance(width, bool) or not isinstance(width, int):
@@ -50,6 +50,7 @@ class Interleave:
             raise ValueError(f"width must be >= 1, got {width}")
         self._slots = [_EMPTY] * width
         self._rng = rng
+        self._rng_state: list[Any] | None = None
         self._order = list(range(width))
         self._pos = 0
         self._closed = 0
@@ -127,7 +128,7 @@ class Interleave:
             "pos": self._pos,
             "closed": self._closed,
             "next_part": self.next_part,
-            "rng": None if self._rng is None else rng_to_json(self._rng),
+            "rng": self._rng_json(),
         }
 
     @classmethod
@@ -169,7 +170,17 @@ class Interleave:
         self._rng = rng
         return self
 
+    def _rng_json(self) -> list[Any] | None:
+        """The generator's state, taken again only after it drew (once a round: a state is
+        asked for at every batch, and reading the generator's 625 words costs ~13 µs)."""
+        if self._rng is None:
+            return None
+        if self._rng_state is None:
+            self._rng_state = rng_to_json(self._rng)
+        return self._rng_state
+
     def _new_round(self) -> None:
+        self._rng_state = None  # the shuffle below draws
         self._pos = 0
         if self._closed:
             self._order = [s for s in range(len(self._slots)) if self._slots[s] != _CLOSED]
@@ -184,9 +195,11 @@ def _ints(values: object) -> bool:
 
 
 def rng_to_json(rng: random.Random) -> list[Any]:
-    """A ``random.Random``'s state as JSON-ready values (its 625-word Mersenne Twister state)."""
+    """A ``random.Random``'s state as JSON-ready values (its 625-word Mersenne Twister state, as
+    the tuple ``getstate`` gives: ``json`` writes it as a list, and it is taken at every batch,
+    so it is not copied into one)."""
     version, words, gauss = rng.getstate()
-    return [version, list(words), gauss]
+    return [version, words, gauss]
 
 
 def rng_from_json(rng: random.Random, state: Any) -> None:
