@@ -776,17 +776,25 @@ def rows_tables(args: argparse.Namespace) -> list[str]:
     for size in args.batch_sizes:
         title = f"rows: {args.rows:,} x {WIDTH} float32 in memory, batch {size}"
         jobs = [Job("rows", n, args.rows, size, args.repeats) for n in names]
-        if args.profile:
-            for job in jobs:
-                print(f"\n== profile of {job.config}, {title} ==", flush=True)
-                print(profile(job, args.timeout), flush=True)
-            continue
-        print(f"\n== {title} ==", flush=True)
-        results = measure_all(jobs, args.timeout)
-        print(f"\n{title}, best of {args.repeats} epochs after a warm-up:")
-        print(format_results(results, BASELINE["rows"]), flush=True)
-        failed += [f"rows-b{size}/{r.name}" for r in results if not r.ok]
+        failed += run_table(jobs, title, BASELINE["rows"], f"rows-b{size}", args)
     return failed
+
+
+def run_table(
+    jobs: list[Job], title: str, baseline: str, tag: str, args: argparse.Namespace
+) -> list[str]:
+    """Profile ``jobs`` (``--profile``), or measure them and print their table; return the
+    names of those that failed, under ``tag``."""
+    if args.profile:
+        for job in jobs:
+            print(f"\n== profile of {job.config}, {title} ==", flush=True)
+            print(profile(job, args.timeout), flush=True)
+        return []
+    print(f"\n== {title} ==", flush=True)
+    results = measure_all(jobs, args.timeout)
+    print(f"\n{title}, best of {args.repeats} epochs after a warm-up:")
+    print(format_results(results, baseline), flush=True)
+    return [f"{tag}/{r.name}" for r in results if not r.ok]
 
 
 def files_tables(args: argparse.Namespace) -> list[str]:
@@ -810,18 +818,8 @@ def files_tables(args: argparse.Namespace) -> list[str]:
                 Job("files", n, args.files, FILE_BATCH, args.repeats, cold, directory)
                 for n in names
             ]
-            if args.profile:
-                for job in jobs:
-                    print(f"\n== profile of {job.config}, {title} ==", flush=True)
-                    print(profile(job, args.timeout), flush=True)
-                continue
-            print(f"\n== {title} ==", flush=True)
-            results = measure_all(jobs, args.timeout)
-            baseline = BASELINE["files-cold" if cold else "files"]
-            print(f"\n{title}, best of {args.repeats} epochs after a warm-up:")
-            print(format_results(results, baseline), flush=True)
             tag = "files-cold" if cold else "files"
-            failed += [f"{tag}/{r.name}" for r in results if not r.ok]
+            failed += run_table(jobs, title, BASELINE[tag], tag, args)
     return failed
 
 
