@@ -43,7 +43,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils.data
-from _harness import (
+
+import aioloader
+from aioloader._bench.harness import (
     Column,
     Result,
     add_batch_size,
@@ -58,8 +60,6 @@ from _harness import (
     timed,
     versions,
 )
-
-import aioloader
 
 QUICK_ITEMS = 320
 CEILING_CONCURRENCY = 64

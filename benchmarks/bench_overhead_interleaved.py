@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from _harness import cpus_and_load, versions
-from bench_overhead import AsyncRows, Rows
 
 import aioloader
+from aioloader._bench.harness import cpus_and_load, versions
+from aioloader._bench.overhead import AsyncRows, Rows
 
 
 def rate(samples: Iterable[Any]) -> float:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -68,7 +69,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from _harness import (
+# The harness, loaded from its file: importing it as ``aioloader._bench.harness`` would import
+# aioloader and torch into this process, whose pages its measured children would then share (and
+# their PSS would count only half of them).
+_spec = importlib.util.spec_from_file_location(
+    "_harness", Path(__file__).parents[1] / "aioloader" / "_bench" / "harness.py"
+)
+assert _spec is not None
+assert _spec.loader is not None
+_harness = importlib.util.module_from_spec(_spec)
+sys.modules["_harness"] = _harness  # its dataclasses look their module up
+_spec.loader.exec_module(_harness)
+from _harness import (  # noqa: E402
     Column,
     MemorySampler,
     add_only,

@@ -44,8 +44,9 @@ def _version() -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line's parser: ``demo`` (and the options every command takes)."""
-    from . import demo
+    """The command line's parser: ``demo`` and ``bench`` (and the options every command
+    takes)."""
+    from . import bench, demo
 
     top = _Parser(
         prog="aioloader",
@@ -55,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=_version())
     commands = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     demo.add_command(commands)
+    bench.add_command(commands)
     return top
 
 

@@ -6,19 +6,20 @@ timing one configuration under a watchdog (:func:`timed`, :func:`watchdog`); the
 process tree or process group sampled from outside (:class:`MemorySampler`, :func:`process_tree`,
 :func:`process_group`); waiting for and killing the processes a configuration left
 (:func:`wait_for_children`, :func:`kill_tree`, :func:`kill_group`); a configuration in a fresh
-spawned child measured from this process (:func:`run_in_child`); a server in a spawned subprocess
+child measured from this process (:func:`run_in_child`, :func:`preloaded_forkserver`); the rows
+handed to ``aioloader bench`` (:func:`report`); a server in a spawned subprocess
 (:class:`ServerProcess`); the exactly-once check of an epoch (:func:`delivery_error`); the table
 with ratios against peers measured in the same run (:func:`format_table`, :func:`ratio_to`); the
 header line (:func:`versions`, :func:`cpus_and_load`); the common flags (:func:`add_quick`,
 :func:`add_only`, :func:`add_timeout`, :func:`add_batch_size`, :func:`quick_defaults`); and the
 exit status (:func:`exit_status`). Never: knows a workload, a loader or a peer (a script passes
-in what to run, check and print); imports torch or aioloader at import time (``bench_startup.py``
+in what to run, check and print); imports torch or aioloader itself (``bench_startup.py``
 measures fresh interpreters and keeps its own process light); prints (a script prints what this
 formats), :func:`exit_status`'s ``FAILED:`` line aside.
 
-The scripts run as ``python benchmarks/bench_x.py``, so this folder is ``sys.path[0]`` and they
-import this module as ``_harness``; so do the spawned children they start (a spawned child gets
-its parent's ``sys.path``). Linux only: memory and CPU come from ``/proc``.
+The workloads (``aioloader/_bench/*.py``) import it as ``aioloader._bench.harness``, which imports
+aioloader's facade and so torch; ``benchmarks/bench_startup.py``, which must stay light, loads
+this file by its path. Linux only: memory and CPU come from ``/proc``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import faulthandler
 import functools
 import gc
 import importlib.metadata
+import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import multiprocessing.forkserver
 import os
 import signal
@@ -60,7 +63,7 @@ POLL_S = 0.05  # MemorySampler's default: RSS every 50 ms
 PSS_EVERY = 4  # ... and PSS (smaps_rollup, ~1 ms a process) every 4th poll: every 0.2 s
 EXIT_WAIT_S = 15.0  # how long a configuration's processes may take to exit once it is over
 SERVER_START_S = 120.0  # a ServerProcess's spawn, imports and set-up, up to its port
-CHILD_START_S = 120.0  # a run_in_child child's spawn and set-up, up to its "ready"
+CHILD_START_S = 120.0  # a run_in_child child's start and set-up, up to its "ready"
 CHILD_EXIT_S = EXIT_WAIT_S + 10.0  # its wait for its processes, then its own exit
 STACK_DUMP_S = 1.0  # a timed-out child's time to write its stacks before it is killed
 
@@ -84,6 +87,7 @@ class Result:
     peak_rss_mib: float = 0.0
     start_pss_mib: float = 0.0
     peak_pss_mib: float = 0.0
+    cpu_s: float | None = None  # CPU time of the measured processes, when they were sampled
 
     @property
     def ok(self) -> bool:
@@ -100,6 +104,12 @@ class Result:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def rate(self) -> float:
+        """The samples/s that ``aioloader bench`` reports for the row (a workload whose rows
+        time more than one figure says which)."""
+        return self.samples_per_s
+
+    @property
     def status(self) -> str:
         """The check column: ``ok``, ``FAIL: why`` or ``skipped: why``."""
         if self.skipped is not None:
@@ -110,6 +120,7 @@ class Result:
         """Take the sums on entry and the peaks of a finished :class:`MemorySampler`."""
         self.start_rss_mib, self.peak_rss_mib = sampler.start_mib, sampler.peak_mib
         self.start_pss_mib, self.peak_pss_mib = sampler.start_pss_mib, sampler.peak_pss_mib
+        self.cpu_s = sampler.cpu_s
 
 
 def error_text(exc: BaseException) -> str:
@@ -185,6 +196,34 @@ def timed(run: Callable[[], T], watchdog_s: float) -> Timed[T]:
     return Timed(value, time.perf_counter() - start, None)
 
 
+# -- the rows a workload reports to ``aioloader bench`` --------------------------------------------
+
+ROWS_ENV = "AIOLOADER_BENCH_ROWS"  # the file ``aioloader bench`` reads the rows from
+
+
+def report(table: str, result: Result, **extra: Any) -> None:
+    """Hand a finished row of ``table`` to ``aioloader bench``, which runs each workload in a
+    process of its own and names the file in ``$AIOLOADER_BENCH_ROWS``: one JSON line a row.
+    Without the variable (a script run by hand), nothing. ``extra``: figures the command's chart
+    uses (``in_flight``: the requests the row keeps in flight)."""
+    path = os.environ.get(ROWS_ENV)
+    if not path:
+        return
+    row = {
+        "table": table,
+        "config": result.name,
+        "samples_per_s": result.rate if result.measured else None,
+        "cpu_s": result.cpu_s if result.measured else None,
+        "peak_pss_mib": result.peak_pss_mib if result.measured and result.peak_pss_mib else None,
+        "status": result.status,
+        "ok": result.ok,
+        "skipped": result.skipped,
+        **extra,
+    }
+    with open(path, "a", encoding="utf-8") as rows:
+        rows.write(json.dumps(row) + "\n")
+
+
 # -- processes: trees, groups, RSS and PSS --------------------------------------------------------
 
 
@@ -251,6 +290,19 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """User plus system clock ticks ``pid`` has used (its threads, not its children); None for a
+    process that is gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3, "state"
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    return None
+
+
 def pss_kib(pid: int) -> int:
     """Proportional set size: each resident page divided by the number of processes mapping it
     (what ``psutil.Process(pid).memory_full_info().pss`` reports, read from the same file)."""
@@ -268,6 +320,10 @@ class MemorySampler:
     seen (on entry and on exit included), ``start_mib`` / ``start_pss_mib`` the sums on entry.
     Shared pages count once per process in RSS, divided among them in PSS.
 
+    ``cpu_s``: the CPU time the processes used while the block ran, summed from each one's ticks
+    as last seen (a process seen on entry counts from then). A process that exits between two
+    polls loses its last poll's worth (at most ``poll_s`` of CPU each).
+
     The thread is this process's: sampling another process's tree from here (``run_in_child``)
     keeps the measured process free of it."""
 
@@ -283,11 +339,18 @@ class MemorySampler:
         self.pss_every = pss_every
         self.peak_kib = self.start_kib = 0
         self.peak_pss_kib = self.start_pss_kib = 0
+        self._first_ticks: dict[int, int] = {}
+        self._last_ticks: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
 
-    def _sample(self, pss: bool) -> tuple[int, int]:
+    def _sample(self, pss: bool, first: bool = False) -> tuple[int, int]:
         pids = list(self.processes())
+        for pid in pids:
+            if (ticks := cpu_ticks(pid)) is not None:
+                self._last_ticks[pid] = ticks
+                if first:
+                    self._first_ticks[pid] = ticks
         rss = sum(rss_kib(pid) for pid in pids)
         self.peak_kib = max(self.peak_kib, rss)
         total_pss = sum(pss_kib(pid) for pid in pids) if pss and self.pss_every else 0
@@ -301,7 +364,7 @@ class MemorySampler:
             self._sample(pss=bool(self.pss_every) and polls % self.pss_every == 0)
 
     def __enter__(self) -> MemorySampler:
-        self.start_kib, self.start_pss_kib = self._sample(pss=True)
+        self.start_kib, self.start_pss_kib = self._sample(pss=True, first=True)
         self._thread.start()
         return self
 
@@ -313,6 +376,11 @@ class MemorySampler:
     @property
     def peak_mib(self) -> float:
         return self.peak_kib / 1024
+
+    @property
+    def cpu_s(self) -> float:
+        ticks = sum(t - self._first_ticks.get(pid, 0) for pid, t in self._last_ticks.items())
+        return ticks * CLOCK_TICK_S
 
     @property
     def start_mib(self) -> float:
@@ -449,7 +517,7 @@ class ServerProcess:
         self.process.join(5)
 
 
-# -- a configuration in a fresh spawned child -----------------------------------------------------
+# -- a configuration in a fresh child ------------------------------------------------------------
 
 
 class _ChildTimeout(Exception):
@@ -521,24 +589,36 @@ def _receive(conn: multiprocessing.connection.Connection, seconds: float, kind: 
 
 
 def run_in_child(
-    prepare: Callable[[J], Callable[[], dict[str, Any]]], job: J, timeout: float, name: str
+    prepare: Callable[[J], Callable[[], dict[str, Any]]],
+    job: J,
+    timeout: float,
+    name: str,
+    *,
+    context: multiprocessing.context.ForkServerContext | None = None,
 ) -> ChildRun:
-    """Run a configuration in a fresh child started with the ``spawn`` context, so that no row
-    inherits the heap an earlier one grew: the child runs ``prepare(job)`` (a module-level
+    """Run a configuration in a fresh child, a fork of a server that has imported ``prepare``'s
+    module and done nothing else (:func:`preloaded_forkserver`), so that no row inherits the heap
+    an earlier one grew: the child runs ``prepare(job)`` (a module-level
     function: the child imports it by name) and says it is ready; this process reads its PSS,
     starts sampling its tree's memory and says go; the child runs the work ``prepare`` returned
     and sends back its result, a plain ``dict`` (the script's own classes live in the child's
     ``__mp_main__``, which this process cannot unpickle). Past ``timeout`` from go, this process
-    has the child dump its threads' stacks (``faulthandler`` on SIGUSR1) and kills its tree."""
-    context = multiprocessing.get_context("spawn")
-    conn, child_conn = context.Pipe()
+    has the child dump its threads' stacks (``faulthandler`` on SIGUSR1) and kills its tree.
+
+    The fork server starts children in milliseconds, not the seconds a spawned interpreter takes
+    to import torch. A child's memory is measured with the server's (which holds only the
+    imported modules, and whose only child is the one running), so a row's PSS is what a process
+    of its own would hold. ``context``: another fork server context of this process's."""
+    start = context or preloaded_forkserver([getattr(prepare, "__module__", "__main__")])
+    conn, child_conn = start.Pipe()
     # Not a daemon: daemonic processes may not start any (a loader's workers); this process kills
     # the child's tree in any case.
-    process = context.Process(target=_child_main, args=(prepare, job, child_conn), name=name)
+    process = start.Process(target=_child_main, args=(prepare, job, child_conn), name=name)
     process.start()
     child_conn.close()
     assert process.pid is not None
-    memory = MemorySampler(functools.partial(process_tree, process.pid))
+    server = _fork_server_pid()
+    memory = MemorySampler(functools.partial(process_tree, server or process.pid))
     payload: dict[str, Any] | None = None
     error: str | None = None
     timed_out = done = False
@@ -571,6 +651,15 @@ def run_in_child(
     if error is None and process.exitcode != 0:
         error = f"the child exited with code {process.exitcode}"
     return ChildRun(payload, error, timed_out, memory)
+
+
+def preloaded_forkserver(modules: Sequence[str]) -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's ``forkserver`` context with ``modules`` imported in its server (started
+    on its first use), for :func:`run_in_child`: every child is a fork of a process that has
+    imported them and done nothing else, so no row inherits the heap an earlier one grew."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(modules))
+    return context
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -655,6 +744,18 @@ def versions(*packages: str | tuple[str, str], where: bool = False) -> str:
 def load_average(fields: int = 2) -> str:
     """The first ``fields`` load averages (1, 5, 15 minutes), as ``/proc/loadavg`` writes them."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:fields])
+
+
+def machine() -> str:
+    """``2 cores (2 usable), <CPU model>, load average 0.50 0.93 0.99``."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    usable = len(os.sched_getaffinity(0))
+    return f"{os.cpu_count()} cores ({usable} usable), {model}, load average {load_average(3)}"
 
 
 def cpus_and_load() -> str:

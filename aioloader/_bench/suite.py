@@ -1,0 +1,208 @@
+"""``aioloader bench``'s workloads and how they are run: each in a process of its own (the
+module's ``main``, as its script runs it), its rows read back from the file it reports them to
+(``harness.report``), its output kept in a log.
+
+A workload's module runs each configuration in a child of its own (``harness.run_in_child``)
+or, for the CPU workloads, one after another in its own process; either way no configuration
+shares a heap with the command. Cancelled (Ctrl-C, SIGTERM): the running workload is sent
+SIGTERM (each module cleans up on it: servers stopped, temporary files removed), then SIGKILL
+after ``STOP_GRACE_S``; the cancellation goes on once it has exited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .harness import ROWS_ENV
+from .results import Row
+
+STOP_GRACE_S = 10.0
+NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``module`` (``aioloader._bench.<module>``) run with ``quick`` or ``full`` arguments;
+    ``tables``: the tables its rows come in, and what each measures; ``needs``: modules it cannot
+    run without (a missing one makes the workload one skipped row); ``limit_s``: how long it may
+    take, quick and full."""
+
+    name: str
+    module: str
+    quick: tuple[str, ...]
+    full: tuple[str, ...]
+    tables: dict[str, str]
+    needs: tuple[str, ...] = ()
+    limit_s: tuple[float, float] = (120.0, 600.0)
+
+
+_REMOTE_QUICK = (
+    "aio-conn16", "aio-conn64", "aio-conn256", "torch-nw8",
+    "tdnodes-thr16", "tdnodes-thr64", "spdl-conc64", "asyncio-ceiling",
+)  # fmt: skip
+_FILES = ("plain-loop", "torch-nw0", "torch-nw2", "torch-nw8", "aio-files", "aio-torchds-for")
+
+WORKLOADS: tuple[Workload, ...] = (
+    Workload(
+        "objects",
+        "remote",
+        ("--quick", "--only", *_REMOTE_QUICK),
+        (),
+        {"objects-http": "64 KiB objects over HTTP, 20 ms to the first byte, batch 32"},
+    ),
+    Workload(
+        "shards",
+        "streams",
+        ("--quick", "--decode", "light"),
+        ("--decode", "both"),
+        {
+            "shards-light": "WebDataset tar shards (JPEG samples, written by webdataset) over "
+            "HTTP (20 ms to first byte, 50 MB/s a connection) and moto's S3, light decode",
+            "shards-heavy": "the same with a Pillow decode per sample",
+        },
+        needs=("webdataset", "PIL", "moto", "boto3"),
+    ),
+    Workload(
+        "files",
+        "overhead",
+        ("--quick", "--workloads", "files", "--cold", "--repeats", "1", "--only", *_FILES),
+        ("--workloads", "files", "--cold", "--only", *_FILES),
+        {
+            "files": "many 16 KiB local files, page cache warm, batch 32",
+            "files-cold": "the same, page cache dropped before each timed epoch",
+        },
+    ),
+    Workload(
+        "cpu",
+        "cpu",
+        ("--quick", "--only", "gil", "decode", "dropin-jpeg"),
+        ("--only", "gil", "decode", "dropin-jpeg"),
+        {
+            "gil": "a CPU-heavy transform (2 ms of pure Python a sample), batch 32",
+            "decode": "PNG decode + crop + flip a sample in the transform, batch 32",
+            "dropin-jpeg": "the import swapped: one torch Dataset (Pillow JPEG decode, random "
+            "resized crop, flip), torch's DataLoader vs aioloader's, plain for",
+        },
+        needs=("PIL",),
+    ),
+    Workload(
+        "serving",
+        "serving",
+        ("--quick",),
+        (),
+        {
+            "serving": "dynamic batching under load: HTTP requests at rising rates, a model "
+            "call of 4 ms + 0.1 ms a row; config@rate, samples/s = requests served/s"
+        },
+    ),
+)
+
+
+def titles() -> dict[str, str]:
+    """Every table's description, by name."""
+    return {table: text for w in WORKLOADS for table, text in w.tables.items()}
+
+
+def missing(workload: Workload) -> list[str]:
+    """The modules ``workload`` needs that are not installed."""
+    return [name for name in workload.needs if importlib.util.find_spec(name) is None]
+
+
+@dataclass
+class Ran:
+    """A workload's outcome: its rows, how long it took, and its error (None: exited 0)."""
+
+    rows: list[Row]
+    wall_s: float
+    error: str | None
+
+
+async def run_workload(
+    workload: Workload,
+    *,
+    quick: bool,
+    workdir: Path,
+    log: Path,
+    on_row: Callable[[Row], None] = lambda row: None,
+) -> Ran:
+    """Run ``workload``'s module in a process of its own; return its rows once it has exited
+    (``on_row`` is called for each).
+
+    Raises:
+        asyncio.CancelledError: Cancelled; the workload's process is stopped first (SIGTERM,
+            then SIGKILL after ``STOP_GRACE_S``).
+    """
+    started = time.perf_counter()
+    rows: list[Row] = []
+    if gone := missing(workload):
+        for table in workload.tables:
+            rows.append(Row(table, "-", None, status=f"skipped: {', '.join(gone)} {NOT_INSTALLED}"))
+            on_row(rows[-1])
+        return Ran(rows, 0.0, None)
+    rows_file = workdir / f"rows-{workload.name}.jsonl"
+    rows_file.unlink(missing_ok=True)
+    rows_file.touch()
+    args = workload.quick if quick else workload.full
+    code = f"import sys; from aioloader._bench.{workload.module} import main; sys.exit(main())"
+    env = {**os.environ, ROWS_ENV: str(rows_file), "PYTHONUNBUFFERED": "1"}
+    with log.open("ab") as out:
+        out.write(f"\n===== {workload.name}: {' '.join(args)}\n".encode())
+        out.flush()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, *args,
+            stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
+            start_new_session=True,  # Ctrl-C reaches it through this process: cleanly, once
+        )  # fmt: skip
+        limit = workload.limit_s[0 if quick else 1]
+        try:
+            async with asyncio.timeout(limit):
+                status = await process.wait()
+            error = None if status == 0 else f"exited with status {status} (see {log})"
+        except TimeoutError:
+            await _stop(process)
+            error = f"took over {limit:g} s; stopped (see {log})"
+        except BaseException:
+            await _stop(process)
+            raise
+    _read_rows(rows_file, rows, on_row)
+    if error is not None and not any(r.failed for r in rows):
+        rows.append(Row(next(iter(workload.tables)), "(workload)", None, status=f"FAIL: {error}"))
+        on_row(rows[-1])
+    return Ran(rows, time.perf_counter() - started, error)
+
+
+def _read_rows(rows_file: Path, rows: list[Row], on_row: Callable[[Row], None]) -> None:
+    """Append the rows written to ``rows_file`` (whole lines: a killed workload may have left
+    half of one)."""
+    for line in rows_file.read_text(encoding="utf-8").splitlines(keepends=True):
+        if line.endswith("\n"):
+            rows.append(Row.from_report(json.loads(line)))
+            on_row(rows[-1])
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    """SIGTERM to the workload's process group, SIGKILL after ``STOP_GRACE_S``; wait for it."""
+    if process.returncode is not None:
+        return
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_GRACE_S):
+                await asyncio.shield(process.wait())
+                return
+
+
+def selected(names: Sequence[str] | None) -> list[Workload]:
+    """The workloads named (all of them for None), in the suite's order."""
+    return [w for w in WORKLOADS if names is None or w.name in names]
