@@ -85,7 +85,7 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload(
         "cpu",
         "cpu",
-        ("--quick", "--only", "gil", "decode", "dropin-jpeg"),
+        ("--quick", "--only", "gil", "dropin-jpeg"),
         ("--only", "gil", "decode", "dropin-jpeg"),
         {
             "gil": "a CPU-heavy transform (2 ms of pure Python a sample), batch 32",

@@ -1,0 +1,245 @@
+"""``aioloader bench``: its rows, ratios, JSON and chart; a real workload run end to end
+(servers on 127.0.0.1, each configuration in a child of its own); a peer or module that is not
+installed is a row that says so; a workload past its time, or the command stopped by SIGTERM,
+leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aioloader._bench import chart, harness, suite
+from aioloader._bench.results import Row, failures, family, format_rows, summarize
+
+ROOT = Path(__file__).parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def row(config: str, per_s: float | None, status: str = "ok", table: str = "t") -> Row:
+    return Row(table, config, per_s, cpu_s=1.0, peak_pss_mib=100.0, status=status)
+
+
+def test_a_configuration_s_name_says_its_loader() -> None:
+    assert family("aio-conn64") == "aioloader"
+    assert family("batcher@600") == "aioloader"
+    assert family("torch-nw2-fork") == "torch DataLoader"
+    assert family("wds-s3-nw8") == "webdataset + torch DataLoader"
+    assert family("tdnodes-thr16") == "torchdata.nodes"
+    assert family("spdl") == "SPDL"  # a peer's "not installed" row
+    assert family("asyncio-ceiling") == "plain asyncio"
+    assert family("something-else") == "something-else"
+
+
+def test_the_summary_sets_aioloader_s_best_against_each_peer_s_best() -> None:
+    rows = [
+        row("aio-conn16", 500.0),
+        row("aio-conn64", 2000.0),
+        row("torch-nw2", 100.0),
+        row("torch-nw8", 250.0),
+        row("tdnodes-thr64", 1000.0),
+        row("spdl", None, "skipped: not installed"),
+        row("asyncio-ceiling", 4000.0, "FAIL: 3 samples missing"),
+        row("plain-loop", 10.0, table="other"),
+    ]
+    first, other = summarize(rows)
+    assert first.ours is not None and first.ours.config == "aio-conn64"
+    assert first.ratios == {
+        "torch DataLoader": 8.0,
+        "torchdata.nodes": 2.0,
+        "SPDL": None,  # not installed
+        "plain asyncio": None,  # failed: its figure is not compared
+    }
+    assert other.table == "other" and other.ours is None and other.ratios == {"plain loop": None}
+    assert failures(rows) == ["t/asyncio-ceiling"]
+
+
+def test_a_reported_row_keeps_its_status_and_figures() -> None:
+    ok = Row.from_report(
+        {
+            "table": "t",
+            "config": "aio",
+            "samples_per_s": 5.0,
+            "status": "ok",
+            "ok": True,
+            "skipped": None,
+            "in_flight": 16,
+        }
+    )
+    assert ok.measured and ok.extra == {"in_flight": 16}
+    failed = Row.from_report(
+        {
+            "table": "t",
+            "config": "x",
+            "samples_per_s": None,
+            "status": "TIMED OUT: past 9 s",
+            "ok": False,
+            "skipped": None,
+        }
+    )
+    assert failed.failed and failed.status == "FAIL: TIMED OUT: past 9 s"
+    skipped = Row.from_report(
+        {
+            "table": "t",
+            "config": "spdl",
+            "samples_per_s": None,
+            "status": "skipped: why",
+            "ok": True,
+            "skipped": "why",
+        }
+    )
+    assert not skipped.failed and not skipped.measured and skipped.status == "skipped: why"
+    text = format_rows([ok, failed, skipped], {"t": "a table"})
+    assert "FAIL: TIMED OUT" in text and "t: a table" in text
+
+
+def test_a_workload_reports_its_rows_only_to_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = harness.Result("aio-x", samples=100, wall_s=2.0, cpu_s=0.5, peak_pss_mib=64.0)
+    monkeypatch.delenv(harness.ROWS_ENV, raising=False)
+    harness.report("t", result)  # by hand: nowhere to write, nothing written
+    assert list(tmp_path.iterdir()) == []
+    rows_file = tmp_path / "rows.jsonl"
+    monkeypatch.setenv(harness.ROWS_ENV, str(rows_file))
+    harness.report("t", result, in_flight=8)
+    harness.report("t", harness.Result("spdl", skipped="not installed"))
+    lines = rows_file.read_text().splitlines()
+    first, second = (Row.from_report(json.loads(line)) for line in lines)
+    assert (first.samples_per_s, first.cpu_s, first.peak_pss_mib) == (50.0, 0.5, 64.0)
+    assert first.extra == {"in_flight": 8}
+    assert second.status == "skipped: not installed" and second.samples_per_s is None
+
+
+def test_the_chart_is_a_png_and_refuses_nothing_measured(tmp_path: Path) -> None:
+    rows = [row("aio-conn64", 2000.0, table="objects-http"), row("torch-nw8", 250.0)]
+    rows[0].extra["in_flight"] = 64
+    chart.draw(rows, tmp_path / "c.png", "title")
+    assert (tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError, match="no row was measured"):
+        chart.draw([row("spdl", None, "skipped: not installed")], tmp_path / "d.png", "title")
+
+
+async def test_a_workload_without_a_module_it_needs_is_one_skipped_row(tmp_path: Path) -> None:
+    workload = suite.Workload(
+        "w", "serving", (), (), {"t": "a table"}, needs=("no_such_module_for_the_bench",)
+    )
+    ran = await suite.run_workload(workload, quick=True, workdir=tmp_path, log=tmp_path / "log")
+    (only,) = ran.rows
+    assert only.status.startswith("skipped: no_such_module_for_the_bench not installed")
+    assert ran.error is None and not only.failed
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (a workload runs in a session of its own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                found.append(int(entry))
+    return found
+
+
+async def test_a_workload_past_its_time_is_stopped_with_its_servers(tmp_path: Path) -> None:
+    # The serving workload starts three server processes; 3 s is not enough for it to end.
+    workload = suite.Workload("w", "serving", ("--quick",), (), {"serving": ""}, limit_s=(3, 3))
+    sessions: list[int] = []
+    real = asyncio.create_subprocess_exec
+
+    async def spying(*args: object, **kwargs: object) -> asyncio.subprocess.Process:
+        process = await real(*args, **kwargs)  # type: ignore[arg-type]
+        sessions.append(process.pid)  # start_new_session: its pid is its session's id
+        return process
+
+    began = time.monotonic()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(asyncio, "create_subprocess_exec", spying)
+        ran = await suite.run_workload(workload, quick=True, workdir=tmp_path, log=tmp_path / "log")
+    assert time.monotonic() - began < 3 + 2 * suite.STOP_GRACE_S
+    assert ran.error is not None and "took over 3 s" in ran.error
+    assert [r.status for r in ran.rows if r.failed] == [f"FAIL: {ran.error}"]
+    (session,) = sessions
+    assert session_processes(session) == []
+
+
+def bench(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "aioloader", "bench", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_bench_quick_measures_a_workload_and_writes_json_chart_and_log(tmp_path: Path) -> None:
+    done = bench("--quick", "--only", "objects", "--out", "results", cwd=tmp_path)
+    out, err = done.communicate(timeout=110)
+    assert done.returncode == 0, out + err
+    results = tmp_path / "results"
+    document = json.loads((results / "aioloader-bench.json").read_text())
+    assert document["format"] == "aioloader.bench/1" and document["quick"] is True
+    rows = [Row(**{k: v for k, v in r.items() if k != "loader"}) for r in document["rows"]]
+    by_config = {r.config: r for r in rows}
+    for config in ("aio-conn16", "aio-conn64", "aio-conn256", "torch-nw8", "asyncio-ceiling"):
+        measured = by_config[config]
+        assert measured.status == "ok" and measured.samples_per_s, measured
+        assert measured.cpu_s is not None and measured.cpu_s > 0
+        assert measured.peak_pss_mib is not None and measured.peak_pss_mib > 50
+    assert by_config["aio-conn64"].extra == {"in_flight": 64}
+    # The optional peers: measured where installed, a row that says so where not.
+    peers = {"torchdata": ("tdnodes-thr16", "tdnodes-thr64"), "spdl": ("spdl-conc64",)}
+    for peer, configs in peers.items():
+        if peer in by_config:
+            assert by_config[peer].status.startswith("skipped: not installed")
+        else:
+            assert all(by_config[c].status == "ok" for c in configs)
+    (summary,) = document["summary"]
+    assert summary["table"] == "objects-http" and summary["aioloader"].startswith("aio-conn")
+    assert summary["ratios"]["torch DataLoader"] > 0
+    assert (results / "aioloader-bench.png").read_bytes()[:8] == PNG_MAGIC
+    assert "===== objects" in (results / "aioloader-bench.log").read_text()
+    assert err == "" and "Traceback" not in out
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_the_bench_and_its_workload(tmp_path: Path) -> None:
+    running = bench("--quick", "--only", "serving", "--out", ".", cwd=tmp_path)
+    log = tmp_path / "aioloader-bench.log"
+    deadline = time.monotonic() + 30
+    while "===== serving" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline and running.poll() is None
+        time.sleep(0.1)
+    time.sleep(1.0)  # the workload's servers are starting
+    workload_sessions = [
+        pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+        if pid != running.pid and _parent(pid) == running.pid
+    ]  # fmt: skip
+    assert workload_sessions  # the workload's process, in a session of its own
+    running.send_signal(signal.SIGTERM)
+    out, err = running.communicate(timeout=40)
+    assert running.returncode == 143, out + err
+    assert err.strip().endswith("aioloader bench: terminated") and "Traceback" not in err
+    for sid in workload_sessions:
+        assert session_processes(sid) == []
+
+
+def _parent(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
