@@ -11,7 +11,8 @@ from pathlib import Path
 
 from .results import OURS, Row
 
-IN_FLIGHT_TABLE = "objects-http"
+# The tables whose rows say how many requests they keep in flight: the object store's first.
+IN_FLIGHT_TABLES = ("objects-s3", "objects-http")
 
 
 def available() -> bool:
@@ -37,7 +38,9 @@ def draw(rows: Sequence[Row], path: Path, title: str) -> None:
         raise ValueError("no row was measured: nothing to draw")
     loaders = list(dict.fromkeys(r.loader for r in measured))
     colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(loaders)}
-    curve = [r for r in measured if r.table == IN_FLIGHT_TABLE and "in_flight" in r.extra]
+    curve: list[Row] = []
+    for table in IN_FLIGHT_TABLES:
+        curve = curve or [r for r in measured if r.table == table and "in_flight" in r.extra]
     figure, axes = plt.subplots(
         1,
         2 if curve else 1,
@@ -67,7 +70,7 @@ def draw(rows: Sequence[Row], path: Path, title: str) -> None:
         line.set_xscale("log", base=2)
         line.set_xlabel("requests in flight at most")
         line.set_ylabel("samples/s")
-        line.set_title(f"{IN_FLIGHT_TABLE}: throughput against requests in flight")
+        line.set_title(f"{curve[0].table}: throughput against requests in flight")
         line.legend(fontsize=7)
         line.grid(alpha=0.3)
     figure.suptitle(title, fontsize=9)

@@ -559,6 +559,10 @@ def _child_main(
     it started to exit (killing those left; a fork server lives as long as this process) and
     send how many were left."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's ask on a timeout
+    # The context that started this process made its start method this process's default; a
+    # user's script has the platform's (fork on Linux up to Python 3.13), which a peer's workers
+    # use (torch's DataLoader, without multiprocessing_context).
+    multiprocessing.set_start_method(None, force=True)
     work = prepare(job)
     gc.collect()
     conn.send(("ready", None))

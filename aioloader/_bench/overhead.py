@@ -89,7 +89,6 @@ import gc
 import importlib.util
 import io
 import math
-import multiprocessing
 import os
 import pstats
 import signal
@@ -528,9 +527,6 @@ def prepare(job: Job, profiler: cProfile.Profile | None = None) -> Callable[[], 
     """The set-up of a configuration, the same for every row (in a child: before
     ``harness.run_in_child`` has it say ready): the dataset built; returns its work, whose
     outcome is a dict."""
-    # The spawn context made spawn this process's default; a torch user's script gets the
-    # platform's (fork on Linux up to Python 3.13), which torch's DataLoader uses for its workers.
-    multiprocessing.set_start_method(None, force=True)
     # torch warns that 8 workers exceed a small machine's cores: measuring that is the point.
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     config = CONFIGS[job.workload][job.config]

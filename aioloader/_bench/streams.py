@@ -861,9 +861,6 @@ def prepare_child(job: Job) -> Callable[[], dict[str, Any]]:
     epochs, and the outcome as a dict."""
     with contextlib.suppress(ImportError):
         importlib.import_module("obstore")  # aio-s3-nw0's; imported by every row alike
-    # The spawn context made spawn this process's default; a script's default is the platform's
-    # (fork on Linux up to Python 3.13), which torch's DataLoader uses for webdataset's workers.
-    multiprocessing.set_start_method(None, force=True)
     torch.set_num_threads(1)
     # torch warns that 8 workers exceed this machine's cores: measuring that is the point.
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)

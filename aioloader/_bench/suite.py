@@ -61,6 +61,14 @@ WORKLOADS: tuple[Workload, ...] = (
         {"objects-http": "64 KiB objects over HTTP, 20 ms to the first byte, batch 32"},
     ),
     Workload(
+        "objects-s3",
+        "remote",
+        ("--store", "s3", "--quick", "--only", *_REMOTE_QUICK),
+        ("--store", "s3"),
+        {"objects-s3": "the same objects from moto's S3 server, 20 ms before each GET's answer"},
+        needs=("moto", "boto3"),
+    ),
+    Workload(
         "shards",
         "streams",
         ("--quick", "--decode", "light"),

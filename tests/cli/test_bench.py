@@ -243,3 +243,23 @@ def _parent(pid: int) -> int:
     except OSError:
         return -1
     return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+@pytest.mark.timeout(120)
+def test_the_s3_workload_reads_every_object_once_through_each_client(tmp_path: Path) -> None:
+    """moto's S3 server with its first-byte latency: aioloader's objects(), torch's workers with
+    boto3 and the obstore ceiling each deliver every object once, with the right bytes."""
+    rows_file = tmp_path / "rows.jsonl"
+    configs = ("aio-conn16", "torch-nw2", "threads32", "asyncio-ceiling")
+    done = subprocess.run(
+        [sys.executable, "-m", "aioloader._bench.remote", "--store", "s3", "--items", "96",
+         "--latency", "0.005", "--only", *configs],
+        capture_output=True, text=True, timeout=110, check=False,
+        env={**os.environ, harness.ROWS_ENV: str(rows_file)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [Row.from_report(json.loads(line)) for line in rows_file.read_text().splitlines()]
+    assert [(r.table, r.config, r.status) for r in rows] == [
+        ("objects-s3", config, "ok") for config in configs
+    ]
+    assert all(r.samples_per_s and r.cpu_s and r.peak_pss_mib for r in rows)
