@@ -2,8 +2,8 @@
 
 Owns: the workloads (``remote``, ``streams``, ``overhead``, ``cpu``, ``serving``: each a module
 whose ``main`` runs it and prints its own tables, as ``benchmarks/bench_*.py`` does), the
-measuring they share (``harness``: each configuration in a child of its own, its memory and CPU
-sampled from outside, the exactly-once checks), the suite that runs them for the command
+measuring they share (``harness``: a configuration in a child of its own, its memory and CPU
+sampled from outside; the exactly-once checks), the suite that runs them for the command
 (``suite``), its rows and tables (``results``) and its chart (``chart``). Never: is imported by
 the library (only the command line and the scripts import it); measures a peer other than as
 its own users would run it (a peer that is not installed is a row that says so).

@@ -31,6 +31,7 @@ import functools
 import gc
 import importlib.metadata
 import json
+import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
@@ -209,7 +210,7 @@ def report(table: str, result: Result, **extra: Any) -> None:
     path = os.environ.get(ROWS_ENV)
     if not path:
         return
-    row = {
+    row: dict[str, Any] = {
         "table": table,
         "config": result.name,
         "samples_per_s": result.rate if result.measured else None,
@@ -220,8 +221,11 @@ def report(table: str, result: Result, **extra: Any) -> None:
         "skipped": result.skipped,
         **extra,
     }
+    for key, value in row.items():  # JSON has no NaN or infinity: a figure not measured
+        if isinstance(value, float) and not math.isfinite(value):
+            row[key] = None
     with open(path, "a", encoding="utf-8") as rows:
-        rows.write(json.dumps(row) + "\n")
+        rows.write(json.dumps(row, allow_nan=False) + "\n")
 
 
 # -- processes: trees, groups, RSS and PSS --------------------------------------------------------
@@ -293,13 +297,15 @@ def rss_kib(pid: int) -> int:
 CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """User plus system clock ticks ``pid`` has used (its threads, not its children); None for a
-    process that is gone."""
+def cpu_ticks(pid: int) -> tuple[int, int] | None:
+    """``(start, ticks)``: when ``pid`` started (clock ticks after boot: with the pid, a
+    process's identity, as pids are reused) and the user plus system clock ticks it has used
+    (its threads', not its children's); None for a process that is gone."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         stat = Path(f"/proc/{pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2 :].split()  # from field 3, "state"
-        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+        # utime and stime are fields 14 and 15, starttime field 22.
+        return int(fields[19]), int(fields[11]) + int(fields[12])
     return None
 
 
@@ -320,12 +326,20 @@ class MemorySampler:
     seen (on entry and on exit included), ``start_mib`` / ``start_pss_mib`` the sums on entry.
     Shared pages count once per process in RSS, divided among them in PSS.
 
+    ``lent``: ``(pid, idle_kib)`` of a fork server the processes were forked from, and its PSS
+    when it had no child: each PSS sum adds what the server's PSS has fallen by since, the share
+    of its pages its children now hold. So a child's sum is what a process of its own would
+    hold: the pages it still shares with the server count whole, and those it has written to (a
+    garbage collection, reference counts) count once, in the child, not also in the server.
+
     ``cpu_s``: the CPU time the processes used while the block ran, summed from each one's ticks
-    as last seen (a process seen on entry counts from then). A process that exits between two
-    polls loses its last poll's worth (at most ``poll_s`` of CPU each).
+    as last seen (a process seen on entry counts from then): a lower bound. A process that exits
+    between two polls loses what it used since the last one (at most ``poll_s`` for each of its
+    threads); one that lives less than a poll is not seen.
 
     The thread is this process's: sampling another process's tree from here (``run_in_child``)
-    keeps the measured process free of it."""
+    keeps the measured process free of it. Sampling this process's own tree, its CPU and its
+    hold on the GIL count in what it measures."""
 
     def __init__(
         self,
@@ -333,27 +347,35 @@ class MemorySampler:
         *,
         poll_s: float = POLL_S,
         pss_every: int = PSS_EVERY,
+        lent: tuple[int, int] | None = None,
     ) -> None:
         self.processes = processes or functools.partial(process_tree, os.getpid())
+        self.lent = lent
         self.poll_s = poll_s
         self.pss_every = pss_every
         self.peak_kib = self.start_kib = 0
         self.peak_pss_kib = self.start_pss_kib = 0
-        self._first_ticks: dict[int, int] = {}
-        self._last_ticks: dict[int, int] = {}
+        self._first_ticks: dict[tuple[int, int], int] = {}  # by (pid, start)
+        self._last_ticks: dict[tuple[int, int], int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
 
     def _sample(self, pss: bool, first: bool = False) -> tuple[int, int]:
         pids = list(self.processes())
         for pid in pids:
-            if (ticks := cpu_ticks(pid)) is not None:
-                self._last_ticks[pid] = ticks
+            if (seen := cpu_ticks(pid)) is not None:
+                start, ticks = seen
+                self._last_ticks[pid, start] = ticks
                 if first:
-                    self._first_ticks[pid] = ticks
+                    self._first_ticks[pid, start] = ticks
         rss = sum(rss_kib(pid) for pid in pids)
         self.peak_kib = max(self.peak_kib, rss)
-        total_pss = sum(pss_kib(pid) for pid in pids) if pss and self.pss_every else 0
+        total_pss = 0
+        if pss and self.pss_every:
+            total_pss = sum(pss_kib(pid) for pid in pids)
+            if self.lent is not None:
+                server, idle_kib = self.lent
+                total_pss += max(0, idle_kib - pss_kib(server))
         self.peak_pss_kib = max(self.peak_pss_kib, total_pss)
         return rss, total_pss
 
@@ -379,7 +401,7 @@ class MemorySampler:
 
     @property
     def cpu_s(self) -> float:
-        ticks = sum(t - self._first_ticks.get(pid, 0) for pid, t in self._last_ticks.items())
+        ticks = sum(t - self._first_ticks.get(key, 0) for key, t in self._last_ticks.items())
         return ticks * CLOCK_TICK_S
 
     @property
@@ -549,6 +571,10 @@ def _fork_server_pid() -> int | None:
     return pid if isinstance(pid, int) else None
 
 
+def _nothing() -> None:
+    """A child that only starts: the fork server, once it has imported its modules."""
+
+
 def _child_main(
     prepare: Callable[[J], Callable[[], dict[str, Any]]],
     job: J,
@@ -610,10 +636,19 @@ def run_in_child(
     has the child dump its threads' stacks (``faulthandler`` on SIGUSR1) and kills its tree.
 
     The fork server starts children in milliseconds, not the seconds a spawned interpreter takes
-    to import torch. A child's memory is measured with the server's (which holds only the
-    imported modules, and whose only child is the one running), so a row's PSS is what a process
-    of its own would hold. ``context``: another fork server context of this process's."""
+    to import torch. A child's PSS counts the share of the server's pages it holds (see
+    :class:`MemorySampler`'s ``lent``), so a row's PSS is what a process of its own would hold.
+    ``context``: another fork server context of this process's."""
     start = context or preloaded_forkserver([getattr(prepare, "__module__", "__main__")])
+    if _fork_server_pid() is None:
+        # Start the server, and let it import its modules, before the first row: its PSS is
+        # read while it has no child.
+        first = start.Process(target=_nothing, name="bench-fork-server-start")
+        first.start()
+        first.join()
+    server = _fork_server_pid()
+    assert server is not None
+    idle_kib = pss_kib(server)
     conn, child_conn = start.Pipe()
     # Not a daemon: daemonic processes may not start any (a loader's workers); this process kills
     # the child's tree in any case.
@@ -621,8 +656,7 @@ def run_in_child(
     process.start()
     child_conn.close()
     assert process.pid is not None
-    server = _fork_server_pid()
-    memory = MemorySampler(functools.partial(process_tree, server or process.pid))
+    memory = MemorySampler(functools.partial(process_tree, process.pid), lent=(server, idle_kib))
     payload: dict[str, Any] | None = None
     error: str | None = None
     timed_out = done = False

@@ -46,10 +46,11 @@ Workloads (``--workloads rows files``, default both):
   the disk (no root needed; the files are ``fdatasync``-ed when written, since dirty pages are
   not dropped), in a table of their own whose baseline is ``torch-nw8``.
 
-How a configuration runs: in a child process of its own started with the ``spawn`` context
-(``harness.run_in_child``), after the same set-up in each (this script's imports, the data
-built, garbage collected), so no row inherits the heap an earlier one grew. The child builds
-the loader, runs one warm-up epoch (checked: every index exactly once, each sample's content
+How a configuration runs: in a child process of its own, forked from a server that has only
+imported this module (``harness.run_in_child``), after the same set-up in each (this script's
+imports, the data built, garbage collected), so no row inherits the heap an earlier one grew.
+The child builds the
+loader, runs one warm-up epoch (checked: every index exactly once, each sample's content
 its index's, the expected number of batches), then ``--repeats`` (default 3) timed epochs
 (counted: samples and batches; garbage collected before each, untimed). ``samples/s`` and
 ``µs/sample`` are of the best timed epoch; ``median µs`` of the median; ``+µs vs plain`` is the
@@ -146,7 +147,7 @@ PLAIN = "plain-loop"
 BASELINE = {"rows": "torch-nw0", "files": "plain-loop", "files-cold": "torch-nw8"}
 
 
-# -- the datasets (module level: torch's workers and the spawned children use them by name) ----
+# -- the datasets (module level: torch's workers and the forked children use them by name) ----
 
 
 def make_rows(n: int) -> torch.Tensor:
@@ -569,7 +570,7 @@ class OverheadResult(Result):
 
 
 def measure(job: Job, timeout: float) -> OverheadResult:
-    """Run ``job`` in a fresh spawned child, its tree's memory sampled from here."""
+    """Run ``job`` in a fresh child (``harness.run_in_child``), its memory sampled from here."""
     config = CONFIGS[job.workload][job.config]
     if config.skip is not None:
         return OverheadResult(job.config, skipped=config.skip)

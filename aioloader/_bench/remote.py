@@ -237,6 +237,7 @@ class S3Get:
         with self._lock:
             if self._client is None:
                 import boto3
+                from botocore.config import Config
 
                 self._client = boto3.client(
                     "s3",
@@ -244,6 +245,8 @@ class S3Get:
                     region_name=REGION,
                     aws_access_key_id=S3_KEYS,
                     aws_secret_access_key=S3_KEYS,
+                    # As many connections as the most threads that share it (boto3 keeps 10).
+                    config=Config(max_pool_connections=CEILING_CONCURRENCY),
                 )
         body: bytes = self._client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
         return body
@@ -513,12 +516,13 @@ BASELINES = ("asyncio-ceiling", "torch-nw8")
 
 def in_flight(name: str) -> dict[str, int]:
     """The requests a configuration keeps in flight at most, for ``aioloader bench``'s chart of
-    throughput against it: the number its name ends with (``conn64``, ``thr16``: torchdata's
-    ``ParallelMapper`` keeps up to twice its threads), the ceiling's semaphore, torch's workers."""
+    throughput against it: the number its name ends with (connections, torch's workers, threads:
+    ``ParallelMapper`` holds up to twice its threads' items, but runs at most one fetch a
+    thread), the ceiling's semaphore."""
     if name == "asyncio-ceiling":
         return {"in_flight": CEILING_CONCURRENCY}
     digits = name[len(name.rstrip("0123456789")) :]
-    return {"in_flight": int(digits) * (2 if name.startswith("tdnodes") else 1)} if digits else {}
+    return {"in_flight": int(digits)} if digits else {}
 
 
 # The configurations that need an optional peer: the peer's key in PEERS.

@@ -28,10 +28,17 @@ FAMILIES: tuple[tuple[str, str], ...] = (
 OURS = "aioloader"
 
 
+# A row that stands for a workload, not a configuration: one not run (a module it needs is not
+# installed) or one that failed as a whole.
+PLACEHOLDERS = ("-", "(workload)")
+
+
 def family(config: str) -> str:
-    """The loader of ``config`` (its row's name): ``aio-conn64`` -> ``aioloader``."""
+    """The loader of ``config`` (its row's name): ``aio-conn64`` -> ``aioloader``,
+    ``threads32`` -> ``thread pool``."""
     for prefix, name in FAMILIES:
-        if config == prefix or config.startswith((f"{prefix}-", f"{prefix}@")):
+        rest = config.removeprefix(prefix)
+        if rest != config and (not rest or rest[0] in "-@0123456789"):
             return name
     # A peer's "not installed" row is named after the peer itself ("spdl", "torchdata").
     return {"torchdata": "torchdata.nodes", "spdl": "SPDL"}.get(config, config)
@@ -107,6 +114,8 @@ def summarize(rows: Iterable[Row]) -> list[Summary]:
         best: dict[str, Row] = {}
         loaders: list[str] = []
         for row in members:
+            if row.config in PLACEHOLDERS:
+                continue
             if row.loader not in loaders:
                 loaders.append(row.loader)
             if row.measured and (
@@ -149,8 +158,8 @@ def format_rows(rows: Sequence[Row], titles: Mapping[str, str]) -> str:
             f"{_number(row.samples_per_s, ',.0f'):>10} {_number(row.cpu_s, '.2f'):>7} "
             f"{_number(row.peak_pss_mib, ',.0f'):>8}  {row.status}"
         )
-    named = [f"  {table}: {titles[table]}" for table in dict.fromkeys(r.table for r in rows)]
-    return "\n".join([*lines, "", "tables:", *(t for t in named if not t.endswith(": "))])
+    named = [f"  {t}: {titles[t]}" for t in dict.fromkeys(r.table for r in rows) if titles.get(t)]
+    return "\n".join([*lines, "", "tables:", *named])
 
 
 def format_summary(summaries: Sequence[Summary]) -> str:

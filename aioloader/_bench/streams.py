@@ -66,8 +66,9 @@ of the sample dict returning ``(key, label, tensor)``:
 
 Each decode's serial cost per sample (over shard 0, on one thread) is printed at start-up.
 
-How a configuration runs: each row of each decode runs in a child process of its own, started
-with multiprocessing's ``spawn`` context, one after another, the servers staying up. No row
+How a configuration runs: each row of each decode runs in a child process of its own, forked
+from a server that has only imported this module (``harness.run_in_child``), one after another,
+the servers staying up. No row
 inherits the heap an earlier one grew. Every child has the same baseline: it imports this
 script's modules (torch, NumPy, Pillow, aiohttp, webdataset, aioloader and its sources) and
 obstore where installed, sets torch to one intra-op thread (as both loaders' workers run), and
@@ -94,8 +95,9 @@ Measured per configuration:
   outside (``harness.run_in_child``: its ``MemorySampler`` rooted at the child, RSS every
   50 ms, PSS every 0.2 s), so that the child runs no thread of the benchmark's: one would
   compete for its GIL, and aioloader forks its fork server only from a process with a single
-  thread. The servers and multiprocessing's resource tracker (this process's, which the spawn
-  context hands down) are not in a child's tree.
+  thread. The servers and multiprocessing's resource tracker (this process's, which the child
+  is handed) are not in a child's tree; the share of the fork server's pages the child holds is
+  (``MemorySampler``'s ``lent``).
 
 Ratios, to the same decode's row: ``vs asyncio-ref`` and ``vs wds-nw8`` of ``samples/s``,
 ``steady vs wds-nw8`` of ``steady samples/s``, ``PSS vs wds-nw8`` of ``peak PSS``.
@@ -856,8 +858,8 @@ def run_epochs(job: Job, config: Config, decoder: Decoder, rec: Recorder) -> Out
 
 
 def prepare_child(job: Job) -> Callable[[], dict[str, Any]]:
-    """A child's set-up, the same for every row (the spawn context has imported this script's
-    modules by now), before ``harness.run_in_child`` has it say ready; returns its work: run the
+    """A child's set-up, the same for every row (its fork server has imported this module's
+    imports by now), before ``harness.run_in_child`` has it say ready; returns its work: run the
     epochs, and the outcome as a dict."""
     with contextlib.suppress(ImportError):
         importlib.import_module("obstore")  # aio-s3-nw0's; imported by every row alike
@@ -880,7 +882,7 @@ def prepare_child(job: Job) -> Callable[[], dict[str, Any]]:
 
 
 def measure(job: Job, timeout: float) -> StreamResult:
-    """Run ``job`` in a fresh spawned child (``harness.run_in_child``); sample its tree's memory
+    """Run ``job`` in a fresh child (``harness.run_in_child``); sample its tree's memory
     from here between go and the child's last message; past ``timeout`` per epoch, dump its
     stacks and kill its tree."""
     run = run_in_child(prepare_child, job, timeout * job.epochs, name=f"bench-{job.config}")
@@ -1126,7 +1128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cap = f"{args.bandwidth:g} MB/s per response" if args.bandwidth else "no bandwidth cap"
         print(
             f"HTTP on 127.0.0.1:{http.port}: {args.latency * 1e3:g} ms to first byte, {cap}; "
-            f"{args.epochs} epoch(s), each configuration in a fresh spawned process, timeout "
+            f"{args.epochs} epoch(s), each configuration in a fresh child process, timeout "
             f"{args.timeout:g} s per epoch",
             flush=True,
         )

@@ -4,9 +4,10 @@ module's ``main``, as its script runs it), its rows read back from the file it r
 
 A workload's module runs each configuration in a child of its own (``harness.run_in_child``)
 or, for the CPU workloads, one after another in its own process; either way no configuration
-shares a heap with the command. Cancelled (Ctrl-C, SIGTERM): the running workload is sent
-SIGTERM (each module cleans up on it: servers stopped, temporary files removed), then SIGKILL
-after ``STOP_GRACE_S``; the cancellation goes on once it has exited.
+shares a heap with the command. Cancelled (Ctrl-C, SIGTERM), or past its time: the workload's
+process group is sent SIGTERM (on which ``streams`` and ``overhead`` clean up as on Ctrl-C; the
+others are ended by it, their ``with`` blocks and temporary folders with them only where Python
+runs them), then SIGKILL after ``STOP_GRACE_S``; the cancellation goes on once it has exited.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .harness import ROWS_ENV
+from .harness import ROWS_ENV, process_group, wait_until_gone
 from .results import Row
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0  # from SIGTERM to SIGKILL
+LEFT_WAIT_S = 2.0  # for the rest of a workload's session to exit after its leader
 NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
 
 
@@ -50,6 +52,14 @@ _REMOTE_QUICK = (
     "aio-conn16", "aio-conn64", "aio-conn256", "torch-nw8",
     "tdnodes-thr16", "tdnodes-thr64", "spdl-conc64", "asyncio-ceiling",
 )  # fmt: skip
+_S3_QUICK = (
+    "aio-conn16",
+    "aio-conn64",
+    "torch-nw8",
+    "tdnodes-thr64",
+    "spdl-conc64",
+    "asyncio-ceiling",
+)
 _FILES = ("plain-loop", "torch-nw0", "torch-nw2", "torch-nw8", "aio-files", "aio-torchds-for")
 
 WORKLOADS: tuple[Workload, ...] = (
@@ -63,10 +73,10 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload(
         "objects-s3",
         "remote",
-        ("--store", "s3", "--quick", "--only", *_REMOTE_QUICK),
+        ("--store", "s3", "--items", "200", "--only", *_S3_QUICK),
         ("--store", "s3"),
         {"objects-s3": "the same objects from moto's S3 server, 20 ms before each GET's answer"},
-        needs=("moto", "boto3"),
+        needs=("moto", "boto3", "flask"),  # flask: moto's server extra
     ),
     Workload(
         "shards",
@@ -78,7 +88,7 @@ WORKLOADS: tuple[Workload, ...] = (
             "HTTP (20 ms to first byte, 50 MB/s a connection) and moto's S3, light decode",
             "shards-heavy": "the same with a Pillow decode per sample",
         },
-        needs=("webdataset", "PIL", "moto", "boto3"),
+        needs=("webdataset", "PIL"),  # without moto, its S3 rows say so themselves
     ),
     Workload(
         "files",
@@ -143,12 +153,14 @@ async def run_workload(
     log: Path,
     on_row: Callable[[Row], None] = lambda row: None,
 ) -> Ran:
-    """Run ``workload``'s module in a process of its own; return its rows once it has exited
-    (``on_row`` is called for each).
+    """Run ``workload``'s module in a process of its own, in a session of its own; return its
+    rows once it has exited (``on_row`` is called for each). A workload that fails as a whole
+    (a non-zero exit, past its time, no row reported, processes left once it exited) adds a
+    ``(workload)`` row that says so.
 
     Raises:
-        asyncio.CancelledError: Cancelled; the workload's process is stopped first (SIGTERM,
-            then SIGKILL after ``STOP_GRACE_S``).
+        asyncio.CancelledError: Cancelled; the workload's processes are stopped first (SIGTERM
+            to its session's process group, SIGKILL after ``STOP_GRACE_S``).
     """
     started = time.perf_counter()
     rows: list[Row] = []
@@ -161,8 +173,11 @@ async def run_workload(
     rows_file.unlink(missing_ok=True)
     rows_file.touch()
     args = workload.quick if quick else workload.full
-    code = f"import sys; from aioloader._bench.{workload.module} import main; sys.exit(main())"
+    module = workload.module if "." in workload.module else f"aioloader._bench.{workload.module}"
+    code = f"import sys; from {module} import main; sys.exit(main())"
     env = {**os.environ, ROWS_ENV: str(rows_file), "PYTHONUNBUFFERED": "1"}
+    limit = workload.limit_s[0 if quick else 1]
+    error: str | None = None
     with log.open("ab") as out:
         out.write(f"\n===== {workload.name}: {' '.join(args)}\n".encode())
         out.flush()
@@ -171,19 +186,22 @@ async def run_workload(
             stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True,  # Ctrl-C reaches it through this process: cleanly, once
         )  # fmt: skip
-        limit = workload.limit_s[0 if quick else 1]
         try:
             async with asyncio.timeout(limit):
                 status = await process.wait()
-            error = None if status == 0 else f"exited with status {status} (see {log})"
+            if status != 0:
+                error = f"exited with status {status} (see {log})"
         except TimeoutError:
-            await _stop(process)
             error = f"took over {limit:g} s; stopped (see {log})"
-        except BaseException:
-            await _stop(process)
-            raise
+        finally:
+            # Whatever happened (cancelled too): no process of the workload's outlives it.
+            left = await _stop(process)
+    if left and error is None:
+        error = f"{left} of its processes were still running when it exited; killed"
     _read_rows(rows_file, rows, on_row)
-    if error is not None and not any(r.failed for r in rows):
+    if error is None and not rows:
+        error = f"it reported no row (see {log})"
+    if error is not None:
         rows.append(Row(next(iter(workload.tables)), "(workload)", None, status=f"FAIL: {error}"))
         on_row(rows[-1])
     return Ran(rows, time.perf_counter() - started, error)
@@ -191,24 +209,44 @@ async def run_workload(
 
 def _read_rows(rows_file: Path, rows: list[Row], on_row: Callable[[Row], None]) -> None:
     """Append the rows written to ``rows_file`` (whole lines: a killed workload may have left
-    half of one)."""
-    for line in rows_file.read_text(encoding="utf-8").splitlines(keepends=True):
-        if line.endswith("\n"):
+    half of one; a line that is not a row is a failed row that says so)."""
+    for number, line in enumerate(rows_file.read_text(encoding="utf-8").splitlines(True), 1):
+        if not line.endswith("\n"):
+            continue
+        try:
             rows.append(Row.from_report(json.loads(line)))
-            on_row(rows[-1])
+        except (ValueError, KeyError, TypeError) as exc:
+            rows.append(Row("?", "(workload)", None, status=f"FAIL: row {number}: {exc!r}"))
+        on_row(rows[-1])
 
 
-async def _stop(process: asyncio.subprocess.Process) -> None:
-    """SIGTERM to the workload's process group, SIGKILL after ``STOP_GRACE_S``; wait for it."""
-    if process.returncode is not None:
-        return
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signum)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(STOP_GRACE_S):
-                await asyncio.shield(process.wait())
-                return
+async def _stop(process: asyncio.subprocess.Process) -> int:
+    """Stop what is left of the workload's session: SIGTERM to its process group unless its
+    leader has exited, then SIGKILL to whatever is left after ``STOP_GRACE_S``; return how many
+    processes were left once the leader had exited of itself (0 when it had to be stopped).
+    Cancelled meanwhile: SIGKILL at once, then the cancellation goes on."""
+    group = process.pid  # start_new_session: the leader's pid is the group's id
+    stopping = process.returncode is None
+    try:
+        if stopping:
+            _signal_group(group, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_GRACE_S):
+                    await process.wait()
+        left = await asyncio.to_thread(wait_until_gone, lambda: process_group(group), LEFT_WAIT_S)
+    except BaseException:
+        _signal_group(group, signal.SIGKILL)
+        raise
+    if left:
+        _signal_group(group, signal.SIGKILL)
+    if process.returncode is None:
+        await process.wait()  # killed: reaped now
+    return 0 if stopping else len(left)
+
+
+def _signal_group(group: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signum)
 
 
 def selected(names: Sequence[str] | None) -> list[Workload]:

@@ -30,10 +30,11 @@ JSON_NAME, CHART_NAME, LOG_NAME = (
 
 DESCRIPTION = """\
 Runs each workload against the loaders installed, in one run: torch's DataLoader, torchdata.nodes,
-SPDL, webdataset, and a plain asyncio loop or a plain loop as ceilings. Each configuration runs in
-a process of its own, measured from outside for its peak memory (PSS) and CPU time, and checks
-that every sample came once and right. Peers that are not installed are a row that says so
-(pip install -e '.[bench]' installs them).
+SPDL, webdataset, and a plain asyncio loop or a plain loop as ceilings. Every row checks that each
+sample came once and right, and has its peak memory (PSS) and CPU time: each configuration of the
+I/O workloads runs in a process of its own, measured from outside; the CPU workloads run theirs
+one after another in their own process; the serving workload measures requests served, not
+memory. Peers that are not installed are a row that says so (pip install -e '.[bench]').
 
 Writes aioloader-bench.json (every row, the machine, the versions), aioloader-bench.png (the
 chart) and aioloader-bench.log (each workload's own output) into --out.
@@ -107,10 +108,6 @@ async def _bench(only: list[str] | None, *, quick: bool, out: Path) -> int:
             print(f"  ({ran.wall_s:.0f} s)", flush=True)
     wall_s = time.perf_counter() - began
     summaries = summarize(rows)
-    print()
-    print(format_rows(rows, suite.titles()))
-    print("\naioloader's best configuration per table, against each other loader's best:")
-    print(format_summary(summaries))
     document = {
         "format": "aioloader.bench/1",
         "started": started.isoformat(timespec="seconds"),
@@ -128,13 +125,23 @@ async def _bench(only: list[str] | None, *, quick: bool, out: Path) -> int:
             for s in summaries
         ],
     }
-    (out / JSON_NAME).write_text(json.dumps(document, indent=1) + "\n")
+    # Written first: whatever fails below, the figures are kept.
+    (out / JSON_NAME).write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
     written = [str(out / JSON_NAME)]
+    print()
+    print(format_rows(rows, suite.titles()))
+    print("\naioloader's best configuration per table, against each other loader's best:")
+    print(format_summary(summaries))
     if not chart.available():
         print(f"\nno chart: matplotlib {suite.NOT_INSTALLED}")
     elif any(r.measured for r in rows):
-        chart.draw(rows, out / CHART_NAME, f"aioloader bench{' --quick' if quick else ''}: {where}")
-        written.append(str(out / CHART_NAME))
+        title = f"aioloader bench{' --quick' if quick else ''}: {where}"
+        try:
+            chart.draw(rows, out / CHART_NAME, title)
+        except Exception as exc:  # the figures are written: say why there is no chart
+            print(f"\nno chart: {type(exc).__name__}: {exc}")
+        else:
+            written.append(str(out / CHART_NAME))
     failed = failures(rows)
     print(f"\nwrote {', '.join(written)} and {log} in {wall_s:.0f} s")
     if failed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -35,6 +36,8 @@ def test_a_configuration_s_name_says_its_loader() -> None:
     assert family("tdnodes-thr16") == "torchdata.nodes"
     assert family("spdl") == "SPDL"  # a peer's "not installed" row
     assert family("asyncio-ceiling") == "plain asyncio"
+    assert family("threads32") == "thread pool"
+    assert family("torchy") == "torchy"  # a prefix is a whole word
     assert family("something-else") == "something-else"
 
 
@@ -59,6 +62,19 @@ def test_the_summary_sets_aioloader_s_best_against_each_peer_s_best() -> None:
     }
     assert other.table == "other" and other.ours is None and other.ratios == {"plain loop": None}
     assert failures(rows) == ["t/asyncio-ceiling"]
+
+
+def test_a_placeholder_row_is_no_loader_of_the_summary() -> None:
+    rows = [
+        row("aio-conn16", 500.0),
+        row("torch-nw8", 250.0),
+        row("(workload)", None, "FAIL: took over 9 s"),
+        row("-", None, "skipped: webdataset not installed", table="shards"),
+    ]
+    first, shards = summarize(rows)
+    assert first.ratios == {"torch DataLoader": 2.0}
+    assert shards.ours is None and shards.ratios == {}
+    assert failures(rows) == ["t/(workload)"]
 
 
 def test_a_reported_row_keeps_its_status_and_figures() -> None:
@@ -105,16 +121,17 @@ def test_a_workload_reports_its_rows_only_to_the_command(
 ) -> None:
     result = harness.Result("aio-x", samples=100, wall_s=2.0, cpu_s=0.5, peak_pss_mib=64.0)
     monkeypatch.delenv(harness.ROWS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
     harness.report("t", result)  # by hand: nowhere to write, nothing written
     assert list(tmp_path.iterdir()) == []
     rows_file = tmp_path / "rows.jsonl"
     monkeypatch.setenv(harness.ROWS_ENV, str(rows_file))
-    harness.report("t", result, in_flight=8)
+    harness.report("t", result, in_flight=8, p99_ms=math.inf)
     harness.report("t", harness.Result("spdl", skipped="not installed"))
     lines = rows_file.read_text().splitlines()
     first, second = (Row.from_report(json.loads(line)) for line in lines)
     assert (first.samples_per_s, first.cpu_s, first.peak_pss_mib) == (50.0, 0.5, 64.0)
-    assert first.extra == {"in_flight": 8}
+    assert first.extra == {"in_flight": 8, "p99_ms": None}  # JSON has no infinity
     assert second.status == "skipped: not installed" and second.samples_per_s is None
 
 
@@ -167,11 +184,80 @@ async def test_a_workload_past_its_time_is_stopped_with_its_servers(tmp_path: Pa
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(asyncio, "create_subprocess_exec", spying)
         ran = await suite.run_workload(workload, quick=True, workdir=tmp_path, log=tmp_path / "log")
-    assert time.monotonic() - began < 3 + 2 * suite.STOP_GRACE_S
+    # SIGTERM ended it and its servers: no wait for the SIGKILL that follows a deaf workload.
+    assert time.monotonic() - began < 3 + suite.STOP_GRACE_S / 2
     assert ran.error is not None and "took over 3 s" in ran.error
     assert [r.status for r in ran.rows if r.failed] == [f"FAIL: {ran.error}"]
     (session,) = sessions
     assert session_processes(session) == []
+
+
+async def run_stubborn(
+    tmp_path: Path, flag: str, monkeypatch: pytest.MonkeyPatch, limit_s: float = 1.0
+) -> tuple[suite.Ran, int]:
+    """Run tests/support/stubborn_workload.py with ``flag`` (``limit_s`` allowed, 1 s from
+    SIGTERM to SIGKILL); return what the runner said and the workload's session id."""
+    monkeypatch.setattr(suite, "STOP_GRACE_S", 1.0)
+    monkeypatch.chdir(ROOT)  # the workload's module is tests.support.stubborn_workload
+    workload = suite.Workload(
+        "w", "tests.support.stubborn_workload", (flag,), (), {"t": ""}, limit_s=(limit_s, 1)
+    )
+    sessions: list[int] = []
+    real = asyncio.create_subprocess_exec
+
+    async def spying(*args: object, **kwargs: object) -> asyncio.subprocess.Process:
+        process = await real(*args, **kwargs)  # type: ignore[arg-type]
+        sessions.append(process.pid)
+        return process
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spying)
+    ran = await suite.run_workload(workload, quick=True, workdir=tmp_path, log=tmp_path / "log")
+    return ran, sessions[0]
+
+
+async def test_a_workload_deaf_to_sigterm_is_killed_with_its_children(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran, session = await run_stubborn(tmp_path, "--ignore-sigterm", monkeypatch)
+    assert ran.error is not None and "took over 1 s" in ran.error
+    assert session_processes(session) == []
+
+
+async def test_a_workload_that_leaves_a_process_fails_and_the_process_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran, session = await run_stubborn(tmp_path, "--leave-child", monkeypatch, limit_s=60)
+    assert [(r.config, r.status) for r in ran.rows] == [
+        ("aio-x", "ok"),
+        ("(workload)", "FAIL: 1 of its processes were still running when it exited; killed"),
+    ]
+    assert session_processes(session) == []
+
+
+async def test_a_cancelled_run_stops_its_workload_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _children_of(os.getpid())
+    stubborn = run_stubborn(tmp_path, "--ignore-sigterm", monkeypatch, limit_s=60)
+    task = asyncio.ensure_future(stubborn)
+    log = tmp_path / "log"
+    for _ in range(600):  # 30 s at most
+        if "===== w" in (log.read_text() if log.exists() else ""):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # its child started
+    (workload,) = _children_of(os.getpid()) - before  # its pid is its session's id
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert session_processes(workload) == []
+
+
+def _children_of(pid: int) -> set[int]:
+    return {
+        child for child in map(int, filter(str.isdigit, os.listdir("/proc")))
+        if _parent(child) == pid
+    }  # fmt: skip
 
 
 def bench(*args: str, cwd: Path) -> subprocess.Popen[str]:
