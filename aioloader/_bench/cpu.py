@@ -926,6 +926,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="WORKLOAD",
         help=f"workloads to run: {', '.join(WORKLOADS)} (default: all)",
     )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        metavar="CONFIG",
+        choices=sorted({*CONFIGS, *DROPIN_CONFIGS}),
+        help="run only these configurations (default: all of each workload's)",
+    )
     add_timeout(
         parser, "seconds one configuration may take (default: max(120, 4x its serial time))"
     )
@@ -1112,6 +1119,11 @@ def run_workload(
     return results
 
 
+def _chosen(configs: dict[str, Runner], names: Sequence[str] | None) -> dict[str, Runner]:
+    """``configs`` less those ``--configs`` did not name (all of them without the flag)."""
+    return {n: r for n, r in configs.items() if names is None or n in names}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     only: list[str] = args.only or list(WORKLOADS)
@@ -1134,7 +1146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     builders = {"gil": gil_workload, "decode": decode_workload}
     for name in ("gil", "decode"):
         if name in only:
-            results = run_workload(builders[name](args), CONFIGS, BASELINES, reference_probe_s)
+            configs = _chosen(CONFIGS, args.configs)
+            results = run_workload(builders[name](args), configs, BASELINES, reference_probe_s)
             failed.extend(f"{name}/{r.name}" for r in results if not r.ok)
     dropins = {"dropin-py": dropin_py_workload, "dropin-jpeg": dropin_jpeg_workload}
     for name, build in dropins.items():
@@ -1144,7 +1157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\ndropin-jpeg: needs Pillow (pip install -e '.[bench]'); not run", flush=True)
             failed.append(name)
             continue
-        results = run_workload(build(args), DROPIN_CONFIGS, DROPIN_BASELINES, reference_probe_s)
+        configs = _chosen(DROPIN_CONFIGS, args.configs)
+        results = run_workload(build(args), configs, DROPIN_BASELINES, reference_probe_s)
         failed.extend(f"{name}/{r.name}" for r in results if not r.ok)
     if "pipe" in only:
         pipe = measure_pipe(_timeout(args, 1.0))

@@ -7,7 +7,7 @@ process tree or process group sampled from outside (:class:`MemorySampler`, :fun
 :func:`process_group`); waiting for and killing the processes a configuration left
 (:func:`wait_for_children`, :func:`kill_tree`, :func:`kill_group`); a configuration in a fresh
 child measured from this process (:func:`run_in_child`, :func:`preloaded_forkserver`); the rows
-handed to ``aioloader bench`` (:func:`report`); a server in a spawned subprocess
+handed to ``aioloader bench`` (:func:`report`); a server in a subprocess
 (:class:`ServerProcess`); the exactly-once check of an epoch (:func:`delivery_error`); the table
 with ratios against peers measured in the same run (:func:`format_table`, :func:`ratio_to`); the
 header line (:func:`versions`, :func:`cpus_and_load`); the common flags (:func:`add_quick`,
@@ -63,7 +63,7 @@ R = TypeVar("R", bound="Result")
 POLL_S = 0.05  # MemorySampler's default: RSS every 50 ms
 PSS_EVERY = 4  # ... and PSS (smaps_rollup, ~1 ms a process) every 4th poll: every 0.2 s
 EXIT_WAIT_S = 15.0  # how long a configuration's processes may take to exit once it is over
-SERVER_START_S = 120.0  # a ServerProcess's spawn, imports and set-up, up to its port
+SERVER_START_S = 120.0  # a ServerProcess's start, imports and set-up, up to its port
 CHILD_START_S = 120.0  # a run_in_child child's start and set-up, up to its "ready"
 CHILD_EXIT_S = EXIT_WAIT_S + 10.0  # its wait for its processes, then its own exit
 STACK_DUMP_S = 1.0  # a timed-out child's time to write its stacks before it is killed
@@ -468,7 +468,7 @@ def machine_ticks() -> tuple[int, int]:
     return total - ticks[3] - ticks[4], total
 
 
-# -- a server in a spawned subprocess -------------------------------------------------------------
+# -- a server in a subprocess -------------------------------------------------------------------
 
 
 def wait_for_stop(conn: multiprocessing.connection.Connection) -> None:
@@ -491,10 +491,14 @@ def _serve(
 
 
 class ServerProcess:
-    """``target(*args, conn)`` in a spawned subprocess: it sends its port through ``conn``, then
-    serves until :func:`wait_for_stop` returns; a traceback comes back instead when it raises.
-    A context manager that stops it on exit; it also stops when this process dies (its end of
-    the pipe closes)."""
+    """``target(*args, conn)`` in a subprocess: it sends its port through ``conn``, then serves
+    until :func:`wait_for_stop` returns; a traceback comes back instead when it raises. A
+    context manager that stops it on exit; it also stops when this process dies (its end of the
+    pipe closes).
+
+    The subprocess is a fork of :func:`run_in_child`'s fork server (started here if it is not
+    yet, with ``target``'s module imported), so it starts without importing torch again; it is
+    there before a row's child is, so a row's PSS counts none of its pages."""
 
     def __init__(
         self,
@@ -504,7 +508,7 @@ class ServerProcess:
         start_timeout: float = SERVER_START_S,
     ) -> None:
         self.name = name
-        context = multiprocessing.get_context("spawn")
+        context = preloaded_forkserver([getattr(target, "__module__", "__main__")])
         self._conn, child = context.Pipe()
         self.process = context.Process(
             target=_serve, args=(target, args, child), name=name, daemon=True
@@ -696,7 +700,7 @@ def preloaded_forkserver(modules: Sequence[str]) -> multiprocessing.context.Fork
     on its first use), for :func:`run_in_child`: every child is a fork of a process that has
     imported them and done nothing else, so no row inherits the heap an earlier one grew."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(modules))
+    context.set_forkserver_preload([*modules, "aioloader._bench.frozen"])  # frozen: last
     return context
 
 

@@ -3,7 +3,7 @@ pool vs plain asyncio, fetching small objects over HTTP or S3 from a local serve
 first-byte latency.
 
 Workload: ``--items`` (default 2,000) objects of 64 KiB, each served after ``--latency``
-(default 20 ms), by a server on ``127.0.0.1`` (port 0, in a spawned subprocess, stopped at the
+(default 20 ms), by a server on ``127.0.0.1`` (port 0, in a subprocess, stopped at the
 end of the run):
 
 * ``--store http`` (default): an aiohttp server, ``GET /obj/{i}``, the latency an
@@ -129,7 +129,7 @@ def payload(index: int) -> bytes:
     return index.to_bytes(4, "little") * (OBJECT_SIZE // 4)
 
 
-# -- the server (a spawned subprocess) ----------------------------------------------------------
+# -- the server (a subprocess) -----------------------------------------------------------------
 
 
 def serve(items: int, latency: float, conn: multiprocessing.connection.Connection) -> None:

@@ -11,7 +11,7 @@ so that it is about ``--sample-kib`` KiB, default 16) and a ``cls`` member (the 
 index ``k * samples_per_shard + i`` in ASCII). Batches of ``--batch-size`` (default 32);
 ``--epochs`` (default 1) epochs.
 
-Servers, each in a spawned subprocess on ``127.0.0.1`` (port 0, reported through a pipe, up for
+Servers, each in a subprocess of its own on ``127.0.0.1`` (port 0, reported through a pipe, up for
 the whole run, stopped at its end, or when this process dies):
 
 * an aiohttp server of the shard files at ``/shard-{k:04d}.tar``: ``--latency`` (default 20 ms)
@@ -367,7 +367,7 @@ def decode_costs(data: ShardSet, decoders: Sequence[Decoder]) -> str:
     return f"decode per sample, serial: {', '.join(costs)}"
 
 
-# -- the servers (spawned subprocesses) ---------------------------------------------------------
+# -- the servers (subprocesses) ----------------------------------------------------------------
 
 
 def _start_range(header: str | None, size: int) -> int | None:

@@ -49,18 +49,16 @@ class Workload:
 
 
 _REMOTE_QUICK = (
-    "aio-conn16", "aio-conn64", "aio-conn256", "torch-nw8",
-    "tdnodes-thr16", "tdnodes-thr64", "spdl-conc64", "asyncio-ceiling",
-)  # fmt: skip
-_S3_QUICK = (
-    "aio-conn16",
-    "aio-conn64",
-    "torch-nw8",
-    "tdnodes-thr64",
-    "spdl-conc64",
+    "aio-conn16", "aio-conn64", "aio-conn256", "torch-nw8", "tdnodes-thr64", "spdl-conc64",
     "asyncio-ceiling",
-)
+)  # fmt: skip
+_S3_QUICK = ("aio-conn16", "aio-conn64", "torch-nw8", "tdnodes-thr64", "asyncio-ceiling")
 _FILES = ("plain-loop", "torch-nw0", "torch-nw2", "torch-nw8", "aio-files", "aio-torchds-for")
+_FILES_QUICK = ("plain-loop", "torch-nw0", "torch-nw8", "aio-files", "aio-torchds-for")
+_CPU = ("--only", "gil", "dropin-jpeg")
+# torch's default start method here (fork) and aioloader's; the full run adds aio-nw1 and
+# torch-nw2-spawn (seconds of start-up each).
+_CPU_QUICK = ("--configs", "aio-nw0", "aio-nw2", "torch-nw0", "torch-nw2-fork")
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload(
@@ -93,7 +91,7 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload(
         "files",
         "overhead",
-        ("--quick", "--workloads", "files", "--cold", "--repeats", "1", "--only", *_FILES),
+        ("--quick", "--workloads", "files", "--cold", "--repeats", "1", "--only", *_FILES_QUICK),
         ("--workloads", "files", "--cold", "--only", *_FILES),
         {
             "files": "many 16 KiB local files, page cache warm, batch 32",
@@ -103,7 +101,7 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload(
         "cpu",
         "cpu",
-        ("--quick", "--only", "gil", "dropin-jpeg"),
+        ("--quick", "--gil-items", "320", "--dropin-jpeg-items", "320", *_CPU, *_CPU_QUICK),
         ("--only", "gil", "decode", "dropin-jpeg"),
         {
             "gil": "a CPU-heavy transform (2 ms of pure Python a sample), batch 32",

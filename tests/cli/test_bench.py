@@ -287,7 +287,7 @@ def test_bench_quick_measures_a_workload_and_writes_json_chart_and_log(tmp_path:
         assert measured.peak_pss_mib is not None and measured.peak_pss_mib > 50
     assert by_config["aio-conn64"].extra == {"in_flight": 64}
     # The optional peers: measured where installed, a row that says so where not.
-    peers = {"torchdata": ("tdnodes-thr16", "tdnodes-thr64"), "spdl": ("spdl-conc64",)}
+    peers = {"torchdata": ("tdnodes-thr64",), "spdl": ("spdl-conc64",)}
     for peer, configs in peers.items():
         if peer in by_config:
             assert by_config[peer].status.startswith("skipped: not installed")
