@@ -330,7 +330,8 @@ class MemorySampler:
     when it had no child: each PSS sum adds what the server's PSS has fallen by since, the share
     of its pages its children now hold. So a child's sum is what a process of its own would
     hold: the pages it still shares with the server count whole, and those it has written to (a
-    garbage collection, reference counts) count once, in the child, not also in the server.
+    garbage collection, reference counts) count once, in the child, not also in the server. It
+    holds while the child is the server's only child.
 
     ``cpu_s``: the CPU time the processes used while the block ran, summed from each one's ticks
     as last seen (a process seen on entry counts from then): a lower bound. A process that exits
@@ -496,9 +497,10 @@ class ServerProcess:
     context manager that stops it on exit; it also stops when this process dies (its end of the
     pipe closes).
 
-    The subprocess is a fork of :func:`run_in_child`'s fork server (started here if it is not
-    yet, with ``target``'s module imported), so it starts without importing torch again; it is
-    there before a row's child is, so a row's PSS counts none of its pages."""
+    The subprocess is spawned, not forked from :func:`run_in_child`'s fork server: a fork would
+    share the server's pages, and a row's child would then hold a smaller share of them than a
+    process of its own would (:class:`MemorySampler`'s ``lent`` assumes the child is the
+    server's only one)."""
 
     def __init__(
         self,
@@ -508,7 +510,7 @@ class ServerProcess:
         start_timeout: float = SERVER_START_S,
     ) -> None:
         self.name = name
-        context = preloaded_forkserver([getattr(target, "__module__", "__main__")])
+        context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self.process = context.Process(
             target=_serve, args=(target, args, child), name=name, daemon=True
