@@ -394,7 +394,7 @@ def _join_threads_since(before: set[threading.Thread]) -> None:
 
 
 def run_torchdata(settings: Settings, threads: int) -> list[list[bytes]]:
-    import torchdata.nodes as tn  # type: ignore[import-untyped]
+    import torchdata.nodes as tn
 
     before = set(threading.enumerate())
     torch_threads = torch.get_num_threads()  # each mapper thread sets it to 1, process-wide
@@ -457,7 +457,7 @@ def run_spdl(settings: Settings, concurrency: int) -> list[list[bytes]]:
     pipeline = (
         PipelineBuilder[str, list[bytes]]()
         .add_source(settings.locations)
-        .pipe(fetch, concurrency=concurrency, name="fetch")  # type: ignore[arg-type]
+        .pipe(fetch, concurrency=concurrency, name="fetch")
         .aggregate(settings.batch_size)
         .add_sink()
         .build(num_threads=1, task_hook_factory=hooks)
