@@ -6,8 +6,10 @@ leaves no process behind."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -349,3 +351,32 @@ def test_the_s3_workload_reads_every_object_once_through_each_client(tmp_path: P
         ("objects-s3", config, "ok") for config in configs
     ]
     assert all(r.samples_per_s and r.cpu_s and r.peak_pss_mib for r in rows)
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_row_s_memory_is_what_a_process_of_its_own_holds() -> None:
+    """A row's child is forked from a server that has imported the workload's modules; with the
+    share of the server's pages it holds, its PSS is close to that of a spawned process doing
+    the same work, and the memory the work holds shows in full."""
+    from tests.support import pss_probe
+
+    forked = harness.run_in_child(pss_probe.prepare, pss_probe.MIB, 60, "pss-probe")
+    assert forked.error is None, forked.error
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    process = context.Process(target=pss_probe.spawned, args=(pss_probe.MIB, child))
+    process.start()
+    try:
+        assert conn.poll(60) and conn.recv() == "ready"
+        alone = harness.MemorySampler(functools.partial(harness.process_tree, process.pid))
+        with alone:
+            conn.send("go")
+            assert conn.poll(30) and conn.recv() == {"held": pss_probe.MIB * 2**20}
+        conn.send("stop")
+    finally:
+        process.join(10)
+        process.kill()
+    held = forked.memory.peak_pss_mib - forked.memory.start_pss_mib
+    assert pss_probe.MIB * 0.9 < held < pss_probe.MIB * 1.2
+    # Within a fifth (the spawned one also holds what its start-up left: not collected yet).
+    assert abs(forked.memory.peak_pss_mib - alone.peak_pss_mib) < 0.2 * alone.peak_pss_mib
