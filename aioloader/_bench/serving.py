@@ -79,7 +79,14 @@ import uvloop
 from aiohttp import web
 
 from aioloader import DynamicBatcher
-from aioloader._bench.harness import Result, add_quick, machine_ticks, quick_defaults, report
+from aioloader._bench.harness import (
+    MemorySampler,
+    Result,
+    add_quick,
+    machine_ticks,
+    quick_defaults,
+    report,
+)
 
 FEATURES = 512
 MAX_BATCH, MAX_DELAY = 32, 0.005
@@ -288,6 +295,8 @@ class Level:
     rows: int
     other_cpu: float
     server_p99: float  # inside the server's handler: no HTTP, no client
+    server_cpu_s: float | None = None  # the server process's, over the level
+    server_pss_mib: float | None = None  # its peak
 
     @property
     def done_per_s(self) -> float:
@@ -451,13 +460,18 @@ class Remote:
         b0, r0, _ = await self.counters()
         n = max(20, round(rate * args.window))
         cpu = CpuShare(self.proc.pid)
-        ok, failed, span, lats = await drive(
-            self.client, rate, n, args.request_timeout, seed=int(rate)
-        )
+        pid = self.proc.pid
+        with MemorySampler(lambda: [pid]) as server:  # its CPU and memory, from here
+            ok, failed, span, lats = await drive(
+                self.client, rate, n, args.request_timeout, seed=int(rate)
+            )
         other = cpu.other()
         b1, r1, p99 = await self.counters()
         print(f"  {MODES[self.mode]:<16} {rate:>6.0f}/s: {ok}/{n} ok", flush=True)
-        return Level(self.mode, rate, n, ok, failed, span, lats, b1 - b0, r1 - r0, other, p99)
+        return Level(
+            self.mode, rate, n, ok, failed, span, lats, b1 - b0, r1 - r0, other, p99,
+            server.cpu_s, server.peak_pss_mib,
+        )  # fmt: skip
 
     async def stop(self) -> None:
         self.client.close()
@@ -539,6 +553,7 @@ async def run(args: argparse.Namespace) -> int:
         for level in levels:
             error = f"{level.failed} of {level.sent} requests failed" if level.failed else None
             row = Result(f"{mode}@{level.rate:g}", level.ok, level.span_s, error=error)
+            row.cpu_s, row.peak_pss_mib = level.server_cpu_s, level.server_pss_mib or 0.0
             # (b) and (c) are baselines: at a rate past what they serve, they fail requests.
             if mode != "batcher":
                 row.error = None

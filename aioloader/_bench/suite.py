@@ -118,7 +118,8 @@ WORKLOADS: tuple[Workload, ...] = (
         (),
         {
             "serving": "dynamic batching under load: HTTP requests at rising rates, a model "
-            "call of 4 ms + 0.1 ms a row; config@rate, samples/s = requests served/s"
+            "call of 4 ms + 0.1 ms a row; config@rate, samples/s = requests served/s, CPU and "
+            "PSS the server process's"
         },
     ),
 )

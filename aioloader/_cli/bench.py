@@ -33,8 +33,9 @@ Runs each workload against the loaders installed, in one run: torch's DataLoader
 SPDL, webdataset, and a plain asyncio loop or a plain loop as ceilings. Every row checks that each
 sample came once and right, and has its peak memory (PSS) and CPU time: each configuration of the
 I/O workloads runs in a process of its own, measured from outside; the CPU workloads run theirs
-one after another in their own process; the serving workload measures requests served, not
-memory. Peers that are not installed are a row that says so (pip install -e '.[bench]').
+one after another in their own process; the serving workload measures each server process
+(requests served per second, its CPU time and peak PSS). Peers that are not installed are a row
+that says so (pip install -e '.[bench]').
 
 Writes aioloader-bench.json (every row, the machine, the versions), aioloader-bench.png (the
 chart) and aioloader-bench.log (each workload's own output) into --out.
