@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.context
+import os
 import pickle
 import signal
 import time
@@ -226,6 +227,7 @@ class ProcessWorkers:
     async def _reply(self, worker: _Worker) -> tuple[bool, Any]:
         """Await the worker's next message; a dead worker raises :class:`WorkerCrashed`."""
         await anyio.wait_readable(worker.conn.fileno())
+        _blocking(worker.conn)
         try:
             data = worker.conn.recv_bytes()
         except (EOFError, OSError):
@@ -318,6 +320,7 @@ class ProcessWorkers:
                 raise self._crashed(worker)
             worker = await self._replace(worker)
         payload = ForkingPickler.dumps((fn, args, seed))
+        _blocking(worker.conn)
         try:
             try:
                 worker.conn.send_bytes(payload)
@@ -389,3 +392,12 @@ def start_method_of(context: object) -> str | multiprocessing.context.BaseContex
             f"{START_METHODS!r}, but got multiprocessing_context={method!r}"
         )
     return context if isinstance(context, multiprocessing.context.BaseContext) else method
+
+
+def _blocking(conn: Connection) -> None:
+    """Put ``conn``'s socket back in blocking mode. uvloop makes a file descriptor
+    non-blocking when it polls it (``anyio.wait_readable``), and ``Connection`` reads and writes
+    a whole message with plain ``read``/``write`` calls: on a non-blocking socket, a message
+    larger than the socket's buffer (a batch of raw bytes coming back: 2 MiB for 32 samples of
+    64 KiB) fails part-way with ``BlockingIOError``, which read as the worker's death."""
+    os.set_blocking(conn.fileno(), True)

@@ -229,3 +229,18 @@ class ResumableShards(torch.utils.data.IterableDataset[int]):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.start = state["at"]
+
+
+class RawBytes(torch.utils.data.Dataset[bytes]):
+    """Sample ``i`` is ``size`` bytes that name ``i`` (its index, 4 bytes little-endian,
+    repeated): a batch of them with ``collate_fn=list`` comes back from a worker as pickled
+    bytes, not through shared memory."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> bytes:
+        return index.to_bytes(4, "little") * (self.size // 4)

@@ -248,3 +248,29 @@ def test_spawn_gives_the_batches_the_default_forkserver_gives() -> None:
     got, want = list(dl), list(spawn)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert children() == []
+
+
+def _check_raw(batches: list[list[bytes]], n: int, size: int) -> None:
+    samples = [sample for batch in batches for sample in batch]
+    assert [int.from_bytes(s[:4], "little") for s in samples] == list(range(n))
+    assert all(s == i.to_bytes(4, "little") * (size // 4) for i, s in enumerate(samples))
+
+
+def test_a_batch_larger_than_the_pipe_s_buffer_comes_back_whole_in_a_plain_for() -> None:
+    """32 samples of 64 KiB as raw bytes (2 MiB a batch, pickled through the worker's pipe):
+    the plain ``for`` runs on uvloop, which makes the pipe non-blocking when it polls it; a
+    batch once read as the worker's crash (``BlockingIOError`` part-way through the message)."""
+    from tests.support.worker_datasets import RawBytes
+
+    n, size = 96, 64 * 1024
+    loader = aioloader.DataLoader(RawBytes(n, size), batch_size=32, num_workers=2, collate_fn=list)
+    _check_raw(list(loader), n, size)
+
+
+async def test_a_batch_larger_than_the_pipe_s_buffer_comes_back_whole_in_async_for() -> None:
+    from tests.support.worker_datasets import RawBytes
+
+    n, size = 96, 64 * 1024
+    loader = aioloader.DataLoader(RawBytes(n, size), batch_size=32, num_workers=2, collate_fn=list)
+    async with loader:
+        _check_raw([batch async for batch in loader], n, size)
