@@ -24,6 +24,8 @@ them are what matter:
 * ``torch-nw{2,8}``: ``torch.utils.data.DataLoader`` over a map-style dataset whose
   ``__getitem__`` is a blocking ``urllib.request.urlopen(url).read()`` (or boto3 get),
   ``num_workers`` 2 and 8.
+* ``aio-swapped-nw8``: the same code as ``torch-nw8`` with the import swapped
+  (``aioloader.DataLoader``), nothing else changed.
 * ``tdnodes-thr{16,64}``: a ``torchdata.nodes`` graph, ``IterableWrapper(urls)`` ->
   ``ParallelMapper(map_fn=<the same blocking fetch>, num_workers=N, method="thread",
   in_order=True)`` (at most ``2 * N`` items in flight, its default) -> ``Batcher(batch_size,
@@ -372,8 +374,12 @@ def run_aio(settings: Settings, connections: int) -> list[list[bytes]]:
     return asyncio.run(_aio(settings, connections))
 
 
-def run_torch(settings: Settings, num_workers: int) -> list[list[bytes]]:
-    loader = torch.utils.data.DataLoader(
+def run_torch(
+    settings: Settings, num_workers: int, loader_class: Any = torch.utils.data.DataLoader
+) -> list[list[bytes]]:
+    """A torch user's code: the blocking dataset, ``num_workers``, a plain ``for``;
+    ``loader_class`` torch's DataLoader, or aioloader's (the import swapped, nothing else)."""
+    loader = loader_class(
         BlockingDataset(settings.locations, settings.blocking_fetch()),
         batch_size=settings.batch_size,
         num_workers=num_workers,
@@ -505,6 +511,7 @@ CONFIGS: dict[str, Runner] = {
     "aio-conn256": lambda s: run_aio(s, 256),
     "torch-nw2": lambda s: run_torch(s, 2),
     "torch-nw8": lambda s: run_torch(s, 8),
+    "aio-swapped-nw8": lambda s: run_torch(s, 8, aioloader.DataLoader),
     "tdnodes-thr16": lambda s: run_torchdata(s, 16),
     "tdnodes-thr64": lambda s: run_torchdata(s, 64),
     "spdl-conc64": lambda s: run_spdl(s, CEILING_CONCURRENCY),

@@ -49,8 +49,8 @@ class Workload:
 
 
 _REMOTE_QUICK = (
-    "aio-conn16", "aio-conn64", "aio-conn256", "torch-nw8", "tdnodes-thr64", "spdl-conc64",
-    "asyncio-ceiling",
+    "aio-conn16", "aio-conn64", "aio-conn256", "torch-nw8", "aio-swapped-nw8", "tdnodes-thr64",
+    "spdl-conc64", "asyncio-ceiling",
 )  # fmt: skip
 _S3_QUICK = ("aio-conn16", "aio-conn64", "torch-nw8", "tdnodes-thr64", "asyncio-ceiling")
 _FILES = ("plain-loop", "torch-nw0", "torch-nw2", "torch-nw8", "aio-files", "aio-torchds-for")
