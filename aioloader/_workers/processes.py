@@ -395,9 +395,6 @@ def start_method_of(context: object) -> str | multiprocessing.context.BaseContex
 
 
 def _blocking(conn: Connection) -> None:
-    """Put ``conn``'s socket back in blocking mode. uvloop makes a file descriptor
-    non-blocking when it polls it (``anyio.wait_readable``), and ``Connection`` reads and writes
-    a whole message with plain ``read``/``write`` calls: on a non-blocking socket, a message
-    larger than the socket's buffer (a batch of raw bytes coming back: 2 MiB for 32 samples of
-    64 KiB) fails part-way with ``BlockingIOError``, which read as the worker's death."""
+    """Blocking mode again: uvloop makes a socket it polls non-blocking, and ``Connection``'s
+    whole-message reads and writes then fail part-way on a message over the socket's buffer."""
     os.set_blocking(conn.fileno(), True)
