@@ -172,7 +172,6 @@ def serve_s3(items: int, latency: float, conn: multiprocessing.connection.Connec
     response (a WSGI wrapper: each request has its thread, so the waits overlap, as a store's
     first-byte latency does); ``items`` objects ``obj/{i}`` put into ``BUCKET``; then the port
     through ``conn``, and run until anything arrives on ``conn`` (or it closes)."""
-    import boto3
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
@@ -187,13 +186,7 @@ def serve_s3(items: int, latency: float, conn: multiprocessing.connection.Connec
     server = make_server("127.0.0.1", 0, delayed, threaded=True)
     thread = threading.Thread(target=server.serve_forever, name="moto", daemon=True)
     thread.start()
-    client = boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{server.port}",
-        region_name=REGION,
-        aws_access_key_id=S3_KEYS,
-        aws_secret_access_key=S3_KEYS,
-    )
+    client = s3_client(server.port, connections=8)  # the uploads' threads
     client.create_bucket(Bucket=BUCKET)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         puts = [pool.submit(client.put_object, Bucket=BUCKET, Key=f"obj/{i}", Body=payload(i))
@@ -219,37 +212,40 @@ def fetch_blocking(url: str) -> bytes:
     return data
 
 
+def s3_client(port: int, connections: int) -> Any:
+    """A boto3 S3 client of the moto server on ``port``, pooling ``connections`` connections
+    (boto3 keeps 10; a client is shared by as many threads as use it)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        region_name=REGION,
+        aws_access_key_id=S3_KEYS,
+        aws_secret_access_key=S3_KEYS,
+        config=Config(max_pool_connections=connections),
+    )
+
+
 class S3Get:
     """``S3Get(port)(key)``: the body of ``BUCKET``/``key`` from the moto server on ``port``,
     read by boto3's blocking ``get_object`` (one client a process, made on first use; a client
-    is safe to share between threads, making one is not)."""
+    is safe to share between threads, making one is not). Pickled, it is its port: a worker
+    makes its own client."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self._client: Any = None
         self._lock = threading.Lock()
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"port": self.port}  # a worker makes its own client
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["port"])  # type: ignore[misc]
+    def __reduce__(self) -> tuple[type[S3Get], tuple[int]]:
+        return S3Get, (self.port,)
 
     def __call__(self, key: str) -> bytes:
         with self._lock:
             if self._client is None:
-                import boto3
-                from botocore.config import Config
-
-                self._client = boto3.client(
-                    "s3",
-                    endpoint_url=f"http://127.0.0.1:{self.port}",
-                    region_name=REGION,
-                    aws_access_key_id=S3_KEYS,
-                    aws_secret_access_key=S3_KEYS,
-                    # As many connections as the most threads that share it (boto3 keeps 10).
-                    config=Config(max_pool_connections=CEILING_CONCURRENCY),
-                )
+                self._client = s3_client(self.port, connections=CEILING_CONCURRENCY)
         body: bytes = self._client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
         return body
 
