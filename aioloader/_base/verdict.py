@@ -19,8 +19,14 @@ WAITED = 0.10  # the consumer waited at least this share of its time: data-bound
 SATURATED = 0.75  # a stage's slots were busy at least this share of the time
 
 
-def verdict(stats: LoaderStatistics) -> str:
-    """One sentence: what limited the run, and what to change."""
+def verdict(stats: LoaderStatistics, *, pinned: bool = False) -> str:
+    """One sentence: what limited the run, and what to change.
+
+    Args:
+        stats: The snapshot to read.
+        pinned: Whether the device stage already copies through pinned memory (then pinning is
+            not the advice for a device-bound run).
+    """
     c = stats.consumer
     if c.batches == 0:
         return "no batch handed out yet"
@@ -56,9 +62,10 @@ def verdict(stats: LoaderStatistics) -> str:
             f"busy) with {stage.latency.p50 * 1e3:.1f} ms median latency: raise max_inflight"
         )
     if device >= SATURATED:
+        fix = "move less" if pinned else "pin_memory=True, or move less"
         return (
             f"{head}; copying batches to the device took {min(device, 1):.0%} of the time: "
-            "pin_memory=True, or move less (a device_transform can widen types on the GPU)"
+            f"{fix} (uint8 rather than float: a device_transform can widen types on the GPU)"
         )
     parts = []
     if "fetch" in busy:

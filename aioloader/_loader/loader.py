@@ -453,7 +453,9 @@ class DataLoader(Generic[T_Batch]):
             max_bytes_held=s.max_bytes_held,
             workers=s.workers.snapshot() if s.workers.processes else None,
         )
-        return dataclasses.replace(stats, verdict=verdict(stats))
+        device = self._plan.device_plan
+        pinned = device is not None and device.accelerator is not None and device.pin
+        return dataclasses.replace(stats, verdict=verdict(stats, pinned=pinned))
 
     # -- the scope -----------------------------------------------------------------------------
 

@@ -112,3 +112,26 @@ async def test_a_stream_read_one_sample_at_a_time_is_said_so() -> None:
     stats = await run(DataLoader(trickle, batch_size=8))
     assert "the stream gave its samples one at a time" in stats.verdict, stats
     assert "max_inflight" not in stats.verdict
+
+
+def device_bound(busy_s: float) -> aioloader.LoaderStatistics:
+    """A snapshot of a run whose device stage was busy ``busy_s`` of its 1 s."""
+    from aioloader._base.stats import ConsumerStatistics, LatencySummary, StageStatistics
+
+    latency = LatencySummary(100, 0.003, 0.004, 0.01, 0.02)
+    device = StageStatistics(
+        "device", 0, 1, 1, 0, 1, 4, 100, 0, 0, 0, 0.0, 0.0, latency, busy_s=busy_s
+    )
+    consumer = ConsumerStatistics(100, 6400, wait_s=0.5, max_wait_s=0.01, busy_s=0.5)
+    return aioloader.LoaderStatistics(1, 1.0, (device,), consumer)
+
+
+def test_a_device_bound_run_asks_for_pinning_only_when_batches_are_not_pinned() -> None:
+    """Found on an H200: the demo, pinned already, was told to set pin_memory=True."""
+    from aioloader._base.verdict import verdict
+
+    unpinned, pinned = verdict(device_bound(0.9)), verdict(device_bound(0.9), pinned=True)
+    assert "copying batches to the device took 90%" in unpinned and "pin_memory=True" in unpinned
+    assert "copying batches to the device took 90%" in pinned, pinned
+    assert "pin_memory" not in pinned and "move less" in pinned
+    assert "no stage was saturated" in verdict(device_bound(0.5), pinned=True)
