@@ -247,6 +247,12 @@ def _collate_mapping(batch: Sequence[Any], path: str) -> Mapping[Any, Any]:
 
 def _column(batch: Sequence[Any], key: Any, path: str) -> list[Any]:
     """``[sample[key] for sample in batch]`` for mapping samples, with errors naming the path."""
+    kinds = set(map(type, batch))
+    if len(kinds) == 1 and issubclass(next(iter(kinds)), Mapping):  # one check for the batch
+        try:
+            return [item[key] for item in batch]
+        except KeyError:
+            pass  # a sample without the key: found and named below
     column = []
     for i, item in enumerate(batch):
         if not isinstance(item, Mapping):
@@ -294,7 +300,11 @@ def _collate_namedtuple(batch: Sequence[Any], path: str) -> Any:
 def _collate_sequence(batch: Sequence[Any], path: str) -> Any:
     elem = batch[0]
     size = len(elem)
-    for i, item in enumerate(batch):
+    try:
+        equal = set(map(len, batch)) == {size}  # one pass in C; a sample without one: below
+    except TypeError:
+        equal = False
+    for i, item in enumerate(() if equal else batch):
         try:
             item_size = len(item)
         except TypeError as exc:

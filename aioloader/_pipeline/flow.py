@@ -21,42 +21,54 @@ __all__ = ["ByteBudget", "blocked", "get", "nbytes_of", "nbytes_of_all", "put"]
 
 def nbytes_of(sample: Any) -> int:
     """Bytes held by a fetched sample, for the ``max_inflight_bytes`` bound: buffers, arrays and
-    tensors count their data; containers count their members; anything else counts 0."""
+    tensors count their data; strings their length; containers their members; anything else
+    counts 0."""
     if isinstance(sample, (bytes, bytearray, memoryview)):
-        return len(sample)
+        return len(sample) if not isinstance(sample, memoryview) else sample.nbytes
     nbytes = getattr(sample, "nbytes", None)  # numpy arrays, torch tensors
     if isinstance(nbytes, int):
         return nbytes
     if isinstance(sample, str):
         return len(sample)
     if isinstance(sample, dict):
-        return sum(nbytes_of(v) for v in sample.values())
+        return nbytes_of_all(list(sample.values()))
     if isinstance(sample, (list, tuple)):
-        return sum(nbytes_of(v) for v in sample)
+        return nbytes_of_all(list(sample))
     return 0
 
 
 def nbytes_of_all(samples: list[Any]) -> int:
-    """``sum(map(nbytes_of, samples))``, without a Python call per sample when the samples are
-    arrays or tensors (an ``nbytes`` each) or ``bytes``, as the first one is."""
+    """``sum(map(nbytes_of, samples))``, with no Python call per sample when the samples are
+    all of one kind: numbers (0 each), ``bytes`` or ``str`` (their lengths), arrays or tensors
+    (an ``nbytes`` each), or dicts, lists and tuples, whose members are counted together."""
     if not samples:
         return 0
-    first = samples[0]
-    try:
-        if isinstance(first, (bytes, bytearray)) and all(
-            isinstance(s, (bytes, bytearray)) for s in samples
-        ):
-            return sum(map(len, samples))
-        if isinstance(getattr(first, "nbytes", None), int):
+    kinds = set(map(type, samples))
+    if len(kinds) != 1:
+        return sum(map(nbytes_of, samples))
+    (kind,) = kinds
+    if kind in _NO_BYTES:
+        return 0
+    if kind in _LENGTH:
+        return sum(map(len, samples))
+    if kind is dict:
+        return nbytes_of_all([v for s in samples for v in s.values()])
+    if kind is list or kind is tuple:
+        return nbytes_of_all([v for s in samples for v in s])
+    if isinstance(getattr(samples[0], "nbytes", None), int):
+        try:
             total = sum(map(_NBYTES, samples))
+        except (AttributeError, TypeError):  # an nbytes that is not an int after all
+            pass
+        else:
             if isinstance(total, int):
                 return total
-    except (AttributeError, TypeError):  # not all alike: count them one by one
-        pass
     return sum(map(nbytes_of, samples))
 
 
 _NBYTES = operator.attrgetter("nbytes")
+_NO_BYTES = frozenset({int, float, bool, complex, type(None)})
+_LENGTH = frozenset({bytes, bytearray, str})
 
 
 class ByteBudget:

@@ -414,6 +414,26 @@ def test_missing_key_raises_key_error_naming_key() -> None:
         default_collate([{"a": 1, "b": 2}, {"a": 3}])
 
 
+def test_a_sample_that_is_no_mapping_among_mappings_is_named() -> None:
+    """Checked per batch, not per sample, since a list indexed by the key could pass."""
+    with pytest.raises(TypeError, match=r"expected a mapping in every sample.*sample 2 has"):
+        default_collate([{0: 1}, {0: 2}, [3]])
+
+
+def test_mappings_of_different_types_collate_by_the_first() -> None:
+    batch = [collections.OrderedDict(a=1), {"a": 2}, collections.OrderedDict(a=3)]
+    out = default_collate(batch)
+    assert type(out) is collections.OrderedDict and out["a"].tolist() == [1, 2, 3]
+
+
+def test_a_sample_without_a_length_among_sequences_is_named() -> None:
+    with pytest.raises(TypeError) as info:
+        default_collate([(1, 2), (3, 4), 5])
+    assert any("sample 2" in note for note in info.value.__notes__)
+    with pytest.raises(RuntimeError, match=r"sample 0 has length 2, sample 1 has length 3"):
+        default_collate([(1, 2), (3, 4, 5), (6, 7)])
+
+
 def test_torch_errors_keep_type_and_gain_a_path_note() -> None:
     with pytest.raises(TypeError) as info:
         default_collate([{"n": 1}, {"n": "two"}])
