@@ -18,7 +18,7 @@ from ._base.stats import LoaderStatistics as LoaderStatistics
 from ._base.stats import StageStatistics as StageStatistics
 from ._base.stats import WorkerStatistics as WorkerStatistics
 from ._data.collate import default_collate as default_collate
-from ._data.collate import default_convert as default_convert
+from ._data.convert import default_convert as default_convert
 from ._data.dataset import AsyncDataset as AsyncDataset
 from ._data.dataset import AsyncIterableDataset as AsyncIterableDataset
 from ._data.epochs import OpensEpochs as OpensEpochs

@@ -41,3 +41,61 @@ class Recent:
             return fn(*args)
         finally:
             self.add(time.perf_counter() - started)
+
+
+class InlineChoice:
+    """Whether the next call of something that repeats runs inline (on the event loop's thread)
+    or on a thread, from how long recent calls took.
+
+    Inline while the recent ones took under ``limit`` seconds, and for the first call (nothing
+    measured yet: timed alone, it says what a call costs). On threads, a call's time includes
+    its waits for the GIL while the loop and the other threads run: fast calls made at once on
+    several threads (a folder's files read in slices) look slow to each other, and would stay
+    there, each several times slower than inline. So while the average is under ``probe_below``
+    seconds, a call made when no call is on the threads runs inline once every ``probe_every``
+    calls, and its time alone replaces the average: it brings the calls back inline if they are
+    in fact fast.
+
+    Pure bookkeeping (no clock of its own): :attr:`recent` holds the durations, which the
+    caller adds (:meth:`Recent.call` does for an inline call).
+    """
+
+    __slots__ = ("_every", "_limit", "_probe_below", "_since_probe", "on_threads", "recent")
+
+    def __init__(self, limit: float, *, probe_below: float, probe_every: int = 8) -> None:
+        self._limit = limit
+        self._probe_below = probe_below
+        self._every = probe_every
+        self._since_probe = 0
+        self.on_threads = 0  # calls on the threads now (see :meth:`away`)
+        self.recent = Recent()
+
+    def inline(self) -> bool:
+        """Whether the next call runs inline."""
+        seconds = self.recent.seconds
+        if seconds is None or seconds < self._limit:
+            return True
+        self._since_probe += 1
+        if self.on_threads or seconds >= self._probe_below or self._since_probe < self._every:
+            return False
+        self._since_probe = 0
+        self.recent.seconds = None  # the probe's time alone is the estimate, as the first's
+        return True
+
+    def away(self) -> _Away:
+        """``with choice.away():`` around a call on the threads, counted in :attr:`on_threads`
+        until it returns (or fails, or is cancelled)."""
+        return _Away(self)
+
+
+class _Away:
+    __slots__ = ("_choice",)
+
+    def __init__(self, choice: InlineChoice) -> None:
+        self._choice = choice
+
+    def __enter__(self) -> None:
+        self._choice.on_threads += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._choice.on_threads -= 1

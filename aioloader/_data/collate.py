@@ -1,7 +1,7 @@
 """Turning lists of samples into batches.
 
-Owns: the default collate functions — :func:`default_collate` (torch-compatible, plus
-dataclasses) and :func:`default_convert` (the ``batch_size=None`` path). Padding of
+Owns: :func:`default_collate` (torch-compatible, plus dataclasses) and the rebuilding of
+containers it shares with :func:`~aioloader._data.convert.default_convert`. Padding of
 variable-length sequences lives in :mod:`aioloader._data.padding`, built on the helpers here. Never:
 touches an event loop, does I/O or keeps global state. Everything here is a pure function of its
 arguments, so it runs unchanged in the loop thread, an offload thread or a worker process.
@@ -32,7 +32,7 @@ import torch
 
 from .._workers.worker import get_worker_info
 
-__all__ = ["default_collate", "default_convert"]
+__all__ = ["default_collate"]
 
 # NumPy dtype kinds torch cannot hold: byte strings (S, a), unicode strings (U), objects (O).
 # Same pattern as torch's, matched against ``dtype.str`` (e.g. "<U5", "|S3", "|O").
@@ -352,59 +352,3 @@ def _collate_dataclass(batch: Sequence[Any], path: str) -> Any:
     for name, value in values.items():
         object.__setattr__(out, name, value)
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# default_convert
-# --------------------------------------------------------------------------------------------
-
-
-def default_convert(data: Any) -> Any:
-    """Convert the NumPy arrays and scalars in ``data`` to tensors, like torch's default_convert.
-
-    Used instead of collation when a loader yields single samples (``batch_size=None``).
-    Tensors are returned as they are; NumPy arrays and scalars become tensors with
-    ``torch.as_tensor`` (arrays of strings or objects, and NumPy string scalars, are left
-    unchanged); mappings, named tuples and sequences are converted element by element and
-    rebuilt the way :func:`default_collate` rebuilds them (so a ``tuple`` becomes a ``list``,
-    as in torch); anything else is returned unchanged.
-
-    As in torch, only objects whose type is one of NumPy's own (``type(x).__module__ ==
-    "numpy"``) are converted, so masked arrays and record arrays pass through unchanged. One
-    deliberate difference: torch (with NumPy 2) fails on ``np.bytes_`` scalars; here they are
-    left unchanged, like ``np.str_``.
-
-    Args:
-        data: One sample.
-
-    Returns:
-        The sample with NumPy arrays and scalars replaced by tensors.
-
-    Raises:
-        TypeError: If a NumPy array or scalar has a dtype torch does not support (such as
-            ``datetime64``), as torch does.
-    """
-    if isinstance(data, torch.Tensor):
-        return data
-    if type(data).__module__ == "numpy" and not isinstance(data, str | bytes):
-        if isinstance(data, np.ndarray) and _NP_STR_OBJ_DTYPE.search(data.dtype.str) is not None:
-            return data
-        return torch.as_tensor(data)
-    if isinstance(data, Mapping):
-        return _rebuild_mapping(data, {key: default_convert(data[key]) for key in data})
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(default_convert(item) for item in data))
-    if isinstance(data, tuple):
-        return [default_convert(item) for item in data]
-    if isinstance(data, Sequence) and not isinstance(data, str | bytes):
-        converted = [default_convert(item) for item in data]
-        try:
-            if isinstance(data, MutableSequence):
-                clone = copy.copy(data)
-                for i, value in enumerate(converted):
-                    clone[i] = value
-                return clone
-            return type(data)(converted)  # type: ignore[call-arg]
-        except TypeError:
-            return converted
-    return data

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .._data.collate import default_collate, default_convert
+from .._data.collate import default_collate
+from .._data.convert import default_convert
 from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, map_order
 from .._data.seeds import draw_seed
 from .._data.sharding import resolve_rank

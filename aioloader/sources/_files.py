@@ -23,14 +23,12 @@ Order: sorted by relative path, compared folder by folder in code-point order, s
 folder gives the same indices on every run and machine (``os.scandir`` order is not stable).
 
 Threads: inside ``async with dataset:`` (the loader enters it when its scope opens) the dataset
-owns a small pool of threads named ``aioloader-files_<n>``: :meth:`FileDataset.get_many` reads
-a whole slice in one call there (one thread hop per slice, not per file: for small local files
-the hop costs more than the read), and aiofiles runs its calls there too. A slice whose reads
-have been taking under a millisecond (files in the page cache) is read on the calling thread
-instead, as the loader runs fast blocking calls (``_workers/offload.py``): there the hop and
-the threads' contention for the GIL cost more than the reads. Leaving the context joins the
-threads. Outside it, :meth:`FileDataset.get_many` reads item by item with aiofiles on the
-event loop's default executor.
+owns a pool of threads named ``aioloader-files_<n>``: :meth:`FileDataset.get_many` reads a
+whole slice in one call there (one hop per slice, not per file), and aiofiles runs its calls
+there too. Slices that have been taking under a millisecond (cached files) are read on the
+calling thread instead, where a hop and the threads' contention for the GIL cost more than the
+reads (``_base/recent.InlineChoice`` decides). Leaving the context joins the threads. Outside
+it, :meth:`FileDataset.get_many` reads item by item with aiofiles on the loop's executor.
 """
 
 from __future__ import annotations
@@ -48,11 +46,12 @@ from typing import Literal, overload
 import aiofiles
 
 from .._base.checks import check_int
-from .._base.recent import Recent
+from .._base.recent import InlineChoice
 from .._data.dataset import AsyncDataset
 from .._workers.offload import INLINE_BELOW_S, wait_thread_future
 from .._workers.offload import timed as _timed
 from ._keyed import Keyed, keyed
+from ._read import read_file
 
 __all__ = ["FileDataset", "files"]
 
@@ -176,7 +175,7 @@ class FileDataset(AsyncDataset[bytes]):
         self._keys, self._paths = self._list()
         self._pool: ThreadPoolExecutor | None = None
         self._entered = 0
-        self._recent = Recent()  # how long a slice's reads have been taking
+        self._choice = InlineChoice(INLINE_BELOW_S, probe_below=10 * INLINE_BELOW_S)
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -306,18 +305,19 @@ class FileDataset(AsyncDataset[bytes]):
             OSError: Reading a file failed (the first one in ``indices`` order), with its own
                 type and a note naming its key.
 
-        Cancellation: a call not yet started is withdrawn; one already running finishes (a
-        thread cannot be interrupted: the caller waits for it, shielded, so no read outlives
-        the context) and its result is dropped.
+        Cancellation: a call not yet started is withdrawn; one already running finishes (the
+        caller waits for it, shielded: no read outlives the context); its result is dropped.
         """
         pool = self._pool
         if pool is None:
             return [await self.get(i) for i in indices]
         items = [(self._keys[i], self._paths[i]) for i in indices]  # a bad index fails here
-        if self._recent.under(INLINE_BELOW_S):  # cached files: read them here
-            return self._recent.call(self._read_many, items)
-        out, took = await wait_thread_future(pool.submit(_timed, self._read_many, items))
-        self._recent.add(took)
+        choice = self._choice
+        if choice.inline():  # cached files: read them here
+            return choice.recent.call(self._read_many, items)
+        with choice.away():
+            out, took = await wait_thread_future(pool.submit(_timed, self._read_many, items))
+        choice.recent.add(took)
         return out
 
     def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
@@ -325,8 +325,7 @@ class FileDataset(AsyncDataset[bytes]):
         out: list[bytes] = []
         for key, path in items:
             try:
-                with open(path, "rb") as f:
-                    out.append(f.read())
+                out.append(read_file(path))
             except OSError as exc:
                 _note(exc, key, self._root)
                 raise

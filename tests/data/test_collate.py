@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch.utils.data import default_collate as _torch_default_collate
 from torch.utils.data import default_convert as _torch_default_convert
 
-from aioloader._data.collate import default_collate, default_convert
+from aioloader._data.collate import default_collate
+from aioloader._data.convert import default_convert
 
 # ------------------------------------------------------------------------------------------
 # helpers
