@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["Recent"]
+__all__ = ["Placement", "Recent"]
 
 R = TypeVar("R")
 
@@ -43,59 +43,57 @@ class Recent:
             self.add(time.perf_counter() - started)
 
 
-class InlineChoice:
-    """Whether the next call of something that repeats runs inline (on the event loop's thread)
-    or on a thread, from how long recent calls took.
+class Placement:
+    """Where the next call of something that repeats runs, from how long recent calls took
+    when nothing else ran beside them: ``"inline"`` (on the calling, event loop, thread),
+    ``"alone"`` (on a thread, once the calls on the threads are done, none starting meanwhile)
+    or ``"threads"`` (on the threads, as many at once as there are).
 
-    Inline while the recent ones took under ``limit`` seconds, and for the first call (nothing
-    measured yet: timed alone, it says what a call costs). On threads, a call's time includes
-    its waits for the GIL while the loop and the other threads run: fast calls made at once on
-    several threads (a folder's files read in slices) look slow to each other, and would stay
-    there, each several times slower than inline. So while the average is under ``probe_below``
-    seconds, a call made when no call is on the threads runs inline once every ``probe_every``
-    calls, and its time alone replaces the average: it brings the calls back inline if they are
-    in fact fast.
+    Inline while those calls took under ``limit`` seconds: a hop to a thread costs more. Over
+    it, on the threads at once, so that their waits (a disk, a network) overlap. But the time
+    of a call made beside others is not its own: calls on several threads wait for the GIL at
+    each other's system calls, and fast ones (cached files) take several times as long as
+    alone. So only calls timed alone count (:attr:`recent`: the caller adds inline and alone
+    calls, never the others), and while calls go to the threads, one every ``probe_every`` is
+    timed alone (one every ``slow_probe_every`` once they take ``slow_below`` seconds or more:
+    a wait for the others to finish then costs the most). The first call is timed alone too.
 
-    Pure bookkeeping (no clock of its own): :attr:`recent` holds the durations, which the
-    caller adds (:meth:`Recent.call` does for an inline call).
+    Pure bookkeeping (no clock of its own): :meth:`Recent.call` times an inline call.
     """
 
-    __slots__ = ("_every", "_limit", "_probe_below", "_since_probe", "on_threads", "recent")
+    __slots__ = ("_every", "_limit", "_since", "_slow_below", "_slow_every", "recent")
 
-    def __init__(self, limit: float, *, probe_below: float, probe_every: int = 8) -> None:
+    def __init__(
+        self,
+        limit: float,
+        *,
+        slow_below: float,
+        probe_every: int = 16,
+        slow_probe_every: int = 256,
+    ) -> None:
+        if not 0 < limit <= slow_below:
+            raise ValueError(f"need 0 < limit <= slow_below, got {limit} and {slow_below}")
         self._limit = limit
-        self._probe_below = probe_below
+        self._slow_below = slow_below
         self._every = probe_every
-        self._since_probe = 0
-        self.on_threads = 0  # calls on the threads now (see :meth:`away`)
+        self._slow_every = slow_probe_every
+        self._since = 0
         self.recent = Recent()
 
-    def inline(self) -> bool:
-        """Whether the next call runs inline."""
+    def fast(self) -> bool:
+        """Whether calls timed alone took under ``limit`` (they run inline)."""
+        return self.recent.under(self._limit)
+
+    def where(self) -> str:
+        """``"inline"``, ``"alone"`` or ``"threads"``: where the next call runs."""
         seconds = self.recent.seconds
-        if seconds is None or seconds < self._limit:
-            return True
-        self._since_probe += 1
-        if self.on_threads or seconds >= self._probe_below or self._since_probe < self._every:
-            return False
-        self._since_probe = 0
-        self.recent.seconds = None  # the probe's time alone is the estimate, as the first's
-        return True
-
-    def away(self) -> _Away:
-        """``with choice.away():`` around a call on the threads, counted in :attr:`on_threads`
-        until it returns (or fails, or is cancelled)."""
-        return _Away(self)
-
-
-class _Away:
-    __slots__ = ("_choice",)
-
-    def __init__(self, choice: InlineChoice) -> None:
-        self._choice = choice
-
-    def __enter__(self) -> None:
-        self._choice.on_threads += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._choice.on_threads -= 1
+        if seconds is None:
+            return "alone"
+        if seconds < self._limit:
+            return "inline"
+        self._since += 1
+        every = self._every if seconds < self._slow_below else self._slow_every
+        if self._since < every:
+            return "threads"
+        self._since = 0
+        return "alone"

@@ -19,13 +19,15 @@ WAITED = 0.10  # the consumer waited at least this share of its time: data-bound
 SATURATED = 0.75  # a stage's slots were busy at least this share of the time
 
 
-def verdict(stats: LoaderStatistics, *, pinned: bool = False) -> str:
+def verdict(stats: LoaderStatistics, *, pinned: bool = False, to_device: bool = True) -> str:
     """One sentence: what limited the run, and what to change.
 
     Args:
         stats: The snapshot to read.
-        pinned: Whether the device stage already copies through pinned memory (then pinning is
-            not the advice for a device-bound run).
+        pinned: Whether the stage already copies through pinned memory (then pinning is not
+            the advice for a run its copies limited).
+        to_device: Whether the ``"device"`` stage copies to a device (False: it only pins
+            batches on the host, ``pin_memory=True`` without ``device``).
     """
     c = stats.consumer
     if c.batches == 0:
@@ -60,6 +62,12 @@ def verdict(stats: LoaderStatistics, *, pinned: bool = False) -> str:
         return (
             f"{head}; fetches ran at their max_inflight={stage.limit} cap ({min(fetch, 1):.0%} "
             f"busy) with {stage.latency.p50 * 1e3:.1f} ms median latency: raise max_inflight"
+        )
+    if device >= SATURATED and not to_device:
+        return (
+            f"{head}; pinning batches (pin_memory=True) took {min(device, 1):.0%} of the time: "
+            "pin less (uint8 rather than float), or pass device= to copy them on the loader's "
+            "stream"
         )
     if device >= SATURATED:
         fix = "move less" if pinned else "pin_memory=True, or move less"

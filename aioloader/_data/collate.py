@@ -302,7 +302,7 @@ def _collate_sequence(batch: Sequence[Any], path: str) -> Any:
     size = len(elem)
     try:
         equal = set(map(len, batch)) == {size}  # one pass in C; a sample without one: below
-    except TypeError:
+    except Exception:  # found and named, in sample order, below
         equal = False
     for i, item in enumerate(() if equal else batch):
         try:

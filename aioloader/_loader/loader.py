@@ -454,8 +454,11 @@ class DataLoader(Generic[T_Batch]):
             workers=s.workers.snapshot() if s.workers.processes else None,
         )
         device = self._plan.device_plan
-        pinned = device is not None and device.accelerator is not None and device.pin
-        return dataclasses.replace(stats, verdict=verdict(stats, pinned=pinned))
+        pinned = device is not None and device.pin
+        to_device = device is not None and device.accelerator is not None
+        return dataclasses.replace(
+            stats, verdict=verdict(stats, pinned=pinned, to_device=to_device)
+        )
 
     # -- the scope -----------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ owns a pool of threads named ``aioloader-files_<n>``: :meth:`FileDataset.get_man
 whole slice in one call there (one hop per slice, not per file), and aiofiles runs its calls
 there too. Slices that have been taking under a millisecond (cached files) are read on the
 calling thread instead, where a hop and the threads' contention for the GIL cost more than the
-reads (``_base/recent.InlineChoice`` decides). Leaving the context joins the threads. Outside
+reads (``_workers/placed.py``). Leaving the context joins the threads. Outside
 it, :meth:`FileDataset.get_many` reads item by item with aiofiles on the loop's executor.
 """
 
@@ -39,18 +39,19 @@ import os
 import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from types import TracebackType
 from typing import Literal, overload
 
 import aiofiles
 
 from .._base.checks import check_int
-from .._base.recent import InlineChoice
+from .._base.recent import Placement
 from .._data.dataset import AsyncDataset
-from .._workers.offload import INLINE_BELOW_S, wait_thread_future
-from .._workers.offload import timed as _timed
+from .._workers.offload import INLINE_BELOW_S
+from .._workers.placed import PlacedCalls
 from ._keyed import Keyed, keyed
+from ._patterns import check_pattern, check_suffix
 from ._read import read_file
 
 __all__ = ["FileDataset", "files"]
@@ -168,14 +169,15 @@ class FileDataset(AsyncDataset[bytes]):
     ) -> None:
         check_int("threads", threads, minimum=1)
         self._root = Path(root)
-        self._pattern = _check_pattern(pattern)
-        self._suffixes = _check_suffix(suffix)
+        self._pattern = check_pattern(pattern)
+        self._suffixes = check_suffix(suffix)
         self._include_hidden = include_hidden
         self._threads = threads
         self._keys, self._paths = self._list()
         self._pool: ThreadPoolExecutor | None = None
         self._entered = 0
-        self._choice = InlineChoice(INLINE_BELOW_S, probe_below=10 * INLINE_BELOW_S)
+        # Inline while slices read fast, else on the threads (see PlacedCalls).
+        self._placed = PlacedCalls(Placement(INLINE_BELOW_S, slow_below=10 * INLINE_BELOW_S))
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -312,13 +314,7 @@ class FileDataset(AsyncDataset[bytes]):
         if pool is None:
             return [await self.get(i) for i in indices]
         items = [(self._keys[i], self._paths[i]) for i in indices]  # a bad index fails here
-        choice = self._choice
-        if choice.inline():  # cached files: read them here
-            return choice.recent.call(self._read_many, items)
-        with choice.away():
-            out, took = await wait_thread_future(pool.submit(_timed, self._read_many, items))
-        choice.recent.add(took)
-        return out
+        return await self._placed.run(pool, self._read_many, items)
 
     def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
         """Blocking: read each ``(key, path)`` in turn (runs on one of the dataset's threads)."""
@@ -370,30 +366,3 @@ def _note(exc: OSError, key: str, root: Path) -> None:
 
 def _is_within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def _check_pattern(pattern: str) -> str:
-    if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be a str, got {type(pattern).__name__}")
-    if not pattern:
-        raise ValueError("pattern must not be empty (the default, '**/*', lists every file)")
-    pure = PurePosixPath(pattern.replace(os.sep, "/"))
-    if pure.is_absolute() or ".." in pure.parts:
-        raise ValueError(f"pattern must be relative to root and without '..', got {pattern!r}")
-    return pattern
-
-
-def _check_suffix(suffix: str | Sequence[str] | None) -> tuple[str, ...]:
-    if suffix is None:
-        return ()
-    items = [suffix] if isinstance(suffix, str) else suffix
-    out: list[str] = []
-    for s in items:
-        if not isinstance(s, str):
-            raise TypeError(f"suffix must be a str or a sequence of str, got {suffix!r}")
-        if not s or s == ".":
-            raise ValueError(f"suffix must not be empty, got {suffix!r}")
-        out.append((s if s.startswith(".") else "." + s).lower())
-    if not out:
-        raise ValueError("suffix must name at least one suffix (None keeps every name)")
-    return tuple(out)

@@ -29,9 +29,14 @@ def read_file(path: str) -> bytes:
         data = os.read(fd, size + 1)
         if len(data) == size:  # fewer bytes than asked: the end of a regular file
             return data
-        parts = [data]
-        while part := os.read(fd, _CHUNK):
+        parts, held = [data], len(data)  # grown, or over what one read returns (2 GiB)
+        while part := os.read(fd, max(_CHUNK, size + 1 - held)):
             parts.append(part)
+            held += len(part)
         return b"".join(parts)
+    except OSError as exc:
+        if exc.filename is None:  # a read's error: name the file, as open() would
+            exc.filename = path
+        raise
     finally:
         os.close(fd)

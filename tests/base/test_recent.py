@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aioloader._base.recent import InlineChoice, Recent
+from aioloader._base.recent import Placement, Recent
 
 
 def test_nothing_measured_is_under_no_limit() -> None:
@@ -26,55 +26,42 @@ def test_one_slow_call_moves_it_at_once_and_fast_ones_bring_it_back() -> None:
     assert calls == 4  # the jump shrinks by 3/4 a call: a handful of calls, not hundreds
 
 
-def test_the_first_call_and_fast_ones_run_inline_slow_ones_on_the_threads() -> None:
-    choice = InlineChoice(0.001, probe_below=0.01)
-    assert choice.inline()  # nothing measured: timed alone, inline
-    choice.recent.add(0.0002)
-    assert choice.inline()
-    choice.recent.add(0.05)
-    assert not any(choice.inline() for _ in range(100)), "too slow to be worth a probe"
-
-
-def test_a_probe_replaces_the_average_with_its_own_time() -> None:
-    choice = InlineChoice(0.001, probe_below=0.01, probe_every=4)
-    choice.recent.add(0.003)  # calls on the threads look slow (waiting for the GIL)
-    decisions = [choice.inline() for _ in range(4)]
-    assert decisions == [False, False, False, True]
-    assert choice.recent.seconds is None  # what the probe takes is the estimate
-    choice.recent.add(0.0001)  # timed alone it is fast
-    assert choice.inline()
+def test_where_calls_run_from_how_long_they_took_alone() -> None:
+    place = Placement(0.001, slow_below=0.01, probe_every=4, slow_probe_every=8)
+    assert place.where() == "alone"  # nothing measured: timed alone
+    place.recent.add(0.0002)
+    assert place.where() == "inline" and place.fast()
+    place = Placement(0.001, slow_below=0.01, probe_every=4, slow_probe_every=8)
+    place.recent.add(0.003)  # slower than a hop: on the threads, one in four timed alone
+    assert [place.where() for _ in range(8)] == ["threads"] * 3 + ["alone"] + ["threads"] * 3 + [
+        "alone"
+    ]
+    place.recent.seconds = 0.5  # slow: timed alone far less often (the others wait for it)
+    assert [place.where() for _ in range(8)] == ["threads"] * 7 + ["alone"]
 
 
 @given(
-    times=st.lists(st.floats(1e-6, 0.05), min_size=1, max_size=60),
-    busy=st.lists(st.integers(0, 3), min_size=60, max_size=60),
-    every=st.integers(1, 10),
+    times=st.lists(st.floats(1e-7, 1.0), min_size=1, max_size=40),
+    every=st.integers(1, 6),
 )
-def test_probes_are_rare_alone_and_only_for_calls_that_may_be_fast(
-    times: list[float], busy: list[int], every: int
-) -> None:
-    """Over the limit, a call runs inline only as a probe: with no call on the threads, while
-    the average is under ``probe_below``, at most once every ``every`` decisions."""
-    choice = InlineChoice(0.001, probe_below=0.01, probe_every=every)
-    since = every
-    for took, on_threads in zip(times, busy, strict=False):
-        seconds = choice.recent.seconds
-        choice.on_threads = on_threads
-        inline = choice.inline()
-        if seconds is None or seconds < 0.001:
-            assert inline
-        elif inline:
-            assert on_threads == 0 and seconds < 0.01 and since >= every
-            since = 0
+def test_the_place_follows_the_times_and_probes_on_schedule(times: list[float], every: int) -> None:
+    place = Placement(0.001, slow_below=0.01, probe_every=every, slow_probe_every=3 * every)
+    since = 0
+    for took in times:
+        place.recent.add(took)
+        seconds = place.recent.seconds
+        assert seconds is not None
+        where = place.where()
+        if seconds < 0.001:
+            assert where == "inline"
+            continue
         since += 1
-        with choice.away():
-            assert choice.on_threads == on_threads + 1
-        choice.recent.add(took)
+        due = every if seconds < 0.01 else 3 * every
+        assert where == ("alone" if since >= due else "threads")
+        if where == "alone":
+            since = 0
 
 
-def test_away_counts_a_call_until_it_ends_even_by_an_error() -> None:
-    choice = InlineChoice(0.001, probe_below=0.01)
-    with pytest.raises(KeyError), choice.away():
-        assert choice.on_threads == 1
-        raise KeyError("x")
-    assert choice.on_threads == 0
+def test_limits_out_of_order_are_refused() -> None:
+    with pytest.raises(ValueError, match="limit <= slow_below"):
+        Placement(0.01, slow_below=0.001)

@@ -135,3 +135,13 @@ def test_a_device_bound_run_asks_for_pinning_only_when_batches_are_not_pinned() 
     assert "copying batches to the device took 90%" in pinned, pinned
     assert "pin_memory" not in pinned and "move less" in pinned
     assert "no stage was saturated" in verdict(device_bound(0.5), pinned=True)
+
+
+def test_a_run_limited_by_pinning_on_the_host_is_said_so() -> None:
+    """Found by review: ``pin_memory=True`` without ``device`` pins on the stage's thread; a
+    run it limited was told to set pin_memory=True."""
+    from aioloader._base.verdict import verdict
+
+    said = verdict(device_bound(0.9), pinned=True, to_device=False)
+    assert "pinning batches (pin_memory=True) took 90%" in said and "pass device=" in said
+    assert "copying batches to the device" not in said

@@ -435,6 +435,18 @@ def test_a_sample_without_a_length_among_sequences_is_named() -> None:
         default_collate([(1, 2), (3, 4, 5), (6, 7)])
 
 
+def test_an_unequal_length_is_named_before_a_later_sample_whose_len_fails() -> None:
+    """Found by review: the lengths are read in one pass; a later sample whose ``__len__``
+    raises must not hide the earlier mismatch the sample-by-sample check names."""
+
+    class Broken(list[int]):
+        def __len__(self) -> int:
+            raise ValueError("no length")
+
+    with pytest.raises(RuntimeError, match="sample 1 has length 1"):
+        default_collate([[1, 2], [1], Broken([3, 4])])
+
+
 def test_torch_errors_keep_type_and_gain_a_path_note() -> None:
     with pytest.raises(TypeError) as info:
         default_collate([{"n": 1}, {"n": "two"}])
