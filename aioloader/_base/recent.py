@@ -53,15 +53,17 @@ class Placement:
     it, on the threads at once, so that their waits (a disk, a network) overlap. But the time
     of a call made beside others is not its own: calls on several threads wait for the GIL at
     each other's system calls, and fast ones (cached files) take several times as long as
-    alone. So only calls timed alone count (:attr:`recent`: the caller adds inline and alone
-    calls, never the others), and while calls go to the threads, one every ``probe_every`` is
-    timed alone (one every ``slow_probe_every`` once they take ``slow_below`` seconds or more:
-    a wait for the others to finish then costs the most). The first call is timed alone too.
+    alone. So only calls timed alone count (:attr:`recent`: the caller adds inline calls and
+    reports calls timed alone with :meth:`alone_took`, whose time replaces the average: it is
+    the freshest clean one; never the others). The first call is timed alone; while calls go
+    to the threads, one is timed alone after 1, 2, 4, ... calls, then every ``probe_every``
+    (every ``slow_probe_every`` once they take ``slow_below`` seconds or more: a wait for the
+    others to finish then costs the most), so one slow measure is soon corrected.
 
     Pure bookkeeping (no clock of its own): :meth:`Recent.call` times an inline call.
     """
 
-    __slots__ = ("_every", "_limit", "_since", "_slow_below", "_slow_every", "recent")
+    __slots__ = ("_every", "_interval", "_limit", "_since", "_slow_below", "_slow_every", "recent")
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class Placement:
         self._every = probe_every
         self._slow_every = slow_probe_every
         self._since = 0
+        self._interval = 1  # calls on the threads before the next one timed alone
         self.recent = Recent()
 
     def fast(self) -> bool:
@@ -90,10 +93,15 @@ class Placement:
         if seconds is None:
             return "alone"
         if seconds < self._limit:
+            self._interval = 1
             return "inline"
         self._since += 1
-        every = self._every if seconds < self._slow_below else self._slow_every
-        if self._since < every:
+        if self._since < self._interval:
             return "threads"
-        self._since = 0
+        every = self._every if seconds < self._slow_below else self._slow_every
+        self._since, self._interval = 0, min(2 * self._interval, every)
         return "alone"
+
+    def alone_took(self, seconds: float) -> None:
+        """A call timed alone took ``seconds``: the estimate from now on."""
+        self.recent.seconds = seconds

@@ -65,7 +65,7 @@ class PlacedCalls:
             if placement.fast():  # the call timed alone before this one was fast
                 return placement.recent.call(fn, *args)
             result, took = await wait_thread_future(pool.submit(timed, fn, *args))
-        placement.recent.add(took)
+        placement.alone_took(took)
         return result
 
     async def _beside(self, pool: ThreadPoolExecutor, fn: Callable[..., R], *args: object) -> R:

@@ -50,10 +50,11 @@ async def test_slow_calls_overlap_on_the_threads_and_fast_ones_run_here(
     pool: ThreadPoolExecutor,
 ) -> None:
     calls, fn = PlacedCalls(Placement(0.001, slow_below=1.0, probe_every=1000)), Tracked()
-    calls.placement.recent.add(0.01)  # known slow
-    async with anyio.create_task_group() as tg:
-        for _ in range(4):
-            tg.start_soon(calls.run, pool, fn, 0.05)
+    calls.placement.recent.add(0.01)  # known slow: timed alone after 1, 2, 4, 8, 16 calls
+    for _ in range(8):
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(calls.run, pool, fn, 0.02)
     assert fn.most == 4 and all(fn.threads)
     calls.placement.recent.seconds = 0.0001  # known fast
     assert await calls.run(pool, fn, 0.0, "x") == "x" and fn.threads[-1] is False
