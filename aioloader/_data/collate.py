@@ -321,16 +321,22 @@ def _collate_sequence(batch: Sequence[Any], path: str) -> Any:
     ]
     if isinstance(elem, tuple):
         return collated  # a list, as torch returns for tuples (backwards compatibility)
+    return _rebuild_sequence(elem, collated)
+
+
+def _rebuild_sequence(elem: Sequence[Any], values: list[Any]) -> Any:
+    """``values`` in a sequence of ``elem``'s type where possible, else as the list: mirrors
+    torch, a mutable sequence is shallow-copied and assigned position by position, another
+    type is built from the list, and one that supports neither (``range``) gives the list."""
     try:
         if isinstance(elem, MutableSequence):
             clone = copy.copy(elem)
-            for i, value in enumerate(collated):
+            for i, value in enumerate(values):
                 clone[i] = value
             return clone
-        return type(elem)(collated)
+        return type(elem)(values)  # type: ignore[call-arg]
     except TypeError:
-        # The type supports neither copy-and-assign nor construction from a list (e.g. range).
-        return collated
+        return values
 
 
 def _collate_dataclass(batch: Sequence[Any], path: str) -> Any:

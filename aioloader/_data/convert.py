@@ -6,14 +6,13 @@ Owns: :func:`default_convert`, torch's ``default_convert``. Containers are rebui
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping, MutableSequence, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .collate import _NP_STR_OBJ_DTYPE, _rebuild_mapping
+from .collate import _NP_STR_OBJ_DTYPE, _rebuild_mapping, _rebuild_sequence
 
 __all__ = ["default_convert"]
 
@@ -56,14 +55,5 @@ def default_convert(data: Any) -> Any:
     if isinstance(data, tuple):
         return [default_convert(item) for item in data]
     if isinstance(data, Sequence) and not isinstance(data, str | bytes):
-        converted = [default_convert(item) for item in data]
-        try:
-            if isinstance(data, MutableSequence):
-                clone = copy.copy(data)
-                for i, value in enumerate(converted):
-                    clone[i] = value
-                return clone
-            return type(data)(converted)  # type: ignore[call-arg]
-        except TypeError:
-            return converted
+        return _rebuild_sequence(data, [default_convert(item) for item in data])
     return data
