@@ -89,3 +89,39 @@ async def test_a_call_waiting_for_its_turn_or_running_alone_can_be_cancelled(
         tg.start_soon(calls.run, pool, fn, 0.01)
         tg.start_soon(calls.run, pool, fn, 0.01)
     assert fn.running == 0 and len(fn.threads) == 3
+
+
+async def test_the_first_wave_is_timed_alone_once_then_overlaps(pool: ThreadPoolExecutor) -> None:
+    """Found by review: every call made before the first returned waited to be timed alone,
+    one after another. Only the first is; the others, found slow, overlap."""
+    calls, fn = PlacedCalls(Placement(0.001, slow_below=1.0)), Tracked()
+    async with anyio.create_task_group() as tg:
+        for _ in range(6):
+            tg.start_soon(calls.run, pool, fn, 0.03)
+    assert fn.most >= 3 and all(fn.threads), fn.most
+
+
+def test_two_loops_sharing_the_calls_both_finish(pool: ThreadPoolExecutor) -> None:
+    """Found by review: the lock and the event were shared by two event loops (two loaders on
+    loops of their own sharing a dataset), and both hung. One loop owns them; the other's calls
+    go straight to the threads."""
+    calls, fn = PlacedCalls(Placement(0.001, slow_below=1.0, probe_every=2)), Tracked()
+    done: list[int] = []
+
+    async def many() -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(some)
+        done.append(1)
+
+    async def some() -> None:
+        for _ in range(20):
+            await calls.run(pool, fn, 0.002)
+
+    threads = [threading.Thread(target=anyio.run, args=(many,), daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert done == [1, 1] and fn.running == 0
+    assert not any(thread.is_alive() for thread in threads)
