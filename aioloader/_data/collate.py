@@ -238,17 +238,23 @@ def _build_tensor(make: Callable[[Any], torch.Tensor], data: Any, path: str) -> 
 
 def _collate_mapping(batch: Sequence[Any], path: str) -> Mapping[Any, Any]:
     elem = batch[0]
+    alike = _alike(batch)
     values: dict[Any, Any] = {}
     for key in elem:
-        column = _column(batch, key, path)
+        column = _column(batch, key, path, alike=alike)
         values[key] = _collate(column, f"{path}[{key!r}]")
     return _rebuild_mapping(elem, values)
 
 
-def _column(batch: Sequence[Any], key: Any, path: str) -> list[Any]:
-    """``[sample[key] for sample in batch]`` for mapping samples, with errors naming the path."""
-    kinds = set(map(type, batch))
-    if len(kinds) == 1 and issubclass(next(iter(kinds)), Mapping):  # one check for the batch
+def _alike(batch: Sequence[Any]) -> bool:
+    """Whether every sample is of sample 0's type (one pass in C, once per batch)."""
+    return len(set(map(type, batch))) == 1
+
+
+def _column(batch: Sequence[Any], key: Any, path: str, *, alike: bool) -> list[Any]:
+    """``[sample[key] for sample in batch]`` for mapping samples (``alike``: all of sample 0's
+    mapping type, so none needs a check of its own), with errors naming the path."""
+    if alike:
         try:
             return [item[key] for item in batch]
         except KeyError:

@@ -20,6 +20,7 @@ import torch
 from .collate import (
     _NP_STR_OBJ_DTYPE,
     _ROOT,
+    _alike,
     _as_batch,
     _build_tensor,
     _collate,
@@ -198,9 +199,10 @@ class PadCollate:
                 if key not in item:
                     raise KeyError(f"sample {i} has no key {key!r} (named in keys)")
         values: dict[Any, Any] = {}
+        alike = _alike(batch)
         for key in elem:
             path = f"{_ROOT}[{key!r}]"
-            column = _column(batch, key, _ROOT)
+            column = _column(batch, key, _ROOT, alike=alike)
             values[key] = self._pad(column, path) if key in pad_keys else _collate(column, path)
         return _rebuild_mapping(elem, values)
 

@@ -23,9 +23,9 @@ def nbytes_of(sample: Any) -> int:
     """Bytes held by a fetched sample, for the ``max_inflight_bytes`` bound: buffers, arrays and
     tensors count their data; strings their length; containers their members; anything else
     counts 0."""
-    if isinstance(sample, (bytes, bytearray, memoryview)):
-        return len(sample) if not isinstance(sample, memoryview) else sample.nbytes
-    nbytes = getattr(sample, "nbytes", None)  # numpy arrays, torch tensors
+    if isinstance(sample, (bytes, bytearray)):
+        return len(sample)
+    nbytes = getattr(sample, "nbytes", None)  # memoryviews, numpy arrays, torch tensors
     if isinstance(nbytes, int):
         return nbytes
     if isinstance(sample, str):

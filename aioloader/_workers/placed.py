@@ -60,8 +60,7 @@ class PlacedCalls:
             return placement.recent.call(fn, *args)
         lock = self._lock()
         if lock is None:  # another loop's calls are timed alone: this one goes to the threads
-            result, _ = await wait_thread_future(pool.submit(timed, fn, *args))
-            return result
+            return await wait_thread_future(pool.submit(fn, *args))
         if where == "threads":
             if lock.locked():  # a call is being timed alone: start none beside it
                 async with lock:
@@ -92,9 +91,8 @@ class PlacedCalls:
     async def _beside(self, pool: ThreadPoolExecutor, fn: Callable[..., R], *args: object) -> R:
         self._on_threads += 1
         try:
-            result, _ = await wait_thread_future(pool.submit(timed, fn, *args))
+            return await wait_thread_future(pool.submit(fn, *args))  # not timed: not alone
         finally:
             self._on_threads -= 1
             if not self._on_threads and self._drained is not None:
                 self._drained.set()
-        return result
