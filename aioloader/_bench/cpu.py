@@ -640,7 +640,8 @@ def run_aio(
 def run_torch(
     workload: Workload, num_workers: int, context: str | None, timing: Timing, errors: list[str]
 ) -> None:
-    assert workload.transform is not None
+    if workload.transform is None:
+        raise ValueError(f"workload {workload.name!r} has no transform for torch's rows")
     dataset = TransformedDataset(workload.samples, workload.transform)
     extra: dict[str, Any] = {}
     if num_workers:

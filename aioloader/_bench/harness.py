@@ -653,7 +653,8 @@ def run_in_child(
         first.start()
         first.join()
     server = _fork_server_pid()
-    assert server is not None
+    if server is None:
+        raise RuntimeError("the fork server did not start: no process to fork the row from")
     idle_kib = pss_kib(server)
     conn, child_conn = start.Pipe()
     # Not a daemon: daemonic processes may not start any (a loader's workers); this process kills
@@ -661,7 +662,8 @@ def run_in_child(
     process = start.Process(target=_child_main, args=(prepare, job, child_conn), name=name)
     process.start()
     child_conn.close()
-    assert process.pid is not None
+    if process.pid is None:
+        raise RuntimeError(f"{name}: the row's process did not start")
     memory = MemorySampler(functools.partial(process_tree, process.pid), lent=(server, idle_kib))
     payload: dict[str, Any] | None = None
     error: str | None = None

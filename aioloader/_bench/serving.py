@@ -347,7 +347,8 @@ class _Connection(asyncio.Protocol):
             self.waiter.set_exception(ConnectionError("connection lost"))
 
     async def post(self, request: bytes) -> tuple[int, bytes]:
-        assert self.transport is not None
+        if self.transport is None:
+            raise ConnectionError("post() before the connection was made")
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         return await self.waiter
@@ -441,7 +442,8 @@ class Remote:
             stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         try:
-            assert proc.stdout is not None
+            if proc.stdout is None:
+                raise RuntimeError("the server process has no stdout pipe")
             hello = json.loads(await asyncio.wait_for(proc.stdout.readline(), 120))
         except BaseException:
             proc.kill()

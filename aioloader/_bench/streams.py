@@ -659,7 +659,8 @@ def tar_samples(data: bytes) -> Iterator[dict[str, Any]]:
                 yield sample
                 sample = {}
             extracted = tar.extractfile(member)
-            assert extracted is not None
+            if extracted is None:  # not a regular file (a folder, a link): no sample data
+                continue
             sample.setdefault("__key__", key)
             sample[extension] = extracted.read()
     if sample:
