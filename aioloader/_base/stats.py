@@ -419,6 +419,18 @@ class StageRecorder:
             self._latencies.extend(itertools.repeat(seconds / count, min(count, _RESERVOIR)))
             self.completed += count
 
+    def record(self, seconds: float, count: int = 1, *, ok: bool = True) -> None:
+        """``count`` operations done one after another in ``seconds``, none of them counted in
+        flight (a batch made on the consumer's thread): completed (or failed), each with a
+        latency of ``seconds / count``, the time counted busy."""
+        if self._busy:
+            self.busy_s += seconds
+        self._latencies.extend(itertools.repeat(seconds / count, min(count, _RESERVOIR)))
+        if ok:
+            self.completed += count
+        else:
+            self.failed += count
+
     def operation(self, count: int = 1) -> Operation:
         """Count ``count`` operations of this stage around a ``with`` block: started on entry;
         on a normal exit finished (with their latency); on an ``Exception`` finished as

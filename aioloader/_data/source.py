@@ -110,6 +110,13 @@ class MapSource(ABC):
         blocking reads: see ``_workers/offload.py``)."""
         return False
 
+    def reads_now(self) -> tuple[ThreadOffload, Callable[[Sequence[int]], list[Any]]] | None:
+        """For a batch made on the caller's own thread (``_pipeline/demand.py``): the pool
+        whose placement these reads share, and the blocking read of a slice of indices (its
+        samples in order; it raises the dataset's own error, noted with the sample); None for
+        a source read only from the event loop."""
+        return None
+
 
 def is_resumable(dataset: object) -> bool:
     """Whether a stream dataset takes part in ``state_dict()``: it defines both ``state_dict()``
@@ -227,6 +234,9 @@ class _BlockingMap(MapSource):
     @property
     def reads_inline(self) -> bool:
         return self._offload().inline_now
+
+    def reads_now(self) -> tuple[ThreadOffload, Callable[[Sequence[int]], list[Any]]] | None:
+        return self._offload(), self._read_many
 
     async def get(self, index: int) -> Any:
         return await self._offload().run(self._read, index)

@@ -29,9 +29,10 @@ from .._data.source import dataset_length
 from .._workers.offload import ThreadOffload
 from .arguments import Arguments, non_negative_int
 from .checkpoint import EpochState, dumps_checked, fresh_state
+from .consumer import EpochIterator
 from .plan import plan_loader
 from .resuming import check_resumable, resolve
-from .scope import EpochIterator, LoaderState, Scope
+from .scope import LoaderState, Scope
 from .session import PlainIterator, Session, close_from_anywhere
 
 __all__ = ["DataLoader"]
@@ -128,7 +129,10 @@ class DataLoader(Generic[T_Batch]):
             caller's.
         max_inflight: Most sample fetches running at once (a batched source counts its whole
             batch).
-        prefetch: Most finished batches waiting for the consumer.
+        prefetch: Most finished batches waiting for the consumer (default 2). With
+            ``num_workers=0`` and a dataset whose reads and transforms are fast, a batch is
+            made in the call that asks for it, as torch's ``num_workers=0`` loop makes it,
+            and none waits; giving ``prefetch`` asks for batches made ahead instead.
         max_inflight_bytes: Soft bound on fetched bytes held in unfinished batches: new fetches
             wait while it is exceeded (the oldest batch may always finish).
         seed: Base seed: of the shuffle order, and of each batch's work in worker processes

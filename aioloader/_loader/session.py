@@ -38,7 +38,8 @@ from .._device.stage import hand_out
 from .._workers.forkserver import prepare_forkserver
 
 if TYPE_CHECKING:
-    from .scope import EpochIterator, Scope
+    from .consumer import EpochIterator
+    from .scope import Scope
 
 __all__ = ["PlainIterator", "Session", "close_from_anywhere"]
 
@@ -275,6 +276,7 @@ class PlainIterator(Generic[T_Batch]):
         self._owed = 0  # batches asked for whose credits the pump has not had yet
         self._every = 1
         self._pump: concurrent.futures.Future[None] | None = None
+        self._prepared = False  # the epoch began (on the loop): its batches may come from here
         try:
             self._epoch: EpochIterator[T_Batch] = session.portal.call(self._loader.__aiter__)
         except BaseException:
@@ -301,9 +303,18 @@ class PlainIterator(Generic[T_Batch]):
             raise StopIteration
         got: Any = None
         try:
-            ok, got = self._receive()
-            if not ok:
-                raise got
+            if self._ask is None:  # no pump yet: the epoch's batches may be made here
+                if not self._prepared:
+                    self._session.portal.call(self._epoch.prepare)
+                    self._prepared = True
+                # Made here, in this thread's call, as torch's are; an error raised within
+                # keeps this frame (its traceback's frames keep their callers), which holds no
+                # `self` when it raises: see below.
+                got = self._epoch.receive_now()
+            if got is None:
+                ok, got = self._receive()
+                if not ok:
+                    raise got
             self._epoch.took(got)  # this thread is the consumer: it has it now
             if got.error is not None:
                 raise got.error
@@ -337,12 +348,12 @@ class PlainIterator(Generic[T_Batch]):
         session closed meanwhile). Returned, not raised: the error's traceback must not hold
         this frame, which holds the iterator (see :meth:`__next__`)."""
         if self._ask is None:
+            epoch = self._epoch
             # Host batches are read ahead while this thread works on the one before (a request
             # answered at once costs no wait for the loop's thread), out of `prefetch`: the
             # epoch's stream holds that many fewer. Staged ones are not, so the device holds no
             # more than the stage's depth. Credits go back two at a time (enough while at least
             # one batch is read ahead): half the wake-ups of the loop's thread.
-            epoch = self._epoch
             ahead = 0 if epoch.stages_on_device else epoch.hold_ahead(_AHEAD)
             self._every = 2 if ahead else 1
             portal = self._session.portal

@@ -83,10 +83,16 @@ class Epoch:
         work: Runs transform + collate jobs.
         stats: The loader's recorders.
         device: The scope's device stage, or None (batches are yielded as collated).
-        taken: A resumed epoch: the places of the batches its consumer took before (not
-            yielded again; a stream's batches are re-formed and dropped).
+        taken: A resumed epoch, or one whose first batches were made on demand
+            (``demand.py``): the places of the batches its consumer took before (not yielded
+            again; a stream's batches are re-formed and dropped).
         stream_from: A resumed stream: the place of its next batch, the position and the
             dataset's state to start from.
+        pace: How long the source's awaited reads take: the scope's, which outlives the
+            epoch (a new one when None).
+        empty: Places of batches made on demand with nothing left in them: taken with the
+            first item.
+        skips_left: The failures the epoch may still skip (``max_failures`` when None).
 
     Output items: ``(batch, samples, marks)``, or :class:`Raised` in a failed batch's turn. The
     marks are what the consumer takes with the item: ``(seq, samples, stream mark)`` of the
@@ -109,6 +115,9 @@ class Epoch:
         *,
         taken: Taken | None = None,
         stream_from: tuple[int, int, Any] | None = None,
+        pace: Pace | None = None,
+        empty: Sequence[Mark] = (),
+        skips_left: int | None = None,
     ) -> None:
         self.number = number
         self.config = config
@@ -126,13 +135,17 @@ class Epoch:
         self.cancel_scope = anyio.CancelScope()
         batched = isinstance(source, MapSource) and source.batched
         self._chunk = config.chunk(batched)
-        self._pace = Pace()  # a plain source's reads: a task per sample, or a batch per task
+        # A plain source's reads: a task per sample, or a batch per task.
+        self._pace = pace if pace is not None else Pace()
         self._fetch_workers = config.fetch_workers(batched)
         in_workers = isinstance(source, InWorkers)
         self.window = config.window(work.concurrency, in_workers=in_workers)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
         self.budget = FailureBudget(config.max_failures, stats, number)
+        if skips_left is not None:
+            self.budget.left = skips_left
+        self._empty_ahead = list(empty)
         self._attempts = Attempts(stats.fetch, config.retry, config.sample_timeout, number)
         self._reads = Reads(self._attempts, self.budget, self._pace, self._bytes, stats)
         self._open_batches = 0
@@ -297,8 +310,7 @@ class Epoch:
         Raises:
             Exception: A failure past the ``max_failures`` budget, or the collation's own.
         """
-        for (_, stage, exc), key in zip(result.failures, keys, strict=True):
-            self.budget.skip_or_raise(exc, stage, batch.seq, key)
+        self.budget.skip_each(result.failures, keys, batch.seq)
         if not result.transformed:
             return JobResult(size=0)
         cfg = self.config
@@ -512,7 +524,7 @@ class Epoch:
         reorder: ReorderBuffer[Done] = ReorderBuffer(taken.through if taken else 0)
         for seq in sorted(taken.beyond) if taken else ():
             reorder.skip(seq)  # taken before the stop: never scheduled
-        empty: list[Mark] = []  # places of batches with nothing left: taken with the next item
+        empty = self._empty_ahead  # places of batches with nothing left: taken with the next item
         async with done:
             while (item := await get(done, self.stats.output)) is not None:
                 deliverable = reorder.push(item.batch.seq, item) if self.config.in_order else [item]

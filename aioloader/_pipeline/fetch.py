@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -54,9 +54,15 @@ class Pace:
         """``count`` reads took ``seconds`` together."""
         self._recent.add(seconds / count)
 
+    @property
+    def sequential(self) -> bool:
+        """Whether reads have been returning at once (under the limit, on average), so that
+        reading them one after another loses nothing."""
+        return self._recent.under(self._below)
+
     def samples_per_job(self, per_batch: int) -> int:
         """1 while reads wait (or nothing is known yet), else the whole batch."""
-        return per_batch if self._recent.under(self._below) else 1
+        return per_batch if self.sequential else 1
 
 
 class Attempts:
@@ -152,6 +158,17 @@ class FailureBudget:
         """Say on ``exc`` that the budget ran out (when there was one)."""
         if self.max_failures:
             exc.add_note(f"aioloader: max_failures={self.max_failures} exhausted")
+
+    def skip_each(
+        self, failures: Sequence[tuple[int, str, Exception]], keys: Sequence[object], seq: int
+    ) -> None:
+        """Spend the budget on each of a job's failed samples (``keys`` name them, in order).
+
+        Raises:
+            Exception: The first failure past the budget, as :meth:`skip_or_raise` raises it.
+        """
+        for (_, stage, exc), key in zip(failures, keys, strict=True):
+            self.skip_or_raise(exc, stage, seq, key)
 
     def skip_or_raise(self, exc: Exception, stage: str, seq: int, key: object) -> None:
         """Spend one unit of the budget on ``exc`` (a warning is logged), or raise it.

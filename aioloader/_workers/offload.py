@@ -153,6 +153,32 @@ class ThreadOffload:
         limit = self._inline_below
         return limit is not None and self._recent.under(limit)
 
+    @property
+    def may_call_now(self) -> bool:
+        """Whether a call may run on the caller's thread now: the pool inlines, nothing of its
+        runs on its thread, and the recent calls were fast (or none was timed yet)."""
+        limit = self._inline_below
+        if limit is None or self._queued:
+            return False
+        recent = self._recent.seconds
+        return recent is None or recent < limit
+
+    @property
+    def inline_limit(self) -> float | None:
+        """The time under which calls run inline (None: this pool never inlines)."""
+        return self._inline_below
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing of this pool's runs on (or waits for) its thread."""
+        return not self._queued
+
+    def took_inline(self, seconds: float) -> None:
+        """A call of this pool's made on the caller's own thread took ``seconds`` (a batch
+        made on the consumer's thread: see ``_pipeline/demand.py``): it counts towards where
+        the next calls run, as an inline call does."""
+        self._recent.add(seconds)
+
     #: Threads share one copy of everything: no worker is distinct (see ``_pool.WorkerPool``).
     per_worker = False
 

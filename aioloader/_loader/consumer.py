@@ -1,0 +1,396 @@
+"""The consumer's end of one epoch: what ``async for`` and a plain ``for`` take batches from.
+
+Owns: :class:`EpochIterator`, which begins an epoch on its first call (ending an unfinished
+earlier one first), makes its batches in the consumer's calls while they are made on demand
+(``_pipeline/demand.py``), else starts its stages and receives from their output stream; hands
+out batches (a staged batch is made ready on the consumer's own thread and stream), times the
+consumer's waits, and turns the end of the epoch into ``StopAsyncIteration`` or the epoch's
+original exception. Given the loader's frozen plan and :class:`~.scope.LoaderState`, never the
+loader. Never: validates arguments or builds samplers (``_loader/loader.py``), runs stages
+(``_pipeline/epoch.py``) or owns pools (``scope.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from .._base.exceptions import LoaderStateError, LoaderTimeout
+from .._data.resume import Mark
+from .._data.source import InWorkers, MapSource
+from .._device.stage import Staged, hand_out
+from .._pipeline.demand import HANDED_OVER, OnDemand
+from .._pipeline.epoch import Epoch
+from .._pipeline.items import Raised, Received
+from .._workers.offload import ThreadOffload
+from .checkpoint import EpochState, Progress, fresh_state
+from .progress import EpochProgress, epoch_samples
+from .resuming import resumed_batches
+from .scope import LoaderState, Running, Scope
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["EpochIterator"]
+
+T_Batch = TypeVar("T_Batch")
+
+
+class EpochIterator(Generic[T_Batch]):
+    """The consumer's end of one epoch. Created by ``DataLoader.__aiter__``; the epoch's tasks
+    start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
+
+    def __init__(
+        self, state: LoaderState, scope: Scope, number: int, resume: EpochState | None = None
+    ) -> None:
+        self._state = state
+        self._plan = scope.plan
+        self._scope = scope
+        self._number = number
+        self._resume = resume  # a loaded state of this epoch: it goes on from there
+        self.progress = Progress(resume if resume is not None else fresh_state(scope.plan, number))
+        self.shown = EpochProgress(
+            number,
+            epoch_samples(scope.plan),
+            state.stats.consumer,
+            self.progress,
+            draw=scope.plan.arguments.progress,
+        )
+        self._running: Running | None = None
+        self._demand: OnDemand | None = None  # the epoch's batches made in the calls for them
+        self._batches: Iterator[tuple[int, list[int]]] | None = None
+        self._last_yield: float | None = None
+        self._closed = False
+        self._yielded = 0
+        self._held_elsewhere = 0  # ready batches the consumer's side holds (see hold_ahead)
+        #: The epoch's last batch was received (with no error after it): the consumer that
+        #: sees the end marks :attr:`progress` finished (a plain ``for``'s pump sees it first).
+        self.ended = False
+
+    def __aiter__(self) -> EpochIterator[T_Batch]:
+        return self
+
+    def hold_ahead(self, most: int) -> int:
+        """Let the consumer's side hold ready batches of its own (a plain ``for`` reads ahead
+        across threads): up to ``most``, and half of ``prefetch`` at most, taken out of
+        ``prefetch`` so that no more than ``prefetch`` finished batches wait in all (the other
+        half stays in the epoch's stream, so its emitter does not wait on every hand-over).
+        Call before the first batch. Returns how many it may hold."""
+        self._held_elsewhere = min(most, self._plan.config.prefetch // 2)
+        return self._held_elsewhere
+
+    @property
+    def stages_on_device(self) -> bool:
+        """Whether batches come staged for a device (:func:`hand_out` finishes them)."""
+        return self._scope.device is not None
+
+    async def prepare(self) -> None:
+        """Begin the epoch (ending an unfinished earlier one first): its batches are made on
+        demand where that suits (see :meth:`_on_demand`), else its stages start with the first
+        :meth:`receive`. Idempotent.
+
+        Raises:
+            LoaderStateError: The scope this iteration began in has closed.
+        """
+        if self._running is not None:
+            return
+        scope, plan, state = self._scope, self._plan, self._state
+        if scope is not state.scope or scope.task_group is None:
+            raise LoaderStateError("the loader's scope this iteration began in has closed")
+        if scope.current is not None:
+            await scope.current.aclose()
+        resume = self._resume
+        batches: Iterator[tuple[int, list[int]]] | None = None
+        if plan.kind.is_map:
+            for obj in (plan.sampler, plan.batch_sampler):
+                set_epoch = getattr(obj, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(self._number)
+            batches = resumed_batches(
+                plan.sampler,
+                plan.batch_sampler,
+                resume,
+                rank=plan.rank,
+                world_size=plan.world_size,
+            )
+        elif not isinstance(plan.source, InWorkers):
+            # A stream read here (tar shards, an interleave) shuffles by the loader's epoch.
+            set_epoch = getattr(plan.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self._number)
+        self._batches = batches
+        state.progress = self.progress
+        self._running = scope.current = Running(self.shown)
+        state.stats.epochs += 1
+        taken = resume.taken if resume is not None else None
+        if batches is not None and self._on_demand():
+            source, work = plan.source, scope.work
+            if not isinstance(source, MapSource) or not isinstance(work, ThreadOffload):
+                raise TypeError("an epoch made on demand reads a map source")
+            self._demand = OnDemand(
+                self._number, plan.config, source, batches, work, state.stats, scope.pace, taken
+            )
+
+    def _on_demand(self) -> bool:
+        """Whether this epoch's batches are made in the consumer's calls for them
+        (``_pipeline/demand.py``): a map-style dataset read in this process, a blocking one
+        whose reads have been fast enough to run inline (or were not timed yet), or an async one
+        without ``get_many`` whose reads have been returning at once (an earlier epoch timed
+        them); transforms fast enough to run inline; and nothing the stages are for: no worker
+        processes or threads, no ``prefetch`` asked for (batches made ahead), no device stage,
+        no ``timeout`` (a call that makes its batch cannot time out), no retries or per-sample
+        timeouts."""
+        plan, scope = self._plan, self._scope
+        source, work, cfg = plan.source, scope.work, plan.config
+        if not isinstance(source, MapSource) or not isinstance(work, ThreadOffload):
+            return False
+        reads = source.reads_now()
+        if reads is not None:
+            fast = reads[0].may_call_now
+        else:
+            fast = not source.batched and scope.pace.sequential
+        return (
+            fast
+            and work.may_call_now
+            and plan.arguments.prefetch is None
+            and scope.device is None
+            and plan.arguments.timeout == 0
+            and cfg.retry is None
+            and cfg.sample_timeout is None
+        )
+
+    async def _start_stages(self) -> MemoryObjectReceiveStream[Any]:
+        """Start the epoch's stages (on the batches left, when some were made on demand)."""
+        scope, plan, state, running = self._scope, self._plan, self._state, self._running
+        if scope is not state.scope or scope.task_group is None:
+            raise LoaderStateError("the loader's scope this iteration began in has closed")
+        if running is None:
+            raise LoaderStateError("the epoch was not prepared")
+        resume, demand = self._resume, self._demand
+        batches = self._batches
+        taken = resume.taken if resume is not None else None
+        empty: list[Mark] = []
+        skips_left: int | None = None
+        if demand is not None:  # handed over: the stages go on where it stopped
+            batches, taken, empty, skips_left = demand.rest()
+            self._demand = None
+        config = plan.config
+        buffer = config.prefetch - self._held_elsewhere  # the rest waits beyond the stream
+        send, recv = anyio.create_memory_object_stream[Any](buffer)
+        epoch = Epoch(
+            self._number,
+            config,
+            plan.source,
+            batches,
+            scope.work,
+            state.stats,
+            scope.device,
+            taken=taken,
+            stream_from=resume.stream if resume is not None else None,
+            pace=scope.pace,
+            empty=empty,
+            skips_left=skips_left,
+        )
+        running.run_stages(epoch, recv)
+        await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
+        return recv
+
+    async def __anext__(self) -> T_Batch:
+        """The next batch of the epoch. With a device stage it is on the device, safe to use on
+        the current stream of the calling thread.
+
+        Raises:
+            StopAsyncIteration: The epoch ended.
+            LoaderTimeout: No batch within the loader's ``timeout``.
+            Exception: This batch failed: the original exception, with notes naming the stage,
+                the sample and the batch. The next call goes on with the following batch (as
+                torch's iterator does), except after a failed stream source, which is over.
+
+        Cancellation: safe; no batch is lost (the next call returns the batch this one would
+        have returned).
+        """
+        try:
+            got = await self.receive()
+        except StopAsyncIteration:
+            if self.ended:
+                self.progress.finished = True
+            self.shown.close()
+            raise
+        self.took(got)  # this task is the consumer: it has the batch (or error)
+        if got.error is not None:
+            error = got.error
+            del got
+            try:
+                raise error
+            finally:  # no cycle through this frame: the traceback will hold the caller's
+                del error
+        if got.warning is not None:
+            warnings.warn(got.warning, UserWarning, stacklevel=2)
+        return hand_out(got.batch)  # type: ignore[no-any-return]
+
+    def took(self, got: Received) -> None:
+        """The consumer has ``got`` (call on the consumer's thread)."""
+        marks = got.marks
+        self.progress.took(marks)
+        if self.shown.drawing:
+            self.shown.draw()
+
+    async def receive(self) -> Received:
+        """The next batch as the event loop holds it: a :class:`Staged` batch with a device
+        stage, to be finished with :func:`hand_out` in the thread that uses it (a plain ``for``
+        runs this on the loop's thread, then ``hand_out`` on its own); torch's warning for an
+        iterable past its reported length, or None, for the consumer to give; the batch's mark,
+        for the consumer to give :attr:`progress` when it takes the batch; or, for a failed
+        batch, its error for the consumer to raise (the next call goes on).
+
+        Raises: as :meth:`__anext__`, except a failed batch's error (returned).
+        Cancellation: as :meth:`__anext__`.
+        """
+        if self._running is None:
+            await self.prepare()
+        self._check_open()
+        demand = self._demand
+        if demand is not None and not demand.handed_over:
+            # Made here, on the loop's thread: one trip round the loop per batch, so that the
+            # loop's other tasks run between batches (and a cancelled caller gets none).
+            await asyncio.sleep(0)
+            now = self._asked()
+            got = self._after(await demand.anext(), now)
+            if got is not None:
+                return got
+        running = self._running
+        if running is None or running.closed:
+            raise StopAsyncIteration  # stopped meanwhile (by a newer epoch, or the scope)
+        recv = running.recv if running.recv is not None else await self._start_stages()
+        stats = self._state.stats.consumer
+        now = time.perf_counter()
+        if self._last_yield is not None:
+            stats.busy_s += now - self._last_yield
+        timeout = self._plan.arguments.timeout
+        item: Any = None
+        try:
+            # A cancellation point still (a cancelled caller gets no batch), but a batch that is
+            # ready is taken without a trip round the event loop.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            try:
+                item = recv.receive_nowait()
+            except anyio.WouldBlock:
+                if timeout > 0:
+                    with anyio.fail_after(timeout):
+                        item = await recv.receive()
+                else:  # no cancel scope to make and leave per batch
+                    item = await recv.receive()
+        except anyio.EndOfStream:
+            pass
+        except TimeoutError:
+            raise LoaderTimeout(f"DataLoader timed out after {timeout} seconds") from None
+        finally:
+            waited = time.perf_counter() - now
+            stats.waited(waited)
+        self._state.stats.output.set_queued(recv.statistics().current_buffer_used)
+        if item is None:
+            self._closed = True
+            recv.close()
+            error = running.epoch.error if running.epoch is not None else None
+            if error is not None:
+                raise error
+            self.ended = True  # every batch was handed out: finished once the consumer sees it
+            raise StopAsyncIteration
+        return self._received(item)
+
+    def receive_now(self) -> Received | None:
+        """The next batch of an epoch made on demand, made now on the calling thread (the
+        consumer's: the loop's for ``async for``, its own for a plain ``for``); None when the
+        epoch's stages make it (they run on the loop: :meth:`receive` waits for it there).
+        Call after :meth:`prepare`.
+
+        Raises: as :meth:`receive`.
+        Cancellation: not a waiting point.
+        """
+        demand = self._demand
+        if demand is None or not demand.blocking or demand.handed_over:
+            return None
+        self._check_open()
+        now = self._asked()
+        return self._after(demand.next(), now)
+
+    def _check_open(self) -> None:
+        running = self._running
+        if self._closed or (running is not None and running.closed):
+            raise StopAsyncIteration  # ended (or stopped by a newer epoch, or the scope)
+        if self._scope is not self._state.scope:
+            raise LoaderStateError("the loader's scope this iteration began in has closed")
+
+    def _asked(self) -> float:
+        """The consumer asks for a batch now: the time since the last one was busy."""
+        now = time.perf_counter()
+        if self._last_yield is not None:
+            self._state.stats.consumer.busy_s += now - self._last_yield
+        return now
+
+    def _after(self, item: Any, asked: float) -> Received | None:
+        """A batch made on demand (see :meth:`receive_now`), asked for at ``asked``."""
+        self._state.stats.consumer.waited(time.perf_counter() - asked)  # waited while it was made
+        if item is HANDED_OVER:
+            self._last_yield = None  # its wait for the stages counts from the next call
+            return None
+        if item is None:
+            self._closed = True
+            self.ended = True
+            raise StopAsyncIteration
+        return self._received(item)
+
+    def _received(self, item: Any) -> Received:
+        """An output item (see ``Epoch``) as the consumer's side receives it."""
+        stats = self._state.stats.consumer
+        if isinstance(item, Raised):
+            return Received(None, None, item.marks, item.error)
+        batch, size, marks = item
+        if isinstance(batch, Staged):
+            batch.release()  # taken: no longer ahead of the consumer
+        stats.batches += 1
+        stats.samples += size
+        self._yielded += 1
+        reported, warning = self._state.iterable_len, None
+        if reported is not None and self._yielded > reported and not self._plan.kind.is_map:
+            warning = self._past_length(reported)
+        self._last_yield = time.perf_counter()
+        return Received(batch, warning, marks, None)
+
+    def _past_length(self, reported: int) -> str:
+        """torch's warning, for the consumer to give where it takes the batch: an iterable
+        yielded more than ``len(loader)`` said it would (as torch does, the dataset's length
+        is compared with the batches yielded)."""
+        plan = self._plan
+        text = (
+            f"Length of IterableDataset {plan.dataset!r} was reported to be {reported} (when "
+            f"accessing len(dataloader)), but {self._yielded} samples have been fetched."
+        )
+        if plan.num_workers > 0:
+            text += (
+                " For multiprocessing data-loading, this could be caused by not properly "
+                "configuring the IterableDataset replica at each worker (each worker iterates "
+                "its own copy: shard it with get_worker_info())."
+            )
+        return text
+
+    def close_stream(self) -> None:
+        self._closed = True
+        if self._running is not None:
+            self._running.close_stream()
+
+    async def aclose(self) -> None:
+        """Stop the epoch early and wait until its tasks are gone.
+
+        Cancellation: the wait is shielded.
+        """
+        self._closed = True
+        if self._running is not None:
+            await self._running.aclose()
