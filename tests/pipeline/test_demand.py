@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -67,7 +68,7 @@ async def test_async_for_makes_batches_on_the_loop_and_lets_other_tasks_run() ->
         nonlocal ticks
         while True:
             ticks += 1
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
     async with aioloader.DataLoader(ds, batch_size=4) as dl, anyio.create_task_group() as tg:
         tg.start_soon(ticker)
@@ -223,7 +224,7 @@ def test_epochs_that_are_not_made_on_demand() -> None:
         {"num_workers": 1, "worker_mode": "thread", "worker_init_fn": lambda _: None},
     ):
         ds = Recorded(16)
-        with aioloader.DataLoader(ds, batch_size=4, **kwargs) as dl:  # type: ignore[arg-type]
+        with aioloader.DataLoader(ds, batch_size=4, **kwargs) as dl:
             assert flat(list(dl)) == list(range(16)), kwargs
         assert here not in ds.threads, kwargs
 
