@@ -61,6 +61,16 @@ class AsyncDataset(ABC, Generic[T_Sample]):
         """
         return [await self.get(i) for i in indices]
 
+    def will_need(self, indices: Sequence[int]) -> None:
+        """A hint: ``indices`` will be read soon. The loader calls it, when a subclass overrides
+        it, as it schedules each batch (up to its window of batches ahead of their reads), on
+        the event loop's thread: it must return at once, and may start the reads somewhere
+        they need no waiting for (``sources.files`` asks the kernel to read cold files ahead).
+        The default does nothing.
+
+        Raises: nothing (a hint that cannot be taken is dropped; the read reports the error).
+        """
+
 
 class AsyncIterableDataset(ABC, Generic[T_co]):
     """A stream of samples (records, keys, decoded shard members) iterated with ``async for``.

@@ -110,6 +110,11 @@ class MapSource(ABC):
         blocking reads: see ``_workers/offload.py``)."""
         return False
 
+    def will_need(self, indices: Sequence[int]) -> None:
+        """A batch's ``indices`` are scheduled: a hint that they will be read soon (see
+        :meth:`AsyncDataset.will_need`). Returns at once."""
+        del indices  # a source that takes hints overrides this
+
     def reads_now(self) -> tuple[ThreadOffload, Callable[[Sequence[int]], list[Any]]] | None:
         """For a batch made on the caller's own thread (``_pipeline/demand.py``): the pool
         whose placement these reads share, and the blocking read of a slice of indices (its
@@ -178,6 +183,8 @@ class _AsyncMap(MapSource):
         self._dataset = dataset
         self.batched = type(dataset).get_many is not AsyncDataset.get_many
         self.get = dataset.get  # type: ignore[method-assign]  # no wrapper coroutine per read
+        if type(dataset).will_need is not AsyncDataset.will_need:  # no call per batch otherwise
+            self.will_need = dataset.will_need  # type: ignore[method-assign]
 
     def __len__(self) -> int:
         return len(self._dataset)

@@ -1,13 +1,10 @@
 """The consumer's end of one epoch: what ``async for`` and a plain ``for`` take batches from.
 
-Owns: :class:`EpochIterator`, which begins an epoch on its first call (ending an unfinished
-earlier one first), makes its batches in the consumer's calls while they are made on demand
-(``_pipeline/demand.py``), else starts its stages and receives from their output stream; hands
-out batches (a staged batch is made ready on the consumer's own thread and stream), times the
-consumer's waits, and turns the end of the epoch into ``StopAsyncIteration`` or the epoch's
-original exception. Given the loader's frozen plan and :class:`~.scope.LoaderState`, never the
-loader. Never: validates arguments or builds samplers (``_loader/loader.py``), runs stages
-(``_pipeline/epoch.py``) or owns pools (``scope.py``).
+Owns: :class:`EpochIterator`: it begins an epoch on its first call (ending an unfinished one
+first), makes its batches in the consumer's calls (``_pipeline/demand.py``) or receives them
+from its stages, hands them out (a staged batch made ready on the consumer's thread and stream),
+times the consumer's waits, and turns the epoch's end into ``StopAsyncIteration`` or its error.
+Never: refers to the loader, builds samplers, runs stages or owns pools (``scope.py``).
 """
 
 from __future__ import annotations
@@ -91,10 +88,12 @@ class EpochIterator(Generic[T_Batch]):
         """Whether batches come staged for a device (:func:`hand_out` finishes them)."""
         return self._scope.device is not None
 
-    async def prepare(self) -> None:
+    async def prepare(self, *, own_thread: bool = False) -> None:
         """Begin the epoch (ending an unfinished earlier one first): its batches are made on
         demand where that suits (see :meth:`_on_demand`), else its stages start with the first
-        :meth:`receive`. Idempotent.
+        :meth:`receive`. Idempotent. ``own_thread``: the consumer is a plain ``for`` on a thread
+        of its own, where a blocking dataset's batches are made in its calls however long they
+        take, as torch's ``num_workers=0`` loop makes them (nothing of the loop's waits on them).
 
         Raises:
             LoaderStateError: The scope this iteration began in has closed.
@@ -130,41 +129,40 @@ class EpochIterator(Generic[T_Batch]):
         self._running = scope.current = Running(self.shown)
         state.stats.epochs += 1
         taken = resume.taken if resume is not None else None
-        if batches is not None and self._on_demand():
+        if batches is not None and self._on_demand(own_thread):
             source, work = plan.source, scope.work
             if not isinstance(source, MapSource) or not isinstance(work, ThreadOffload):
                 raise TypeError("an epoch made on demand reads a map source")
             self._demand = OnDemand(
-                self._number, plan.config, source, batches, work, state.stats, scope.pace, taken
+                self._number,
+                plan.config,
+                source,
+                batches,
+                work,
+                state.stats,
+                scope.pace,
+                taken,
+                patient=own_thread and source.reads_now() is not None,
             )
 
-    def _on_demand(self) -> bool:
-        """Whether this epoch's batches are made in the consumer's calls for them
-        (``_pipeline/demand.py``): a map-style dataset read in this process, a blocking one
-        whose reads have been fast enough to run inline (or were not timed yet), or an async one
-        without ``get_many`` whose reads have been returning at once (an earlier epoch timed
-        them); transforms fast enough to run inline; and nothing the stages are for: no worker
-        processes or threads, no ``prefetch`` asked for (batches made ahead), no device stage,
-        no ``timeout`` (a call that makes its batch cannot time out), no retries or per-sample
-        timeouts."""
+    def _on_demand(self, own_thread: bool) -> bool:
+        """Whether this epoch's batches are made in the consumer's calls for them: the plan
+        allows it; the dataset is map-style, read in this process (no worker processes or
+        threads), blocking with reads fast enough to run inline (or not timed yet; for a plain
+        ``for`` on its own thread, ``own_thread``, however slow, as torch makes them), or async
+        without ``get_many`` with reads that returned at once (an earlier epoch timed them); and
+        the transforms run inline too."""
         plan, scope = self._plan, self._scope
-        source, work, cfg = plan.source, scope.work, plan.config
+        source, work = plan.source, scope.work
+        if not plan.on_demand_allowed or scope.device is not None:
+            return False
         if not isinstance(source, MapSource) or not isinstance(work, ThreadOffload):
             return False
         reads = source.reads_now()
-        if reads is not None:
-            fast = reads[0].may_call_now
-        else:
-            fast = not source.batched and scope.pace.sequential
-        return (
-            fast
-            and work.may_call_now
-            and plan.arguments.prefetch is None
-            and scope.device is None
-            and plan.arguments.timeout == 0
-            and cfg.retry is None
-            and cfg.sample_timeout is None
-        )
+        if reads is None:
+            return not source.batched and scope.pace.sequential and work.may_call_now
+        patient = own_thread and _inlines(reads[0]) and _inlines(work)
+        return patient or (reads[0].may_call_now and work.may_call_now)
 
     async def _start_stages(self) -> MemoryObjectReceiveStream[Any]:
         """Start the epoch's stages (on the batches left, when some were made on demand)."""
@@ -394,3 +392,8 @@ class EpochIterator(Generic[T_Batch]):
         self._closed = True
         if self._running is not None:
             await self._running.aclose()
+
+
+def _inlines(pool: ThreadOffload) -> bool:
+    """Whether ``pool`` runs calls inline at all, and nothing of its runs on its thread now."""
+    return pool.inline_limit is not None and pool.idle

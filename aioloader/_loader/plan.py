@@ -123,6 +123,21 @@ class LoaderPlan:
         return INLINE_BELOW_S if a.num_workers == 0 and a.worker_init_fn is None else None
 
     @property
+    def on_demand_allowed(self) -> bool:
+        """Whether the arguments leave a map-style epoch's batches to be made in the consumer's
+        calls (``_pipeline/demand.py``): nothing the stages are for was asked: no ``prefetch``
+        (batches made ahead), no device stage, no ``timeout`` (a call that makes its batch
+        cannot time out), no retries or per-sample timeouts."""
+        a, cfg = self.arguments, self.config
+        return (
+            a.prefetch is None
+            and self.device_plan is None
+            and a.timeout == 0
+            and cfg.retry is None
+            and cfg.sample_timeout is None
+        )
+
+    @property
     def device_depth(self) -> int:
         """Batches on the device ahead of the consumer."""
         return max(1, self.prefetch)

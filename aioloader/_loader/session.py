@@ -21,6 +21,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import queue
 import threading
 import warnings
@@ -305,7 +306,9 @@ class PlainIterator(Generic[T_Batch]):
         try:
             if self._ask is None:  # no pump yet: the epoch's batches may be made here
                 if not self._prepared:
-                    self._session.portal.call(self._epoch.prepare)
+                    self._session.portal.call(
+                        functools.partial(self._epoch.prepare, own_thread=True)
+                    )
                     self._prepared = True
                 # Made here, in this thread's call, as torch's are; an error raised within
                 # keeps this frame (its traceback's frames keep their callers), which holds no

@@ -21,7 +21,12 @@ and failure rules as the stages:
   so awaiting them in turn loses no overlap). After :data:`SLOW_IN_A_ROW` batches in a row
   that were slower, the rest of the epoch goes to the stages, where slow reads overlap ahead
   of the consumer. One slow batch (the machine busy a moment, a page fault, a collection) is
-  not enough: there is no way back to this path within the epoch.
+  not enough: there is no way back to this path within the epoch. A plain ``for`` reading a
+  blocking dataset is the exception: it makes every batch in its own thread's calls, however
+  slow, as torch's ``num_workers=0`` loop does (nothing of the event loop's waits on it; handed
+  to the stages, cold files read 15.1k/s where torch's loop read 17.3k: the reading thread and
+  the consumer's wait for the GIL at each other's system calls). ``prefetch=`` asks for the
+  stages.
 * A read that fails with ``max_failures`` left is handed over too (the stages read it again
   sample by sample, so that only the bad samples go); with none left its batch fails in its
   turn. A transform's failure spends the budget here, as the stages spend it.
@@ -78,6 +83,8 @@ class OnDemand:
         stats: The loader's recorders.
         pace: The scope's record of how long an awaited read takes (observed here too).
         taken: A resumed epoch's batches taken before, or None.
+        patient: Slow batches are made here too (a plain ``for`` on its own thread, blocking
+            reads: as torch's ``num_workers=0`` loop makes them, whatever they cost).
 
     Raises:
         ValueError: A pool that never runs calls inline.
@@ -96,6 +103,8 @@ class OnDemand:
         stats: Recorders,
         pace: Pace,
         taken: Taken | None,
+        *,
+        patient: bool = False,
     ) -> None:
         reads = source.reads_now()
         self.io: ThreadOffload | None = None
@@ -119,6 +128,7 @@ class OnDemand:
         self._next: tuple[int, list[int]] | None = None  # the batch the next call makes first
         self._empty: list[Mark] = []  # places of batches with nothing left: taken with the next
         self._slow = 0  # batches in a row whose read or transform was slow
+        self._patient = patient
         self.handed_over = False
         self.ended = False
 
@@ -130,9 +140,10 @@ class OnDemand:
     @property
     def ready(self) -> bool:
         """Whether the next batch may be made here: nothing of the pools' runs on their threads,
-        and fewer than :data:`SLOW_IN_A_ROW` batches in a row were slow."""
+        and fewer than :data:`SLOW_IN_A_ROW` batches in a row were slow (unless patient)."""
         io = self.io
-        return self._slow < SLOW_IN_A_ROW and (io is None or io.idle) and self.work.idle
+        quick = self._patient or self._slow < SLOW_IN_A_ROW
+        return quick and (io is None or io.idle) and self.work.idle
 
     def next(self) -> Any:
         """The next output item, made now on the calling thread: as the stages' output stream

@@ -269,6 +269,7 @@ class Epoch:
             for seq, ids in batches:
                 batch = Batch(seq, ids, [None] * len(ids), pending=len(ids))
                 await self.admit(batch)
+                source.will_need(ids)  # up to a window of batches ahead of their reads
                 step = self._chunk if source.batched else self._pace.samples_per_job(len(ids))
                 quick = source.reads_inline if source.batched else step > 1
                 if done is not None and quick and step >= len(ids):

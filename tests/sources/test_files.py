@@ -387,3 +387,92 @@ async def test_fast_slices_are_timed_alone_and_come_back_inline(tmp_path: Path) 
         assert all(here[1:]), here  # read here since
         assert crowded == [0]
     assert files_threads() == []
+
+
+def real_path(path: str) -> str:
+    return os.path.realpath(path)
+
+
+def hinted_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files each read-ahead hint named, in order (``posix_fadvise`` still runs)."""
+    hinted: list[str] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            hinted.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    return hinted
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no read-ahead hints here")
+async def test_slow_reads_start_the_reads_of_the_batches_scheduled_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cold files (reads slow) are hinted to the kernel a window of batches ahead of their
+    reads, each once; warm ones (reads inline) are not hinted at all."""
+    make_tree(tmp_path, [f"{i:02d}.bin" for i in range(64)])
+    hinted = hinted_paths(monkeypatch)
+    order: list[str] = []
+
+    hinted_before_first_read: list[int] = []
+
+    class Cold(FileDataset):
+        def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
+            self._placed.placement.recent.seconds = 0.005  # slow: the files are not cached
+            read = super()._read_many(items)
+            if not hinted_before_first_read:
+                hinted_before_first_read.append(len(hinted))
+            order.extend(path for _, path in items)
+            return read
+
+    ds = Cold(tmp_path)
+    assert ds._threads == 2  # threads beyond two only wait for the GIL when hints work
+    ds._placed.placement.recent.seconds = 0.005
+    loader = aioloader.DataLoader(ds, batch_size=4, collate_fn=list)
+    async with loader:
+        got = [b async for b in loader]
+    assert [x for b in got for x in b] == [content(f"{i:02d}.bin") for i in range(64)]
+    assert sorted(hinted) == sorted(map(real_path, order))  # each file once
+    # Hinted ahead: before the first slice was read, the files of later batches were hinted.
+    assert hinted_before_first_read[0] > 4
+
+    hinted.clear()
+    warm = FileDataset(tmp_path, threads=3)
+    warm._placed.placement.recent.seconds = 1e-5  # fast: read inline, nothing to hint
+    loader = aioloader.DataLoader(warm, batch_size=4, collate_fn=list)
+    async with loader:
+        assert len([b async for b in loader]) == 16
+    assert hinted == []
+
+
+def test_a_hint_for_a_file_that_cannot_be_opened_is_dropped(tmp_path: Path) -> None:
+    from aioloader.sources._read import will_need
+
+    will_need(os.fspath(tmp_path / "missing.bin"))  # its read will say why
+    will_need(os.fspath(tmp_path))  # a folder opens, and takes the hint or ignores it
+
+
+async def test_the_loader_hints_each_scheduled_batch_to_a_dataset_that_takes_hints() -> None:
+    hints: list[list[int]] = []
+    gets: list[int] = []
+
+    class Hinted(aioloader.AsyncDataset[int]):
+        def __len__(self) -> int:
+            return 20
+
+        async def get(self, index: int) -> int:
+            gets.append(index)
+            await anyio.sleep(0.001)  # a read that waits: the stages run ahead of it
+            return index
+
+        def will_need(self, indices: Sequence[int]) -> None:
+            hints.append(list(indices))
+
+    loader = aioloader.DataLoader(Hinted(), batch_size=4, shuffle=True, seed=1, collate_fn=list)
+    async with loader:
+        got = [b async for b in loader]
+    assert hints == got  # every batch, in its order, once
+    assert len(hints) == 5 and sorted(gets) == list(range(20))
