@@ -149,9 +149,9 @@ class EpochIterator(Generic[T_Batch]):
         """Whether this epoch's batches are made in the consumer's calls for them: the plan
         allows it; the dataset is map-style, read in this process (no worker processes or
         threads), blocking with reads fast enough to run inline (or not timed yet; for a plain
-        ``for`` on its own thread, ``own_thread``, however slow, as torch makes them), or async
-        without ``get_many`` with reads that returned at once (an earlier epoch timed them); and
-        the transforms run inline too."""
+        ``for`` on its own thread, ``own_thread``, however slow), or async with reads that
+        returned at once (a sample, or a ``get_many`` slice within a millisecond: an earlier
+        epoch timed them); and the transforms run inline too."""
         plan, scope = self._plan, self._scope
         source, work = plan.source, scope.work
         if not plan.on_demand_allowed or scope.device is not None:
@@ -160,7 +160,8 @@ class EpochIterator(Generic[T_Batch]):
             return False
         reads = source.reads_now()
         if reads is None:
-            return not source.batched and scope.pace.sequential and work.may_call_now
+            quick = scope.pace.slices_quick if source.batched else scope.pace.sequential
+            return quick and work.may_call_now
         patient = own_thread and _inlines(reads[0]) and _inlines(work)
         return patient or (reads[0].may_call_now and work.may_call_now)
 

@@ -12,21 +12,21 @@ and failure rules as the stages:
 
 * A blocking (torch) dataset's batch is made in the consumer's call on the consumer's thread
   (:meth:`OnDemand.next`: a plain ``for`` makes it on its own thread, no loop involved); an
-  ``AsyncDataset``'s reads are awaited one after another on the loop (:meth:`OnDemand.anext`,
-  which makes a blocking dataset's batches too).
-* It runs while the reads and the transforms are fast: a blocking read and the transform
-  under their pools' ``inline_limit`` (a millisecond: ``_workers/offload.py``; their times
-  count in those pools' placements as inline calls do), an awaited read under
-  ``SEQUENTIAL_BELOW_S`` a sample (``fetch.Pace``, whose reads it observes: they do not wait,
-  so awaiting them in turn loses no overlap). After :data:`SLOW_IN_A_ROW` batches in a row
-  that were slower, the rest of the epoch goes to the stages, where slow reads overlap ahead
-  of the consumer. One slow batch (the machine busy a moment, a page fault, a collection) is
-  not enough: there is no way back to this path within the epoch. A plain ``for`` reading a
-  blocking dataset is the exception: it makes every batch in its own thread's calls, however
-  slow, as torch's ``num_workers=0`` loop does (nothing of the event loop's waits on it; handed
-  to the stages, cold files read 15.1k/s where torch's loop read 17.3k: the reading thread and
-  the consumer's wait for the GIL at each other's system calls). ``prefetch=`` asks for the
-  stages.
+  ``AsyncDataset``'s reads are awaited on the loop, one after another or a ``get_many`` a batch
+  (:meth:`OnDemand.anext`, which makes a blocking dataset's batches too).
+* It runs while the reads and the transforms are fast: a blocking read and the transform under
+  their pools' ``inline_limit`` (a millisecond: ``_workers/offload.py``; their times count in
+  those pools' placements as inline calls do), an awaited read under ``SEQUENTIAL_BELOW_S`` a
+  sample, an awaited ``get_many`` under a millisecond a batch (``fetch.Pace``, which it tells:
+  reads that fast do not wait for long, so awaiting them in turn loses little overlap;
+  ``sources.files`` reads cached files inline). After :data:`SLOW_IN_A_ROW` batches in a row
+  that were slower, the rest of the epoch goes to the stages, where slow reads overlap ahead of
+  the consumer. One slow batch (the machine busy a moment, a page fault, a collection) is not
+  enough: there is no way back to this path within the epoch. A plain ``for`` reading a blocking
+  dataset is the exception: it makes every batch in its own thread's calls, however slow, as
+  torch's ``num_workers=0`` loop does (nothing of the event loop's waits on it; handed to the
+  stages, cold files read 15.1k/s where torch's loop read 17.3k: the reading thread and the
+  consumer's wait for the GIL at each other's system calls). ``prefetch=`` asks for the stages.
 * A read that fails with ``max_failures`` left is handed over too (the stages read it again
   sample by sample, so that only the bad samples go); with none left its batch fails in its
   turn. A transform's failure spends the budget here, as the stages spend it.
@@ -52,7 +52,7 @@ from .._base.stats import Recorders
 from .._data.resume import Mark, Taken
 from .._data.source import MapSource
 from .._workers.job import collate_only, run_batch
-from .._workers.offload import ThreadOffload
+from .._workers.offload import INLINE_BELOW_S, ThreadOffload
 from .config import PipelineConfig
 from .fetch import SEQUENTIAL_BELOW_S, Attempts, FailureBudget, Pace
 from .flow import nbytes_of
@@ -76,7 +76,7 @@ class OnDemand:
         number: The epoch number (for notes).
         config: The pipeline settings.
         source: The dataset: blocking (``source.reads_now()`` gives its pool and read), or
-            async and not batched (its ``get`` awaited sample by sample).
+            async (its ``get_many`` awaited a batch at a time, or its ``get`` sample by sample).
         batches: The epoch's numbered batches of indices, in order (a resumed epoch's taken ones
             left out).
         work: The transform pool; it runs fast calls inline (an ``inline_limit``).
@@ -110,14 +110,18 @@ class OnDemand:
         self.io: ThreadOffload | None = None
         self._read: Callable[[Sequence[int]], list[Any]] | None = None
         self._get: Callable[[int], Awaitable[Any]] = source.get
+        self._get_many = source.get_many if source.batched else None
+        io_limit: float | None = SEQUENTIAL_BELOW_S  # an awaited read's, per sample
         if reads is not None:
             self.io, self._read = reads
-        io_limit = self.io.inline_limit if self.io is not None else SEQUENTIAL_BELOW_S
+            io_limit = self.io.inline_limit
+        elif source.batched:
+            io_limit = INLINE_BELOW_S  # an awaited slice's, as a blocking one's
         if io_limit is None or work.inline_limit is None:
             raise ValueError("an epoch made on demand needs pools that run calls inline")
         self.number = number
         self.config = config
-        self.io_limit = io_limit  # a blocking read's, or an awaited read's per sample
+        self.io_limit = io_limit  # a batch's read (a blocking one, or get_many), or per sample
         self.work, self.work_limit = work, work.inline_limit
         self.pace = pace
         self._batches = batches
@@ -182,7 +186,7 @@ class OnDemand:
         """
         if self._read is not None:
             return self.next()
-        get = self._get
+        get, get_many = self._get, self._get_many
         while True:
             job = self._take()
             if not isinstance(job, tuple):
@@ -190,9 +194,13 @@ class OnDemand:
             seq, ids = job
             began, index = time.perf_counter(), None
             try:
-                samples = [await get(index := i) for i in ids]
+                if get_many is not None:
+                    samples = await get_many(ids)
+                else:
+                    samples = [await get(index := i) for i in ids]
             except Exception as exc:
-                item = self._read_failed(exc, seq, ids, began, index)
+                key = ids if get_many is not None else index
+                item = self._read_failed(exc, seq, ids, began, key)
             except BaseException:  # cancelled: this batch is the next call's
                 self._next = (seq, ids)
                 raise
@@ -262,6 +270,9 @@ class OnDemand:
         took = read - began
         if self.io is not None:
             self.io.took_inline(took)
+            slow = took >= self.io_limit
+        elif self._get_many is not None:
+            self.pace.observe_slice(took)
             slow = took >= self.io_limit
         else:
             self.pace.observe(took, len(ids))

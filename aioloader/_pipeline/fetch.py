@@ -21,6 +21,7 @@ from .._base.exceptions import annotate, is_annotated
 from .._base.recent import Recent
 from .._base.retry import RetryPolicy
 from .._base.stats import Recorders, StageRecorder
+from .._workers.offload import INLINE_BELOW_S
 
 __all__ = ["Attempts", "FailureBudget", "Pace"]
 
@@ -41,18 +42,33 @@ class Pace:
     return at once run back to back in one task).
 
     The first batch is read a sample per job; after that the moving average of the time a read
-    took (per sample) decides, batch by batch.
+    took (per sample) decides, batch by batch. A batched source's calls (``get_many``, a slice
+    each) are timed apart: whether a slice returns within ``slice_below`` (the epochs made on
+    demand read them, ``demand.py``).
     """
 
-    __slots__ = ("_below", "_recent")
+    __slots__ = ("_below", "_recent", "_slice_below", "_slices")
 
-    def __init__(self, below: float = SEQUENTIAL_BELOW_S) -> None:
+    def __init__(
+        self, below: float = SEQUENTIAL_BELOW_S, slice_below: float = INLINE_BELOW_S
+    ) -> None:
         self._below = below
         self._recent = Recent()  # a read's time, per sample
+        self._slice_below = slice_below
+        self._slices = Recent()  # a batched source's call's time, per slice
 
     def observe(self, seconds: float, count: int = 1) -> None:
         """``count`` reads took ``seconds`` together."""
         self._recent.add(seconds / count)
+
+    def observe_slice(self, seconds: float) -> None:
+        """A batched source's call (one slice) took ``seconds``."""
+        self._slices.add(seconds)
+
+    @property
+    def slices_quick(self) -> bool:
+        """Whether a batched source's calls have been returning within ``slice_below``."""
+        return self._slices.under(self._slice_below)
 
     @property
     def sequential(self) -> bool:

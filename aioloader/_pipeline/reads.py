@@ -112,6 +112,7 @@ class Reads:
         """Read a slice with one ``get_many`` call; if it fails and the budget allows, read it
         sample by sample so only the bad samples go."""
         ids = batch.ids[start:stop]
+        began = time.perf_counter()
         try:
             samples = await self._attempts.run(
                 lambda: source.get_many(ids), ids, batch.seq, count=len(ids)
@@ -128,6 +129,7 @@ class Reads:
             for position in range(start, stop):
                 await self.one(source, batch, position)
             return
+        self._pace.observe_slice(time.perf_counter() - began)
         batch.samples[start:stop] = samples
         batch.pending -= len(ids)
         self._charge(batch, nbytes_of_all(samples))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -298,3 +299,45 @@ async def test_a_call_cancelled_while_its_batch_is_read_leaves_the_batch_to_the_
         ds.gate.set()
         rest = [b async for b in it]
     assert flat([first, *rest]) == list(range(32))  # batch 1 came with the next call
+
+
+class AsyncBatched(AsyncRecorded):
+    """As :class:`AsyncRecorded`, read a batch per ``get_many`` call."""
+
+    async def get_many(self, indices: Sequence[int]) -> list[int]:
+        return [await self.get(i) for i in indices]
+
+
+async def test_a_get_many_that_returns_at_once_is_awaited_in_the_consumers_call() -> None:
+    ds = AsyncBatched(64)
+    async with aioloader.DataLoader(ds, batch_size=8) as dl:
+        assert await consumer_reads(dl, ds) == [list(range(64)), 0]  # timed on the stages
+        await made_in_the_calls(dl, ds)
+        ds.sleep = 0.0005  # 4 ms a batch: the stages take over after three, and keep it
+        got, here = await consumer_reads(dl, ds)
+        assert got == list(range(64)) and here == 8 * SLOW_IN_A_ROW
+        assert await consumer_reads(dl, ds) == [list(range(64)), 0]
+
+
+async def test_sources_files_warm_is_read_in_the_consumers_call(tmp_path: Any) -> None:
+    """Cached files (their slices read inline) are read in ``__anext__``, not by the stages."""
+    for i in range(64):
+        (tmp_path / f"{i:02d}.bin").write_bytes(bytes([i]) * 100)
+    tasks: list[object] = []
+
+    class Spy(aioloader.sources.FileDataset):
+        def _read_many(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
+            try:
+                tasks.append(asyncio.current_task())
+            except RuntimeError:  # on one of its threads
+                tasks.append(None)
+            return super()._read_many(items)
+
+    async with aioloader.DataLoader(Spy(tmp_path), batch_size=8, collate_fn=list) as dl:
+        for _ in range(10):  # the first epoch times the slices; a loaded machine may need more
+            tasks.clear()
+            got = [b async for b in dl]
+            assert [x[0] for b in got for x in b] == list(range(64))
+            if tasks == [asyncio.current_task()] * 8:  # every slice read in this task's calls
+                return
+    raise AssertionError("no epoch of cached files was made in the consumer's calls")
