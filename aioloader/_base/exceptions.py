@@ -19,7 +19,11 @@ Hierarchy::
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import os
 import signal as _signal
+from types import FrameType
 from typing import Any
 
 __all__ = [
@@ -185,3 +189,31 @@ def first_leaf(exc: BaseException) -> BaseException:
         others = ", ".join(f"{type(e).__name__}: {e}" for e in leaves[1:6])
         first.add_note(f"aioloader: {len(leaves) - 1} more failure(s) in the same epoch: {others}")
     return first
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def forget_locals(exc: BaseException) -> None:
+    """Clear the local variables of aioloader's own finished (plain function) frames that
+    ``exc``'s traceback keeps, its entries and the callers they keep (a frame keeps its caller).
+
+    Why: a failure stored to be raised later (a batch's error, raised in its turn) keeps, through
+    its traceback, the frames it passed; a finished one whose locals hold the failure (the list
+    of a batch's failures) is a reference cycle, and every frame above it up to the consumer's
+    stays until the garbage collector runs, the consumer's iterator with it (and a plain
+    ``for``'s loop thread). The user's frames and those still running are left as they are.
+    """
+    tb = exc.__traceback__
+    seen: set[int] = set()
+    while tb is not None:
+        frame: FrameType | None = tb.tb_frame
+        while frame is not None and id(frame) not in seen:
+            seen.add(id(frame))
+            code = frame.f_code
+            if code.co_filename.startswith(_PACKAGE) and not code.co_flags & _SUSPENDABLE:
+                with contextlib.suppress(RuntimeError):  # still running: a caller
+                    frame.clear()
+            frame = frame.f_back
+        tb = tb.tb_next

@@ -195,6 +195,8 @@ class LoaderStatistics:
         skipped_samples: Ids of samples skipped under ``max_failures`` (the first 1,000).
         bytes_held: Bytes of fetched samples in unfinished batches now.
         max_bytes_held: The most ever held (bounded by ``max_inflight_bytes`` when set).
+        made_on_demand: Batches made in the consumer's own calls for them (``num_workers=0``,
+            a fast dataset: see ``_pipeline/demand.py``), none of them ahead of it.
         workers: The worker processes' counters (None with thread workers).
         verdict: Which stage limited throughput, and what to change, in one sentence (see
             ``_base/verdict.py``).
@@ -207,6 +209,7 @@ class LoaderStatistics:
     skipped_samples: tuple[object, ...] = field(default=())
     bytes_held: int = 0
     max_bytes_held: int = 0
+    made_on_demand: int = 0
     workers: WorkerStatistics | None = None
     verdict: str = ""
 
@@ -510,6 +513,7 @@ class Recorders:
         self.skipped: list[object] = []
         self.bytes_held = 0
         self.max_bytes_held = 0
+        self.made_on_demand = 0
 
     @property
     def stages(self) -> tuple[StageRecorder, ...]:

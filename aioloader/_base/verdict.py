@@ -39,6 +39,12 @@ def verdict(stats: LoaderStatistics, *, pinned: bool = False, to_device: bool = 
             "the loader is not slowing training"
         )
     head = f"the consumer waited for data {waited:.0%} of the time"
+    if stats.made_on_demand * 2 >= c.batches:
+        return (
+            f"{head}; its batches were made in its own calls for them (num_workers=0, as "
+            "torch's loop makes them), none ahead of it: prefetch=N has them made ahead while "
+            "it works, num_workers=N in worker processes"
+        )
     elapsed = stats.elapsed_s
     busy = {
         s.name: u for s in stats.stages if s.completed and (u := s.utilisation(elapsed)) is not None

@@ -13,7 +13,7 @@ import asyncio
 import time
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
@@ -31,9 +31,6 @@ from .checkpoint import EpochState, Progress, fresh_state
 from .progress import EpochProgress, epoch_samples
 from .resuming import resumed_batches
 from .scope import LoaderState, Running, Scope
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["EpochIterator"]
 
@@ -337,6 +334,9 @@ class EpochIterator(Generic[T_Batch]):
     def _after(self, item: Any, asked: float) -> Received | None:
         """A batch made on demand (see :meth:`receive_now`), asked for at ``asked``."""
         self._state.stats.consumer.waited(time.perf_counter() - asked)  # waited while it was made
+        if self._running is not None and self._running.closed:  # a newer epoch began meanwhile
+            self._closed = True  # (another thread's): this one's batch is dropped
+            raise StopAsyncIteration
         if item is HANDED_OVER:
             self._last_yield = None  # its wait for the stages counts from the next call
             return None

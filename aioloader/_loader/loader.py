@@ -455,6 +455,7 @@ class DataLoader(Generic[T_Batch]):
             skipped_samples=tuple(s.skipped),
             bytes_held=s.bytes_held,
             max_bytes_held=s.max_bytes_held,
+            made_on_demand=s.made_on_demand,
             workers=s.workers.snapshot() if s.workers.processes else None,
         )
         device = self._plan.device_plan

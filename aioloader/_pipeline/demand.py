@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate, is_annotated
+from .._base.exceptions import annotate, forget_locals, is_annotated
 from .._base.stats import Recorders
 from .._data.resume import Mark, Taken
 from .._data.source import MapSource
@@ -175,7 +175,10 @@ class OnDemand:
                 item = self._made(seq, ids, samples, began)
             item = self._settle(seq, ids, item)
             if item is not _AGAIN:
-                return item
+                try:
+                    return item
+                finally:  # a failed batch's error: its traceback keeps this frame (no cycle)
+                    del item
 
     async def anext(self) -> Any:
         """As :meth:`next`, on the event loop: an async dataset's reads are awaited one after
@@ -208,7 +211,10 @@ class OnDemand:
                 item = self._made(seq, ids, samples, began)
             item = self._settle(seq, ids, item)
             if item is not _AGAIN:
-                return item
+                try:
+                    return item
+                finally:  # as in next()
+                    del item
 
     def rest(self) -> tuple[Iterator[tuple[int, list[int]]], Taken, list[Mark], int]:
         """What the stages go on with once handed over: the batches not yet made, those taken
@@ -258,9 +264,11 @@ class OnDemand:
             self.io.took_inline(took)
         if self.budget.left:
             return HANDED_OVER
-        self.stats.fetch.record(took, len(ids), ok=False)
+        # A slice read in one call fails whole, as the stages count it; a sample read alone, one.
+        self.stats.fetch.record(took, len(ids) if key is ids else 1, ok=False)
         error = self._attempts.failed(exc, key, seq)
         self.budget.exhausted_note(error)
+        forget_locals(error)
         return Raised(error, (*self._taken_empty(), (seq, 0, None)))
 
     def _made(self, seq: int, ids: list[int], samples: list[Any], began: float) -> Any:
@@ -283,7 +291,10 @@ class OnDemand:
         self.work.took_inline(done)
         self.stats.transform.record(done, 1, ok=not isinstance(item, Raised))
         self._slow = self._slow + 1 if slow or done >= self.work_limit else 0
-        return item
+        try:
+            return item
+        finally:  # a failed batch's error: its traceback keeps this frame (no cycle)
+            del item
 
     def _finish(self, seq: int, ids: list[int], samples: list[Any]) -> Any:
         """Transform and collate a read batch into its output item (see :meth:`_made`)."""
@@ -303,11 +314,14 @@ class OnDemand:
         except Exception as exc:
             if not is_annotated(exc):
                 annotate(exc, "collate", epoch=self.number, batch=seq, index=ids)
+            result = None  # it may hold the error (a transform's): its traceback keeps this frame
+            forget_locals(exc)
             return Raised(exc, (*self._taken_empty(), (seq, 0, None)))
         nbytes = nbytes_of(value)
         if nbytes > stats.max_bytes_held:
             stats.max_bytes_held = nbytes
         stats.output.completed += 1
+        stats.made_on_demand += 1
         return value, size, (*self._taken_empty(), (seq, size, None))
 
     def _taken_empty(self) -> tuple[Mark, ...]:

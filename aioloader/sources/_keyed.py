@@ -47,6 +47,9 @@ class Keyed(AsyncDataset[tuple[str, T]], Generic[T]):
         """
         return self._key(index)
 
+    def will_need(self, indices: Sequence[int]) -> None:
+        self.source.will_need(indices)  # read ahead as the source reads ahead
+
     async def get(self, index: int) -> tuple[str, T]:
         """``(key, item)`` of item ``index``.
 

@@ -27,8 +27,8 @@ can_hint = hasattr(os, "posix_fadvise")
 
 def will_need(path: str) -> None:
     """Ask the kernel to start reading the file at ``path`` into the page cache, without
-    waiting for it (``POSIX_FADV_WILLNEED``): three system calls, none of which waits for the
-    disk. A file that cannot be opened is left to its read, which reports the error."""
+    waiting for its data (``POSIX_FADV_WILLNEED``): three system calls (the open may read a
+    cold inode). A file that cannot be opened is left to its read, which reports the error."""
     try:
         fd = os.open(path, _FLAGS)
     except OSError:

@@ -6,6 +6,7 @@ order, and the failure rules, marks and statistics of the stages."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import torch
 
 import aioloader
 from aioloader._pipeline.demand import SLOW_IN_A_ROW
+from tests.conftest import aioloader_threads
 from tests.support.helpers import flat
 
 
@@ -341,3 +343,46 @@ async def test_sources_files_warm_is_read_in_the_consumers_call(tmp_path: Any) -
             if tasks == [asyncio.current_task()] * 8:  # every slice read in this task's calls
                 return
     raise AssertionError("no epoch of cached files was made in the consumer's calls")
+
+
+@pytest.mark.parametrize("stage", ["fetch", "transform"])
+def test_a_failed_batch_made_on_demand_frees_its_iterator_at_once(stage: str) -> None:
+    """Found by review: the error's traceback keeps the frames that made the batch, and they
+    held the error: a cycle that kept a dropped iterator (and its loop thread) until the
+    garbage collector ran. With it off, dropping the iterator stops the thread."""
+
+    def transform(x: int) -> int:
+        if x == 5 and stage == "transform":
+            raise ValueError("no 5")
+        return x
+
+    def consume() -> str:
+        """Take two batches, catch the third's error, return: the iterator is dropped with
+        this frame, unless something still refers to the frame."""
+        ds = Recorded(8, fail={5} if stage == "fetch" else set())
+        it = iter(aioloader.DataLoader(ds, batch_size=2, transform=transform))
+        next(it), next(it)
+        try:
+            next(it)
+        except (KeyError, ValueError) as exc:
+            return str(exc)
+        return "no error"
+
+    gc.disable()
+    try:
+        assert "5" in consume()
+        deadline = time.monotonic() + 10
+        while aioloader_threads():
+            assert time.monotonic() < deadline, "the loop thread outlived its iterator"
+            time.sleep(0.01)
+    finally:
+        gc.enable()
+
+
+def test_the_verdict_of_an_epoch_made_on_demand_names_prefetch() -> None:
+    ds = Recorded(40, slow_from=0)
+    with aioloader.DataLoader(ds, batch_size=4) as dl:
+        assert flat(list(dl)) == list(range(40))
+    stats = dl.statistics()
+    assert stats.made_on_demand == 10
+    assert "made in its own calls" in stats.verdict and "prefetch=N" in stats.verdict

@@ -476,3 +476,15 @@ async def test_the_loader_hints_each_scheduled_batch_to_a_dataset_that_takes_hin
         got = [b async for b in loader]
     assert hints == got  # every batch, in its order, once
     assert len(hints) == 5 and sorted(gets) == list(range(20))
+
+
+def test_files_with_keys_read_ahead_as_files_do(tmp_path: Path) -> None:
+    """Found by review: the keyed wrapper did not pass the loader's hints on, so cold files
+    read with their keys lost the read-ahead (and kept the two threads chosen for it)."""
+    make_tree(tmp_path, ["a.bin", "b.bin"])
+    keyed_files = files(tmp_path, with_keys=True)
+    assert type(keyed_files).will_need is not aioloader.AsyncDataset.will_need
+    seen: list[list[int]] = []
+    keyed_files.source.will_need = seen.append  # type: ignore[attr-defined,method-assign]
+    keyed_files.will_need([1, 0])
+    assert seen == [[1, 0]]
