@@ -147,8 +147,8 @@ class EpochIterator(Generic[T_Batch]):
         allows it; the dataset is map-style, read in this process (no worker processes or
         threads), blocking with reads fast enough to run inline (or not timed yet; for a plain
         ``for`` on its own thread, ``own_thread``, however slow), or async with reads that
-        returned at once (a sample, or a ``get_many`` slice within a millisecond: an earlier
-        epoch timed them); and the transforms run inline too."""
+        returned at once (a sample: an earlier epoch timed them; or a ``get_many`` slice within
+        a millisecond, or not timed yet); and the transforms run inline too."""
         plan, scope = self._plan, self._scope
         source, work = plan.source, scope.work
         if not plan.on_demand_allowed or scope.device is not None:

@@ -313,8 +313,7 @@ class AsyncBatched(AsyncRecorded):
 async def test_a_get_many_that_returns_at_once_is_awaited_in_the_consumers_call() -> None:
     ds = AsyncBatched(64)
     async with aioloader.DataLoader(ds, batch_size=8) as dl:
-        assert await consumer_reads(dl, ds) == [list(range(64)), 0]  # timed on the stages
-        await made_in_the_calls(dl, ds)
+        await made_in_the_calls(dl, ds)  # from the first epoch: its slices are not timed yet
         ds.sleep = 0.0005  # 4 ms a batch: the stages take over after three, and keep it
         got, here = await consumer_reads(dl, ds)
         assert got == list(range(64)) and here == 8 * SLOW_IN_A_ROW
