@@ -34,6 +34,11 @@ class Recent:
         """Whether something was measured and the average is under ``limit``."""
         return self.seconds is not None and self.seconds < limit
 
+    def not_over(self, limit: float) -> bool:
+        """Whether nothing was measured yet or the average is under ``limit`` (the first call
+        is tried where fast ones go)."""
+        return self.seconds is None or self.seconds < limit
+
     def call(self, fn: Callable[..., R], *args: object) -> R:
         """``fn(*args)``, here and now, its duration added (a failed call's too)."""
         started = time.perf_counter()

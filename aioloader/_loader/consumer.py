@@ -19,7 +19,7 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._base.exceptions import LoaderStateError, LoaderTimeout
+from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals
 from .._data.resume import Mark
 from .._data.source import InWorkers, MapSource
 from .._device.stage import Staged, hand_out
@@ -140,7 +140,7 @@ class EpochIterator(Generic[T_Batch]):
                 state.stats,
                 scope.pace,
                 taken,
-                patient=own_thread and source.reads_now() is not None,
+                patient=own_thread,
             )
 
     def _on_demand(self, own_thread: bool) -> bool:
@@ -152,7 +152,7 @@ class EpochIterator(Generic[T_Batch]):
         a millisecond, or not timed yet); and the transforms run inline too."""
         plan, scope = self._plan, self._scope
         source, work = plan.source, scope.work
-        if not plan.on_demand_allowed or scope.device is not None:
+        if not plan.on_demand_allowed:
             return False
         if not isinstance(source, MapSource) or not isinstance(work, ThreadOffload):
             return False
@@ -160,7 +160,7 @@ class EpochIterator(Generic[T_Batch]):
         if reads is None:
             quick = scope.pace.slices_quick if source.batched else scope.pace.sequential
             return quick and work.may_call_now
-        patient = own_thread and _inlines(reads[0]) and _inlines(work)
+        patient = own_thread and reads[0].can_inline and work.can_inline
         return patient or (reads[0].may_call_now and work.may_call_now)
 
     async def _start_stages(self) -> MemoryObjectReceiveStream[Any]:
@@ -354,6 +354,9 @@ class EpochIterator(Generic[T_Batch]):
         """An output item (see ``Epoch``) as the consumer's side receives it."""
         stats = self._state.stats.consumer
         if isinstance(item, Raised):
+            # Its traceback keeps the frames it passed: those of ours that finished keep no
+            # locals, so no cycle holds this iterator until the garbage collector runs.
+            forget_locals(item.error)
             return Received(None, None, item.marks, item.error)
         batch, size, marks = item
         if isinstance(batch, Staged):
@@ -394,7 +397,3 @@ class EpochIterator(Generic[T_Batch]):
         self._closed = True
         if self._running is not None:
             await self._running.aclose()
-
-
-def _inlines(pool: ThreadOffload) -> bool:  # runs calls inline at all, and idle now
-    return pool.inline_limit is not None and pool.idle

@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate, forget_locals, is_annotated
+from .._base.exceptions import annotate, is_annotated
 from .._base.stats import Recorders
 from .._data.resume import Mark, Taken
 from .._data.source import MapSource
@@ -83,8 +83,8 @@ class OnDemand:
         stats: The loader's recorders.
         pace: The scope's record of how long an awaited read takes (observed here too).
         taken: A resumed epoch's batches taken before, or None.
-        patient: Slow batches are made here too (a plain ``for`` on its own thread, blocking
-            reads: as torch's ``num_workers=0`` loop makes them, whatever they cost).
+        patient: The consumer is a plain ``for`` on its own thread: a blocking dataset's slow
+            batches are made here too, as torch's ``num_workers=0`` loop makes them.
 
     Raises:
         ValueError: A pool that never runs calls inline.
@@ -132,7 +132,7 @@ class OnDemand:
         self._next: tuple[int, list[int]] | None = None  # the batch the next call makes first
         self._empty: list[Mark] = []  # places of batches with nothing left: taken with the next
         self._slow = 0  # batches in a row whose read or transform was slow
-        self._patient = patient
+        self._patient = patient and self._read is not None
         self.handed_over = False
         self.ended = False
 
@@ -175,10 +175,7 @@ class OnDemand:
                 item = self._made(seq, ids, samples, began)
             item = self._settle(seq, ids, item)
             if item is not _AGAIN:
-                try:
-                    return item
-                finally:  # a failed batch's error: its traceback keeps this frame (no cycle)
-                    del item
+                return item
 
     async def anext(self) -> Any:
         """As :meth:`next`, on the event loop: an async dataset's reads are awaited one after
@@ -213,7 +210,7 @@ class OnDemand:
             if item is not _AGAIN:
                 try:
                     return item
-                finally:  # as in next()
+                finally:  # a failed batch's error keeps this (coroutine) frame: no cycle
                     del item
 
     def rest(self) -> tuple[Iterator[tuple[int, list[int]]], Taken, list[Mark], int]:
@@ -268,7 +265,6 @@ class OnDemand:
         self.stats.fetch.record(took, len(ids) if key is ids else 1, ok=False)
         error = self._attempts.failed(exc, key, seq)
         self.budget.exhausted_note(error)
-        forget_locals(error)
         return Raised(error, (*self._taken_empty(), (seq, 0, None)))
 
     def _made(self, seq: int, ids: list[int], samples: list[Any], began: float) -> Any:
@@ -291,10 +287,7 @@ class OnDemand:
         self.work.took_inline(done)
         self.stats.transform.record(done, 1, ok=not isinstance(item, Raised))
         self._slow = self._slow + 1 if slow or done >= self.work_limit else 0
-        try:
-            return item
-        finally:  # a failed batch's error: its traceback keeps this frame (no cycle)
-            del item
+        return item
 
     def _finish(self, seq: int, ids: list[int], samples: list[Any]) -> Any:
         """Transform and collate a read batch into its output item (see :meth:`_made`)."""
@@ -314,8 +307,6 @@ class OnDemand:
         except Exception as exc:
             if not is_annotated(exc):
                 annotate(exc, "collate", epoch=self.number, batch=seq, index=ids)
-            result = None  # it may hold the error (a transform's): its traceback keeps this frame
-            forget_locals(exc)
             return Raised(exc, (*self._taken_empty(), (seq, 0, None)))
         nbytes = nbytes_of(value)
         if nbytes > stats.max_bytes_held:

@@ -70,8 +70,7 @@ class Pace:
         """Whether a batched source's calls have been returning within ``slice_below``, or
         none was timed yet (a slow source costs a few calls made in turn before the stages
         take over: ``demand.SLOW_IN_A_ROW``)."""
-        seconds = self._slices.seconds
-        return seconds is None or seconds < self._slice_below
+        return self._slices.not_over(self._slice_below)
 
     @property
     def sequential(self) -> bool:

@@ -154,14 +154,16 @@ class ThreadOffload:
         return limit is not None and self._recent.under(limit)
 
     @property
+    def can_inline(self) -> bool:
+        """Whether a call may run on the caller's thread now, however long calls take: the pool
+        inlines, and nothing of its runs on (or waits for) its thread."""
+        return self._inline_below is not None and not self._queued
+
+    @property
     def may_call_now(self) -> bool:
-        """Whether a call may run on the caller's thread now: the pool inlines, nothing of its
-        runs on its thread, and the recent calls were fast (or none was timed yet)."""
+        """:attr:`can_inline`, and the recent calls were fast (or none was timed yet)."""
         limit = self._inline_below
-        if limit is None or self._queued:
-            return False
-        recent = self._recent.seconds
-        return recent is None or recent < limit
+        return limit is not None and not self._queued and self._recent.not_over(limit)
 
     @property
     def inline_limit(self) -> float | None:
