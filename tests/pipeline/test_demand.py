@@ -102,7 +102,9 @@ async def test_a_slow_dataset_is_handed_to_the_stages_by_async_for(plain_for: bo
     else:
         # 5 fast batches and SLOW_IN_A_ROW slow ones were made in the caller's call; the rest
         # on the stages' thread (the reads are slow: never inline there), off the loop.
-        assert made_here == 4 * (5 + SLOW_IN_A_ROW)
+        # (A fast batch timed slow on a loaded machine may end it sooner, never later.)
+        assert 4 * SLOW_IN_A_ROW <= made_here <= 4 * (5 + SLOW_IN_A_ROW)
+        assert here not in ds.threads[made_here:]  # made here first, then on the stages
     assert dl.statistics().stage("fetch").completed == 80
 
 
@@ -205,8 +207,11 @@ async def test_a_resumed_epoch_goes_on_made_on_demand_and_then_on_the_stages() -
         after = [b.tolist() async for b in resumed]
     assert before + after == whole
     here = threading.get_ident()
-    assert again.threads[: 4 * (6 + SLOW_IN_A_ROW)] == [here] * 4 * (6 + SLOW_IN_A_ROW)
-    assert here not in again.threads[4 * (6 + SLOW_IN_A_ROW) :]  # the rest on the stages
+    # 6 fast batches, then SLOW_IN_A_ROW slow ones made in the calls (a fast one timed slow on
+    # a loaded machine may end it sooner, never later), the rest on the stages.
+    made_here = again.threads.count(here)
+    assert 4 * SLOW_IN_A_ROW <= made_here <= 4 * (6 + SLOW_IN_A_ROW)
+    assert again.threads[:made_here] == [here] * made_here
 
 
 def test_a_break_and_a_new_epoch_leave_nothing_running() -> None:
