@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -223,7 +224,8 @@ async def _stop(process: asyncio.subprocess.Process) -> int:
     """Stop what is left of the workload's session: SIGTERM to its process group unless its
     leader has exited, then SIGKILL to whatever is left after ``STOP_GRACE_S``; return how many
     processes were left once the leader had exited of itself (0 when it had to be stopped).
-    Cancelled meanwhile: SIGKILL at once, then the cancellation goes on."""
+    Cancelled meanwhile: SIGKILL at once (and the kills waited for), then the cancellation goes
+    on."""
     group = process.pid  # start_new_session: the leader's pid is the group's id
     stopping = process.returncode is None
     try:
@@ -234,13 +236,35 @@ async def _stop(process: asyncio.subprocess.Process) -> int:
                     await process.wait()
         left = await asyncio.to_thread(wait_until_gone, lambda: process_group(group), LEFT_WAIT_S)
     except BaseException:
-        _signal_group(group, signal.SIGKILL)
+        _kill_and_wait(group)  # cancelled: briefly blocking, so nothing outlives the runner
         raise
     if left:
-        _signal_group(group, signal.SIGKILL)
+        await asyncio.to_thread(_kill_and_wait, group)
     if process.returncode is None:
         await process.wait()  # killed: reaped now
     return 0 if stopping else len(left)
+
+
+def _kill_and_wait(group: int) -> None:
+    """SIGKILL ``group`` and wait (up to ``LEFT_WAIT_S``) until each of its processes has
+    exited: a killed process is still listed until the kernel has run its exit, so "killed" is
+    only true once that has happened. Not our children (the leader's own, reparented when it
+    exited), so each is waited for through a pidfd, which turns readable as it exits."""
+    _signal_group(group, signal.SIGKILL)
+    pidfds = []
+    for pid in process_group(group):
+        with contextlib.suppress(ProcessLookupError):  # exited since it was listed
+            pidfds.append(os.pidfd_open(pid))
+    deadline = time.monotonic() + LEFT_WAIT_S
+    try:
+        while pidfds and (left := deadline - time.monotonic()) > 0:
+            exited, _, _ = select.select(pidfds, [], [], left)
+            for fd in exited:
+                pidfds.remove(fd)
+                os.close(fd)
+    finally:
+        for fd in pidfds:
+            os.close(fd)
 
 
 def _signal_group(group: int, signum: int) -> None:
