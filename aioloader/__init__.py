@@ -35,6 +35,7 @@ from ._loader.checkpoint import merge_states as merge_states
 from ._loader.loader import DataLoader as DataLoader
 from ._serving.batcher import DynamicBatcher as DynamicBatcher
 from ._serving.stats import BatcherStatistics as BatcherStatistics
+from ._workers.standby import fork_standby as _fork_standby
 from ._workers.worker import WorkerInfo as WorkerInfo
 from ._workers.worker import get_worker_info as get_worker_info
 
@@ -88,3 +89,7 @@ __all__ = [
 
 
 _report_public_module(globals(), __all__, __name__)
+
+# Last, while the importing process may still be safe to fork (before CUDA, before threads): a
+# fork server in reserve for loaders built later (``_workers/standby.py``; AIOLOADER_STANDBY=0).
+_fork_standby()

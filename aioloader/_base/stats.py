@@ -109,6 +109,11 @@ class WorkerStatistics:
         bytes_received: Bytes read back (results: tensors travel as shared-memory handles).
         crashes: Workers that died mid-job.
         restarts: Workers started again after a crash or a cancelled job that did not finish.
+        server: Where the workers were forked from (start method forkserver): ``"forked"`` (a
+            server forked from this process), ``"standby"`` (the server forked as aioloader
+            was imported), ``"interpreter"`` (the stdlib's fresh interpreter, which imports
+            torch and the main module: the slow start), ``"other"``; ``""`` with spawn.
+        server_why: Why the faster ways to start it were not taken (``""`` when forked).
     """
 
     processes: int
@@ -118,6 +123,8 @@ class WorkerStatistics:
     bytes_received: int
     crashes: int
     restarts: int
+    server: str = ""
+    server_why: str = ""
 
 
 class WorkerRecorder:
@@ -130,6 +137,8 @@ class WorkerRecorder:
         "jobs",
         "processes",
         "restarts",
+        "server",
+        "server_why",
         "startup_s",
     )
 
@@ -141,6 +150,8 @@ class WorkerRecorder:
         self.bytes_received = 0
         self.crashes = 0
         self.restarts = 0
+        self.server = ""
+        self.server_why = ""
 
     def snapshot(self) -> WorkerStatistics:
         return WorkerStatistics(
@@ -151,6 +162,8 @@ class WorkerRecorder:
             self.bytes_received,
             self.crashes,
             self.restarts,
+            self.server,
+            self.server_why,
         )
 
 
@@ -262,6 +275,9 @@ class LoaderStatistics:
                 f" pipe bytes out {w.bytes_sent:,} / back {w.bytes_received:,},"
                 f" {w.crashes} crashed, {w.restarts} restarted"
             )
+            if w.server:
+                why = f" ({w.server_why})" if w.server_why else ""
+                lines.append(f"  fork server: {w.server}{why}")
         lines.append(
             "  (busy: the share of the stage's slots' time its work took; in flight and queued: "
             "the most at once / the limit, - for none; no room: time it waited for the next "

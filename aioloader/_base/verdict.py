@@ -17,6 +17,7 @@ __all__ = ["SATURATED", "WAITED", "verdict"]
 
 WAITED = 0.10  # the consumer waited at least this share of its time: data-bound
 SATURATED = 0.75  # a stage's slots were busy at least this share of the time
+SLOW_START = 0.25  # starting the workers took at least this share of the run (and 0.5 s)
 
 
 def verdict(stats: LoaderStatistics, *, pinned: bool = False, to_device: bool = True) -> str:
@@ -39,6 +40,8 @@ def verdict(stats: LoaderStatistics, *, pinned: bool = False, to_device: bool = 
             "the loader is not slowing training"
         )
     head = f"the consumer waited for data {waited:.0%} of the time"
+    if (start := _slow_start(stats)) is not None:
+        return f"{head}; {start}"
     if stats.made_on_demand * 2 >= c.batches:
         return (
             f"{head}; its batches were made in its own calls for them (num_workers=0, as "
@@ -91,4 +94,23 @@ def verdict(stats: LoaderStatistics, *, pinned: bool = False, to_device: bool = 
         f"{head}; no stage was saturated{said}: the source gave samples slowly (its latency "
         "with too few reads in flight), or samples are so cheap that per-batch overhead "
         "shows: a larger batch_size, or more max_inflight"
+    )
+
+
+def _slow_start(stats: LoaderStatistics) -> str | None:
+    """What to say when starting the worker processes took a large share of the run."""
+    w = stats.workers
+    if w is None or w.startup_s < max(0.5, SLOW_START * stats.elapsed_s):
+        return None
+    said = f"starting the {w.processes} worker processes took {w.startup_s:.1f} s"
+    if w.server == "interpreter":
+        return (
+            f"{said}: their fork server was a fresh interpreter importing torch and the main "
+            f"module ({w.server_why}): import aioloader before CUDA is initialised and before "
+            "other threads start, so that a fork server is forked in reserve, or keep the "
+            "workers across epochs (persistent_workers=True)"
+        )
+    return (
+        f"{said}: keep them across epochs (persistent_workers=True), or lighten worker_init_fn "
+        "and the dataset each worker receives"
     )

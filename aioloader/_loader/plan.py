@@ -25,8 +25,8 @@ from .._data.sharding import resolve_rank
 from .._data.source import InWorkers, Kind, MapSource, StreamSource, open_source
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
-from .._workers.forkserver import prepare_forkserver
 from .._workers.offload import INLINE_BELOW_S, ThreadOffload
+from .._workers.serverstart import prepare_forkserver
 from .arguments import Arguments, check_arguments
 
 __all__ = ["EPOCH_DEFINING", "LoaderPlan", "plan_loader"]

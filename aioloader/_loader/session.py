@@ -36,7 +36,7 @@ from anyio.from_thread import BlockingPortal
 
 from .._base.exceptions import LoaderStateError
 from .._device.stage import hand_out
-from .._workers.forkserver import prepare_forkserver
+from .._workers.serverstart import prepare_forkserver
 
 if TYPE_CHECKING:
     from .consumer import EpochIterator

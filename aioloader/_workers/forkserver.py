@@ -1,25 +1,28 @@
-"""Starting multiprocessing's fork server as a fork of this process, when that is safe.
+"""Forking a fork server from this process, when that is safe, for the stdlib to use.
 
-Owns: the decision to fork the server (this process has one thread, no CUDA context, and the
-server is not running yet) and handing the running server to ``multiprocessing.forkserver``, so
+Owns: the safety check (:func:`unsafe_to_fork`: one Python thread, no CUDA context, no named
+native thread), forking a server that speaks the stdlib's fork-server protocol
+(:func:`fork_server`) and handing it to ``multiprocessing.forkserver`` (:func:`install`), so
 that ``multiprocessing.get_context("forkserver")`` uses it for every later worker. Never: forks
-a process with other threads, or changes how an already running server works.
+a process with other threads, or changes how an already running server works. When to fork,
+and what to do when it is not safe, is ``serverstart.py``'s decision.
 
-Why: the stdlib starts its fork server as a fresh interpreter, which imports torch again (about
-1.3 s here, and a second private copy of torch's pages in memory). Forked from this process, the
-server has torch already; workers forked from it start in milliseconds and share this process's
-pages copy-on-write, as torch's fork workers do. Forking is safe here for the reason fork is
-refused elsewhere: it happens only before this process has another Python thread, a tokio
-runtime or a CUDA context (so no lock is held by anyone else), and the server never touches the
-event loop, an I/O client or CUDA. Anything we cannot check (another Python's
-server protocol, more threads, CUDA initialised) falls back to the stdlib's own start, with
-torch and the worker module preloaded in it.
+Why: the stdlib starts its fork server as a fresh interpreter, which imports torch again (a
+second private copy of torch's pages in memory, and seconds of start-up where CUDA torch is
+installed). Forked from this process, the server has torch already; workers forked from it
+start in milliseconds and share this process's pages copy-on-write, as torch's fork workers do.
+Forking is safe for the reason fork is refused elsewhere: it happens only while this process
+has no other thread and no CUDA context (so no lock is held by anyone else), and the server
+never touches the event loop, an I/O client or CUDA.
 
 The server inherits this process's memory and open regular files, as torch's fork workers do: a
 file a module opened at import is readable in a worker (pipes and sockets it lets go of). It
 keeps the memory it shares with this process for the life of the process: memory this process
-frees after the server was forked (when the first loader with process workers was built) stays
-mapped in the server.
+frees after the server was forked stays mapped in the server.
+
+The one seam into another package's private names: :func:`install` sets three attributes of
+``multiprocessing.forkserver._forkserver`` (3.11 to 3.13; :func:`server_protocol_known` says
+whether this Python's server is that one).
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
-import multiprocessing.context
 import multiprocessing.forkserver as stdlib_forkserver
 import os
 import socket
 import stat
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import connection, resource_tracker, util
 from typing import Any
 
@@ -41,21 +45,32 @@ import torch
 
 from .worker import name_this_process
 
-__all__ = ["prepare_forkserver"]
+__all__ = [
+    "PRELOAD",
+    "ForkedServer",
+    "fork_server",
+    "install",
+    "server_protocol_known",
+    "unsafe_to_fork",
+]
 
-_PRELOAD = ("aioloader._workers.worker",)  # imports torch and NumPy: what every worker needs
+PRELOAD = ("aioloader._workers.worker",)  # imports torch and NumPy: what every worker needs
 _SERVER_STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
 
 
-def _safe_to_fork() -> bool:
-    """No other Python thread (ours, the application's, an executor's), no CUDA context, and no
-    native thread that named itself (tokio's runtime behind obstore does): the native threads
+def unsafe_to_fork() -> str | None:
+    """Why forking this process now could hang or corrupt the child, or None when it is safe.
+
+    Safe: no other Python thread (ours, the application's, an executor's), no CUDA context, and
+    no native thread that named itself (tokio's runtime behind obstore does). The native threads
     left are the unnamed pools of BLAS and OpenMP, which NumPy and torch start at import and
     which register their own fork handlers (torch's fork workers rely on the same)."""
-    if sys.platform != "linux" or threading.active_count() != 1:
-        return False
+    if sys.platform != "linux":
+        return f"fork servers are forked on Linux only (this is {sys.platform})"
+    if (threads := threading.active_count()) != 1:
+        return f"this process had {threads} Python threads"
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return False
+        return "CUDA was initialised in this process"
     try:
         with open("/proc/self/comm") as f:
             process_name = f.read().strip()
@@ -64,14 +79,17 @@ def _safe_to_fork() -> bool:
             with open(f"/proc/self/task/{task}/comm") as f:
                 names.add(f.read().strip())
     except OSError:  # no /proc: we cannot tell, so we do not fork
-        return False
-    return names <= {process_name}
+        return "/proc could not be read to count this process's threads"
+    if named := sorted(names - {process_name}):
+        return f"this process had native threads ({', '.join(named)})"
+    return None
 
 
-def _server_protocol_known(server: object) -> bool:
+def server_protocol_known() -> bool:
     """This Python's fork server is the one we know how to hand a forked server to (3.11 to 3.13:
     no authentication key; its ``main`` takes the listener and the alive pipe first)."""
-    if not all(hasattr(server, name) for name in _SERVER_STATE):
+    server = getattr(stdlib_forkserver, "_forkserver", None)
+    if server is None or not all(hasattr(server, name) for name in _SERVER_STATE):
         return False
     if hasattr(server, "_forkserver_authkey"):
         return False
@@ -79,15 +97,36 @@ def _server_protocol_known(server: object) -> bool:
     return params[:3] == ["listener_fd", "alive_r", "preload"]
 
 
-def _serve_in_child(listener_fd: int, alive_r: int, alive_w: int) -> None:
+@dataclass(frozen=True, slots=True)
+class ForkedServer:
+    """A forked fork server, as the stdlib's client finds it: where it listens, the write end of
+    the pipe whose EOF stops it, and its pid."""
+
+    address: str
+    alive_w: int
+    pid: int
+
+    def retire(self) -> None:
+        """Stop it (its alive pipe's EOF, or its wake line's) and reap it."""
+        with contextlib.suppress(OSError):
+            os.close(self.alive_w)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _serve_in_child(
+    listener_fd: int, alive_r: int, alive_w: int, name: str, keep: tuple[int, ...],
+    before_serving: Callable[[], None] | None,
+) -> None:  # fmt: skip
     """In the forked child: let go of the application's pipes and sockets, then serve.
 
     Regular files stay open, as with torch's fork workers: a module that opened a file at import
-    reads it in a worker. Pipes and sockets must not: the server lives as long as this process,
-    and a pipe's write end held here would keep its reader from ever seeing EOF (a subprocess's
-    stdin, this server's own alive pipe). They are pointed at /dev/null rather than closed:
-    Python objects inherited with the memory still think they own their descriptors, and one
-    collected later would close whatever reused the number (a worker's pipe).
+    reads it in a worker. Pipes and sockets must not (``keep`` excepted): the server lives as
+    long as this process, and a pipe's write end held here would keep its reader from ever
+    seeing EOF (a subprocess's stdin, this server's own alive pipe). They are pointed at
+    /dev/null rather than closed: Python objects inherited with the memory still think they own
+    their descriptors, and one collected later would close whatever reused the number (a
+    worker's pipe).
     """
     try:
         # Every object inherited from the application goes to the collector's permanent
@@ -95,74 +134,56 @@ def _serve_in_child(listener_fd: int, alive_r: int, alive_w: int) -> None:
         # to each object's header and copy every page of the inherited heap.
         gc.freeze()
         os.close(alive_w)  # the parent's end: its close (or death) is our EOF
-        name_this_process("aioloader-fs")
+        name_this_process(name)
         server = getattr(stdlib_forkserver, "_forkserver", None)
         if server is not None:  # forked while held: a fresh one, as the stdlib's fork handlers do
             server._lock = threading.Lock()
         devnull = os.open(os.devnull, os.O_RDWR)
-        for name in os.listdir("/proc/self/fd"):
-            fd = int(name)
-            if fd in (listener_fd, alive_r, devnull):
+        for entry in os.listdir("/proc/self/fd"):
+            fd = int(entry)
+            if fd in (listener_fd, alive_r, devnull, *keep):
                 continue
             with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
                 mode = os.fstat(fd).st_mode
                 if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
                     os.dup2(devnull, fd)
         os.close(devnull)
+        if before_serving is not None:
+            before_serving()
         stdlib_forkserver.main(listener_fd, alive_r, [])
     finally:
         os._exit(0)
 
 
-def _running(server: Any) -> bool:
-    return server._forkserver_pid is not None
+def fork_server(
+    name: str = "aioloader-fs",
+    keep: tuple[int, ...] = (),
+    before_serving: Callable[[], None] | None = None,
+) -> ForkedServer:
+    """Fork this process into a fork server speaking the stdlib's protocol (the caller has
+    checked :func:`unsafe_to_fork`). The child keeps ``keep`` (descriptors of its own) and runs
+    ``before_serving`` before it serves; if that raises, it exits."""
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # else the children print it again
+            with contextlib.suppress(Exception):
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns
+            _serve_in_child(listener.fileno(), alive_r, alive_w, name, keep, before_serving)
+        os.close(alive_r)
+    return ForkedServer(address, alive_w, pid)
 
 
-def _fork_server() -> bool:
-    """Fork the server now, if it is safe and not running; True when this process has one."""
-    server = getattr(stdlib_forkserver, "_forkserver", None)
-    if server is None or not _server_protocol_known(server):
-        return False
-    if _running(server):
-        return True  # the usual case, checked before reading /proc for every worker
-    if not _safe_to_fork():
-        return False
-    with server._lock:
-        if _running(server):  # another thread started it meanwhile (by us, or the stdlib)
-            return True
-        resource_tracker.ensure_running()  # before the fork: the server's children share it
-        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
-        with socket.socket(socket.AF_UNIX) as listener:
-            listener.bind(address)
-            if not util.is_abstract_socket_namespace(address):
-                os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()
-            for stream in (sys.stdout, sys.stderr):  # else the children print it again
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child never returns
-                _serve_in_child(listener.fileno(), alive_r, alive_w)
-            os.close(alive_r)
-        server._forkserver_address = address
-        server._forkserver_alive_fd = alive_w
-        server._forkserver_pid = pid
-    return True
-
-
-def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> None:
-    """Before starting workers with ``context`` (no-op unless it is forkserver): fork the server
-    from this process when that is safe, else ask the stdlib's server (if it has not started
-    yet) to preload torch and the worker module besides what the application asked for.
-
-    Called where the process may still have one thread (a plain ``for`` calls it before starting
-    its event loop's thread) and again as the workers start."""
-    ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
-    if ctx.get_start_method() != "forkserver" or _fork_server():
-        return
-    server = getattr(stdlib_forkserver, "_forkserver", None)
-    current = list(getattr(server, "_preload_modules", ["__main__"]))
-    wanted = current + [m for m in _PRELOAD if m not in current]
-    if wanted != current:
-        ctx.set_forkserver_preload(wanted)
+def install(forked: ForkedServer) -> None:
+    """Make ``forked`` the stdlib's fork server, which every forkserver context then uses."""
+    resource_tracker.ensure_running()  # its descriptor goes to the server with each request
+    server: Any = stdlib_forkserver._forkserver
+    server._forkserver_address = forked.address
+    server._forkserver_alive_fd = forked.alive_w
+    server._forkserver_pid = forked.pid

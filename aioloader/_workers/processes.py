@@ -6,10 +6,8 @@ worker (or, for a worker's own stream, to that worker) over its pipe, awaiting t
 pipe's readability, noticing a dead worker through its pipe's EOF and its process sentinel (so a
 crash surfaces in milliseconds, named), and stopping them.
 
-Start-up: the fork server is a fork of this process when that is safe (``_workers/forkserver.py``),
-or else the stdlib's, told to preload torch and the worker module; either way every worker start
-after the server's is a fork of it (tens of milliseconds), where spawn imports torch in every
-worker, every time.
+Start-up: every worker is a fork of the fork server (tens of milliseconds), started once per
+process the fastest safe way (``serverstart.py``); spawn imports torch in every worker.
 
 Cancellation policy: a job already sent to a worker is awaited, shielded, for up to
 ``CANCEL_GRACE`` seconds and its reply dropped; a worker still busy after that is terminated and
@@ -37,7 +35,7 @@ import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory re
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.stats import WorkerRecorder
-from .forkserver import prepare_forkserver
+from .serverstart import prepare_forkserver, server_start
 from .worker import worker_main
 
 __all__ = [
@@ -169,6 +167,8 @@ class ProcessWorkers:
             self._idle_send.send_nowait(worker)
         self._stats.startup_s = time.perf_counter() - started
         self._stats.processes = self.concurrency
+        if self._ctx.get_start_method() == "forkserver" and (server := server_start()):
+            self._stats.server, self._stats.server_why = server.how, server.why
 
     async def _replace(self, worker: _Worker) -> _Worker:
         """A fresh process for a dead (or abandoned) worker's slot.

@@ -4,11 +4,13 @@ each: the fetches, the workers, the consumer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 import aioloader
 from aioloader import DataLoader
+from aioloader._base.verdict import verdict
 
 
 class Slow(aioloader.AsyncDataset[int]):
@@ -145,3 +147,20 @@ def test_a_run_limited_by_pinning_on_the_host_is_said_so() -> None:
     said = verdict(device_bound(0.9), pinned=True, to_device=False)
     assert "pinning batches (pin_memory=True) took 90%" in said and "pass device=" in said
     assert "copying batches to the device" not in said
+
+
+async def test_a_slow_worker_start_is_named_with_why_and_what_to_do() -> None:
+    stats = await run(DataLoader(Slow(), batch_size=8, max_inflight=4))
+    elapsed = stats.elapsed_s
+    slow = aioloader.WorkerStatistics(
+        2, elapsed * 0.5 + 0.5, 20, 0, 0, 0, 0, "interpreter", "this process had 3 Python threads"
+    )
+    said = verdict(dataclasses.replace(stats, workers=slow))
+    assert f"starting the 2 worker processes took {slow.startup_s:.1f} s" in said, said
+    assert "(this process had 3 Python threads)" in said
+    assert "import aioloader before CUDA is initialised" in said
+    forked = dataclasses.replace(slow, server="forked", server_why="")
+    said = verdict(dataclasses.replace(stats, workers=forked))
+    assert "took" in said and "persistent_workers=True" in said and "CUDA" not in said
+    quick = dataclasses.replace(slow, startup_s=0.02)
+    assert "starting" not in verdict(dataclasses.replace(stats, workers=quick))

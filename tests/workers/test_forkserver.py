@@ -1,20 +1,25 @@
 """The fork server: a fork of this process when that is safe (workers then share its pages and
-start without importing torch again), else the stdlib's, with torch preloaded. Each case runs
-in a fresh interpreter: the server is process-wide and starts once."""
+start without importing torch again); else the standby forked as aioloader was imported, caught
+up with the main module; else the stdlib's, with torch preloaded. Each case runs in a fresh
+interpreter: the server is process-wide and starts once."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 PROBE = """
 import json, multiprocessing.forkserver, os, select, sys, threading
 import torch.utils.data
 import aioloader
+from aioloader._workers import standby
 
 class Pids(torch.utils.data.Dataset):
     def __len__(self):
@@ -44,9 +49,12 @@ if __name__ == "__main__":
     held = open(__file__)  # an application file: kept, as torch's fork workers keep it
     FILES.extend(open(__file__) for _ in range(16))
     pipe_r, pipe_w = os.pipe()  # a pipe's write end: let go of, or its reader never sees EOF
-    if sys.argv[1] == "thread":  # another Python thread: forking is not safe
+    standby_pid = standby._standby.server.pid if standby._standby else None
+    if "thread" in sys.argv:  # another Python thread: forking is not safe
         stop = threading.Event()
         threading.Thread(target=stop.wait, daemon=True).start()
+    if "cuda" in sys.argv:  # the check's seam: a CUDA context, as a training script has one
+        torch.cuda.is_initialized = lambda: True
     loader = aioloader.DataLoader(
         Pids(), batch_size=4, num_workers=2, worker_init_fn=close_inherited
     )
@@ -56,7 +64,13 @@ if __name__ == "__main__":
     os.close(pipe_w)
     readable, _, _ = select.select([pipe_r], [], [], 5.0)
     pipe_eof = bool(readable) and os.read(pipe_r, 1) == b""
+    stats = loader.statistics().workers
     print(json.dumps({
+        "server": stats.server,
+        "server_why": stats.server_why,
+        "standby_was": standby_pid,
+        "standby_alive": standby_pid is not None and os.path.exists(f"/proc/{standby_pid}")
+            and open(f"/proc/{standby_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z",
         "pipe_eof": pipe_eof,
         "me": os.getpid(),
         "my_cmdline": cmdline(os.getpid()),
@@ -69,12 +83,14 @@ if __name__ == "__main__":
 """
 
 
-def probe(tmp_path: Path, mode: str) -> dict[str, Any]:
+def probe(tmp_path: Path, *modes: str, standby: bool = True) -> dict[str, Any]:
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(PROBE))
+    env = {**os.environ, "AIOLOADER_STANDBY": "1" if standby else "0"}
     done = subprocess.run(
-        [sys.executable, str(script), mode], capture_output=True, text=True, timeout=60, check=False
-    )
+        [sys.executable, str(script), *modes],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
     assert (done.returncode, done.stderr) == (0, "")
     result: dict[str, Any] = json.loads(done.stdout)
     return result
@@ -87,11 +103,107 @@ def test_the_server_is_a_fork_of_a_single_threaded_process(tmp_path: Path) -> No
     assert got["server_cmdline"] == got["my_cmdline"]  # forked, not a fresh interpreter
     assert got["server_holds_app_file"]  # a module's open file reads in a worker, as with fork
     assert got["pipe_eof"]
+    assert (got["server"], got["server_why"]) == ("forked", "")
+    # The standby was there, and is gone: the server forked now replaced it.
+    assert got["standby_was"] is not None and not got["standby_alive"]
 
 
-def test_with_another_thread_the_stdlib_starts_its_server(tmp_path: Path) -> None:
-    got = probe(tmp_path, "thread")
+@pytest.mark.parametrize(
+    ("unsafe", "why"),
+    [
+        ("thread", "this process had 2 Python threads"),
+        ("cuda", "CUDA was initialised in this process"),
+    ],
+)
+def test_once_forking_is_unsafe_the_standby_serves(tmp_path: Path, unsafe: str, why: str) -> None:
+    got = probe(tmp_path, unsafe)
+    assert got["workers"] == 2 and got["workers_children_of_server"]
+    assert (got["server"], got["server_why"]) == ("standby", why)
+    assert got["standby_was"] is not None
+    assert got["server_parent"] == got["me"]
+    assert got["server_cmdline"] == got["my_cmdline"]  # forked, not a fresh interpreter
+    assert got["pipe_eof"]
+
+
+def test_without_a_standby_the_stdlib_starts_its_server(tmp_path: Path) -> None:
+    got = probe(tmp_path, "thread", standby=False)
     assert got["workers"] == 2
     assert "multiprocessing.forkserver import main" in got["server_cmdline"]
     assert "aioloader._workers.worker" in got["server_cmdline"]  # torch preloaded in it
     assert got["pipe_eof"]
+    assert got["server"] == "interpreter"
+    assert got["server_why"].startswith("this process had 2 Python threads; aioloader was imported")
+
+
+LIBRARY = """
+import os
+import aioloader  # the standby is forked here, with this module half-imported
+import torch.utils.data
+
+class Pids(torch.utils.data.Dataset):  # defined after it: the standby imports this module again
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return os.getpid()
+"""
+
+SCRIPT = """
+import sys, threading
+import library
+
+if __name__ == "__main__":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    loader = library.aioloader.DataLoader(library.Pids(), batch_size=4, num_workers=2)
+    pids = {pid for batch in loader for pid in batch.tolist()}
+    print(len(pids), loader.statistics().workers.server)
+"""
+
+
+def test_the_standby_imports_again_what_was_half_imported_when_it_was_forked(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "library.py").write_text(textwrap.dedent(LIBRARY))
+    (tmp_path / "script.py").write_text(textwrap.dedent(SCRIPT))
+    done = subprocess.run(
+        [sys.executable, "script.py"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", "2 standby\n")
+
+
+FORKS = """
+import os, sys, threading
+import torch.utils.data
+import aioloader
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return i
+
+def run(who):
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    loader = aioloader.DataLoader(Ids(), batch_size=4, num_workers=2)
+    got = [i for batch in loader for i in batch.tolist()]
+    print(who, got == list(range(8)), loader.statistics().workers.server, flush=True)
+
+if __name__ == "__main__":
+    child = os.fork()  # the application's own fork, after aioloader forked its standby
+    if child == 0:
+        run("child")
+        os._exit(0)
+    os.waitpid(child, 0)
+    run("parent")
+"""
+
+
+def test_a_forked_child_leaves_its_parents_standby_alone(tmp_path: Path) -> None:
+    (tmp_path / "forks.py").write_text(textwrap.dedent(FORKS))
+    done = subprocess.run(
+        [sys.executable, "forks.py"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    # The child has no standby of its own (it was forked after it), the parent keeps its own.
+    expected = "child True interpreter\nparent True standby\n"
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)

@@ -1,0 +1,122 @@
+"""Which fork server this process's workers are forked from, and why that one.
+
+Owns: :func:`prepare_forkserver`, the one decision, made once per process, of how the fork
+server starts, fastest first: forked from this process now, when that is safe (workers then
+share everything the application has imported); else the standby forked as aioloader was
+imported, caught up with the main module (``standby.py``); else the stdlib's own, a fresh
+interpreter asked to preload torch and the worker module besides the main module. And
+:func:`server_start`, what was decided and why, for the statistics and the verdict. Never:
+forks anything itself (``forkserver.py`` does), or starts a second server once one runs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver as stdlib_forkserver
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import standby
+from .forkserver import (
+    PRELOAD,
+    ForkedServer,
+    fork_server,
+    install,
+    server_protocol_known,
+    unsafe_to_fork,
+)
+
+__all__ = ["ServerStart", "prepare_forkserver", "server_start"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStart:
+    """How this process's fork server started.
+
+    Attributes:
+        how: ``"forked"`` (from this process, when the first loader needed it), ``"standby"``
+            (forked as aioloader was imported, caught up with the main module when first
+            needed), ``"interpreter"`` (the stdlib's: a fresh interpreter that imports torch
+            and the main module, paid by the first worker start), or ``"other"`` (something
+            else had started the stdlib's server).
+        why: Why the faster ways were not taken ("" for ``"forked"``).
+        seconds: What getting it ready cost the process here (for ``"interpreter"``, the
+            imports are paid by the first worker start instead, in its ``startup_s``).
+    """
+
+    how: str
+    why: str = ""
+    seconds: float = 0.0
+
+    @property
+    def slow(self) -> bool:
+        """Whether workers pay for a fresh interpreter's imports (or for a server we did not
+        start, whose preload we cannot know)."""
+        return self.how in ("interpreter", "other")
+
+
+_started: ServerStart | None = None
+
+
+def server_start() -> ServerStart | None:
+    """How this process's fork server started; None before a loader needed one (or where this
+    Python's server is not one we know: then the stdlib starts it, preloaded)."""
+    return _started
+
+
+def _start() -> ServerStart | None:
+    """Start the fork server the fastest safe way, once; None where this Python's server is not
+    one we can hand a forked server to."""
+    if not server_protocol_known():
+        return None
+    server: Any = stdlib_forkserver._forkserver
+    with server._lock:  # the stdlib's own, held while it starts its server
+        if server._forkserver_pid is not None:
+            return _started or ServerStart("other", "the stdlib's server was already running")
+        began = time.perf_counter()
+        why = unsafe_to_fork()
+        if why is None:
+            standby.retire()  # forked now, the server has everything the application imported
+            install(fork_server())
+            return ServerStart("forked", "", time.perf_counter() - began)
+        woken = standby.wake()
+        if isinstance(woken, ForkedServer):
+            install(woken)
+            return ServerStart("standby", why, time.perf_counter() - began)
+        return ServerStart("interpreter", f"{why}; {woken}")
+
+
+def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> None:
+    """Before starting workers with ``context`` (no-op unless it is forkserver): start the fork
+    server (see the module's docstring) unless one runs.
+
+    Called where the process may still have one thread (a loader's construction; a plain
+    ``for`` before it starts its event loop's thread) and again as the workers start.
+
+    Raises:
+        RuntimeError: Called while a fork server runs the main module again (a script that
+            starts a loader with worker processes at its top level, unguarded).
+    """
+    global _started
+    ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
+    if ctx.get_start_method() != "forkserver":
+        return
+    if standby.running_main_again():
+        raise RuntimeError(
+            "aioloader: a loader with worker processes was started while a fork server ran "
+            "the main module again to find its classes (as spawn and forkserver do): put the "
+            "script's loading and training under `if __name__ == '__main__':`"
+        )
+    if _started is None or _started.slow:  # until a server of ours runs: it may be safe now
+        fresh = _start()
+        if _started is None or (fresh is not None and not fresh.slow):
+            _started = fresh
+    if _started is not None and not _started.slow:
+        return
+    server = getattr(stdlib_forkserver, "_forkserver", None)
+    current = list(getattr(server, "_preload_modules", ["__main__"]))
+    wanted = current + [m for m in PRELOAD if m not in current]
+    if wanted != current:
+        ctx.set_forkserver_preload(wanted)

@@ -1,0 +1,197 @@
+"""A fork server held in reserve: forked as aioloader is imported, while that is still safe, for a
+loader built once it no longer is.
+
+Owns: forking the standby (:func:`fork_standby`, called at the end of ``aioloader/__init__``),
+waking it when a loader needs a server and this process can no longer fork one (:func:`wake`),
+and retiring it when a fresh fork is made instead (:func:`retire`). Never: runs the
+application's code in the standby before it is woken, or serves from it if waking it left it
+unsafe to fork.
+
+Why: a training script initialises CUDA and starts threads (a logger, a metrics exporter, an
+earlier loader's loop) before it builds its loader. Forking then could hang, so the only server
+left was a fresh interpreter importing torch and the main module: seconds, in every process,
+and a second private copy of torch. Imported before any of that, aioloader forks the standby
+then (a few milliseconds), and the standby waits, doing nothing, on its wake line.
+
+Woken, it catches up with the main module as ``multiprocessing.spawn`` does for a fresh
+interpreter (the same semantics as the stdlib's server): it takes this process's ``sys.path``,
+``sys.argv`` and working directory, and runs the main script once more as ``__mp_main__`` (its
+``if __name__ == "__main__":`` block does not run), so that the classes and functions a worker
+unpickles are there. Modules that were still being imported when the standby was forked (the
+chain of imports that reached aioloader) are imported again, whole. The imports the standby
+already has (torch, NumPy, aioloader) are not paid again. If the main script's top level
+starts a loader with workers (unguarded), or leaves a thread or a CUDA context behind, the
+standby refuses to serve and says why; the stdlib's server is started instead.
+
+``AIOLOADER_STANDBY=0`` in the environment turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import types
+from dataclasses import dataclass
+from multiprocessing import spawn
+from typing import Any
+
+from .forkserver import ForkedServer, fork_server, server_protocol_known, unsafe_to_fork
+
+__all__ = ["ENV", "fork_standby", "retire", "running_main_again", "wake"]
+
+ENV = "AIOLOADER_STANDBY"
+
+
+@dataclass(eq=False, slots=True)
+class _Standby:
+    server: ForkedServer
+    line: multiprocessing.connection.Connection  # this process's end of the wake line
+
+
+_standby: _Standby | None = None
+_missing = "aioloader was imported when forking was already unsafe (or AIOLOADER_STANDBY=0)"
+_catching_up = False  # in the standby, while the main module runs again
+
+
+def _forget_in_child() -> None:
+    """In a child forked from this process (a server of ours, or the application's own fork):
+    the standby is its parent's, and its copies of the standby's descriptors go."""
+    global _standby
+    standby, _standby = _standby, None
+    if standby is not None:
+        standby.line.close()
+        with contextlib.suppress(OSError):
+            os.close(standby.server.alive_w)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def running_main_again() -> bool:
+    """Whether this process is a fork server (the standby, or the stdlib's) or a spawned worker
+    running the main module again: a loader started from there (a script's unguarded top
+    level) must not start workers. The stdlib marks its own with ``_inheriting``."""
+    return _catching_up or bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def _a_multiprocessing_child() -> bool:
+    """This process is a worker or a server of multiprocessing's, still importing its main
+    module (spawn) or already running: no standby of its own."""
+    return (
+        running_main_again()
+        or spawn.is_forking(sys.argv)
+        or multiprocessing.parent_process() is not None
+    )
+
+
+def _modules_being_imported() -> frozenset[str]:
+    """The modules whose top level is running now (the chain of imports that reached here),
+    aioloader's own left out: in the standby they stay half-imported for good."""
+    names = set()
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__", "")
+            if name != "__main__" and name.partition(".")[0] != "aioloader":
+                names.add(name)
+        frame = frame.f_back
+    return frozenset(names)
+
+
+def fork_standby() -> None:
+    """Fork the standby, if forking is safe now and nothing turned it off; else do nothing (a
+    loader then forks a server when it is built, if that is safe, or the stdlib starts one)."""
+    global _standby
+    if _standby is not None or os.environ.get(ENV, "1") == "0" or _a_multiprocessing_child():
+        return
+    if not server_protocol_known() or unsafe_to_fork() is not None:
+        return
+    partial = _modules_being_imported()
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        server = fork_server(
+            "aioloader-sb", keep=(theirs.fileno(),), before_serving=lambda: _wait(theirs, partial)
+        )
+    finally:
+        theirs.close()
+    _standby = _Standby(server, ours)
+
+
+def _wait(line: multiprocessing.connection.Connection, partial: frozenset[str]) -> None:
+    """In the standby: wait to be woken (EOF: retired, or this process's parent exited), catch
+    up with the main module, and answer None (serving) or why not (then exit). Ctrl-C is the
+    application's: the standby, in its process group, ignores it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        preparation = line.recv()
+    except EOFError:
+        os._exit(0)
+    try:
+        _catch_up(preparation, partial)
+        why = unsafe_to_fork()
+        if why is not None:
+            why = f"the standby server could not serve: running the main module again, {why}"
+    except BaseException as exc:  # the main module's top level failed here: say how
+        why = f"the standby server could not run the main module again: {exc!r}"
+    line.send(why)
+    line.close()
+    if why is not None:
+        os._exit(0)
+
+
+def _catch_up(preparation: dict[str, Any], partial: frozenset[str]) -> None:
+    """Become what a fresh interpreter prepared by ``multiprocessing.spawn`` would be: the parent's
+    path, arguments and directory, and its main module run again as ``__mp_main__``."""
+    global _catching_up
+    for name in partial:
+        sys.modules.pop(name, None)
+    by_name = preparation.get("init_main_from_name")
+    if preparation.get("init_main_from_path") or (
+        by_name and by_name != "__main__" and not by_name.endswith(".__main__")
+    ):
+        # spawn.prepare runs the main module only where ``__main__`` is not it already: the
+        # half-run original must not count as it.
+        sys.modules["__main__"] = types.ModuleType("__main__")
+    _catching_up = True
+    try:
+        spawn.prepare(preparation)
+    finally:
+        _catching_up = False
+
+
+def wake() -> ForkedServer | str:
+    """Wake the standby: the server, once it has caught up with the main module; else why there
+    is none to use (no standby, or it could not catch up: then it has exited).
+
+    Blocks while the standby runs the main module's imports again (those it did not have)."""
+    global _standby
+    standby, _standby = _standby, None
+    if standby is None:
+        return _missing
+    preparation = spawn.get_preparation_data("aioloader-fs")
+    preparation["authkey"] = bytes(preparation["authkey"])  # pickles only into a new process
+    why: str | None
+    try:
+        standby.line.send(preparation)
+        why = standby.line.recv()
+    except (EOFError, OSError) as exc:
+        why = f"the standby server exited ({exc!r})"
+    standby.line.close()
+    if why is None:
+        return standby.server
+    standby.server.retire()
+    return why
+
+
+def retire() -> None:
+    """Let the standby go (a server forked from this process now replaces it)."""
+    global _standby
+    standby, _standby = _standby, None
+    if standby is not None:
+        with contextlib.suppress(OSError):
+            standby.line.close()  # EOF on its line: it exits
+        standby.server.retire()
