@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver as stdlib_forkserver
 import os
 import signal
 import sys
@@ -80,12 +81,18 @@ def running_main_again() -> bool:
 
 def _a_multiprocessing_child() -> bool:
     """This process is a worker or a server of multiprocessing's, still importing its main
-    module (spawn) or already running: no standby of its own."""
-    return (
-        running_main_again()
-        or spawn.is_forking(sys.argv)
-        or multiprocessing.parent_process() is not None
-    )
+    module (spawn) or its preload (a fork server), or already running: no standby of its own."""
+    if running_main_again() or spawn.is_forking(sys.argv):
+        return True
+    if multiprocessing.parent_process() is not None:
+        return True
+    serving = stdlib_forkserver.main.__code__
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is serving:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _modules_being_imported() -> frozenset[str]:
