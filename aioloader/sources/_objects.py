@@ -27,22 +27,36 @@ from ._keyed import Keyed, keyed
 
 __all__ = ["ObjectDataset", "TransientStoreError", "objects"]
 
-# Store failures worth another attempt: throttling, server errors, timeouts, broken connections.
-# obstore's message: "... - Server returned non-2xx status code: 503 Service Unavailable: ..."
-_STATUS = re.compile(r"status code: (\d{3})\b")
-_TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-# With no status: the request did not get an answer (read only in the message's head: the
-# debug section after it, "retry_timeout: 180s", "body: Some(...)", says nothing of the cause).
-_NO_ANSWER = re.compile(
-    r"SlowDown|Throttl|timed? ?out|[Cc]onnection|reset|incomplete|error sending request|"
-    r"error decoding response body",
-)
+# obstore's message is a head, then this, then the debug form of object_store's error: its
+# source chain, whose fields say what the head cannot ("HTTP error: request or response body
+# error" is a reset mid-body, a body cut short and a stall alike; only the chain tells them).
 _DEBUG = "\n\nDebug source:"
+# The answer's status (object_store's RequestError::Status or ::Response).
+_STATUS = re.compile(r"\b(?:Status|Response) \{\s*status: (\d{3})\b")
+_TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# No answer, or not all of it: object_store's own verdict (its HttpErrorKind, which it retries
+# for an idempotent GET unless Unknown or Decode), then an I/O error further down the chain
+# (std::io::Error's debug forms: Os { code, kind }, Custom { kind, error }, Kind(...)).
+_HTTP_KIND = re.compile(r"\bHttpError \{\s*kind: (\w+)")
+_TRANSIENT_HTTP_KINDS = frozenset({"Connect", "Request", "Timeout", "Interrupted"})
+_IO_KIND = re.compile(r"\b(?:Os \{\s*code: -?\d+,\s*kind: |Custom \{\s*kind: |Kind\()(\w+)")
+_TRANSIENT_IO_KINDS = frozenset(
+    {
+        "ConnectionReset",
+        "ConnectionAborted",
+        "ConnectionRefused",
+        "NotConnected",
+        "BrokenPipe",
+        "UnexpectedEof",
+        "TimedOut",
+        "Interrupted",
+    }
+)
 
 
 class TransientStoreError(TransientError):
-    """A store request failed in a way worth retrying (throttled, 5xx, timeout, reset). The
-    store's own exception is the ``__cause__``."""
+    """A store request failed in a way worth retrying (throttled, 5xx, a timeout, a reset, a
+    body cut short). The store's own exception is the ``__cause__``."""
 
 
 def redact_store_url(url: str) -> str:
@@ -145,33 +159,50 @@ class ObjectDataset(AsyncDataset[bytes]):
 def store_error(exc: Exception, where: str) -> Exception:
     """The error to raise for a store failure reading ``where`` (a redacted URL).
 
-    Classified by the exception's type and the HTTP status it reports, never by words anywhere
-    in its text: a missing object stays a ``FileNotFoundError`` (obstore's ``NotFoundError``)
-    with a note naming it; a refusal (obstore's ``PermissionDeniedError``,
-    ``UnauthenticatedError``, ``PreconditionError``, ... or a 4xx other than 408 and 429) keeps
-    its type, with a note naming ``where``, and is not retried; throttling, 5xx and a request
-    that got no answer (a timeout, a reset, a connection error) become
+    Classified by the exception's type, then by what object_store's source chain in its text
+    reports (see :func:`transient_cause`), never by words in the message's head: a missing
+    object stays a ``FileNotFoundError`` (obstore's ``NotFoundError``) with a note naming it; a
+    refusal (obstore's ``PermissionDeniedError``, ``UnauthenticatedError``,
+    ``PreconditionError``, ... or a 4xx other than 408 and 429) keeps its type, with a note
+    naming ``where``, and is not retried; throttling, 5xx and a request whose answer never came
+    or broke off (a reset before or during the body, a body cut short, a timeout) become
     :class:`TransientStoreError` with the store's exception as ``__cause__``."""
     import obstore.exceptions as obs_exc
 
     if isinstance(exc, FileNotFoundError | obs_exc.NotFoundError):
         exc.add_note(f"aioloader: no object {where}")
         return exc
-    if type(exc) in (obs_exc.GenericError, obs_exc.BaseError) and _transient(str(exc)):
-        error = TransientStoreError(f"reading {where} failed: {type(exc).__name__}")
-        error.__cause__ = exc
-        return error
+    if type(exc) in (obs_exc.GenericError, obs_exc.BaseError):
+        cause = transient_cause(str(exc))
+        if cause is not None:
+            error = TransientStoreError(f"reading {where} failed: {type(exc).__name__} ({cause})")
+            error.__cause__ = exc
+            return error
     exc.add_note(f"aioloader: while reading {where}")
     return exc
 
 
-def _transient(text: str) -> bool:
-    """Whether obstore's message says the request is worth another attempt."""
-    head = text.partition(_DEBUG)[0]
-    status = _STATUS.search(head)
+def transient_cause(text: str) -> str | None:
+    """What makes the store failure whose obstore message is ``text`` worth another attempt
+    (``"HTTP 503"``, ``"Interrupted: ConnectionReset"``, ``"Timeout"``), or None when it is not.
+
+    obstore's exceptions carry nothing structured (no ``__cause__``, no attributes): their text
+    is the only record, and its debug section is object_store's source chain. Read from it, in
+    order: the answer's status (transient when 408, 429 or 5xx); with no status, object_store's
+    ``HttpError`` kind (Connect, Request, Timeout, Interrupted: a request that got no answer or
+    lost it part-way); else an I/O error kind deeper in the chain (a reset, an unexpected end, a
+    timeout). A text without the debug section is not transient."""
+    _, found, chain = text.partition(_DEBUG)
+    if not found:
+        return None
+    status = _STATUS.search(chain)
     if status is not None:
-        return int(status[1]) in _TRANSIENT_STATUSES
-    return _NO_ANSWER.search(head) is not None
+        return f"HTTP {status[1]}" if int(status[1]) in _TRANSIENT_STATUSES else None
+    io_kinds = [kind for kind in _IO_KIND.findall(chain) if kind in _TRANSIENT_IO_KINDS]
+    http_kind = _HTTP_KIND.search(chain)
+    if http_kind is not None and http_kind[1] in _TRANSIENT_HTTP_KINDS:
+        return ": ".join([http_kind[1], *io_kinds[:1]])
+    return io_kinds[0] if io_kinds else None
 
 
 def store_from_url(

@@ -210,7 +210,9 @@ async def test_the_loader_reads_http_shards_exactly_once(
     tmp_path: Path, fault_server: FaultServer
 ) -> None:
     urls = serve_shards(fault_server, make_shards(tmp_path))
-    fault_server.plan.random(0.3, (Fault.TRUNCATE, Fault.S500, Fault.RESET), seed=3)
+    fault_server.plan.random(
+        0.3, (Fault.TRUNCATE, Fault.S500, Fault.RESET, Fault.RESET_BODY), seed=3
+    )
     ds = tar_shards(
         urls, chunk_size=512, retry=aioloader.RetryPolicy(attempts=10, initial_backoff=0)
     )

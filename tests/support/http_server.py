@@ -6,7 +6,8 @@ to each at ``/redirect/{i}`` and a redirect loop at ``/loop``, and before answer
 consults its :class:`FaultPlan`: a fault queued for the path (once, or every time), else, with
 probability ``p``, one drawn from a seeded ``random.Random``. Faults are real network behaviour:
 an error status, a connection aborted before any response, a body shorter than its
-Content-Length, or a stall. Every request and every injected fault is counted.
+Content-Length, a reset (TCP RST) part-way through the body, or a stall. Every request and
+every injected fault is counted.
 
 Use it through the ``fault_server`` fixture: ``fault_server = http_server.fault_server`` in a
 test module makes it that module's fixture. The server binds port 0 on 127.0.0.1 only; at
@@ -19,6 +20,8 @@ import asyncio
 import contextlib
 import enum
 import random
+import socket
+import struct
 import zlib
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 import pytest_asyncio
 from aiohttp import web
 
-__all__ = ["Fault", "FaultPlan", "FaultServer", "body", "fault_server"]
+__all__ = ["Fault", "FaultPlan", "FaultServer", "body", "fault_server", "reset"]
 
 OBJECT_SIZE = 1024
 
@@ -43,10 +46,15 @@ SIGNATURE = "X-Amz-Signature=REDIRECTSECRET&X-Amz-Credential=AKIDSECRET"
 class Fault(enum.StrEnum):
     """What the server does instead of answering normally."""
 
+    S400 = "400"  #: 400 Bad Request
+    S403 = "403"  #: 403 Forbidden
+    S404 = "404"  #: 404 Not Found
+    S412 = "412"  #: 412 Precondition Failed
     S429 = "429"  #: 429 Too Many Requests (with ``Retry-After: 0``)
     S500 = "500"  #: 500 Internal Server Error
     S503 = "503"  #: 503 Service Unavailable
     RESET = "reset"  #: the connection is aborted before any byte of the response
+    RESET_BODY = "reset-body"  #: headers, part of the body, then a TCP reset (RST)
     TRUNCATE = "truncate"  #: headers with the full Content-Length, half the body, then close
     STALL = "stall"  #: no answer for ``FaultPlan.stall_s`` (or until teardown)
 
@@ -103,6 +111,14 @@ class FaultPlan:
         if self.p and self.rng.random() < self.p:
             return self.rng.choice(self.mix)
         return None
+
+
+def reset(transport: asyncio.Transport) -> None:
+    """Abort the connection with a TCP RST (a linger of 0 s), as a peer that crashed does: the
+    client reads the bytes already sent, then ``ECONNRESET``. A plain abort sends a FIN."""
+    sock = transport.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -214,7 +230,7 @@ class FaultServer:
     ) -> web.StreamResponse:
         if fault is Fault.S429:
             return web.Response(status=429, text="slow down", headers={"Retry-After": "0"})
-        if fault in (Fault.S500, Fault.S503):
+        if fault.value.isdigit():
             return web.Response(status=int(fault), text=f"injected {fault}")
         if fault is Fault.STALL:
             with contextlib.suppress(TimeoutError):
@@ -225,7 +241,7 @@ class FaultServer:
             assert transport is not None
             transport.abort()
             raise web.HTTPServiceUnavailable  # never written: the connection is gone
-        # TRUNCATE: promise the whole answer, send half of it, close the connection.
+        # TRUNCATE, RESET_BODY: promise the whole answer, send half of it, end the connection.
         answer = self._answer(request)
         assert isinstance(answer.body, bytes)
         resp = web.StreamResponse(status=answer.status, headers=answer.headers)
@@ -233,7 +249,10 @@ class FaultServer:
         await resp.prepare(request)
         await resp.write(answer.body[: len(answer.body) // 2])
         assert transport is not None
-        transport.close()
+        if fault is Fault.RESET_BODY:
+            reset(transport)
+        else:
+            transport.close()
         return resp
 
     def _answer(self, request: web.Request) -> web.Response:
