@@ -54,7 +54,7 @@ class _Standby:
 
 
 _standby: _Standby | None = None
-_missing = "aioloader was imported when forking was already unsafe (or AIOLOADER_STANDBY=0)"
+_missing = "no standby: aioloader has not been imported"  # why there is none, once it was
 _catching_up = False  # in the standby, while the main module runs again
 
 
@@ -112,11 +112,19 @@ def _modules_being_imported() -> frozenset[str]:
 def fork_standby() -> None:
     """Fork the standby, if forking is safe now and nothing turned it off; else do nothing (a
     loader then forks a server when it is built, if that is safe, or the stdlib starts one)."""
-    global _standby
-    if _standby is not None or os.environ.get(ENV, "1") == "0" or _a_multiprocessing_child():
+    global _standby, _missing
+    if _standby is not None or _a_multiprocessing_child():
         return
-    if not server_protocol_known() or unsafe_to_fork() is not None:
+    if os.environ.get(ENV, "1") == "0":
+        _missing = f"no standby: {ENV}=0"
         return
+    if not server_protocol_known():
+        _missing = f"no standby: Python {sys.version.split()[0]}'s fork server is not one we know"
+        return
+    if (why := unsafe_to_fork()) is not None:
+        _missing = f"no standby: when aioloader was imported, {why}"
+        return
+    _missing = "the standby was used or retired"
     partial = _modules_being_imported()
     ours, theirs = multiprocessing.Pipe()
     try:

@@ -132,7 +132,7 @@ def test_without_a_standby_the_stdlib_starts_its_server(tmp_path: Path) -> None:
     assert "aioloader._workers.worker" in got["server_cmdline"]  # torch preloaded in it
     assert got["pipe_eof"]
     assert got["server"] == "interpreter"
-    assert got["server_why"].startswith("this process had 2 Python threads; aioloader was imported")
+    assert got["server_why"] == "this process had 2 Python threads; no standby: AIOLOADER_STANDBY=0"
 
 
 LIBRARY = """
@@ -206,4 +206,36 @@ def test_a_forked_child_leaves_its_parents_standby_alone(tmp_path: Path) -> None
     )  # fmt: skip
     # The child has no standby of its own (it was forked after it), the parent keeps its own.
     expected = "child True interpreter\nparent True standby\n"
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
+
+
+LATE = """
+import threading
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # before aioloader
+
+import torch.utils.data
+import aioloader
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return i
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    workers = loader.statistics().workers
+    print(workers.server, "|", workers.server_why)
+"""
+
+
+def test_imported_after_a_thread_started_the_fallback_says_so(tmp_path: Path) -> None:
+    (tmp_path / "late.py").write_text(textwrap.dedent(LATE))
+    done = subprocess.run(
+        [sys.executable, "late.py"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    why = "this process had 2 Python threads"
+    expected = f"interpreter | {why}; no standby: when aioloader was imported, {why}\n"
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
