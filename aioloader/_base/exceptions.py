@@ -130,6 +130,9 @@ def _rebuild_crashed(
     return WorkerCrashed(worker_id, pid, exitcode=exitcode, signal=signal)
 
 
+_WHERE = "_aioloader_where"  # the fields of the note annotate() wrote, kept on the exception
+
+
 def annotate(
     exc: BaseException,
     stage: str,
@@ -140,6 +143,11 @@ def annotate(
     detail: str = "",
 ) -> BaseException:
     """Attach a note naming where ``exc`` happened, and return ``exc`` itself.
+
+    One note per failure: where an earlier call already wrote one (the read that failed names
+    its sample; the stage that received the failure knows the batch and the epoch), that note
+    is completed with what it lacked, the earlier fields kept. The fields travel with the
+    exception (its ``__dict__``), through a worker's pipe too.
 
     Args:
         exc: The exception to annotate; its type and traceback are left as they are.
@@ -152,23 +160,35 @@ def annotate(
     Returns:
         The same exception object, for ``raise annotate(exc, ...)``.
     """
-    where = [f"stage {stage!r}"]
-    if index is not None:
-        where.append(f"sample {index!r}")
-    if batch is not None:
-        where.append(f"batch {batch}")
-    if epoch is not None:
-        where.append(f"epoch {epoch}")
-    note = "aioloader: failed in " + ", ".join(where)
-    if detail:
-        note += f" ({detail})"
-    exc.add_note(note)
+    fields: dict[str, Any] = {
+        "stage": stage, "index": index, "batch": batch, "epoch": epoch, "detail": detail
+    }  # fmt: skip
+    earlier = getattr(exc, _WHERE, None)
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(earlier, dict) and notes and earlier.get("note") in notes:
+        fields = {k: v if earlier.get(k) in (None, "") else earlier[k] for k, v in fields.items()}
+        fields["note"] = _where_note(fields)
+        notes[notes.index(earlier["note"])] = fields["note"]
+    else:
+        fields["note"] = _where_note(fields)
+        exc.add_note(fields["note"])
+    with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+        setattr(exc, _WHERE, fields)
     return exc
 
 
-def is_annotated(exc: BaseException) -> bool:
-    """Whether aioloader already added its note naming the stage to ``exc``."""
-    return any(n.startswith("aioloader: failed in") for n in getattr(exc, "__notes__", ()))
+def _where_note(fields: dict[str, Any]) -> str:
+    where = [f"stage {fields['stage']!r}"]
+    if fields["index"] is not None:
+        where.append(f"sample {fields['index']!r}")
+    if fields["batch"] is not None:
+        where.append(f"batch {fields['batch']}")
+    if fields["epoch"] is not None:
+        where.append(f"epoch {fields['epoch']}")
+    note = "aioloader: failed in " + ", ".join(where)
+    if fields["detail"]:
+        note += f" ({fields['detail']})"
+    return note
 
 
 def first_leaf(exc: BaseException) -> BaseException:

@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate, is_annotated
+from .._base.exceptions import annotate
 from .._base.stats import Recorders
 from .._data.resume import Mark, Taken
 from .._data.source import MapSource
@@ -305,8 +305,7 @@ class OnDemand:
             else:
                 value, size = result.batch, result.size
         except Exception as exc:
-            if not is_annotated(exc):
-                annotate(exc, "collate", epoch=self.number, batch=seq, index=ids)
+            annotate(exc, "collate", epoch=self.number, batch=seq, index=ids)  # or completes it
             return Raised(exc, (*self._taken_empty(), (seq, 0, None)))
         nbytes = nbytes_of(value)
         if nbytes > stats.max_bytes_held:

@@ -43,7 +43,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._base.exceptions import WorkerCrashed, annotate, first_leaf, is_annotated
+from .._base.exceptions import WorkerCrashed, annotate, first_leaf
 from .._base.stats import Recorders
 from .._data.resume import Mark, Taken
 from .._data.seeds import derive_seed
@@ -468,10 +468,11 @@ class Epoch:
             with rec.operation():
                 value, size = await self._run_batch(batch, keep, run, seed)
         except Exception as exc:
-            if not is_annotated(exc):
-                ids = batch.ids[0] if unbatched else batch.ids
-                stage = "transform" if isinstance(exc, WorkerCrashed) else "collate"
-                annotate(exc, stage, epoch=self.number, batch=batch.seq, index=ids)
+            # A worker's failure names its stage and sample already: this adds the batch and
+            # the epoch to that note.
+            ids = batch.ids[0] if unbatched else batch.ids
+            stage = "transform" if isinstance(exc, WorkerCrashed) else "collate"
+            annotate(exc, stage, epoch=self.number, batch=batch.seq, index=ids)
             return Done(batch, None, 0, exc)
         return Done(batch, value, size)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from .._base.exceptions import annotate, is_annotated
+from .._base.exceptions import annotate
 from .._base.recent import Recent
 from .._base.retry import RetryPolicy
 from .._base.stats import Recorders, StageRecorder
@@ -108,9 +108,8 @@ class Attempts:
     def failed(self, error: Exception, key: object, seq: int) -> Exception:
         """``error``, the last attempt's, with the note naming the stage, the sample ``key``
         and the batch ``seq`` (a blocking dataset's own note already names the sample within
-        its slice: then not ``key``)."""
-        index = None if is_annotated(error) else key
-        annotate(error, "fetch", epoch=self._epoch, batch=seq, index=index)
+        its slice: then it is kept)."""
+        annotate(error, "fetch", epoch=self._epoch, batch=seq, index=key)
         return error
 
     async def run(
@@ -196,8 +195,7 @@ class FailureBudget:
                 (and that the budget is exhausted), when nothing is left.
         """
         if self.left == 0:
-            if not is_annotated(exc):
-                annotate(exc, stage, epoch=self._epoch, batch=seq, index=key)
+            annotate(exc, stage, epoch=self._epoch, batch=seq, index=key)
             self.exhausted_note(exc)
             raise exc
         self.left -= 1

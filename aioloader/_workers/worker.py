@@ -128,9 +128,19 @@ def _with_worker_note(exc: BaseException) -> BaseException:
         exc = _attach_traceback(stand_in, exc)
     info = _info
     where = f"worker {info.id} (pid {os.getpid()})" if info else f"pid {os.getpid()}"
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    exc.add_note(f"aioloader: raised in {where}; the worker's traceback:\n{tb.rstrip()}")
+    exc.add_note(f"aioloader: raised in {where}; the worker's traceback:\n{_stack(exc)}")
     return _picklable(exc)
+
+
+def _stack(exc: BaseException) -> str:
+    """``exc``'s traceback (its chain too) without its closing line and notes: the main
+    process prints those with the exception itself, and they would read twice."""
+    formatted = traceback.TracebackException.from_exception(exc)
+    lines = list(formatted.format())
+    tail = list(formatted.format_exception_only())
+    if lines[-len(tail) :] == tail:
+        lines = lines[: -len(tail)]
+    return "".join(lines).rstrip()
 
 
 def _attach_traceback(stand_in: Exception, original: BaseException) -> Exception:

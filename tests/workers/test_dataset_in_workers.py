@@ -160,7 +160,12 @@ def test_a_failed_batch_raises_and_the_next_call_goes_on() -> None:
         assert next(it).tolist() == [0, 1, 2, 3]
         with pytest.raises(KeyError, match="bad sample 5") as info:
             next(it)
-        assert "sample 5" in "\n".join(info.value.__notes__)
+        # One note, whether the read failed in a worker or here: the sample, its batch, epoch.
+        wheres = [n for n in info.value.__notes__ if n.startswith("aioloader: failed in")]
+        assert wheres == ["aioloader: failed in stage 'fetch', sample 5, batch 1, epoch 0"]
+        if kwargs["num_workers"]:  # the worker's stack, without the error's line said again
+            (stack,) = [n for n in info.value.__notes__ if "the worker's traceback" in n]
+            assert "in __getitem__" in stack and "KeyError: 'bad sample 5'" not in stack
         assert [next(it).tolist(), next(it).tolist()] == [[8, 9, 10, 11], [12, 13, 14, 15]]
         with pytest.raises(StopIteration):
             next(it)
