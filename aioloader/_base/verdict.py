@@ -20,8 +20,15 @@ SATURATED = 0.75  # a stage's slots were busy at least this share of the time
 SLOW_START = 0.25  # starting the workers took at least this share of the run (and 0.5 s)
 
 
-def verdict(stats: LoaderStatistics, *, pinned: bool = False, to_device: bool = True) -> str:
-    """One sentence: what limited the run, and what to change.
+def verdict(
+    stats: LoaderStatistics,
+    *,
+    pinned: bool = False,
+    to_device: bool = True,
+    reads_in_workers: bool = False,
+) -> str:
+    """One sentence: what limited the run, and what to change (never an option that cannot
+    apply to the run).
 
     Args:
         stats: The snapshot to read.
@@ -29,6 +36,8 @@ def verdict(stats: LoaderStatistics, *, pinned: bool = False, to_device: bool = 
             the advice for a run its copies limited).
         to_device: Whether the ``"device"`` stage copies to a device (False: it only pins
             batches on the host, ``pin_memory=True`` without ``device``).
+        reads_in_workers: Whether a blocking dataset is read in the worker processes (then
+            there are no fetches in this process, and ``max_inflight`` does not apply).
     """
     c = stats.consumer
     if c.batches == 0:
@@ -90,6 +99,12 @@ def verdict(stats: LoaderStatistics, *, pinned: bool = False, to_device: bool = 
     if "transform" in busy:
         parts.append(f"workers {work:.0%} busy")
     said = f" ({', '.join(parts)})" if parts else ""
+    if reads_in_workers:
+        return (
+            f"{head}; no stage was saturated{said}: the workers read, transform and collate "
+            "each batch, and too few batches were in flight: more num_workers (or "
+            "prefetch_factor), or a larger batch_size if batches are cheap"
+        )
     return (
         f"{head}; no stage was saturated{said}: the source gave samples slowly (its latency "
         "with too few reads in flight), or samples are so cheap that per-batch overhead "

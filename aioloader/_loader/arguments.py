@@ -7,6 +7,7 @@ anything else the loader keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import multiprocessing.context
 import os
@@ -166,7 +167,8 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
     ``ValueError`` for a wrong type of its integers); aioloader's follow ``_base/checks.py``'s
     rule: a wrong type raises ``TypeError``, a wrong value ``ValueError``.
 
-    Warns (``UserWarning``, at ``stacklevel``): more worker processes than CPUs.
+    Warns (``UserWarning``, at ``stacklevel``): more worker processes than CPUs; an option of
+    the fetches in this process given for a blocking dataset read in worker processes.
 
     Raises:
         TypeError: An argument has the wrong type; the message names it.
@@ -256,7 +258,29 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
         ):
             check_picklable(name, fn)
     _warn_if_more_workers_than_cpus(num_workers, stacklevel)
+    if kind.is_blocking and a.worker_mode == "process" and num_workers > 0:
+        _warn_of_options_without_effect(a, kind, stacklevel)
     return Checked(kind, batch_size, prefetch, start_method, target)
+
+
+# aioloader's options for the fetches in this process: a blocking dataset read in worker
+# processes has none (each worker reads its batch's samples itself).
+_FETCH_OPTIONS = ("max_inflight", "max_inflight_bytes", "sample_timeout", "io_threads")
+
+
+def _warn_of_options_without_effect(a: Arguments, kind: Kind, stacklevel: int) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(Arguments)}
+    for name in _FETCH_OPTIONS:
+        value = getattr(a, name)
+        if value != defaults[name]:
+            warnings.warn(
+                f"{name}={value!r} has no effect here: a blocking {kind.value} dataset with "
+                f"num_workers={a.num_workers} is read in the worker processes, each reading its "
+                f"batch itself (it applies to async datasets and sources, and to "
+                "worker_mode='thread')",
+                UserWarning,
+                stacklevel=stacklevel,
+            )
 
 
 def _warn_if_more_workers_than_cpus(num_workers: int, stacklevel: int) -> None:

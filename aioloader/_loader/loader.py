@@ -25,7 +25,7 @@ from .._base.exceptions import LoaderStateError
 from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics, Recorders
 from .._base.verdict import verdict
-from .._data.source import dataset_length
+from .._data.source import InWorkers, dataset_length
 from .._workers.offload import ThreadOffload
 from .arguments import Arguments, non_negative_int
 from .checkpoint import EpochState, dumps_checked, fresh_state
@@ -461,9 +461,9 @@ class DataLoader(Generic[T_Batch]):
         device = self._plan.device_plan
         pinned = device is not None and device.pin
         to_device = device is not None and device.accelerator is not None
-        return dataclasses.replace(
-            stats, verdict=verdict(stats, pinned=pinned, to_device=to_device)
-        )
+        reads_in_workers = isinstance(self._plan.source, InWorkers)
+        said = verdict(stats, pinned=pinned, to_device=to_device, reads_in_workers=reads_in_workers)
+        return dataclasses.replace(stats, verdict=said)
 
     # -- the scope -----------------------------------------------------------------------------
 

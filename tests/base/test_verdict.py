@@ -141,6 +141,13 @@ def test_a_device_bound_run_asks_for_pinning_only_when_batches_are_not_pinned() 
     assert "no stage was saturated" in verdict(device_bound(0.5), pinned=True)
 
 
+def test_reads_in_worker_processes_are_never_told_to_raise_max_inflight() -> None:
+    in_this_process = verdict(device_bound(0.5), pinned=True)
+    in_workers = verdict(device_bound(0.5), pinned=True, reads_in_workers=True)
+    assert "more max_inflight" in in_this_process
+    assert "max_inflight" not in in_workers and "more num_workers" in in_workers, in_workers
+
+
 def test_a_run_limited_by_pinning_on_the_host_is_said_so() -> None:
     """Found by review: ``pin_memory=True`` without ``device`` pins on the stage's thread; a
     run it limited was told to set pin_memory=True."""

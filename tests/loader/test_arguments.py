@@ -8,6 +8,7 @@ message names the argument.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -328,3 +329,28 @@ def test_our_checks_follow_one_rule(build: Any, wrong_type: object, out_of_range
         build(wrong_type)
     with pytest.raises(ValueError, match="must be"):
         build(out_of_range)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("max_inflight", 4),
+        ("sample_timeout", 1.0),
+        ("max_inflight_bytes", 2**20),
+        ("io_threads", 2),
+    ],
+)
+def test_an_option_without_effect_in_worker_processes_warns_naming_it(
+    name: str, value: object
+) -> None:
+    with pytest.warns(UserWarning, match=f"{name}={value!r} has no effect here") as caught:
+        aioloader.DataLoader(_MapData(), num_workers=1, **{name: value})  # type: ignore[arg-type]
+    assert "read in the worker processes" in str(caught[0].message)
+    assert caught[0].filename == __file__  # at the user's call
+    # Where the option applies, and at its default, nothing is said.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        aioloader.DataLoader(_MapData(), num_workers=0, **{name: value})  # type: ignore[arg-type]
+        threads = {"num_workers": 1, "worker_mode": "thread", name: value}
+        aioloader.DataLoader(_MapData(), **threads)  # type: ignore[arg-type]
+        aioloader.DataLoader(_MapData(), num_workers=1)
