@@ -163,3 +163,37 @@ def test_the_design_doc_lists_the_wings_as_they_import() -> None:
             deps = actual.setdefault(wing_of(module), set())
             deps |= {wing_of(t) for t in targets} - {wing_of(module), "aioloader"}
     assert said == actual
+
+
+def epoch_counters(package: Path) -> list[str]:
+    """Where a stream source keeps an epoch of its own: in ``sources/`` and ``_fanin/``, an
+    attribute named like an epoch assigned (``self._next_epoch = ...``) in a class that opens
+    epochs, or a ``_next_epoch``/``_epoch`` attribute assigned anywhere."""
+    found = []
+    for folder in ("sources", "_fanin"):
+        for path in sorted((package / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+                opens = any("OpensEpochs" in ast.unparse(base) for base in cls.bases)
+                for node in ast.walk(cls):
+                    targets = (
+                        node.targets
+                        if isinstance(node, ast.Assign)
+                        else [node.target]
+                        if isinstance(node, ast.AugAssign | ast.AnnAssign)
+                        else []
+                    )
+                    for target in targets:
+                        for attr in ast.walk(target):
+                            if not isinstance(attr, ast.Attribute):
+                                continue
+                            named = attr.attr in ("_next_epoch", "_epoch")
+                            if named or (opens and "epoch" in attr.attr.lower()):
+                                found.append(f"{path.name}: {cls.name} assigns .{attr.attr}")
+    return found
+
+
+def test_no_stream_source_keeps_its_own_epoch() -> None:
+    """The loader owns a stream's epoch and passes it to ``open_epoch`` (issue 26, part 3):
+    only ``OpensEpochs`` (``_data/epochs.py``) keeps the epoch of a dataset iterated directly."""
+    assert epoch_counters(PACKAGE) == []

@@ -24,7 +24,7 @@ import torch.utils.data
 from .._base.exceptions import LoaderStateError, annotate
 from .._workers.offload import ThreadOffload
 from .dataset import AsyncDataset, AsyncIterableDataset
-from .epochs import OpensEpochs
+from .epochs import OpensEpochs, open_owned
 
 __all__ = [
     "InWorkers",
@@ -151,9 +151,13 @@ class StreamSource(ABC):
     resumable = False
 
     @abstractmethod
-    def open(self, state: Any = None) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Any]]:
-        """An iterator for one epoch, closed (``aclose``) when the context exits; with
-        ``state`` (from :meth:`state`), one that starts where that state stood."""
+    def open(
+        self, epoch: int, state: Any = None
+    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Any]]:
+        """An iterator for epoch ``epoch``, closed (``aclose``) when the context exits; with
+        ``state`` (from :meth:`state`), one that starts where that state stood. (A dataset
+        that opens its own epochs is given ``epoch`` here; another stream's ``set_epoch`` is
+        the consumer's to call.)"""
 
     def state(self) -> Any:
         """The dataset's state after the items the open iterator has given (resumable only)."""
@@ -276,17 +280,18 @@ class _AsyncStream(StreamSource):
         return iterator
 
     @contextlib.asynccontextmanager
-    async def open(self, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
-        if state is not None:
-            self._dataset.load_state_dict(state)
-        if (  # its readers' task group lives here, unless a subclass iterates its own way
-            isinstance(self._dataset, OpensEpochs)
-            and type(self._dataset).__aiter__ is OpensEpochs.__aiter__
-        ):
-            async with self._dataset.open_epoch() as items:
-                yield items
-            return
-        iterator = self._iterator()
+    async def open(self, epoch: int, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
+        dataset = self._dataset
+        if isinstance(dataset, OpensEpochs):  # the loader owns its epochs: passed, not set
+            if type(dataset).__aiter__ is OpensEpochs.__aiter__:  # its task group lives here
+                async with dataset.open_epoch(epoch, state) as items:
+                    yield items
+                return
+            iterator = open_owned(dataset, epoch, state)  # a subclass iterating its own way
+        else:
+            if state is not None:
+                dataset.load_state_dict(state)
+            iterator = self._iterator()
         try:
             yield iterator
         finally:
@@ -336,7 +341,7 @@ class _BlockingStream(StreamSource):
         return iter(self._dataset)
 
     @contextlib.asynccontextmanager
-    async def open(self, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
+    async def open(self, epoch: int, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
         iterator = await self._offload().run(self._start, state)
         chunks = self._chunks(iterator)
         try:

@@ -52,6 +52,9 @@ def interleave(
                                    for k in range(0, 1_000_000, 10_000)], in_flight=16)
         loader = aioloader.DataLoader(ds, batch_size=256)
 
+    Epochs: a loader reading it owns them (``loader.set_epoch``); iterated directly, each
+    ``async for`` opens the next (see :class:`~aioloader.OpensEpochs`).
+
     Order: each epoch, the parts are shuffled (with ``shuffle``: ``random.Random(derive_seed(seed,
     epoch))``) and split by rank (part ``j`` goes to rank ``j % world_size``; the last
     ``len(parts) % world_size`` are dropped so every rank reads as many parts); then
@@ -136,8 +139,6 @@ class Interleaved(OpensEpochs[T]):
             resolve_rank(rank, world_size)  # validate early
         self._rank = rank
         self._world_size = world_size
-        self._next_epoch = 0
-        self._resume: dict[str, Any] | None = None  # loaded: where the next epoch goes on
         self._running: tuple[int, str, Cursor] | None = None  # the open epoch: plan, cursor
 
     def __repr__(self) -> str:
@@ -149,9 +150,7 @@ class Interleaved(OpensEpochs[T]):
         Resuming reopens the open parts and passes over the items they gave before, so a part
         must give the same items each time it is opened."""
         if self._running is None:
-            if self._resume is not None:
-                return self._resume
-            return {"epoch": self._next_epoch, "parts": len(self._parts), "cursor": None}
+            return self.next_state({"epoch": 0, "parts": len(self._parts), "cursor": None})
         epoch, digest, cursor = self._running
         return {
             "epoch": epoch,
@@ -160,30 +159,20 @@ class Interleaved(OpensEpochs[T]):
             "cursor": cursor.to_json(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next epoch go on where ``state`` (from :meth:`state_dict`) stood.
+    def check_state(self, state: dict[str, Any]) -> int:
+        """The epoch of ``state`` (from :meth:`state_dict`); the rest is checked as the epoch
+        opens.
 
         Raises:
             TypeError, ValueError: ``state`` is malformed, or of another number of parts.
         """
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict from Interleaved.state_dict(), got {state!r}")
         epoch = check_int("state['epoch']", state.get("epoch"), minimum=0)
         if state.get("parts") != len(self._parts):
             raise ValueError(
                 f"state['parts'] is {state.get('parts')!r}; this interleave has "
                 f"{len(self._parts)} parts"
             )
-        self._next_epoch = epoch
-        self._resume = state if state.get("cursor") is not None else None
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch the next iteration reads.
-
-        Raises:
-            TypeError, ValueError: ``epoch`` is not an int >= 0.
-        """
-        self._next_epoch = check_int("epoch", epoch, minimum=0)
+        return epoch
 
     def epoch_parts(self, epoch: int) -> list[int]:
         """The indices of the parts this rank reads in ``epoch``, in plan order."""
@@ -196,15 +185,17 @@ class Interleaved(OpensEpochs[T]):
             world_size=self._world_size,
         )
 
-    def open_epoch(self) -> contextlib.AbstractAsyncContextManager[AsyncIterator[T]]:
-        """Start the next epoch: an async context manager giving its iterator; the parts'
-        readers run until the block is left.
+    def epoch_items(
+        self, epoch: int, state: dict[str, Any] | None
+    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[T]]:
+        """Epoch ``epoch`` (see :meth:`~aioloader.OpensEpochs.open_epoch`), from ``state`` on
+        if given: an async context manager giving its iterator; the parts' readers run until
+        the block is left.
 
         Cancellation: leaving the block early closes every open part before it is left.
         """
-        epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        resume, self._resume = self._resume, None
-        return self._epoch(epoch, resume if resume and resume["epoch"] == epoch else None)
+        resume = state if state is not None and state.get("cursor") is not None else None
+        return self._epoch(epoch, resume)
 
     @contextlib.asynccontextmanager
     async def _epoch(

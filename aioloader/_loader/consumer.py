@@ -20,6 +20,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals
+from .._data.epochs import OpensEpochs
 from .._data.resume import Mark
 from .._data.source import InWorkers, MapSource
 from .._device.stage import Staged, hand_out
@@ -111,14 +112,10 @@ class EpochIterator(Generic[T_Batch]):
                 if callable(set_epoch):
                     set_epoch(self._number)
             batches = resumed_batches(
-                plan.sampler,
-                plan.batch_sampler,
-                resume,
-                rank=plan.rank,
-                world_size=plan.world_size,
+                plan.sampler, plan.batch_sampler, resume, rank=plan.rank, world_size=plan.world_size
             )
-        elif not isinstance(plan.source, InWorkers):
-            # A stream read here (tar shards, an interleave) shuffles by the loader's epoch.
+        elif not isinstance(plan.source, InWorkers) and not isinstance(plan.dataset, OpensEpochs):
+            # A stream read here shuffles by the loader's epoch (OpensEpochs: given as it opens)
             set_epoch = getattr(plan.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(self._number)

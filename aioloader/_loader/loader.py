@@ -25,6 +25,7 @@ from .._base.exceptions import LoaderStateError
 from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics, Recorders
 from .._base.verdict import verdict
+from .._data.epochs import claim_epochs
 from .._data.source import InWorkers, dataset_length
 from .._workers.offload import ThreadOffload
 from .arguments import Arguments, non_negative_int
@@ -228,7 +229,10 @@ class DataLoader(Generic[T_Batch]):
         self._plan = plan_loader(Arguments(**given), self._offload)
         self._state = LoaderState(self._new_recorders())  # shared with the scopes
         self._session: Session | None = None  # the background loop of `with` / plain `for`
-        self._next_epoch = 0
+        # The loader owns a stream's epochs (it passes them as each opens); one chosen with
+        # the dataset's set_epoch before now is where it starts.
+        first = claim_epochs(self._plan.dataset)
+        self._next_epoch = 0 if first is None else first
         self._resume: EpochState | None = None  # loaded, for the next epoch to go on from
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope

@@ -349,7 +349,7 @@ class Epoch:
         share: StreamShare[Any] | None = None
         if cfg.world_size > 1:
             share = StreamShare(cfg.rank, cfg.world_size)
-        async with ready, source.open(state) as iterator:
+        async with ready, source.open(self.number, state) as iterator:
             position = start - 1
             while True:
                 position += 1

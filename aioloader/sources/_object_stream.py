@@ -81,7 +81,6 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
         self._suffixes = suffixes
         self._glob = glob
         self.concurrency = concurrency
-        self._after: str | None = None  # loaded: the next epoch lists the keys after it
         self._running: _Listed | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -94,7 +93,7 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
         """
         run = self._running
         if run is None:
-            return {"after": self._after}
+            return self.next_state({"after": None})
         if not run.in_order:
             raise ValueError(
                 f"{self!r} cannot resume: the store listed {run.out_of_order!r} after a later "
@@ -102,16 +101,15 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
             )
         return {"after": run.last}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The next epoch lists the keys after ``state["after"]``.
+    def check_state(self, state: dict[str, Any]) -> None:
+        """A state goes on with whichever epoch opens (each lists anew): it has no epoch.
 
         Raises:
-            TypeError: ``state`` is not such a dict.
+            TypeError: ``state`` is not ``{"after": key or None}``.
         """
-        after = state.get("after") if isinstance(state, dict) else ...
+        after = state.get("after")
         if not (after is None or isinstance(after, str)):
             raise TypeError(f"state must be {{'after': key or None}}, got {state!r}")
-        self._after = after
 
     def __repr__(self) -> str:
         return f"ObjectStream({self._url!r}, concurrency={self.concurrency})"
@@ -121,17 +119,17 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
             self._glob is None or fnmatch.fnmatchcase(key, self._glob)
         )
 
-    def open_epoch(
-        self,
+    def epoch_items(
+        self, epoch: int, state: dict[str, Any] | None
     ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[tuple[str, bytes]]]:
-        """One epoch: list, and read ``concurrency`` objects ahead of the one the consumer has,
+        """One epoch (its number does not matter: each lists anew), from ``state["after"]`` on
+        if given: list, and read ``concurrency`` objects ahead of the one the consumer has,
         in listing order (a read starts as soon as the consumer asks for the next object: no
         pause between windows).
 
         Cancellation: leaving the block cancels the reads in flight; nothing is left running.
         """
-        after, self._after = self._after, None
-        return self._epoch(after)
+        return self._epoch(None if state is None else state.get("after"))
 
     @contextlib.asynccontextmanager
     async def _epoch(self, after: str | None) -> AsyncIterator[AsyncIterator[tuple[str, bytes]]]:

@@ -18,7 +18,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
-from .._base.checks import check_int
 from .._data.epochs import OpensEpochs
 from .._data.sharding import epoch_parts
 from .._fanin.lanes import close_iterator, interleaved
@@ -100,9 +99,10 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
     """Rounds of one sample from each of ``slots`` streams, stream ``0`` first.
 
     Use it with ``DataLoader(dataset, batch_size=slots)`` (the loader refuses another batch size,
-    or ``in_order=False``, which would break the positions). Each :meth:`__aiter__` call starts the
-    next epoch; every stream reads its share of that epoch's parts, so no two positions read the
-    same data.
+    or ``in_order=False``, which would break the positions). The loader owns its epochs
+    (``loader.set_epoch``); iterated directly, each :meth:`__aiter__` call starts the next
+    epoch (see :class:`~aioloader.OpensEpochs`). Every stream reads its share of that epoch's
+    parts, so no two positions read the same data.
 
     Streams run dry at different times (parts hold different numbers of samples). ``policy``
     says what happens then:
@@ -136,8 +136,6 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
         slots: int,
         policy: SlotPolicy = "shortest",
         fill: Any = None,
-        start_epoch: Callable[[], int] | None = None,
-        set_source_epoch: Callable[[int], None] | None = None,
         buffer: int = 64,
         size: Callable[[T], int] | None = None,
     ) -> None:
@@ -152,9 +150,6 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
         self.fill = fill
         self._parts_of = parts_of
         self._open_reader = open_reader
-        self._start_epoch = start_epoch
-        self._set_source_epoch = set_source_epoch
-        self._next_epoch = 0
         self._buffer = buffer
         self._size = size
 
@@ -186,17 +181,6 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
                 "already split by rank (pass rank/world_size to it)"
             )
 
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch the next iteration reads (a dataset made by ``TarShards.per_slot``
-        sets its shards' epoch: it follows their epochs).
-
-        Raises:
-            TypeError, ValueError: ``epoch`` is not an int >= 0.
-        """
-        self._next_epoch = check_int("epoch", epoch, minimum=0)
-        if self._set_source_epoch is not None:
-            self._set_source_epoch(epoch)
-
     def shares(self, epoch: int) -> list[list[Any]]:
         """What each stream reads in ``epoch``: ``shares(e)[i]`` are stream ``i``'s parts.
 
@@ -211,8 +195,11 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
             )
         return [parts[i :: self.slots] for i in range(self.slots)]
 
-    def open_epoch(self) -> contextlib.AbstractAsyncContextManager[AsyncIterator[SlotSample[T]]]:
-        """Start the next epoch: an async context manager giving its rounds, flattened. Every
+    def epoch_items(
+        self, epoch: int, state: None
+    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[SlotSample[T]]]:
+        """Epoch ``epoch`` (see :meth:`~aioloader.OpensEpochs.open_epoch`; it does not resume,
+        so ``state`` is None): an async context manager giving its rounds, flattened. Every
         stream reads ahead of the rounds into a buffer of its own (its next part opened before
         the current one ends), so a round does not wait for a stream to start a read.
 
@@ -221,10 +208,6 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
 
         Cancellation: leaving the block closes every stream's open parts before it is left.
         """
-        if self._start_epoch is not None:
-            epoch = self._start_epoch()
-        else:
-            epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         return self._rounds(self.shares(epoch))
 
     @contextlib.asynccontextmanager

@@ -92,8 +92,11 @@ class TarShards(OpensEpochs[dict[str, Any]]):
     A broken transfer resumes at the compressed byte where it stopped, so decompression goes on
     where it was; offsets in error messages count uncompressed bytes.
 
-    Epochs: each :meth:`__aiter__` call starts the next epoch (the first is 0);
-    :meth:`set_epoch` chooses the epoch of the next call.
+    Epochs: read by a :class:`~aioloader.DataLoader`, the loader owns them (its epoch is
+    passed in as each opens; choose it with ``loader.set_epoch``: the dataset's own
+    :meth:`set_epoch` raises once a loader reads it). Iterated directly, each :meth:`__aiter__`
+    call starts the next epoch (the first is 0); :meth:`set_epoch` chooses the next one. See
+    :class:`~aioloader.OpensEpochs`.
 
     Resuming: :meth:`state_dict` gives where the open epoch's iterator stands (the interleave's
     order, how many samples it took from each open shard, and what the shuffle buffer holds, by
@@ -109,6 +112,11 @@ class TarShards(OpensEpochs[dict[str, Any]]):
     through a buffer of that size (filled first, then each new sample takes a random slot and
     the evicted sample is yielded; what is left is yielded in random order at the end), drawn with
     ``random.Random(derive_seed(seed, epoch, 1))``. The same seed and epoch give the same order.
+
+    Order without ``shuffle_shards``: ``shards_in_flight`` shards are read at once and their
+    samples interleaved round by round (seeded, as above), so the order is not webdataset's
+    shard after shard. To read one shard after the other, pass ``shards_in_flight=1`` (the
+    next shard is still opened ahead, so it flows when one ends).
 
     Ranks: after the shuffle, shard ``j`` of the epoch's order goes to rank ``j % world_size``
     (``rank`` and ``world_size`` resolved with :func:`aioloader._data.sharding.resolve_rank` at each
@@ -223,8 +231,6 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         self._client_options = dict(client_options or {})
         self._store = store
         self._stores: dict[str, Any] = {}  # one per scheme://bucket, built at first use
-        self._next_epoch = 0
-        self._resume: dict[str, Any] | None = None  # loaded: where the next epoch goes on
         self._running: EpochRun | None = None  # the open epoch, whose state state_dict() gives
         #: Reads resumed after a transient failure, over the dataset's life.
         self.retries = 0
@@ -241,15 +247,6 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             f"shuffle_shards={self._shuffle_shards}, shuffle_buffer={self._shuffle_buffer})"
         )
 
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch the next :meth:`__aiter__` call iterates.
-
-        Raises:
-            TypeError: ``epoch`` is not an int.
-            ValueError: ``epoch`` is negative.
-        """
-        self._next_epoch = check_int("epoch", epoch, minimum=0)
-
     def state_dict(self) -> dict[str, Any]:
         """Where the open epoch's iterator stands (after the samples it has given), or, with no
         epoch open, the start of the next epoch: a JSON-serialisable dict whose size does not
@@ -257,34 +254,30 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         shuffles' generator states)."""
         run = self._running
         if run is None:
-            if self._resume is not None:
-                return self._resume
-            return {"epoch": self._next_epoch, "shards": len(self._shards), "cursor": None}
+            return self.next_state({"epoch": 0, "shards": len(self._shards), "cursor": None})
         return run.state()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next epoch go on where ``state`` (from :meth:`state_dict`) stood.
+    def check_state(self, state: dict[str, Any]) -> int:
+        """The epoch of ``state`` (from :meth:`state_dict`); the rest is checked as the epoch
+        opens.
 
         Raises:
             TypeError, ValueError: ``state`` is malformed, or of a different list of shards.
         """
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict from TarShards.state_dict(), got {state!r}")
         epoch, shards = state.get("epoch"), state.get("shards")
-        check_int("state['epoch']", epoch, minimum=0)
+        checked = check_int("state['epoch']", epoch, minimum=0)
         if shards != len(self._shards):
             raise ValueError(
                 f"state['shards'] is {shards!r}: the state is of a dataset of other shards "
                 f"(this one has {len(self._shards)})"
             )
-        self._next_epoch = epoch  # type: ignore[assignment]  # checked above
-        self._resume = state if state.get("cursor") is not None else None
+        return checked
 
     def epoch_shards(self, epoch: int) -> list[str]:
         """The shards this rank reads in ``epoch``, in reading order.
 
         Raises:
-            TypeError, ValueError: As for :meth:`set_epoch`, or a bad rank/world size.
+            TypeError, ValueError: ``epoch`` is not an int >= 0, or a bad rank/world size.
         """
         return epoch_parts(
             self._shards,
@@ -325,28 +318,21 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             slots=slots,
             policy=policy,
             fill=fill,
-            start_epoch=lambda: self._take_epoch(),
-            set_source_epoch=self.set_epoch,
             buffer=max(self._chunk_size, self._buffer_bytes // (2 * slots)),
             size=_sample_bytes,
         )
 
-    def _take_epoch(self) -> int:
-        epoch = self._next_epoch
-        self._next_epoch = epoch + 1
-        return epoch
-
-    def open_epoch(self) -> contextlib.AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
-        """Start the next epoch: an async context manager giving an iterator over this rank's
-        samples; the shards' readers run until the ``async with`` is left.
+    def epoch_items(
+        self, epoch: int, state: dict[str, Any] | None
+    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
+        """Epoch ``epoch`` (see :meth:`~aioloader.OpensEpochs.open_epoch`): an async context
+        manager giving an iterator over this rank's samples, from ``state`` on if given; the
+        shards' readers run until the ``async with`` is left.
 
         Cancellation: leaving the block early (``break``, an error, cancellation) closes every
         open shard (its file or connection) before the block is left.
         """
-        epoch = self._take_epoch()
-        resume, self._resume = self._resume, None
-        if resume is not None and resume["epoch"] != epoch:
-            resume = None  # set_epoch chose another epoch: it starts afresh
+        resume = state if state is not None and state.get("cursor") is not None else None
         return self._samples(self.epoch_shards(epoch), epoch, resume)
 
     @contextlib.asynccontextmanager

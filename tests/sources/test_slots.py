@@ -206,7 +206,7 @@ async def test_streams_read_ahead_of_the_rounds_and_open_their_next_part_early()
         slots=2,
         buffer=2,
     )
-    async with ds.open_epoch() as it:
+    async with ds.open_epoch(0) as it:
         first = await anext(it)
         for _ in range(50):
             await anyio.lowlevel.checkpoint()
