@@ -213,6 +213,8 @@ class LoaderStatistics:
         workers: The worker processes' counters (None with thread workers).
         verdict: Which stage limited throughput, and what to change, in one sentence (see
             ``_base/verdict.py``).
+        scopes: Scopes the loader has opened (``async with`` / ``with``, or one per epoch of a
+            plain ``for`` without either): these counters are the last one's.
     """
 
     epochs: int
@@ -225,6 +227,7 @@ class LoaderStatistics:
     made_on_demand: int = 0
     workers: WorkerStatistics | None = None
     verdict: str = ""
+    scopes: int = 1
 
     def stage(self, name: str) -> StageStatistics:
         """Return the stage called ``name``.
@@ -242,11 +245,23 @@ class LoaderStatistics:
         """Samples handed to the consumer per second of the loader's life."""
         return self.consumer.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    def _of_scopes(self) -> str:
+        if self.scopes <= 1:
+            return ""
+        said = f" (the counters of the last of {self.scopes} scopes"
+        if self.epochs <= 1:
+            said += (
+                ": a plain for without `with loader:` or persistent_workers=True opens one "
+                "per epoch"
+            )
+        return said + ")"
+
     def __repr__(self) -> str:
         c = self.consumer
         lines = [
             f"LoaderStatistics: {c.batches:,} batches, {c.samples:,} samples in "
-            f"{self.elapsed_s:.2f}s ({self.samples_per_s:,.0f} samples/s), {self.epochs} epoch(s)",
+            f"{self.elapsed_s:.2f}s ({self.samples_per_s:,.0f} samples/s), {self.epochs} epoch(s)"
+            + self._of_scopes(),
             f"  verdict: {self.verdict}",
             f"  consumer: waited for data {c.wait_s:.3f}s ({c.wait_fraction:.0%} of its time), "
             f"longest wait {c.max_wait_s:.3f}s",

@@ -447,7 +447,9 @@ class DataLoader(Generic[T_Batch]):
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of the counters of the current (or last) scope, with its verdict:
-        which stage limited throughput, and what to change."""
+        which stage limited throughput, and what to change. A plain ``for`` without ``with
+        loader:`` or ``persistent_workers=True`` opens a scope per epoch: then it covers the
+        last epoch (``scopes`` counts them, and the summary says so)."""
         s = self._stats
         end = self._stopped_at if self._scope is None else None
         elapsed = (end if end else time.perf_counter()) - s.started
@@ -461,6 +463,7 @@ class DataLoader(Generic[T_Batch]):
             max_bytes_held=s.max_bytes_held,
             made_on_demand=s.made_on_demand,
             workers=s.workers.snapshot() if s.workers.processes else None,
+            scopes=self._state.scopes,
         )
         device = self._plan.device_plan
         pinned = device is not None and device.pin
@@ -501,6 +504,7 @@ class DataLoader(Generic[T_Batch]):
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
         self._state.stats = self._new_recorders()
+        self._state.scopes += 1
         stack = contextlib.AsyncExitStack()
         scope = Scope(self._plan, self._state, stack)
         stack.push_async_callback(scope.close_workers)

@@ -48,12 +48,14 @@ class LoaderState:
             it warn, as torch's do), or None.
         progress: The consumer's record of the current (or last) epoch, or None before any.
         shown: The current (or last) epoch's progress line (and bar), or None before any.
+        scopes: Scopes opened over the loader's life (``stats`` covers the last one).
     """
 
-    __slots__ = ("iterable_len", "progress", "scope", "shown", "stats")
+    __slots__ = ("iterable_len", "progress", "scope", "scopes", "shown", "stats")
 
     def __init__(self, stats: Recorders) -> None:
         self.stats = stats
+        self.scopes = 0
         self.scope: Scope | None = None
         self.iterable_len: int | None = None
         self.progress: Progress | None = None

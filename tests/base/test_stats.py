@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+import aioloader
 from aioloader._base.stats import StageRecorder
 
 
@@ -46,3 +47,26 @@ def test_cancelled_and_abandoned_operations_count_nothing() -> None:
     with rec.operation() as op:
         op.abandon()  # the end of a stream: no operation
     assert counts(rec) == (0, 2, 0, 0)
+
+
+def test_statistics_say_they_cover_the_last_of_several_scopes() -> None:
+    dl = aioloader.DataLoader(list(range(8)), batch_size=4)
+    for _ in range(2):  # a plain for without `with`: a scope per epoch
+        assert sum(len(b) for b in dl) == 8
+    stats = dl.statistics()
+    assert (stats.scopes, stats.epochs, stats.consumer.samples) == (2, 1, 8)
+    head = repr(stats).splitlines()[0]
+    assert head.endswith(
+        "1 epoch(s) (the counters of the last of 2 scopes: a plain for without `with loader:` "
+        "or persistent_workers=True opens one per epoch)"
+    ), head
+    with dl:
+        for _ in range(2):
+            assert sum(len(b) for b in dl) == 8
+    stats = dl.statistics()
+    assert (stats.scopes, stats.epochs, stats.consumer.samples) == (3, 2, 16)
+    assert repr(stats).splitlines()[0].endswith("2 epoch(s) (the counters of the last of 3 scopes)")
+    fresh = aioloader.DataLoader(list(range(8)), batch_size=4)
+    with fresh:
+        assert sum(len(b) for b in fresh) == 8
+    assert repr(fresh.statistics()).splitlines()[0].endswith("1 epoch(s)")
