@@ -239,3 +239,11 @@ def test_imported_after_a_thread_started_the_fallback_says_so(tmp_path: Path) ->
     why = "this process had 2 Python threads"
     expected = f"interpreter | {why}; no standby: when aioloader was imported, {why}\n"
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
+
+
+def test_the_fast_paths_are_taken_on_the_pythons_whose_server_we_know() -> None:
+    """3.11 to 3.13: the fork server is forked (now, or as a standby); 3.14 gave the stdlib's
+    server an authentication key, so there the stdlib starts its own (said in server_why)."""
+    from aioloader._workers.forkserver import server_protocol_known
+
+    assert server_protocol_known() == (sys.version_info < (3, 14))
