@@ -100,9 +100,7 @@ class RandomSampler(Sampler[int]):
             raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
         if seed is None:
             seed = draw_seed(generator)
-        elif isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
-        self._seed = seed
+        self._seed = check_seed(seed)
         self._epoch = 0
 
     @property

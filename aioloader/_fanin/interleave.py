@@ -18,6 +18,8 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from .._base.checks import check_int
+
 __all__ = ["Interleave", "rng_from_json", "rng_to_json"]
 
 _EMPTY = -1  # a slot that will take the next part of the plan when its turn comes
@@ -44,11 +46,7 @@ class Interleave:
     __slots__ = ("_closed", "_order", "_pos", "_rng", "_rng_state", "_slots", "next_part")
 
     def __init__(self, width: int, rng: random.Random | None = None) -> None:
-        if isinstance(width, bool) or not isinstance(width, int):
-            raise TypeError(f"width must be an int, got {width!r}")
-        if width < 1:
-            raise ValueError(f"width must be >= 1, got {width}")
-        self._slots = [_EMPTY] * width
+        self._slots = [_EMPTY] * check_int("width", width, minimum=1)
         self._rng = rng
         self._rng_state: list[Any] | None = None
         self._order = list(range(width))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from .._base.checks import check_int
+from .._base.checks import check_bool, check_int
 
 __all__ = ["BatchAssembler", "ReorderBuffer"]
 
@@ -166,8 +166,7 @@ class BatchAssembler(Generic[T]):
         Raises:
             TypeError: If ``drop_last`` is not a bool.
         """
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"drop_last must be a bool, got {drop_last!r}")
+        check_bool("drop_last", drop_last)
         batch, self._pending = self._pending, []
         if not batch or drop_last:
             return None

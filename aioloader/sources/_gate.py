@@ -14,6 +14,8 @@ from contextlib import AbstractAsyncContextManager
 
 import anyio
 
+from .._base.checks import check_int
+
 __all__ = ["ByteGate", "holding"]
 
 
@@ -41,11 +43,7 @@ class ByteGate:
     """
 
     def __init__(self, limit: int) -> None:
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise TypeError(f"max_bytes_in_flight must be an int, got {limit!r}")
-        if limit < 1:
-            raise ValueError(f"max_bytes_in_flight must be >= 1, got {limit}")
-        self.limit = limit
+        self.limit = check_int("max_bytes_in_flight", limit, minimum=1)
         self.held = 0
         self.peak = 0
         self._waiting: deque[_Waiter] = deque()

@@ -29,7 +29,7 @@ import aiohttp
 import anyio
 from multidict import CIMultiDictProxy
 
-from .._base.checks import check_seconds
+from .._base.checks import check_int, check_seconds
 from .._base.exceptions import AioLoaderError, LoaderStateError, TransientError
 from .._data.dataset import AsyncDataset
 from ._gate import ByteGate, holding
@@ -291,11 +291,7 @@ class UrlDataset(AsyncDataset[bytes]):
                 raise TypeError(f"urls[{i}] must be a str, got {type(url).__qualname__}")
             if not url[:8].lower().startswith(("http://", "https://")):
                 raise ValueError(f"urls[{i}] is not an http(s) URL: {redact_url(url)!r}")
-        if isinstance(connections, bool) or not isinstance(connections, int):
-            raise TypeError(f"connections must be an int, got {connections!r}")
-        if connections < 1:
-            raise ValueError(f"connections must be >= 1, got {connections}")
-        self.connections = connections
+        self.connections = check_int("connections", connections, minimum=1)
         self.timeout = check_seconds("timeout", timeout)
         self._headers = dict(headers or {})
         self.max_bytes_in_flight = max_bytes_in_flight

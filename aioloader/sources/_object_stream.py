@@ -13,6 +13,7 @@ import fnmatch
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from .._base.checks import check_int
 from .._data.epochs import OpensEpochs
 from .._fanin.lanes import interleaved
 from ._objects import redact_store_url, store_error, store_from_url
@@ -50,10 +51,7 @@ def object_stream(
         TransientStoreError, Exception: As :meth:`ObjectDataset.get`; a stream is not retried
             by the loader, so wrap flaky stores with a map-style :func:`objects` instead.
     """
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int):
-        raise TypeError(f"concurrency must be an int, got {concurrency!r}")
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    check_int("concurrency", concurrency, minimum=1)
     if store is None:
         store = store_from_url(url, config, client_options)
     suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix or ())

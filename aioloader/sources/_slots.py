@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
+from .._base.checks import check_int
 from .._data.epochs import OpensEpochs
 from .._data.sharding import epoch_parts
 from .._fanin.lanes import close_iterator, interleaved
@@ -139,10 +140,7 @@ class SlotStreams(OpensEpochs[SlotSample[T]], Generic[T]):
         buffer: int = 64,
         size: Callable[[T], int] | None = None,
     ) -> None:
-        if isinstance(slots, bool) or not isinstance(slots, int):
-            raise TypeError(f"slots must be an int, got {slots!r}")
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
+        check_int("slots", slots, minimum=1)
         if policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
         self.slots = slots

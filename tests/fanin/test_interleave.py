@@ -91,7 +91,7 @@ def test_a_part_that_ends_gives_its_slot_to_the_next_part() -> None:
 def test_bad_width_and_misuse() -> None:
     with pytest.raises(TypeError, match="width"):
         Interleave(True)
-    with pytest.raises(ValueError, match="width must be >= 1"):
+    with pytest.raises(ValueError, match="width must be a positive int"):
         Interleave(0)
     order = Interleave(1)
     assert order.turn() == 0

@@ -359,7 +359,7 @@ def test_arguments_are_checked() -> None:
         aioloader.sources.urls("http://h/x")
     with pytest.raises(ValueError, match=r"urls\[1\] is not an http\(s\) URL"):
         aioloader.sources.urls(["http://h/x", "ftp://u:pw@h/y?k=v"])
-    with pytest.raises(ValueError, match="connections must be >= 1"):
+    with pytest.raises(ValueError, match="connections must be a positive int"):
         aioloader.sources.urls(["http://h/x"], connections=0)
     with pytest.raises(ValueError, match="timeout"):
         aioloader.sources.urls(["http://h/x"], timeout=0)
