@@ -121,8 +121,10 @@ def _check_combinations(
 class Arguments:
     """The arguments of :class:`~aioloader.DataLoader`, as given (see it for their meanings).
 
-    The one place they are declared after the signature: the checks, the plan and the
-    loader's attributes read them from here.
+    The signature of ``DataLoader.__init__`` is the declaration (for users and their tools);
+    this record follows it, name for name and default for default, and so do the loader's
+    attributes and the docstring's Args (``test_each_argument_is_declared_once...`` checks
+    all three). The checks, the plan and the loader's attributes read the arguments from here.
     """
 
     dataset: Any

@@ -354,3 +354,26 @@ def test_an_option_without_effect_in_worker_processes_warns_naming_it(
         threads = {"num_workers": 1, "worker_mode": "thread", name: value}
         aioloader.DataLoader(_MapData(), **threads)  # type: ignore[arg-type]
         aioloader.DataLoader(_MapData(), num_workers=1)
+
+
+def test_each_argument_is_declared_once_and_the_rest_agrees() -> None:
+    """The signature is the declaration (for users and their tools); the Arguments record, the
+    attribute each argument is read back through and the docstring's Args follow it."""
+    import dataclasses
+    import inspect
+
+    from aioloader._loader.arguments import Arguments
+    from aioloader._loader.loader import _Setting
+
+    params = list(inspect.signature(aioloader.DataLoader.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(Arguments)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert {p.name: p.default for p in params if p.default is not p.empty} == {
+        f.name: f.default for f in fields if f.default is not dataclasses.MISSING
+    }
+    names = [p.name for p in params]
+    settings = [n for n, v in vars(aioloader.DataLoader).items() if isinstance(v, _Setting)]
+    # torch keeps no shuffle attribute; progress is the method that draws the line.
+    assert settings == [n for n in names if n not in ("shuffle", "progress")]
+    args = (aioloader.DataLoader.__doc__ or "").partition("Args:")[2].partition("Raises:")[0]
+    assert re.findall(r"^        (\w+):", args, re.M) == names
