@@ -1,7 +1,7 @@
 """Benchmarks: ``aioloader bench``'s workloads and the harness they share.
 
-Owns: the workloads (``remote``, ``streams``, ``overhead``, ``cpu``, ``serving``: each a module
-whose ``main`` runs it and prints its own tables, as ``benchmarks/bench_*.py`` does), the
+Owns: the workloads (``remote``, ``streams``, ``overhead``, ``cpu``, ``gpu``, ``serving``: each a
+module whose ``main`` runs it and prints its own tables, as ``benchmarks/bench_*.py`` does), the
 measuring they share (``harness``: a configuration in a child of its own, its memory and CPU
 sampled from outside; the exactly-once checks), the suite that runs them for the command
 (``suite``), its rows and tables (``results``) and its chart (``chart``). Never: is imported by

@@ -113,6 +113,22 @@ WORKLOADS: tuple[Workload, ...] = (
         needs=("PIL",),
     ),
     Workload(
+        "gpu",
+        "gpu",
+        ("--quick",),
+        (),
+        {
+            "gpu-data": "the ImageFolder pipeline (JPEGs ~56 KiB, RandomResizedCrop(224), flip, "
+            "uint8; batch 256, 12 workers, pin_memory) on a CUDA device, each config a fresh "
+            "interpreter that put its model on the GPU first; steady samples/s (epochs 2-3)",
+            "gpu-train": "the same with a resnet18 step (bf16, channels_last, normalised on "
+            "the GPU)",
+            "gpu-fresh": "the same, data only, persistent_workers=False: samples/s over 2 epochs",
+        },
+        needs=("PIL",),
+        limit_s=(240.0, 480.0),
+    ),
+    Workload(
         "serving",
         "serving",
         ("--quick",),
