@@ -366,12 +366,13 @@ async def test_fast_slices_are_timed_alone_and_come_back_inline(tmp_path: Path) 
             with lock:
                 running[0] += 1
             try:
-                time.sleep(0.0005)  # a fast read ...
+                # A fast read (no sleep: on a loaded machine even 0.5 ms of sleep may last past
+                # the millisecond that is called slow), slowed only by another thread's read.
                 with lock:
                     slowed = running[0] > 1
                 if slowed:
                     crowded[0] += 1
-                    time.sleep(0.004)  # ... slowed by another thread's read
+                    time.sleep(0.004)
                 return super()._read_many(items)
             finally:
                 with lock:
