@@ -34,7 +34,7 @@ import torch.utils.data
 from PIL import Image
 
 import aioloader
-from aioloader._bench.cpu import random_resized_crop_box
+from aioloader._bench.cpu_data import random_resized_crop_box
 from aioloader._bench.gpu import CONFIGS, CROP, ROW_PREFIX
 from aioloader._bench.harness import error_text, process_tree, pss_kib
 from aioloader.sources import files
