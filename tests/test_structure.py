@@ -126,7 +126,7 @@ LONG_FILES = {
     # aioloader bench's workloads, moved whole from their scripts (each a workload's data, its
     # configurations, their checks and its own tables): the next candidates for splitting.
     "aioloader/_bench/cpu.py": "a workload: CPU-heavy transforms and the drop-in Dataset (main)",
-    "aioloader/_bench/streams.py": "a workload: WebDataset shards over HTTP and S3",
+    "aioloader/_bench/streams.py": "a workload: WebDataset shards over HTTP and S3 (main)",
     "aioloader/_bench/overhead.py": "a workload: the loader's own cost per sample",
     "aioloader/_bench/serving.py": "a workload: dynamic batching under load",
     "aioloader/_bench/remote.py": "a workload: small objects behind first-byte latency",
