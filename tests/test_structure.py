@@ -129,7 +129,6 @@ LONG_FILES = {
     "aioloader/_bench/streams.py": "a workload: WebDataset shards over HTTP and S3 (main)",
     "aioloader/_bench/overhead.py": "a workload: the loader's own cost per sample",
     "aioloader/_bench/serving.py": "a workload: dynamic batching under load",
-    "aioloader/_bench/remote.py": "a workload: small objects behind first-byte latency",
     "aioloader/_bench/harness.py": "the measuring every workload shares (processes, memory)",
 }
 

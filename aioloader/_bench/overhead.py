@@ -81,16 +81,10 @@ Run it from the repository root::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import cProfile
-import dataclasses
-import functools
-import gc
-import importlib.util
 import io
 import math
-import os
 import pstats
 import signal
 import statistics
@@ -98,16 +92,10 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
 
-import torch
-import torch.utils.data
-
-import aioloader
 from aioloader._bench.harness import (
     Column,
     Result,
@@ -115,9 +103,6 @@ from aioloader._bench.harness import (
     add_quick,
     add_timeout,
     cpus_and_load,
-    delivery_error,
-    describe,
-    error_text,
     exit_status,
     format_table,
     quick_defaults,
@@ -127,422 +112,31 @@ from aioloader._bench.harness import (
     versions,
     watchdog,
 )
-
-ROWS = 100_000
-QUICK_ROWS = 20_000
-WIDTH = 16  # floats in a row
-BATCH_SIZES = (32, 256)
-FILES = 20_000
-QUICK_FILES = 2_000
-FILE_BYTES = 16 * 1024
-FILE_BATCH = 32
-INDEX_BYTES = 8  # a file starts with its index, little-endian
-REPEATS = 3
-TIMEOUT_S = 300.0  # per configuration: its warm-up and timed epochs
-PROFILE_TOP = 30
-HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
-
-WORKLOADS = ("rows", "files")
-PLAIN = "plain-loop"
-BASELINE = {"rows": "torch-nw0", "files": "plain-loop", "files-cold": "torch-nw8"}
-
-
-# -- the datasets (module level: torch's workers and the forked children use them by name) ----
-
-
-def make_rows(n: int) -> torch.Tensor:
-    """(n, WIDTH) float32, row ``i`` all ``i`` (exact: n is far below 2**24)."""
-    return torch.arange(n, dtype=torch.float32).unsqueeze(1).repeat(1, WIDTH)
-
-
-class Rows(torch.utils.data.Dataset[torch.Tensor]):
-    """A torch map-style dataset of in-memory rows: item ``i`` is ``self.data[i]``."""
-
-    def __init__(self, n: int) -> None:
-        self.data = make_rows(n)
-
-    def __len__(self) -> int:
-        return self.data.shape[0]
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.data[index]
-
-
-class AsyncRows(aioloader.AsyncDataset[torch.Tensor]):
-    """The same rows as an ``AsyncDataset`` whose ``get`` never suspends."""
-
-    def __init__(self, n: int) -> None:
-        self.data = make_rows(n)
-
-    def __len__(self) -> int:
-        return self.data.shape[0]
-
-    async def get(self, index: int) -> torch.Tensor:
-        return self.data[index]
-
-
-def file_path(directory: str, index: int) -> str:
-    return os.path.join(directory, f"{index:06d}.bin")
-
-
-class Files(torch.utils.data.Dataset[bytes]):
-    """A torch map-style dataset of files: item ``i`` is the bytes of path ``i``."""
-
-    def __init__(self, paths: Sequence[str]) -> None:
-        self.paths = list(paths)
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, index: int) -> bytes:
-        with open(self.paths[index], "rb") as f:
-            return f.read()
-
-
-def write_files(directory: str, count: int, sync: bool) -> None:
-    """``count`` files of ``FILE_BYTES``: the index, then the same random bytes; ``sync``:
-    ``fdatasync`` each, so that the page cache can drop them (it keeps dirty pages)."""
-    filler = os.urandom(FILE_BYTES - INDEX_BYTES)
-    for i in range(count):
-        with open(file_path(directory, i), "wb") as f:
-            f.write(i.to_bytes(INDEX_BYTES, "little") + filler)
-            if sync:
-                f.flush()
-                os.fdatasync(f.fileno())
-
-
-def drop_cache(paths: Sequence[str]) -> None:
-    """Ask the kernel to drop the files' pages from the page cache (clean pages are dropped)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-# -- the checks ---------------------------------------------------------------------------------
-
-
-class EpochError(Exception):
-    """An epoch delivered something other than what it should have."""
-
-
-def row_indices(batch: Any) -> list[int]:
-    """The indices of a rows batch: a (b, WIDTH) float32 tensor, each row one value."""
-    if (
-        not isinstance(batch, torch.Tensor)
-        or batch.dtype != torch.float32
-        or batch.ndim != 2
-        or batch.shape[1] != WIDTH
-        or not bool((batch == batch[:, :1]).all())
-    ):
-        raise EpochError(f"a batch is {describe(batch)}, not (b, {WIDTH}) rows of one value each")
-    return [int(v) for v in batch[:, 0].tolist()]
-
-
-def file_indices(batch: Any) -> list[int]:
-    """The indices of a files batch: a list of ``FILE_BYTES`` bytes each."""
-    if not isinstance(batch, list):
-        raise EpochError(f"a batch is {describe(batch)}, not a list of bytes")
-    indices = []
-    for sample in batch:
-        if not isinstance(sample, bytes) or len(sample) != FILE_BYTES:
-            size = len(sample) if isinstance(sample, bytes) else "-"
-            raise EpochError(f"a sample is {describe(sample)} ({size} bytes), not file bytes")
-        indices.append(int.from_bytes(sample[:INDEX_BYTES], "little"))
-    return indices
-
-
-# -- the epochs ---------------------------------------------------------------------------------
-
-
-class Epoch:
-    """One epoch, as a context manager around the loop over the loader: a timed one runs the
-    run's ``before_timed`` (untimed), collects garbage (untimed) and times the block (under the
-    run's profiler, if any); ``add(batch)`` counts each batch (and, in the warm-up, records its
-    indices for the check). Leaving the block checks the epoch (:class:`EpochError`)."""
-
-    def __init__(self, run: Run, number: int) -> None:
-        self.run = run
-        self.number = number  # 0: the warm-up
-        self.timed = number > 0
-        self.batches = self.samples = 0
-        self.indices: list[int] = []
-        self.start = self.seconds = 0.0
-        self.add: Callable[[Any], None] = self._count if self.timed else self._record
-
-    def _count(self, batch: Any) -> None:
-        self.batches += 1
-        self.samples += len(batch)
-
-    def _record(self, batch: Any) -> None:
-        self.batches += 1
-        self.samples += len(batch)
-        self.indices.extend(self.run.indices_of(batch))
-
-    def __enter__(self) -> Epoch:
-        run = self.run
-        if self.timed and run.before_timed is not None:
-            run.before_timed()
-        gc.collect()
-        if self.timed and run.profiler is not None:
-            run.profiler.enable()
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self.start
-        if self.timed and self.run.profiler is not None:
-            self.run.profiler.disable()
-        if exc_type is None:
-            self.run.finish(self)
-
-
-@dataclass
-class Outcome:
-    """What a child sends back (as a dict: its classes live in its ``__mp_main__``)."""
-
-    epoch_s: list[float] = field(default_factory=list)
-    warmup_s: float | None = None
-    error: str | None = None
-
-
-class Run:
-    """A configuration's epochs: :meth:`epochs` yields the warm-up, then ``repeats`` timed
-    ones; :meth:`finish` checks each and keeps its time."""
-
-    def __init__(
-        self,
-        items: int,
-        batch_size: int,
-        repeats: int,
-        indices_of: Callable[[Any], list[int]],
-        before_timed: Callable[[], None] | None = None,
-        profiler: cProfile.Profile | None = None,
-    ) -> None:
-        self.items = items
-        self.batch_size = batch_size
-        self.repeats = repeats
-        self.indices_of = indices_of
-        self.before_timed = before_timed
-        self.profiler = profiler
-        self.outcome = Outcome()
-
-    def epochs(self) -> Iterator[Epoch]:
-        for number in range(self.repeats + 1):
-            yield Epoch(self, number)
-
-    def finish(self, epoch: Epoch) -> None:
-        expected = math.ceil(self.items / self.batch_size)
-        if not epoch.timed:
-            error = delivery_error(epoch.indices, self.items, epoch.batches, expected)
-            if error is not None:
-                raise EpochError(f"warm-up epoch: {error}")
-            self.outcome.warmup_s = epoch.seconds
-            return
-        if epoch.samples != self.items or epoch.batches != expected:
-            raise EpochError(
-                f"epoch {epoch.number}: {epoch.samples} samples in {epoch.batches} batches, "
-                f"expected {self.items} in {expected}"
-            )
-        self.outcome.epoch_s.append(epoch.seconds)
-
-    def execute(self, body: Callable[[Run], None]) -> dict[str, Any]:
-        """Run ``body`` (the configuration's epochs); its outcome as a dict, an exception it
-        raised reported as its error."""
-        try:
-            body(self)
-        except Exception as exc:
-            self.outcome.error = error_text(exc)
-        timed = len(self.outcome.epoch_s)
-        if self.outcome.error is None and timed != self.repeats:
-            self.outcome.error = f"{timed} timed epochs ran, expected {self.repeats}"
-        return dataclasses.asdict(self.outcome)
-
-
-# -- the configurations -------------------------------------------------------------------------
-
-
-def options(batch_size: int, collate: Callable[[Any], Any] | None) -> dict[str, Any]:
-    """The loader's arguments: ``batch_size``, and ``collate_fn`` when not the default."""
-    return {"batch_size": batch_size} | ({} if collate is None else {"collate_fn": collate})
-
-
-def run_torch(
-    dataset: Any, run: Run, *, workers: int, collate: Callable[[Any], Any] | None
-) -> None:
-    loader = torch.utils.data.DataLoader(
-        dataset, num_workers=workers, **options(run.batch_size, collate)
-    )
-    for epoch in run.epochs():
-        with epoch:
-            add = epoch.add
-            for batch in loader:
-                add(batch)
-
-
-def run_plain(dataset: Any, run: Run, *, stack: bool) -> None:
-    """The hand-written loop: ``torch.stack`` of each slice's items (``stack``), or the list."""
-    n, size = len(dataset), run.batch_size
-    for epoch in run.epochs():
-        with epoch:
-            add = epoch.add
-            for s in range(0, n, size):
-                samples = [dataset[i] for i in range(s, min(n, s + size))]
-                add(torch.stack(samples) if stack else samples)
-
-
-def run_aio_for(
-    dataset: Any, run: Run, *, scope: bool, collate: Callable[[Any], Any] | None
-) -> None:
-    """A plain ``for`` per epoch, inside one ``with loader:`` (``scope``) or without."""
-    loader: aioloader.DataLoader[Any] = aioloader.DataLoader(
-        dataset, **options(run.batch_size, collate)
-    )
-    with loader if scope else contextlib.nullcontext():
-        for epoch in run.epochs():
-            with epoch:
-                add = epoch.add
-                for batch in loader:
-                    add(batch)
-
-
-async def _aio_async_epochs(dataset: Any, run: Run, collate: Callable[[Any], Any] | None) -> None:
-    loader: aioloader.DataLoader[Any] = aioloader.DataLoader(
-        dataset, **options(run.batch_size, collate)
-    )
-    async with loader:
-        for epoch in run.epochs():
-            with epoch:
-                add = epoch.add
-                async for batch in loader:
-                    add(batch)
-
-
-def run_aio_async(
-    dataset: Any, run: Run, *, uvloop: bool, collate: Callable[[Any], Any] | None
-) -> None:
-    """``async with loader:`` around one ``async for`` per epoch, under ``asyncio.run`` or
-    ``asyncio.Runner(loop_factory=uvloop.new_event_loop)``."""
-    if not uvloop:
-        asyncio.run(_aio_async_epochs(dataset, run, collate))
-        return
-    import uvloop as _uvloop
-
-    with asyncio.Runner(loop_factory=_uvloop.new_event_loop) as runner:
-        runner.run(_aio_async_epochs(dataset, run, collate))
-
-
-@dataclass(frozen=True)
-class Job:
-    """One configuration of one workload, as handed to a child (which builds it by name)."""
-
-    workload: str  # "rows" or "files"
-    config: str
-    items: int
-    batch_size: int
-    repeats: int
-    cold: bool = False
-    directory: str = ""  # files: the folder
-
-
-def file_paths(job: Job) -> list[str]:
-    return [file_path(job.directory, i) for i in range(job.items)]
-
-
-def files_source(job: Job) -> Any:
-    import aioloader.sources  # here: the rows workload's children need not import it
-
-    return aioloader.sources.files(job.directory, "*.bin")
-
-
-Body = Callable[[Any, Run], None]  # (dataset, run)
-
-
-@dataclass(frozen=True)
-class Config:
-    """``make(job)``: the dataset (built before the child's clock starts); ``body``: its epochs;
-    ``skip``: why it cannot run here."""
-
-    name: str
-    make: Callable[[Job], Any]
-    body: Body
-    skip: str | None = None
-
-
-def _rows(job: Job) -> Rows:
-    return Rows(job.items)
-
-
-def _async_rows(job: Job) -> AsyncRows:
-    return AsyncRows(job.items)
-
-
-def _files(job: Job) -> Files:
-    return Files(file_paths(job))
-
-
-def build_configs() -> dict[str, dict[str, Config]]:
-    """Each workload's configurations, in the order they run."""
-    no_uvloop = None if HAS_UVLOOP else "uvloop is not installed"
-    p = functools.partial
-    rows = [
-        Config("torch-nw0", _rows, p(run_torch, workers=0, collate=None)),
-        Config("torch-nw2", _rows, p(run_torch, workers=2, collate=None)),
-        Config("torch-nw8", _rows, p(run_torch, workers=8, collate=None)),
-        Config(PLAIN, _rows, p(run_plain, stack=True)),
-        Config("aio-torchds-for", _rows, p(run_aio_for, scope=True, collate=None)),
-        Config("aio-torchds-for-nowith", _rows, p(run_aio_for, scope=False, collate=None)),
-        Config("aio-torchds-async", _rows, p(run_aio_async, uvloop=False, collate=None)),
-        Config(
-            "aio-torchds-async-uvloop",
-            _rows,
-            p(run_aio_async, uvloop=True, collate=None),
-            skip=no_uvloop,
-        ),
-        Config("aio-asyncds-async", _async_rows, p(run_aio_async, uvloop=False, collate=None)),
-        Config(
-            "aio-asyncds-async-uvloop",
-            _async_rows,
-            p(run_aio_async, uvloop=True, collate=None),
-            skip=no_uvloop,
-        ),
-    ]
-    files = [
-        Config(PLAIN, _files, p(run_plain, stack=False)),
-        Config("torch-nw0", _files, p(run_torch, workers=0, collate=list)),
-        Config("torch-nw2", _files, p(run_torch, workers=2, collate=list)),
-        Config("torch-nw8", _files, p(run_torch, workers=8, collate=list)),
-        Config("aio-files", files_source, p(run_aio_async, uvloop=False, collate=list)),
-        Config("aio-torchds-for", _files, p(run_aio_for, scope=True, collate=list)),
-    ]
-    return {"rows": {c.name: c for c in rows}, "files": {c.name: c for c in files}}
-
-
-CONFIGS = build_configs()
-ALL_NAMES = list(dict.fromkeys(name for configs in CONFIGS.values() for name in configs))
-
-
-def prepare(job: Job, profiler: cProfile.Profile | None = None) -> Callable[[], dict[str, Any]]:
-    """The set-up of a configuration, the same for every row (in a child: before
-    ``harness.run_in_child`` has it say ready): the dataset built; returns its work, whose
-    outcome is a dict."""
-    # torch warns that 8 workers exceed a small machine's cores: measuring that is the point.
-    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-    config = CONFIGS[job.workload][job.config]
-    dataset = config.make(job)
-    if job.workload == "rows":
-        run = Run(job.items, job.batch_size, job.repeats, row_indices, profiler=profiler)
-    else:
-        before = functools.partial(drop_cache, file_paths(job)) if job.cold else None
-        run = Run(job.items, job.batch_size, job.repeats, file_indices, before, profiler)
-    return functools.partial(run.execute, functools.partial(config.body, dataset))
-
-
-def prepare_child(job: Job) -> Callable[[], dict[str, Any]]:
-    return prepare(job)
-
+from aioloader._bench.overhead_data import (
+    BASELINE,
+    BATCH_SIZES,
+    FILE_BATCH,
+    FILE_BYTES,
+    FILES,
+    PLAIN,
+    PROFILE_TOP,
+    QUICK_FILES,
+    QUICK_ROWS,
+    REPEATS,
+    ROWS,
+    TIMEOUT_S,
+    WIDTH,
+    WORKLOADS,
+    Outcome,
+    write_files,
+)
+from aioloader._bench.overhead_runs import (
+    ALL_NAMES,
+    CONFIGS,
+    Job,
+    prepare,
+    prepare_child,
+)
 
 # -- measuring (this process) -------------------------------------------------------------------
 
