@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._data.epochs import OpensEpochs
 from .._data.resume import Layer, Mark, Taken
 from .._data.source import dataset_length
 
@@ -330,8 +331,14 @@ def _as_one_epoch(states: list[EpochState]) -> list[EpochState]:
 
 
 def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
-    """The state at the start of ``epoch``, nothing taken."""
+    """The state at the start of ``epoch``, nothing taken (a stream that names its start,
+    :meth:`~aioloader.OpensEpochs.epoch_start_state`, has it as its mark: what ``merge_states``
+    needs of a rank that took nothing yet)."""
     length = dataset_length(plan.dataset) if plan.kind.is_map else None
+    stream = None
+    if isinstance(plan.dataset, OpensEpochs) and not plan.kind.is_map:
+        start = plan.dataset.epoch_start_state(epoch)
+        stream = None if start is None else (0, 0, start)
     return EpochState(
         epoch=epoch,
         seed=plan.base_seed,
@@ -342,4 +349,5 @@ def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
         drop_last=plan.arguments.drop_last,
         world_size=plan.world_size,
         rank=plan.rank,
+        stream=stream,
     )
