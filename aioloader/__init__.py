@@ -31,8 +31,8 @@ from ._data.sampler import RandomSampler as RandomSampler
 from ._data.sampler import SequentialSampler as SequentialSampler
 from ._fanin.parts import Interleaved as Interleaved
 from ._fanin.parts import interleave as interleave
-from ._loader.checkpoint import merge_states as merge_states
 from ._loader.loader import DataLoader as DataLoader
+from ._loader.merging import merge_states as merge_states
 from ._serving.batcher import DynamicBatcher as DynamicBatcher
 from ._serving.stats import BatcherStatistics as BatcherStatistics
 from ._workers.standby import fork_standby as _fork_standby

@@ -25,12 +25,13 @@ def test_all_matches_the_public_names() -> None:
 
 
 def defining_files(name: str) -> list[Path]:
-    """The package's files that define ``name`` at their top level (a class or a function)."""
+    """The package's files that define ``name`` at their top level (a class or a function;
+    a function's ``@overload`` signatures are in its own file)."""
     found = []
     for path in Path(aioloader.__file__).parent.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             defines = isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            if defines and node.name == name:
+            if defines and node.name == name and path not in found:
                 found.append(path)
     return found
 

@@ -72,6 +72,14 @@ class OpensEpochs(AsyncIterableDataset[T_co]):
         """
         raise TypeError(f"{type(self).__qualname__} cannot resume (it has no state_dict())")
 
+    def epoch_start_state(self, epoch: int) -> dict[str, Any] | None:
+        """The state at the start of ``epoch``, nothing read, for a loader's state before its
+        first batch of the epoch; None (this default) when it would say nothing
+        ``state_dict()`` during the epoch would not. A stream that splits itself by rank
+        names its split here, so that ``merge_states`` can re-divide a rank that took
+        nothing yet (``tar_shards`` does)."""
+        return None
+
     def open_epoch(
         self, epoch: int, state: Any = None
     ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[T_co]]:

@@ -5,8 +5,18 @@ Owns: :class:`Piece` (a run of a part's items: from a byte offset, or from the p
 passing over some items; to the part's end or for a count), :class:`RankLeft` (where one rank
 stood: its pieces in reading order, the interleave's next piece, how far each open piece was
 taken, the samples its shuffle buffer held) with :meth:`RankLeft.from_state` (read from a
-``tar_shards`` state), :func:`pieces_left` and :func:`redivide`. Never: reads a part, knows a
-format or a transport, or keeps a clock; no event loop, no I/O.
+``tar_shards`` state), :func:`pieces_left` and :func:`redivide`; and the part of a stream's
+state that says what its rank reads (:func:`split_pieces`, :func:`state_pieces`, the
+``SPLIT_KEYS``), with :func:`redivide_states` (every old rank's state to each new rank's).
+Never: reads a part, knows a format or a transport, or keeps a clock; no event loop, no I/O.
+
+A re-dividable state (``tar_shards``' since issue 26) names, besides where its epoch stands,
+what its rank reads: ``"split": [rank, world_size]`` (the dataset's own split), ``"pieces"``
+(the rank's pieces, ``[[part, start, skip, count], ...]``, or null: its parts of the split,
+whole, in the epoch's order, which ``"shards"``, ``"seed"`` and ``"shuffle_shards"`` decide)
+and ``"dataset"`` (a digest of every part's name and the split's seed and shuffle: the same on
+every rank of one run). A fresh epoch and a re-divided one are the same thing, a rank's list of
+pieces; null only keeps a state small when nothing was re-divided.
 
 Exact by construction: what a rank has left is its unopened pieces, the rest of each open piece
 (from the byte after its last item taken, or, where offsets are unknown, passing over the
@@ -19,13 +29,26 @@ Nothing is padded: ranks get as many pieces as the dealing gives them (one more 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._base.checks import check_int
+from .sharding import epoch_parts
 
-__all__ = ["Piece", "RankLeft", "pieces_left", "redivide"]
+__all__ = [
+    "SPLIT_KEYS",
+    "Piece",
+    "RankLeft",
+    "pieces_left",
+    "redivide",
+    "redivide_states",
+    "split_pieces",
+    "state_pieces",
+]
+
+#: What a re-dividable stream state says its rank reads (see the module).
+SPLIT_KEYS = ("epoch", "shards", "dataset", "seed", "shuffle_shards", "split", "pieces")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +117,7 @@ class RankLeft:
         return cls(list(plan), 0)
 
     @classmethod
-    def from_state(cls, plan: Sequence[Piece], state: dict[str, Any]) -> RankLeft:
+    def from_state(cls, plan: Sequence[Piece], state: Mapping[str, Any]) -> RankLeft:
         """Where a ``tar_shards`` state (``TarShards.state_dict()`` during an epoch) stood,
         over ``plan`` (the pieces that rank read, in its reading order).
 
@@ -148,3 +171,116 @@ def redivide(ranks: Sequence[RankLeft], world_size: int) -> list[list[Piece]]:
         raise ValueError("ranks is empty: give what every old rank left")
     every = [piece for rank in ranks for piece in pieces_left(rank)]
     return [every[r::world] for r in range(world)]
+
+
+def split_pieces(
+    parts: int, epoch: int, *, seed: int, shuffle: bool, rank: int, world_size: int
+) -> list[Piece]:
+    """Rank ``rank``'s parts of a fresh epoch, whole, in reading order: the split of
+    :func:`~aioloader._data.sharding.epoch_parts` over ``parts`` parts (by index)."""
+    order = epoch_parts(
+        range(parts), epoch, seed=seed, shuffle=shuffle, rank=rank, world_size=world_size
+    )
+    return [Piece(p) for p in order]
+
+
+def state_pieces(state: Mapping[str, Any]) -> list[Piece]:
+    """The pieces a re-dividable state's rank reads in its epoch, in reading order: those it
+    names, or (``"pieces": null``) its parts of the epoch's split.
+
+    Raises:
+        ValueError: ``state`` is malformed, or names no split (it cannot be re-divided: a
+            stream other than ``tar_shards``, or a state saved before issue 26).
+    """
+    if not all(key in state for key in SPLIT_KEYS):
+        missing = [key for key in SPLIT_KEYS if key not in state]
+        raise ValueError(f"the stream's state names no split and pieces (it lacks {missing})")
+    try:
+        parts, epoch, seed = (int(state[key]) for key in ("shards", "epoch", "seed"))
+        rank, world = (int(v) for v in state["split"])
+        shuffle, pieces = bool(state["shuffle_shards"]), state["pieces"]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the stream's split is malformed: {exc!r}") from None
+    if not (0 <= rank < world and parts >= 0):
+        raise ValueError(f"the stream's split {state['split']!r} is malformed")
+    if pieces is None:
+        return split_pieces(parts, epoch, seed=seed, shuffle=shuffle, rank=rank, world_size=world)
+    if not isinstance(pieces, list | tuple):
+        raise ValueError(f"the stream's pieces must be a list, got {pieces!r}")  # noqa: TRY004
+    named = [Piece.from_json(p) for p in pieces]
+    if any(p.part >= parts for p in named):
+        raise ValueError(f"the stream's pieces name parts beyond its {parts}")
+    return named
+
+
+def redivide_states(
+    states: Sequence[tuple[Mapping[str, Any], bool]], world_size: int, epoch: int
+) -> list[dict[str, Any]]:
+    """Each of ``world_size`` new ranks' state of ``epoch``, from every old rank's: ``(state,
+    done)``, ``done`` for a rank that took all it had of the epoch (its state may be the next
+    epoch's start; it still names its rank). Every old rank of the split must be there once.
+    The new states name their split (``[k, world_size]``) and their pieces (:func:`redivide`)
+    and stand at their start; when every old rank was done, ``epoch`` is the next one and
+    each new rank reads its own split of it (``"pieces": null``).
+
+    Raises:
+        ValueError: A state names no split or is malformed (``states[i]`` named), the states
+            are of different datasets or seeds, a rank's is not of ``epoch``, or a rank of the
+            split is missing or given twice.
+    """
+    world = check_int("world_size", world_size, minimum=1)
+    if not states:
+        raise ValueError("states is empty: give what every old rank left")
+    plans: list[list[Piece]] = []
+    for i, (state, _) in enumerate(states):
+        try:
+            plans.append(state_pieces(state))
+        except ValueError as exc:
+            raise ValueError(
+                f"states[{i}]: {exc}; only a stream whose state names them (tar_shards') can "
+                "be re-divided among another number of ranks: resume it with the world size "
+                "it ran with (each rank its own state)"
+            ) from None
+    first = states[0][0]
+    for i, (state, _) in enumerate(states):
+        for key in ("dataset", "shards", "seed", "shuffle_shards"):
+            if state[key] != first[key]:
+                raise ValueError(
+                    f"states[{i}]'s stream {key!r} is {state[key]!r}, states[0]'s "
+                    f"{first[key]!r}: the states are not of one run's ranks of one dataset"
+                )
+    splits = [[int(v) for v in state["split"]] for state, _ in states]
+    old_world = splits[0][1]
+    if sorted(splits) != [[r, old_world] for r in range(old_world)]:
+        raise ValueError(
+            f"the states' streams are ranks {splits} ([rank, world_size]): a stream is "
+            "re-divided from every rank of one split, each once"
+        )
+    left = []
+    for i, ((state, done), plan) in enumerate(zip(states, plans, strict=True)):
+        if done:
+            continue
+        if int(state["epoch"]) != epoch:
+            raise ValueError(f"states[{i}]'s stream is at epoch {state['epoch']}, not {epoch}")
+        try:
+            left.append(RankLeft.from_state(plan, state))
+        except ValueError as exc:
+            raise ValueError(f"states[{i}]: {exc}") from None
+    if not left:  # every rank took all it had: the new ranks read their own split of `epoch`
+        return [_start(first, epoch, k, world, None) for k in range(world)]
+    dealt = redivide(left, world)
+    return [_start(first, epoch, k, world, dealt[k]) for k in range(world)]
+
+
+def _start(
+    like: Mapping[str, Any], epoch: int, rank: int, world: int, pieces: list[Piece] | None
+) -> dict[str, Any]:
+    """A state at the start of a rank's epoch: ``like``'s dataset, this split and pieces."""
+    state = {key: like[key] for key in ("shards", "dataset", "seed", "shuffle_shards")}
+    return {
+        "epoch": epoch,
+        **state,
+        "split": [rank, world],
+        "pieces": None if pieces is None else [p.to_json() for p in pieces],
+        "cursor": None,
+    }

@@ -1,11 +1,11 @@
 """A loader's state between batches: what ``state_dict()`` gives, ``load_state_dict()`` takes
 and :func:`merge_states` combines, and the epoch that goes on from it.
 
-Owns: :class:`EpochState` (the document: JSON-serialisable, checked field by field when loaded),
-:class:`Progress` (the consumer's record of the running epoch: what it took, and for a stream the
-dataset's state after the last batch taken in order) and :func:`merge_states`. Never: runs an
-epoch, checks a state against a loader or builds its batches (``resuming.py``), or decides an
-order itself (``_data/resume.py`` and the samplers do).
+Owns: :class:`EpochState` (the document: JSON-serialisable, checked field by field when loaded)
+and :class:`Progress` (the consumer's record of the running epoch: what it took, and for a stream
+the dataset's state after the last batch taken in order). Never: runs an epoch, combines ranks'
+states (``merging.py``), checks a state against a loader or builds its batches
+(``resuming.py``), or decides an order itself (``_data/resume.py`` and the samplers do).
 
 The document::
 
@@ -27,17 +27,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._data.epochs import OpensEpochs
 from .._data.resume import Layer, Mark, Taken
 from .._data.source import dataset_length
 
 if TYPE_CHECKING:
     from .plan import LoaderPlan
 
-__all__ = ["FORMAT", "EpochState", "Progress", "dumps_checked", "fresh_state", "merge_states"]
+__all__ = ["FORMAT", "EpochState", "Progress", "dumps_checked", "fresh_state"]
 
 FORMAT = "aioloader.state/1"
 
@@ -234,104 +235,15 @@ def dumps_checked(state: dict[str, Any], dataset: object) -> None:
         ) from None
 
 
-def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Combine the states of every rank of a run into one that each rank of the next run loads
-    with its own ``rank`` and ``world_size`` (the same number of ranks or another).
-
-    Gather the ranks' ``state_dict()`` however suits you: saved one file per rank, or
-    ``torch.distributed.all_gather_object`` before saving one file.
-
-    Raises:
-        TypeError, ValueError: A state is malformed; the states are not of one run's ranks
-            (different epochs, datasets, seeds or batch sizes), a rank is missing or given
-            twice; or the states are of a stream (a stream resumes with its world size).
-    """
-    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
-        raise TypeError("states must be a list of DataLoader.state_dict() results, one per rank")
-    if not states:
-        raise ValueError("states is empty: give the state of every rank")
-    given: list[EpochState] = []
-    for i, document in enumerate(states):
-        try:
-            given.append(EpochState.from_json(document))
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"states[{i}]: {exc}") from None
-    read = _as_one_epoch(given)
-    first = read[0]
-    for i, s in enumerate(read):
-        if s.merged:
-            raise ValueError(f"states[{i}] is already merged")
-        if not s.map:
-            raise ValueError(
-                f"states[{i}] is of a stream: a stream resumes only with the world size it "
-                "ran with (each rank loads its own state)"
-            )
-        for key in ("epoch", "seed", "order_seed", "length", "batch_size", "drop_last"):
-            if getattr(s, key) != getattr(first, key):
-                raise ValueError(
-                    f"states[{i}][{key!r}] is {getattr(s, key)!r}, states[0]'s is "
-                    f"{getattr(first, key)!r}: the states are not of one run's ranks"
-                )
-        if s.world_size != first.world_size or s.layers != first.layers:
-            raise ValueError(
-                f"states[{i}] ran with world_size {s.world_size}, states[0] with "
-                f"{first.world_size} (or after other elastic resumes): not one run's ranks"
-            )
-    ranks = sorted(s.rank for s in read if s.rank is not None)
-    if ranks != list(range(first.world_size)):
-        raise ValueError(
-            f"states hold ranks {ranks}; a run of world_size {first.world_size} needs each of "
-            f"0..{first.world_size - 1} once"
-        )
-    batch = first.batch_size or 1
-    layer = Layer(
-        first.world_size,
-        batch,
-        first.drop_last,
-        {s.rank: s.taken for s in read if s.rank is not None},
-    )
-    merged = dataclasses.replace(  # every rank's record, as the epoch's last layer
-        first,
-        rank=None,
-        taken=Taken(),
-        samples=sum(s.samples for s in read),
-        layers=[*first.layers, layer],
-        stream=None,
-    )
-    return merged.to_json()
-
-
-def _as_one_epoch(states: list[EpochState]) -> list[EpochState]:
-    """The states of one epoch: a rank that saw its epoch end saved the start of the next one
-    (nothing taken); beside ranks still in that epoch it is a rank that took every batch.
-
-    Raises:
-        ValueError: The states are more than an epoch apart, or a rank is into the next epoch.
-    """
-    epochs = sorted({s.epoch for s in states})
-    if len(epochs) == 1:
-        return states
-    if len(epochs) > 2 or epochs[1] != epochs[0] + 1:
-        raise ValueError(f"states are at different epochs: {epochs}")
-    during = next(s for s in states if s.epoch == epochs[0])
-    every = Taken((during.length or 0) + 1)  # more batches than any share has
-    merged = []
-    for s in states:
-        if s.epoch == epochs[0]:
-            merged.append(s)
-        elif len(s.taken) or s.stream is not None:
-            raise ValueError(
-                f"rank {s.rank}'s state is into epoch {s.epoch} while others are in "
-                f"{epochs[0]}: save every rank's state at the same step"
-            )
-        else:
-            merged.append(dataclasses.replace(during, rank=s.rank, taken=every.copy()))
-    return merged
-
-
 def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
-    """The state at the start of ``epoch``, nothing taken."""
+    """The state at the start of ``epoch``, nothing taken (a stream that names its start,
+    :meth:`~aioloader.OpensEpochs.epoch_start_state`, has it as its mark: what ``merge_states``
+    needs of a rank that took nothing yet)."""
     length = dataset_length(plan.dataset) if plan.kind.is_map else None
+    stream = None
+    if isinstance(plan.dataset, OpensEpochs) and not plan.kind.is_map:
+        start = plan.dataset.epoch_start_state(epoch)
+        stream = None if start is None else (0, 0, start)
     return EpochState(
         epoch=epoch,
         seed=plan.base_seed,
@@ -342,4 +254,5 @@ def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
         drop_last=plan.arguments.drop_last,
         world_size=plan.world_size,
         rank=plan.rank,
+        stream=stream,
     )

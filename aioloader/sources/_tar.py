@@ -23,6 +23,7 @@ import anyio
 from .._base.checks import check_bool, check_int, check_seconds, check_seed
 from .._base.retry import RetryPolicy
 from .._data.epochs import OpensEpochs
+from .._data.restream import Piece, split_pieces, state_pieces
 from .._data.seeds import derive_seed
 from .._data.sharding import epoch_parts, resolve_rank
 from .._fanin.lanes import ahead_for, interleaved, plan_digest
@@ -31,7 +32,7 @@ from ._http import new_session, redact_url
 from ._objects import redact_store_url, store_from_url
 from ._streams import ChunkReader, FileReader, HTTPReader, StoreReader, resumable
 from ._tarfmt import CorruptShardError, read_located
-from ._tarstate import EpochRun, Located, ShuffleBuffer, Spanned, without_spans
+from ._tarstate import EpochRun, Located, ShuffleBuffer, Spanned, piece_items, without_spans
 
 if TYPE_CHECKING:
     from ._slots import SlotPolicy, SlotStreams
@@ -104,7 +105,12 @@ class TarShards(OpensEpochs[dict[str, Any]]):
     epoch go on from there: the open shards are read again from their starts, their samples
     already taken passed over, and the buffer's samples read again, so the samples that follow
     are exactly those of the uninterrupted epoch. A loader calls both for you
-    (``DataLoader.state_dict()``).
+    (``DataLoader.state_dict()``). The state also names what this rank reads: its rank and
+    world size, and its *pieces* (null for its shards of the epoch's split, whole; after
+    :func:`~aioloader.merge_states` re-divided an epoch among another number of ranks, the
+    shard byte ranges and held samples it was dealt), so that ``merge_states(states,
+    world_size=...)`` can deal what every rank left to another number of ranks, as often as an
+    epoch is resumed (see ``docs/design.md``, "Resuming").
 
     Shuffling: with ``shuffle_shards`` the epoch's shard order is a permutation drawn with
     ``random.Random(derive_seed(seed, epoch))``, and the interleave's rounds are drawn with
@@ -218,6 +224,8 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         self._in_flight = shards_in_flight
         self._buffer_bytes = check_int("buffer_bytes", buffer_bytes, minimum=1)
         self._seed = check_seed(seed)
+        # What decides the split, the same on every rank: a re-divided state must be of it.
+        self._dataset = plan_digest(self._shards, self._seed, self._shuffle_shards)
         if rank is not None and world_size is not None:
             resolve_rank(rank, world_size)  # validate early
         self._rank = rank
@@ -254,15 +262,39 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         shuffles' generator states)."""
         run = self._running
         if run is None:
-            return self.next_state({"epoch": 0, "shards": len(self._shards), "cursor": None})
+            return self.next_state(self.epoch_start_state(0))
         return run.state()
 
-    def check_state(self, state: dict[str, Any]) -> int:
-        """The epoch of ``state`` (from :meth:`state_dict`); the rest is checked as the epoch
-        opens.
+    def epoch_start_state(self, epoch: int) -> dict[str, Any]:
+        """The state at the start of ``epoch``, nothing read: this rank's split of it.
 
         Raises:
-            TypeError, ValueError: ``state`` is malformed, or of a different list of shards.
+            TypeError, ValueError: A bad rank or world size.
+        """
+        rank, world = resolve_rank(self._rank, self._world_size)
+        return {**self._split(epoch, rank, world, None), "cursor": None}
+
+    def _split(
+        self, epoch: int, rank: int, world: int, pieces: list[Piece] | None
+    ) -> dict[str, Any]:
+        """What a state names of what this rank reads (``_data/restream.py``)."""
+        return {
+            "epoch": epoch,
+            "shards": len(self._shards),
+            "dataset": self._dataset,
+            "seed": self._seed,
+            "shuffle_shards": self._shuffle_shards,
+            "split": [rank, world],
+            "pieces": None if pieces is None else tuple(tuple(p.to_json()) for p in pieces),
+        }
+
+    def check_state(self, state: dict[str, Any]) -> int:
+        """The epoch of ``state`` (from :meth:`state_dict`, or one of ``merge_states``' for
+        this rank); the rest is checked as the epoch opens.
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed, of a different list of shards or
+                seed, or of another rank or world size.
         """
         epoch, shards = state.get("epoch"), state.get("shards")
         checked = check_int("state['epoch']", epoch, minimum=0)
@@ -271,6 +303,21 @@ class TarShards(OpensEpochs[dict[str, Any]]):
                 f"state['shards'] is {shards!r}: the state is of a dataset of other shards "
                 f"(this one has {len(self._shards)})"
             )
+        if state.get("dataset", self._dataset) != self._dataset:
+            raise ValueError(
+                "the state is of another tar_shards (other shards, seed or shuffle_shards): it "
+                "cannot resume here"
+            )
+        split = state.get("split")
+        if split is not None:  # a state saved before issue 26 names none: its plan is checked
+            mine = list(resolve_rank(self._rank, self._world_size))
+            if list(split) != mine:
+                raise ValueError(
+                    f"the state is rank {split[0]}'s of {split[1]}; this tar_shards is rank "
+                    f"{mine[0]} of {mine[1]} (give each rank its own state: states[k] of "
+                    "merge_states(..., world_size=W) to rank k)"
+                )
+            state_pieces(state)  # well-formed
         return checked
 
     def epoch_shards(self, epoch: int) -> list[str]:
@@ -332,8 +379,22 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         Cancellation: leaving the block early (``break``, an error, cancellation) closes every
         open shard (its file or connection) before the block is left.
         """
+        rank, world = resolve_rank(self._rank, self._world_size)
+        named = state.get("pieces") if state is not None else None
+        if named is None:  # this rank's shards of the epoch's split, whole
+            pieces = split_pieces(
+                len(self._shards),
+                epoch,
+                seed=self._seed,
+                shuffle=self._shuffle_shards,
+                rank=rank,
+                world_size=world,
+            )
+        else:  # what a re-division dealt this rank (checked by check_state)
+            pieces = [Piece.from_json(p) for p in named]
+        split = self._split(epoch, rank, world, None if named is None else pieces)
         resume = state if state is not None and state.get("cursor") is not None else None
-        return self._samples(self.epoch_shards(epoch), epoch, resume)
+        return self._samples(pieces, split, resume)
 
     @contextlib.asynccontextmanager
     async def _open_reader(
@@ -400,49 +461,61 @@ class TarShards(OpensEpochs[dict[str, Any]]):
 
     @contextlib.asynccontextmanager
     async def _samples(
-        self, shards: list[str], epoch: int, resume: dict[str, Any] | None
+        self, pieces: list[Piece], split: dict[str, Any], resume: dict[str, Any] | None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        width = self.shards_in_flight(len(shards))
-        ahead = ahead_for(width, len(shards))
+        epoch, shards = split["epoch"], [self._shards[p.part] for p in pieces]
+        width = self.shards_in_flight(len(pieces))
+        ahead = ahead_for(width, len(pieces))
         per_shard = max(self._chunk_size, self._buffer_bytes // (width + ahead))
         order = random.Random(derive_seed(self._seed, epoch, 2)) if self._shuffle_shards else None
-        digest = plan_digest(shards, self._seed, self._shuffle_shards, self._shuffle_buffer)
-        run = EpochRun(epoch, len(self._shards), digest, width, order, resume)
+        plan: list[object] = [shards, self._seed, self._shuffle_shards, self._shuffle_buffer]
+        if split["pieces"] is not None:  # a fresh split's digest is the one saved before
+            plan.append(split["pieces"])
+        digest = plan_digest(*plan)
+        run = EpochRun(split, digest, width, order, resume)
         if self._shuffle_buffer > 1:
             rng = random.Random(derive_seed(self._seed, epoch, 1))
             run.buffer = ShuffleBuffer(self._shuffle_buffer, rng, run)
             if resume is not None:
                 run.buffer.restore(resume.get("buffer"))
-        async with (
-            self._open_located() as located,
-            interleaved(
-                shards,
-                located,
-                width=width,
-                ahead=ahead,
-                part_limit=per_shard,
-                size=_spanned_bytes,
-                rng=order,
-                name=_display,
-                cursor=run.cursor,
-                reopen=run.reopener(located),
-            ) as spanned,
-            aclosing(run.samples(spanned)) as samples,
-        ):
-            if run.buffer is not None:
-                await run.buffer.read_again(located, shards, width)
-                async with aclosing(run.buffer.run(samples)) as shuffled:
-                    self._running = run
-                    try:
-                        yield shuffled
-                    finally:
-                        self._running = None
-                return
-            self._running = run
-            try:
-                yield samples
-            finally:
-                self._running = None
+
+        def name(piece: Piece) -> str:
+            return _display(self._shards[piece.part])
+
+        async with self._open_located() as located:
+
+            def read(piece: Piece) -> AsyncGenerator[Spanned, None]:
+                return piece_items(located, self._shards[piece.part], piece)
+
+            async with (
+                interleaved(
+                    pieces,
+                    read,
+                    width=width,
+                    ahead=ahead,
+                    part_limit=per_shard,
+                    size=_spanned_bytes,
+                    rng=order,
+                    name=name,
+                    cursor=run.cursor,
+                    reopen=run.reopener(read),
+                ) as spanned,
+                aclosing(run.samples(spanned)) as samples,
+            ):
+                if run.buffer is not None:
+                    await run.buffer.read_again(read, pieces, name, width)
+                    async with aclosing(run.buffer.run(samples)) as shuffled:
+                        self._running = run
+                        try:
+                            yield shuffled
+                        finally:
+                            self._running = None
+                    return
+                self._running = run
+                try:
+                    yield samples
+                finally:
+                    self._running = None
 
 
 _SAMPLE_OVERHEAD = 256  # bytes a sample holds besides its members: the dict, the key, headers

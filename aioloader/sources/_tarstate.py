@@ -1,12 +1,14 @@
 """Where an epoch of ``tar_shards`` stands, and how it goes on from a saved state.
 
-Owns: :class:`EpochRun` (the open epoch as ``TarShards.state_dict`` describes it: the
-interleave's cursor, the byte offset after the last sample taken from each open shard, the
-shuffle buffer) and :class:`ShuffleBuffer` (the sample shuffle buffer, which knows where each
-sample it holds lies, so a saved state can read them again). A resumed shard is read from the
-byte after its last sample taken (a range request, a seek); a compressed shard, whose offsets
-are the uncompressed stream's, is read from its start with the samples taken passed over.
-Never: reads bytes or parses tar itself (``_tar.py`` and ``_tarfmt.py`` do).
+Owns: :class:`EpochRun` (the open epoch as ``TarShards.state_dict`` describes it: what the
+rank reads, its pieces, named as ``_data/restream.py`` says; the interleave's cursor over them,
+the byte offset after the last sample taken from each open piece, the shuffle buffer),
+:func:`piece_items` (a piece's samples) and :class:`ShuffleBuffer` (the sample shuffle buffer,
+which knows where each sample it holds lies, so a saved state can read them again). A resumed
+piece is read from the byte after its last sample taken (a range request, a seek); a piece of a
+compressed shard, whose offsets are the uncompressed stream's, from its own start with the
+samples taken passed over. Never: reads bytes or parses tar itself (``_tar.py`` and
+``_tarfmt.py`` do), or decides a re-division (``_data/restream.py`` does).
 """
 
 from __future__ import annotations
@@ -18,16 +20,42 @@ from typing import Any
 
 import anyio
 
+from .._data.restream import Piece
 from .._fanin.interleave import rng_from_json, rng_to_json
 from .._fanin.lanes import Cursor
 
-__all__ = ["EpochRun", "Located", "ShuffleBuffer", "Spanned", "without_spans"]
+__all__ = ["EpochRun", "Located", "ShuffleBuffer", "Spanned", "piece_items", "without_spans"]
 
 #: A sample with where it lies in its shard: ``(sample, start, end)``, offsets None for a
 #: compressed shard.
 Spanned = tuple[dict[str, Any], int | None, int | None]
 #: ``located(shard, start=0)``: a shard's samples from byte ``start`` on, with their spans.
 Located = Callable[..., AsyncGenerator[Spanned, None]]
+#: ``read(piece)``: a piece's samples, with their spans.
+ReadPiece = Callable[[Piece], AsyncGenerator[Spanned, None]]
+
+
+async def piece_items(located: Located, shard: str, piece: Piece) -> AsyncGenerator[Spanned, None]:
+    """The samples of ``piece`` of ``shard``: read from its byte offset (or the shard's start),
+    its ``skip`` first passed over, then ``count`` of them (or to the shard's end)."""
+    skip, left = piece.skip, piece.count
+    if left == 0:
+        return
+    async with aclosing(located(shard, piece.start or 0)) as items:
+        async for item in items:
+            if skip:
+                skip -= 1
+                continue
+            yield item
+            if left is not None:
+                left -= 1
+                if not left:
+                    return
+
+
+async def _nothing() -> AsyncGenerator[Spanned, None]:
+    return
+    yield  # an async generator that gives nothing
 
 
 async def without_spans(
@@ -42,6 +70,9 @@ async def without_spans(
 class EpochRun:
     """An open epoch of ``tar_shards`` (see the module).
 
+    ``split`` is what the state names of what the rank reads (``_data/restream.py``'s
+    ``SPLIT_KEYS``, the epoch among them), given whole to every state.
+
     Raises (``__init__``, with a saved state): ValueError, TypeError: the state is malformed,
     of another plan of shards (other shards, seed, shuffles, rank), or read another number of
     shards at once.
@@ -49,15 +80,13 @@ class EpochRun:
 
     def __init__(
         self,
-        epoch: int,
-        shards: int,
+        split: dict[str, Any],
         plan: str,
         width: int,
         order: random.Random | None,
         resume: dict[str, Any] | None,
     ) -> None:
-        self.epoch = epoch
-        self.shards = shards
+        self.split = split
         self.plan = plan
         self.buffer: ShuffleBuffer | None = None
         self.ends: dict[int, int | None] = {}  # open part -> the byte after its last sample taken
@@ -85,8 +114,8 @@ class EpochRun:
     def state(self) -> dict[str, Any]:
         cursor = self.cursor
         state: dict[str, Any] = {
-            "epoch": self.epoch,
-            "shards": self.shards,
+            **self.split,  # its pieces a tuple, shared; its split a new list (a state is new)
+            "split": list(self.split["split"]),
             "plan": self.plan,
             "cursor": cursor.to_json(),
             "ends": {str(p): self.ends.get(p) for p in cursor.taken},
@@ -96,14 +125,17 @@ class EpochRun:
         return state
 
     def reopener(
-        self, located: Located
-    ) -> Callable[[int, str, int], AsyncIterator[Spanned] | None]:
-        """For the interleave: a resumed open shard read from the byte after its last sample
+        self, read: ReadPiece
+    ) -> Callable[[int, Piece, int], AsyncIterator[Spanned] | None]:
+        """For the interleave: a resumed open piece read from the byte after its last sample
         taken, or None (compressed: read from its start, the samples taken passed over)."""
 
-        def reopen(index: int, shard: str, taken: int) -> AsyncIterator[Spanned] | None:
+        def reopen(index: int, piece: Piece, taken: int) -> AsyncIterator[Spanned] | None:
             end = self._resumed_ends.get(index)
-            return None if end is None else located(shard, end)
+            if end is None:
+                return None
+            rest = piece.after(taken, end)
+            return _nothing() if rest is None else read(rest)
 
         return reopen
 
@@ -164,22 +196,25 @@ class ShuffleBuffer:
         rng_from_json(self.rng, state.get("rng"))
         self.origins, self.draining = origins, draining
 
-    async def read_again(self, located: Located, shards: Sequence[str], concurrency: int) -> None:
-        """Read the samples a restored buffer held, one sequential read per shard
-        (``concurrency`` shards at once): from the first buffered sample's byte offset to the
-        last one's, or (a compressed shard) from its start, by place."""
+    async def read_again(
+        self, read: ReadPiece, pieces: Sequence[Piece], name: Callable[[Piece], str], width: int
+    ) -> None:
+        """Read the samples a restored buffer held, one sequential read per piece (``width``
+        at once): from the first buffered sample's byte offset to the last one's, or (a
+        compressed shard) from the piece's start, by place."""
         found: dict[tuple[int, int], dict[str, Any]] = {}
-        limit = anyio.Semaphore(concurrency)
+        limit = anyio.Semaphore(width)
         wanted: dict[int, dict[int, int | None]] = {}  # part -> place -> byte offset
         for part, place, at in self.origins:
             wanted.setdefault(part, {})[place] = at
 
-        async def read(part: int, places: dict[int, int | None]) -> None:
+        async def fill(part: int, places: dict[int, int | None]) -> None:
             offsets = {at: place for place, at in places.items() if at is not None}
             by_offset = len(offsets) == len(places)
             start = min(offsets) if by_offset else 0
             left = set(places)
-            async with limit, aclosing(located(shards[part], start)) as samples:
+            piece = pieces[part] if not by_offset else Piece(pieces[part].part, start)
+            async with limit, aclosing(read(piece)) as samples:
                 place = -1
                 async for sample, begin, _ in samples:
                     place += 1
@@ -190,13 +225,13 @@ class ShuffleBuffer:
                         if not left:
                             return
             raise ValueError(
-                f"shard {shards[part]!r} does not hold the samples the saved shuffle buffer held "
-                f"({sorted(left)}): the shard changed since the state was saved"
+                f"shard {name(pieces[part])!r} does not hold the samples the saved shuffle "
+                f"buffer held ({sorted(left)}): the shard changed since the state was saved"
             )
 
         async with anyio.create_task_group() as tg:
             for part, places in sorted(wanted.items()):
-                tg.start_soon(read, part, places)
+                tg.start_soon(fill, part, places)
         self.items = [found[part, place] for part, place, _ in self.origins]
 
     async def run(

@@ -84,7 +84,11 @@ def test_tar_shards_resume_exactly(tmp_path: Path, stop: int, kw: dict[str, Any]
         assert first + rest == full
     else:
         assert sorted(map(tuple, first + rest)) == sorted(map(tuple, full))
-    assert state["stream"] is None if stop == 0 else state["stream"]["position"] > 0
+    if stop == 0:  # the epoch's start, naming this rank's split (what merge_states needs)
+        assert state["stream"]["position"] == 0 and state["stream"]["dataset"]["cursor"] is None
+        assert state["stream"]["dataset"]["split"] == [0, 1]
+    else:
+        assert state["stream"]["position"] > 0
 
 
 def test_compressed_shards_resume_too(tmp_path: Path) -> None:
@@ -126,11 +130,27 @@ def test_a_tar_state_of_another_seed_or_rank_is_refused(tmp_path: Path) -> None:
     next(it)
     state = loader.state_dict()
     it.close()
-    for other in ({"rank": 0, "world_size": 2, "seed": 6}, {"rank": 1, "world_size": 2}):
+    for other, said in (
+        ({"rank": 0, "world_size": 2, "seed": 6}, "of another tar_shards"),
+        ({"rank": 1, "world_size": 2}, "rank 0's of 2; this tar_shards is rank 1 of 2"),
+    ):
         resumed = tar_loader(paths, tar=other)
         resumed.load_state_dict(state)
-        with pytest.raises(ValueError, match="saved for another plan of the epoch"):
+        with pytest.raises(ValueError, match=said):
             list(resumed)
+    # A state saved before issue 26 names no split: its plan's digest still tells ranks apart,
+    # and it still resumes the rank it was saved by.
+    old = json.loads(json.dumps(state))
+    for key in ("dataset", "seed", "shuffle_shards", "split", "pieces"):
+        del old["stream"]["dataset"][key]
+    resumed = tar_loader(paths, tar={"rank": 1, "world_size": 2})
+    resumed.load_state_dict(old)
+    with pytest.raises(ValueError, match="saved for another plan of the epoch"):
+        list(resumed)
+    full = list(tar_loader(paths, tar={"rank": 0, "world_size": 2}))
+    again = tar_loader(paths, tar={"rank": 0, "world_size": 2})
+    again.load_state_dict(old)
+    assert list(again) == full[1:]
 
 
 def test_an_interleave_resumes_its_parts(tmp_path: Path) -> None:
