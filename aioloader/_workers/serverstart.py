@@ -44,11 +44,14 @@ class ServerStart:
         why: Why the faster ways were not taken ("" for ``"forked"``).
         seconds: What getting it ready cost the process here (for ``"interpreter"``, the
             imports are paid by the first worker start instead, in its ``startup_s``).
+        pid: The server's process, where it is one of ours (if the stdlib's server slot later
+            holds another, ours died and the stdlib replaced it: the decision is made again).
     """
 
     how: str
     why: str = ""
     seconds: float = 0.0
+    pid: int | None = None
 
     @property
     def slow(self) -> bool:
@@ -61,30 +64,34 @@ _started: ServerStart | None = None
 
 
 def server_start() -> ServerStart | None:
-    """How this process's fork server started; None before a loader needed one (or where this
-    Python's server is not one we know: then the stdlib starts it, preloaded)."""
+    """How this process's fork server started; None before a loader needed one."""
     return _started
 
 
-def _start() -> ServerStart | None:
-    """Start the fork server the fastest safe way, once; None where this Python's server is not
-    one we can hand a forked server to."""
+def _start() -> ServerStart:
+    """Start the fork server the fastest safe way, once (see the module's docstring)."""
     if not server_protocol_known():
-        return None
+        standby.retire()
+        return ServerStart("interpreter", standby.UNKNOWN_PROTOCOL)
     server: Any = stdlib_forkserver._forkserver
     with server._lock:  # the stdlib's own, held while it starts its server
-        if server._forkserver_pid is not None:
-            return _started or ServerStart("other", "the stdlib's server was already running")
+        running = server._forkserver_pid
+        if running is not None:
+            if _started is not None and _started.pid in (None, running):
+                return _started
+            standby.retire()  # the workers come from a server we did not start
+            return ServerStart("other", "the stdlib's server was started by another caller")
         began = time.perf_counter()
         why = unsafe_to_fork()
         if why is None:
             standby.retire()  # forked now, the server has everything the application imported
-            install(fork_server())
-            return ServerStart("forked", "", time.perf_counter() - began)
+            forked = fork_server()
+            install(forked)
+            return ServerStart("forked", "", time.perf_counter() - began, forked.pid)
         woken = standby.wake()
         if isinstance(woken, ForkedServer):
             install(woken)
-            return ServerStart("standby", why, time.perf_counter() - began)
+            return ServerStart("standby", why, time.perf_counter() - began, woken.pid)
         return ServerStart("interpreter", f"{why}; {woken}")
 
 
@@ -109,13 +116,15 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
             "the main module again to find its classes (as spawn and forkserver do): put the "
             "script's loading and training under `if __name__ == '__main__':`"
         )
-    if _started is None or _started.slow:  # until a server of ours runs: it may be safe now
-        fresh = _start()
-        if _started is None or (fresh is not None and not fresh.slow):
-            _started = fresh
-    if _started is not None and not _started.slow:
-        return
     server = getattr(stdlib_forkserver, "_forkserver", None)
+    running = getattr(server, "_forkserver_pid", None)
+    replaced = _started is not None and _started.pid not in (None, running)  # ours died
+    if _started is None or _started.slow or replaced:  # until ours runs: it may be safe now
+        fresh = _start()
+        if _started is None or replaced or not fresh.slow:
+            _started = fresh
+    if not _started.slow:
+        return
     current = list(getattr(server, "_preload_modules", ["__main__"]))
     wanted = current + [m for m in PRELOAD if m not in current]
     if wanted != current:

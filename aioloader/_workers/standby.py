@@ -42,7 +42,7 @@ from typing import Any
 
 from .forkserver import ForkedServer, fork_server, server_protocol_known, unsafe_to_fork
 
-__all__ = ["ENV", "fork_standby", "retire", "running_main_again", "wake"]
+__all__ = ["ENV", "UNKNOWN_PROTOCOL", "fork_standby", "retire", "running_main_again", "wake"]
 
 ENV = "AIOLOADER_STANDBY"
 
@@ -56,6 +56,10 @@ class _Standby:
 _standby: _Standby | None = None
 _missing = "no standby: aioloader has not been imported"  # why there is none, once it was
 _catching_up = False  # in the standby, while the main module runs again
+UNKNOWN_PROTOCOL = (
+    f"Python {sys.version.split()[0]}'s fork server is not one a forked server can be handed "
+    "to (3.11 to 3.13 only)"
+)
 
 
 def _forget_in_child() -> None:
@@ -119,7 +123,7 @@ def fork_standby() -> None:
         _missing = f"no standby: {ENV}=0"
         return
     if not server_protocol_known():
-        _missing = f"no standby: Python {sys.version.split()[0]}'s fork server is not one we know"
+        _missing = UNKNOWN_PROTOCOL
         return
     if (why := unsafe_to_fork()) is not None:
         _missing = f"no standby: when aioloader was imported, {why}"
@@ -138,13 +142,18 @@ def fork_standby() -> None:
 
 def _wait(line: multiprocessing.connection.Connection, partial: frozenset[str]) -> None:
     """In the standby: wait to be woken (EOF: retired, or this process's parent exited), catch
-    up with the main module, and answer None (serving) or why not (then exit). Ctrl-C is the
-    application's: the standby, in its process group, ignores it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    up with the main module, and answer None (serving) or why not (then exit).
+
+    While it only waits, Ctrl-C is the application's (the standby, in its process group,
+    ignores it). Woken, it takes Ctrl-C as the parent does: the stdlib's server hands the
+    handler it found to every process it forks (the application's own forkserver children
+    too), and a main module that blocks while it runs again must not outlive its parent."""
+    waiting = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         preparation = line.recv()
     except EOFError:
         os._exit(0)
+    signal.signal(signal.SIGINT, waiting)
     try:
         _catch_up(preparation, partial)
         why = unsafe_to_fork()
@@ -162,8 +171,11 @@ def _catch_up(preparation: dict[str, Any], partial: frozenset[str]) -> None:
     """Become what a fresh interpreter prepared by ``multiprocessing.spawn`` would be: the parent's
     path, arguments and directory, and its main module run again as ``__mp_main__``."""
     global _catching_up
-    for name in partial:
-        sys.modules.pop(name, None)
+    for name in [*sys.modules]:
+        # A half-imported module goes, and so do its submodules: those imported before the
+        # fork hold the half-built package (``from . import x`` inside its __init__).
+        if name in partial or any(name.startswith(f"{package}.") for package in partial):
+            del sys.modules[name]
     by_name = preparation.get("init_main_from_name")
     if preparation.get("init_main_from_path") or (
         by_name and by_name != "__main__" and not by_name.endswith(".__main__")
@@ -182,8 +194,10 @@ def wake() -> ForkedServer | str:
     """Wake the standby: the server, once it has caught up with the main module; else why there
     is none to use (no standby, or it could not catch up: then it has exited).
 
-    Blocks while the standby runs the main module's imports again (those it did not have)."""
-    global _standby
+    Blocks while the standby runs the main module's imports again (those it did not have);
+    interrupted meanwhile (Ctrl-C), the standby is killed and reaped, and the interruption
+    goes on."""
+    global _standby, _missing
     standby, _standby = _standby, None
     if standby is None:
         return _missing
@@ -195,6 +209,13 @@ def wake() -> ForkedServer | str:
         why = standby.line.recv()
     except (EOFError, OSError) as exc:
         why = f"the standby server exited ({exc!r})"
+    except BaseException:  # interrupted (Ctrl-C) while it ran the main module: it goes too
+        _missing = "the standby was stopped: waking it was interrupted"
+        standby.line.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(standby.server.pid, signal.SIGKILL)
+        standby.server.retire()
+        raise
     standby.line.close()
     if why is None:
         return standby.server

@@ -247,3 +247,81 @@ def test_the_fast_paths_are_taken_on_the_pythons_whose_server_we_know() -> None:
     from aioloader._workers.forkserver import server_protocol_known
 
     assert server_protocol_known() == (sys.version_info < (3, 14))
+
+
+PACKAGE = {
+    "pack/__init__.py": (
+        "from . import helpers  # imported whole before aioloader, it holds this package\n"
+        "from .data import Squares  # .data imports aioloader: the standby is forked there\n"
+        "SCALE = 10  # set after it: never in the half-imported package\n"
+    ),
+    "pack/helpers.py": "import pack\n\ndef scale(x):\n    return x * pack.SCALE\n",
+    "pack/data.py": (
+        "import torch.utils.data\nimport aioloader\nfrom . import helpers\n\n"
+        "class Squares(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 4\n"
+        "    def __getitem__(self, i):\n        return helpers.scale(i)\n"
+    ),
+    "main.py": (
+        "import multiprocessing, signal, threading\nimport pack  # imports aioloader\n\n"
+        "def handler(queue):\n    queue.put(str(signal.getsignal(signal.SIGINT)))\n\n"
+        "if __name__ == '__main__':\n"
+        "    threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+        "    loader = pack.data.aioloader.DataLoader(pack.Squares(), batch_size=2, num_workers=1)\n"
+        "    print([b.tolist() for b in loader], loader.statistics().workers.server)\n"
+        "    context = multiprocessing.get_context('forkserver')  # the application's own\n"
+        "    queue = context.Queue()\n"
+        "    child = context.Process(target=handler, args=(queue,))\n"
+        "    child.start()\n    print(queue.get())\n    child.join()\n"
+    ),
+}
+
+
+def test_a_half_imported_packages_submodules_are_imported_again_and_ctrl_c_is_kept(
+    tmp_path: Path,
+) -> None:
+    """Found by review: a submodule imported whole before the fork held the half-built package
+    (its late attributes missing in the workers); and the application's own forkserver children
+    ignored Ctrl-C, the handler the standby had while it waited."""
+    for name, text in PACKAGE.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    done = subprocess.run(
+        [sys.executable, "main.py"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    expected = "[[0, 10], [20, 30]] standby\n<built-in function default_int_handler>\n"
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
+
+
+THREADS_AT_IMPORT = """
+import threading, torch.utils.data, aioloader
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        return i
+
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # at the top level
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
+    assert [b.tolist() for b in loader] == [[0, 1]]
+    print(loader.statistics().workers.server, "|", loader.statistics().workers.server_why)
+"""
+
+
+def test_a_standby_left_unsafe_by_the_main_module_refuses_and_says_why(tmp_path: Path) -> None:
+    (tmp_path / "threads.py").write_text(textwrap.dedent(THREADS_AT_IMPORT))
+    done = subprocess.run(
+        [sys.executable, "threads.py"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "")
+    how, why = done.stdout.strip().split(" | ")
+    assert how == "interpreter"
+    assert why == (
+        "this process had 2 Python threads; the standby server could not serve: running the "
+        "main module again, this process had 2 Python threads"
+    )
