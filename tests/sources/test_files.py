@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import anyio
 import pytest
 
 import aioloader
+import aioloader._base.recent
+import aioloader._workers.offload
 from aioloader._base.recent import Recent
 from aioloader.sources import FileDataset, files
 
@@ -354,13 +357,17 @@ async def test_cached_slices_are_read_here_and_slow_ones_on_the_threads(tmp_path
         assert where[-2:] == [loop, where[-1]] and where[-1] != loop
 
 
-async def test_fast_slices_are_timed_alone_and_come_back_inline(tmp_path: Path) -> None:
+async def test_fast_slices_are_timed_alone_and_come_back_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Found by the overhead benchmark: cached files read on several threads at once took up to
     ten times as long as inline (each thread waiting for the GIL at the others' system calls),
     so the slices, timed there, stayed there for good (37 us a file where a plain loop read 9).
     Slices that may be fast are read one at a time on the threads: timed alone, they come back
-    here. Here a read on a thread is slow only while another read runs on a thread."""
+    here. Here a read takes 0.1 ms, or 4 ms while another read runs on a thread, on a clock of
+    the test's (a loaded machine's would stretch any read past the millisecond called slow)."""
     make_tree(tmp_path, [f"{i}.bin" for i in range(8)])
+    clock = VirtualClock(monkeypatch)
     loop, here, running, crowded = threading.get_ident(), [], [0], [0]
     lock = threading.Lock()
 
@@ -370,13 +377,11 @@ async def test_fast_slices_are_timed_alone_and_come_back_inline(tmp_path: Path) 
             with lock:
                 running[0] += 1
             try:
-                # A fast read (no sleep: on a loaded machine even 0.5 ms of sleep may last past
-                # the millisecond that is called slow), slowed only by another thread's read.
+                time.sleep(0.0005)  # long enough, in real time, for reads beside it to overlap
                 with lock:
                     slowed = running[0] > 1
-                if slowed:
-                    crowded[0] += 1
-                    time.sleep(0.004)
+                crowded[0] += slowed
+                clock.spend(0.004 if slowed else 0.0001)
                 return super()._read_many(items)
             finally:
                 with lock:
@@ -392,6 +397,23 @@ async def test_fast_slices_are_timed_alone_and_come_back_inline(tmp_path: Path) 
         assert all(here[1:]), here  # read here since
         assert crowded == [0]
     assert files_threads() == []
+
+
+class VirtualClock:
+    """The placement's clock (``time.perf_counter`` where its calls are timed), a thread's own
+    and moved only by :meth:`spend`: a call takes what the test says it takes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._local = threading.local()
+        timing = types.SimpleNamespace(perf_counter=self.perf_counter)
+        monkeypatch.setattr(aioloader._base.recent, "time", timing)
+        monkeypatch.setattr(aioloader._workers.offload, "time", timing)
+
+    def perf_counter(self) -> float:
+        return float(getattr(self._local, "now", 0.0))
+
+    def spend(self, seconds: float) -> None:
+        self._local.now = self.perf_counter() + seconds
 
 
 class Pinned(Recent):
