@@ -96,6 +96,17 @@ def probe(tmp_path: Path, *modes: str, standby: bool = True) -> dict[str, Any]:
     return result
 
 
+def run_script(folder: Path, files: dict[str, str], main: str) -> subprocess.CompletedProcess[str]:
+    """Write ``files`` (dedented) into ``folder`` and run ``main`` there, as a user's script."""
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(textwrap.dedent(text))
+    return subprocess.run(
+        [sys.executable, main],
+        capture_output=True, text=True, timeout=60, check=False, cwd=folder,
+    )  # fmt: skip
+
+
 def test_the_server_is_a_fork_of_a_single_threaded_process(tmp_path: Path) -> None:
     got = probe(tmp_path, "alone")
     assert got["workers"] == 2 and got["workers_children_of_server"]
@@ -162,12 +173,7 @@ if __name__ == "__main__":
 def test_the_standby_imports_again_what_was_half_imported_when_it_was_forked(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "library.py").write_text(textwrap.dedent(LIBRARY))
-    (tmp_path / "script.py").write_text(textwrap.dedent(SCRIPT))
-    done = subprocess.run(
-        [sys.executable, "script.py"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = run_script(tmp_path, {"library.py": LIBRARY, "script.py": SCRIPT}, "script.py")
     assert (done.returncode, done.stderr, done.stdout) == (0, "", "2 standby\n")
 
 
@@ -199,11 +205,7 @@ if __name__ == "__main__":
 
 
 def test_a_forked_child_leaves_its_parents_standby_alone(tmp_path: Path) -> None:
-    (tmp_path / "forks.py").write_text(textwrap.dedent(FORKS))
-    done = subprocess.run(
-        [sys.executable, "forks.py"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = run_script(tmp_path, {"forks.py": FORKS}, "forks.py")
     # The child has no standby of its own (it was forked after it), the parent keeps its own.
     expected = "child True interpreter\nparent True standby\n"
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
@@ -231,11 +233,7 @@ if __name__ == "__main__":
 
 
 def test_imported_after_a_thread_started_the_fallback_says_so(tmp_path: Path) -> None:
-    (tmp_path / "late.py").write_text(textwrap.dedent(LATE))
-    done = subprocess.run(
-        [sys.executable, "late.py"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = run_script(tmp_path, {"late.py": LATE}, "late.py")
     why = "this process had 2 Python threads"
     expected = f"interpreter | {why}; no standby: when aioloader was imported, {why}\n"
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
@@ -283,13 +281,7 @@ def test_a_half_imported_packages_submodules_are_imported_again_and_ctrl_c_is_ke
     """Found by review: a submodule imported whole before the fork held the half-built package
     (its late attributes missing in the workers); and the application's own forkserver children
     ignored Ctrl-C, the handler the standby had while it waited."""
-    for name, text in PACKAGE.items():
-        (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_text(text)
-    done = subprocess.run(
-        [sys.executable, "main.py"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = run_script(tmp_path, PACKAGE, "main.py")
     expected = "[[0, 10], [20, 30]] standby\n<built-in function default_int_handler>\n"
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
 
@@ -313,11 +305,7 @@ if __name__ == "__main__":
 
 
 def test_a_standby_left_unsafe_by_the_main_module_refuses_and_says_why(tmp_path: Path) -> None:
-    (tmp_path / "threads.py").write_text(textwrap.dedent(THREADS_AT_IMPORT))
-    done = subprocess.run(
-        [sys.executable, "threads.py"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = run_script(tmp_path, {"threads.py": THREADS_AT_IMPORT}, "threads.py")
     assert (done.returncode, done.stderr) == (0, "")
     how, why = done.stdout.strip().split(" | ")
     assert how == "interpreter"
