@@ -9,7 +9,10 @@ batch_size=32, num_workers=2)`` (``persistent_workers=True`` in the ``-persisten
 3 epochs of a plain ``for batch in loader:`` at module level, checks that every epoch delivered
 each index exactly once (else it exits non-zero), prints its timestamps as one JSON line, and
 ends. torch uses its default context (fork
-on Linux), aioloader its own (spawn).
+on Linux), aioloader its own (forkserver). ``--metrics-thread`` starts a daemon thread in the
+script before its loader, as a metrics or logging thread does: the process is then no longer
+safe to fork, and aioloader's workers come from its standby fork server (or, without one, the
+stdlib's fresh interpreter).
 
 Configurations: ``torch-nw2``, ``torch-nw2-persistent``, ``aio-nw2``, ``aio-nw2-persistent``;
 each is run ``--runs`` times (default 3), the configurations interleaved, every run in a fresh
@@ -128,7 +131,7 @@ class CheapDataset(torch.utils.data.Dataset):
 
 
 if __name__ == "__main__":
-    ready = time.time()
+{thread}    ready = time.time()
     loader = DataLoader(CheapDataset(), batch_size={batch_size}, num_workers=2{persistent})
 {body}
 """
@@ -149,8 +152,17 @@ EXIT_BODY = """\
     next(it)"""
 
 
-def script_text(loader: str, persistent: bool, body: str) -> str:
+# --metrics-thread: what a training script often has before its loader (a metrics or logging
+# thread; an earlier loader's loop): the process is no longer safe to fork.
+METRICS_THREAD = """\
+    import threading
+    threading.Thread(target=threading.Event().wait, name="metrics", daemon=True).start()
+"""
+
+
+def script_text(loader: str, persistent: bool, body: str, thread: bool = False) -> str:
     return SCRIPT.format(
+        thread=METRICS_THREAD if thread else "",
         import_line=LOADER_IMPORTS[loader],
         items=ITEMS,
         batch_size=BATCH_SIZE,
@@ -400,6 +412,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=5,
         help="runs of the exit check per configuration (0: skip it)",
     )
+    parser.add_argument(
+        "--metrics-thread",
+        action="store_true",
+        help="start a daemon thread in the script before its loader (as a metrics thread does)",
+    )
     args = parser.parse_args(argv)
     if args.runs <= 0 or args.timeout <= 0 or args.exit_timeout <= 0 or args.exit_runs < 0:
         parser.error("--runs, --timeout and --exit-timeout must be positive, --exit-runs >= 0")
@@ -446,7 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for config in configs:
             path = Path(tmp) / config.name / "script.py"
             path.parent.mkdir()
-            path.write_text(script_text(config.loader, config.persistent, RUN_BODY))
+            path.write_text(
+                script_text(config.loader, config.persistent, RUN_BODY, args.metrics_thread)
+            )
         for k in range(args.runs):
             for config in configs:
                 run = run_script(Path(tmp) / config.name / "script.py", args.timeout)
@@ -473,7 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = [ExitRow(c.name, []) for c in configs]
             for config in configs:
                 path = Path(tmp) / config.name / "exit.py"
-                path.write_text(script_text(config.loader, config.persistent, EXIT_BODY))
+                path.write_text(
+                    script_text(config.loader, config.persistent, EXIT_BODY, args.metrics_thread)
+                )
             for k in range(args.exit_runs):
                 for config, (_, runs) in zip(configs, rows, strict=True):
                     run = run_script(Path(tmp) / config.name / "exit.py", args.exit_timeout)
