@@ -120,7 +120,6 @@ LONG_FILES = {
     "aioloader/_loader/loader.py": "torch's DataLoader surface: its signature and docstring",
     "aioloader/sources/_http.py": "one transport: sessions, retries, redirects, errors",
     "aioloader/_serving/batcher.py": "DynamicBatcher's public surface and its docstrings",
-    "aioloader/_base/stats.py": "the statistics' public dataclasses and their recorders",
     "aioloader/sources/_tar.py": "tar_shards' public surface, its options and epoch plan",
     "aioloader/sources/_tarfmt.py": "one file format's parser, pure and synchronous",
     # aioloader bench's workloads, moved whole from their scripts (each a workload's data, its

@@ -22,8 +22,9 @@ import anyio
 import torch
 
 from .._base.exceptions import LoaderStateError
+from .._base.recorders import Recorders
 from .._base.retry import RetryPolicy
-from .._base.stats import LoaderStatistics, Recorders
+from .._base.stats import LoaderStatistics
 from .._base.verdict import verdict
 from .._data.epochs import claim_epochs
 from .._data.source import InWorkers, dataset_length

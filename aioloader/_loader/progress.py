@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .._base.progress import Progress
 
 if TYPE_CHECKING:
-    from .._base.stats import ConsumerRecorder
+    from .._base.recorders import ConsumerRecorder
     from .checkpoint import Progress as Record
     from .plan import LoaderPlan
 

@@ -30,7 +30,7 @@ from .checkpoint import Progress
 from .progress import EpochProgress
 
 if TYPE_CHECKING:
-    from .._base.stats import Recorders
+    from .._base.recorders import Recorders
     from .plan import LoaderPlan
 
 __all__ = ["LoaderState", "Running", "Scope"]

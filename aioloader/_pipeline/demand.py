@@ -48,7 +48,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from .._base.exceptions import annotate
-from .._base.stats import Recorders
+from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
 from .._data.source import MapSource
 from .._workers.job import collate_only, run_batch

@@ -44,7 +44,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._base.exceptions import WorkerCrashed, annotate, first_leaf
-from .._base.stats import Recorders
+from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
 from .._data.seeds import derive_seed
 from .._data.sharding import StreamShare

@@ -19,8 +19,8 @@ import anyio
 
 from .._base.exceptions import annotate
 from .._base.recent import Recent
+from .._base.recorders import Recorders, StageRecorder
 from .._base.retry import RetryPolicy
-from .._base.stats import Recorders, StageRecorder
 from .._workers.offload import INLINE_BELOW_S
 
 __all__ = ["Attempts", "FailureBudget", "Pace"]

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._base.stats import StageRecorder
+from .._base.recorders import StageRecorder
 
 __all__ = ["ByteBudget", "blocked", "get", "nbytes_of", "nbytes_of_all", "put"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .._base.stats import Recorders
+from .._base.recorders import Recorders
 from .._data.source import MapSource
 from .fetch import Attempts, FailureBudget, Pace
 from .flow import ByteBudget, nbytes_of, nbytes_of_all

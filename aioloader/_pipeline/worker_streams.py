@@ -21,7 +21,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from .._base.exceptions import WorkerCrashed
-from .._base.stats import Operation, Recorders
+from .._base.recorders import Operation, Recorders
 from .._data.seeds import derive_seed
 from .._data.sharding import StreamShare
 from .._workers.job import JobResult, close_stream, next_stream_batch, open_stream

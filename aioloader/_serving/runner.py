@@ -20,7 +20,7 @@ from typing import Any
 
 from .._base.checks import check_picklable
 from .._base.exceptions import annotate
-from .._base.stats import WorkerRecorder
+from .._base.recorders import WorkerRecorder
 from .._data.seeds import derive_seed
 from .._device.accelerator import resolve_device
 from .._device.stage import DevicePlan, DeviceStage, device_plan, hand_out

@@ -11,7 +11,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from .._base.stats import LatencySummary, WorkerRecorder, WorkerStatistics, format_ms
+from .._base.recorders import WorkerRecorder
+from .._base.stats import LatencySummary, WorkerStatistics, format_ms
 from .policy import PendingQueue
 
 __all__ = ["BatcherRecorder", "BatcherStatistics"]

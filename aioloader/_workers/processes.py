@@ -34,7 +34,7 @@ import anyio
 import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory reductions
 
 from .._base.exceptions import WorkerCrashed, first_leaf
-from .._base.stats import WorkerRecorder
+from .._base.recorders import WorkerRecorder
 from .serverstart import prepare_forkserver, server_start
 from .worker import worker_main
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 import aioloader
-from aioloader._base.stats import StageRecorder
+from aioloader._base.recorders import StageRecorder
 
 
 def recorder() -> StageRecorder:

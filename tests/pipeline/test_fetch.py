@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 import aioloader
-from aioloader._base.stats import Recorders
+from aioloader._base.recorders import Recorders
 from aioloader._pipeline.fetch import Attempts, FailureBudget, Pace
 
 
