@@ -97,7 +97,8 @@ class DynamicBatcher:
 
     A batch is cut as soon as ``max_batch_size`` requests wait (or the next would pass
     ``max_batch_cost``), or once the oldest has waited ``max_delay``; then its size is the
-    largest of ``preferred_batch_sizes`` that fits, else everything that fits. While
+    largest of ``preferred_batch_sizes`` that fits, else everything that fits. Requests ready
+    in the loop turn the delay ends in still join (the cut waits one turn, no more). While
     ``max_concurrent_batches`` batches run, requests accumulate, so under load batches grow by
     themselves. A batch is collated (``collate_fn``), passed to ``model_fn``, and the output
     split back per request (``split_fn``).
@@ -444,14 +445,24 @@ class DynamicBatcher:
             await self._run(requests)
 
     async def _next_batch(self) -> list[_Request] | None:
-        """Wait until the policy cuts a batch and take it; None once closing with none left."""
+        """Wait until the policy cuts a batch and take it; None once closing with none left.
+
+        A batch cut because its oldest request's ``max_delay`` is up (not because it is full)
+        is cut one loop turn later: requests whose ``submit`` is ready in the turn the delay
+        ends in (woken by the same poll as the timer) join it instead of starting the next,
+        smaller batch. One turn, once per batch: the wait is not extended further."""
         queue, policy = self._queue, self.policy
         fired = -math.inf  # the last deadline whose timer fired: it is due, whatever the clock
+        turned = False  # this batch's one extra loop turn is taken
         while True:
             now = max(self._clock(), fired)
             closing = self._state != "open"
             decision = policy.choose(queue, now, flush=closing)
             if decision.size:
+                if not (turned or closing or queue.next_batch(decision.bucket)[1]):
+                    turned = True
+                    await asyncio.sleep(0)  # what is ready this turn runs before the cut
+                    continue
                 requests, expired = queue.take(decision.size, now, decision.bucket)
                 for request in expired:  # its caller's own deadline is about to fire too
                     request.state = _GONE

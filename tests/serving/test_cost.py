@@ -3,6 +3,7 @@ Hypothesis), then the batcher, driven by gates and the loop's own order, never b
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -289,3 +290,43 @@ async def test_max_delay_cuts_every_bucket_not_only_the_oldest() -> None:
     s = batcher.statistics()
     assert s.batch_sizes == ((2, 2), (3, 1)) and s.queue_wait.max == 0.0
     check_accounts(batcher)
+
+
+async def test_requests_ready_in_the_turn_the_delay_ends_join_the_batch() -> None:
+    """With ``max_delay=0`` every batch is cut by the delay. Request 1 wakes the runner; 2
+    becomes ready in the same loop turn, after the runner's wake-up; 3 one turn later. 2 joins
+    1's batch, 3 does not: the cut waits one turn, no more."""
+    model = Gated(open_=True)
+    batcher = lists(model, max_batch_size=8)
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[Any]] = []
+
+    def later(item: int, turns: int) -> None:
+        if turns:
+            loop.call_soon(later, item, turns - 1)
+        else:
+            tasks.append(loop.create_task(batcher.submit(item)))
+
+    async with batcher:
+        await settle()
+        tasks.append(loop.create_task(batcher.submit(1)))
+        loop.call_soon(later, 2, 0)
+        loop.call_soon(later, 3, 1)
+        await asyncio.gather(*tasks[:1])
+        await settle()
+        await asyncio.gather(*tasks)
+    assert model.batches == [[1, 2], [3]]
+
+
+async def test_a_full_batch_is_cut_at_once_without_the_extra_turn() -> None:
+    model = Gated(open_=True)
+    batcher = lists(model, max_batch_size=1)
+    loop = asyncio.get_running_loop()
+    async with batcher:
+        await settle()
+        first = loop.create_task(batcher.submit(1))
+        second: list[asyncio.Task[Any]] = []
+        loop.call_soon(lambda: second.append(loop.create_task(batcher.submit(2))))
+        await first
+        await second[0]
+    assert model.batches == [[1], [2]]
