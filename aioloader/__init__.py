@@ -34,6 +34,7 @@ from ._fanin.parts import interleave as interleave
 from ._loader.loader import DataLoader as DataLoader
 from ._loader.merging import merge_states as merge_states
 from ._serving.batcher import DynamicBatcher as DynamicBatcher
+from ._serving.stats import BatchCostStatistics as BatchCostStatistics
 from ._serving.stats import BatcherStatistics as BatcherStatistics
 from ._workers.standby import fork_standby as _fork_standby
 from ._workers.worker import WorkerInfo as WorkerInfo
@@ -55,6 +56,7 @@ __all__ = [
     "AioLoaderError",
     "AsyncDataset",
     "AsyncIterableDataset",
+    "BatchCostStatistics",
     "BatchSampler",
     "BatcherStatistics",
     "ConsumerStatistics",

@@ -1,6 +1,7 @@
 """Benchmarks: ``aioloader bench``'s workloads and the harness they share.
 
-Owns: the workloads (``remote``, ``streams``, ``overhead``, ``cpu``, ``gpu``, ``serving``: each a
+Owns: the workloads (``remote``, ``streams``, ``overhead``, ``cpu``, ``gpu``, ``serving``,
+``serving_cost``, with ``serving_ray`` for Ray Serve where it is installed: each a
 module whose ``main`` runs it and prints its own tables, as ``benchmarks/bench_*.py`` does), the
 measuring they share (``harness``: a configuration in a child of its own, its memory and CPU
 sampled from outside; the exactly-once checks), the suite that runs them for the command

@@ -24,6 +24,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("threads", "thread pool"),
     ("serial", "one model call a request"),
     ("naive", "hand-written batching"),
+    ("ray", "Ray Serve @serve.batch"),
 )
 OURS = "aioloader"
 

@@ -11,6 +11,9 @@ does not share its event loop or GIL) answers ``POST /predict``: a body of 512 f
   (what a naive server with one model instance does).
 * ``(c) naive batch``: a loop that sleeps ``max_delay`` (5 ms), then runs the model once on
   everything that arrived meanwhile (no size bound, no deadline), on one thread.
+* ``(d) ray batch``, where Ray is installed: Ray Serve's ``@serve.batch`` with the same
+  ``max_batch_size`` and ``max_delay`` as its ``batch_wait_timeout_s``, the model on one
+  thread (``_bench/serving_ray.py``). ``--modes`` picks servers.
 
 The model (``--model``):
 
@@ -69,7 +72,8 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -87,12 +91,15 @@ from aioloader._bench.harness import (
     quick_defaults,
     report,
 )
+from aioloader._bench.serving_ray import available, ray_batched
 
 FEATURES = 512
 MAX_BATCH, MAX_DELAY = 32, 0.005
 GPU_FIXED_S, GPU_PER_ROW_S = 0.004, 0.0001
 SWITCH_INTERVAL_S = 0.0005
 MODES = {"batcher": "(a) batcher", "serial": "(b) per-request", "naive": "(c) naive batch"}
+if available():
+    MODES["ray"] = "(d) ray batch"
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,30 +153,35 @@ class Server:
     def __init__(self, mode: str, model: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.mode = mode
         self.model = model
-        self.batches = 0
-        self.rows = 0
+        self.sizes: Counter[int] = Counter()  # batches by size
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.lock = asyncio.Lock()
         self.pending: list[tuple[torch.Tensor, asyncio.Future[torch.Tensor]]] = []
         self.batcher = DynamicBatcher(
             model, max_batch_size=MAX_BATCH, max_delay=MAX_DELAY, max_queue=1024
         )
+        self.ray: Callable[[torch.Tensor], Awaitable[torch.Tensor]] | None = None
+        if mode == "ray":
+            self.ray = ray_batched(
+                model, self.thread, max_batch_size=MAX_BATCH, max_delay=MAX_DELAY, sizes=self.sizes
+            )
 
-    def counters(self) -> tuple[int, int]:
+    def counters(self) -> dict[int, int]:
+        """Batches so far, by size."""
         if self.mode == "batcher":
-            s = self.batcher.statistics()
-            return s.batches, sum(size * n for size, n in s.batch_sizes)
-        return self.batches, self.rows
+            return dict(self.batcher.statistics().batch_sizes)
+        return dict(self.sizes)
 
     async def predict(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "batcher":
             out: torch.Tensor = await self.batcher.submit(x)
             return out
+        if self.ray is not None:
+            return await self.ray(x)
         loop = asyncio.get_running_loop()
         if self.mode == "serial":
             async with self.lock:
-                self.batches += 1
-                self.rows += 1
+                self.sizes[1] += 1
                 return (await loop.run_in_executor(self.thread, self.model, x[None]))[0]
         future: asyncio.Future[torch.Tensor] = loop.create_future()
         self.pending.append((x, future))
@@ -184,8 +196,7 @@ class Server:
             taken = [(x, f) for x, f in taken if not f.done()]
             if not taken:
                 continue
-            self.batches += 1
-            self.rows += len(taken)
+            self.sizes[len(taken)] += 1
             out = await loop.run_in_executor(
                 self.thread, self.model, torch.stack([x for x, _ in taken])
             )
@@ -227,11 +238,11 @@ async def serve(mode: str, model_kind: str) -> None:
 
     async def wait_idle(request: web.Request) -> web.Response:
         await idle.wait()
-        batches, rows = server.counters()
+        sizes = server.counters()
         ordered = sorted(handled)
         handled.clear()
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else math.nan
-        return web.json_response({"batches": batches, "rows": rows, "p99": p99})
+        return web.json_response({"sizes": sizes, "p99": p99})
 
     app = web.Application(client_max_size=1 << 20)
     app.add_routes([web.post("/predict", predict), web.post("/idle", wait_idle)])
@@ -291,8 +302,7 @@ class Level:
     failed: int
     span_s: float
     latencies: list[float]  # successful ones, seconds
-    batches: int
-    rows: int
+    sizes: dict[int, int]  # the model's batches over the level, by size
     other_cpu: float
     server_p99: float  # inside the server's handler: no HTTP, no client
     server_cpu_s: float | None = None  # the server process's, over the level
@@ -308,8 +318,24 @@ class Level:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
     @property
+    def batches(self) -> int:
+        return sum(self.sizes.values())
+
+    @property
     def mean_batch(self) -> float:
-        return self.rows / self.batches if self.batches else 0.0
+        rows = sum(size * n for size, n in self.sizes.items())
+        return rows / self.batches if self.batches else 0.0
+
+    def size_shares(self) -> list[float]:
+        """The share of batches in each of ``SIZE_BINS``."""
+        total = self.batches or 1
+        return [
+            sum(n for size, n in self.sizes.items() if lo <= size <= hi) / total
+            for lo, hi in SIZE_BINS
+        ]
+
+
+SIZE_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 32))
 
 
 class _Connection(asyncio.Protocol):
@@ -451,15 +477,15 @@ class Remote:
             raise
         return cls(mode, proc, hello)
 
-    async def counters(self) -> tuple[int, int, float]:
-        """(batches, rows) the model ran so far, once no handler runs, and the p99 of the
+    async def counters(self) -> tuple[Counter[int], float]:
+        """The model's batches so far by size, once no handler runs, and the p99 of the
         handlers' times since the last call."""
         _, body = await self.client.post("/idle", b"", 60)
         c = json.loads(body)
-        return c["batches"], c["rows"], c["p99"]
+        return Counter({int(k): v for k, v in c["sizes"].items()}), c["p99"]
 
     async def level(self, rate: float, args: argparse.Namespace) -> Level:
-        b0, r0, _ = await self.counters()
+        sizes0, _ = await self.counters()
         n = max(20, round(rate * args.window))
         cpu = CpuShare(self.proc.pid)
         pid = self.proc.pid
@@ -468,10 +494,10 @@ class Remote:
                 self.client, rate, n, args.request_timeout, seed=int(rate)
             )
         other = cpu.other()
-        b1, r1, p99 = await self.counters()
+        sizes1, p99 = await self.counters()
         print(f"  {MODES[self.mode]:<16} {rate:>6.0f}/s: {ok}/{n} ok", flush=True)
         return Level(
-            self.mode, rate, n, ok, failed, span, lats, b1 - b0, r1 - r0, other, p99,
+            self.mode, rate, n, ok, failed, span, lats, dict(sizes1 - sizes0), other, p99,
             server.cpu_s, server.peak_pss_mib,
         )  # fmt: skip
 
@@ -483,15 +509,15 @@ class Remote:
 
 
 async def measure(args: argparse.Namespace) -> tuple[dict[str, list[Level]], dict[int, float]]:
-    """Start the three servers, then measure each rate on each in turn (so a burst of CPU use
-    by other processes is spread over the servers rather than spoiling one)."""
+    """Start the servers, then measure each rate on each in turn (so a burst of CPU use by
+    other processes is spread over the servers rather than spoiling one)."""
     remotes: list[Remote] = []
     try:
-        for mode in MODES:
+        for mode in args.modes:
             remotes.append(await Remote.start(mode, args.model))
         for remote in remotes:
             await drive(remote.client, 50, 25, args.request_timeout, seed=99)  # warm up
-        results: dict[str, list[Level]] = {mode: [] for mode in MODES}
+        results: dict[str, list[Level]] = {mode: [] for mode in args.modes}
         for rate in args.rates:
             for remote in remotes:
                 results[remote.mode].append(await remote.level(rate, args))
@@ -515,8 +541,8 @@ def summarize(results: dict[str, list[Level]], times: dict[int, float], args: An
     head = f"{'offered/s':>9}  {'server':<16}{'done/s':>8}{'x(b)':>7}{'p50 ms':>9}{'p99 ms':>9}"
     print(head + f"{'srv p99':>9}{'fail':>6}{'batch':>7}{'other CPU':>11}")
     for i, rate in enumerate(args.rates):
-        base = results["serial"][i].done_per_s
-        for mode in MODES:
+        base = results["serial"][i].done_per_s if "serial" in results else 0.0
+        for mode in results:
             lv = results[mode][i]
             relative = f"{lv.done_per_s / base:.2f}" if base else "-"
             print(
@@ -524,9 +550,18 @@ def summarize(results: dict[str, list[Level]], times: dict[int, float], args: An
                 f"{ms(lv.percentile(0.5), t):>9}{ms(lv.percentile(0.99), t):>9}"
                 f"{ms(lv.server_p99, t):>9}{lv.failed:>6}{lv.mean_batch:>7.1f}{lv.other_cpu:>11.0%}"
             )
+    bins = "".join(f"{f'{lo}-{hi}' if lo < hi else lo:>7}" for lo, hi in SIZE_BINS)
+    print(
+        f"\nbatch sizes (share of model calls):\n{'offered/s':>9}  {'server':<16}{'calls':>7}{bins}"
+    )
+    for i, rate in enumerate(args.rates):
+        for mode in results:
+            lv = results[mode][i]
+            shares = "".join(f"{share:>7.0%}" for share in lv.size_shares())
+            print(f"{rate:>9.0f}  {MODES[mode]:<16}{lv.batches:>7}{shares}")
     bound = MAX_DELAY + times[32] + 0.005
     verdicts = []
-    for i, rate in enumerate(args.rates):
+    for i, rate in enumerate(args.rates if {"serial", "batcher"} <= results.keys() else ()):
         b, a = results["serial"][i], results["batcher"][i]
         if b.done_per_s >= 0.9 * rate:
             continue
@@ -572,6 +607,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=float, help="seconds of arrivals per rate")
     parser.add_argument("--request-timeout", type=float, default=3.0)
     parser.add_argument("--serve", choices=tuple(MODES), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--modes", nargs="+", choices=tuple(MODES), default=list(MODES), help="servers to run"
+    )
     args = parser.parse_args(argv)
     quick_defaults(args, rates=([150, 600], [100, 300, 600, 900]), window=(0.5, 3.0))
     return args

@@ -139,6 +139,17 @@ WORKLOADS: tuple[Workload, ...] = (
             "PSS the server process's"
         },
     ),
+    Workload(
+        "serving-cost",
+        "serving_cost",
+        ("--quick",),
+        (),
+        {
+            "serving-cost": "dynamic batching by cost: requests of long-tailed lengths (90% "
+            "short, 10% up to 50x longer), a model whose time is its padded cost; by count, "
+            "by cost, by cost within length buckets; config@rate, samples/s = requests served/s"
+        },
+    ),
 )
 
 

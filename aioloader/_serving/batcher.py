@@ -18,7 +18,7 @@ import enum
 import math
 import multiprocessing.context
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from types import TracebackType
 from typing import Any, Final, Literal
 
@@ -29,13 +29,8 @@ import torch
 from .._base.exceptions import LoaderStateError, Overloaded, annotate
 from .._data.collate import default_collate
 from .._workers.processes import start_method_of
-from .policy import (
-    BatchPolicy,
-    PendingQueue,
-    check_arguments,
-    check_timeout,
-    default_split,
-)
+from .pending import BatchLimits, PendingQueue, bucket_of, cost_of
+from .policy import BatchPolicy, check_arguments, check_timeout, default_split
 from .runner import BatchRunner, device_plan_of
 from .stats import BatcherRecorder, BatcherStatistics
 
@@ -62,15 +57,23 @@ class _Request:
     batch gets the same exception object, one caller's frames don't pile onto another's.
     """
 
-    __slots__ = ("deadline", "enqueued_at", "future", "item", "state", "timer")
+    __slots__ = ("bucket", "cost", "deadline", "enqueued_at", "future", "item", "state", "timer")
 
     def __init__(
-        self, item: Any, enqueued_at: float, deadline: float, future: asyncio.Future[Any]
+        self,
+        item: Any,
+        enqueued_at: float,
+        deadline: float,
+        future: asyncio.Future[Any],
+        cost: float,
+        bucket: Hashable,
     ) -> None:
         self.item = item
         self.enqueued_at = enqueued_at
         self.deadline = deadline
         self.future = future
+        self.cost = cost
+        self.bucket = bucket
         self.state = _WAITING
         self.timer: asyncio.TimerHandle | None = None
 
@@ -92,11 +95,26 @@ class DynamicBatcher:
         async with DynamicBatcher(model, max_batch_size=32, max_delay=0.005) as batcher:
             result = await batcher.submit(sample)   # from many concurrent request handlers
 
-    A batch is cut as soon as ``max_batch_size`` requests wait, or once the oldest has waited
-    ``max_delay``; then its size is the largest of ``preferred_batch_sizes`` that fits, else
-    everything waiting. While ``max_concurrent_batches`` batches run, requests accumulate, so
-    under load batches grow by themselves. A batch is collated (``collate_fn``), passed to
-    ``model_fn``, and the output split back per request (``split_fn``).
+    A batch is cut as soon as ``max_batch_size`` requests wait (or the next would pass
+    ``max_batch_cost``), or once the oldest has waited ``max_delay``; then its size is the
+    largest of ``preferred_batch_sizes`` that fits, else everything that fits. Requests ready
+    in the loop turn the delay ends in still join (the cut waits one turn, no more). While
+    ``max_concurrent_batches`` batches run, requests accumulate, so under load batches grow by
+    themselves. A batch is collated (``collate_fn``), passed to ``model_fn``, and the output
+    split back per request (``split_fn``).
+
+    Batching by cost (text, embeddings: a batch's price is its tokens, not its count)::
+
+        DynamicBatcher(model, max_batch_size=64, max_batch_cost=8192, cost_fn=len,
+                       padded_cost=True, bucket_fn=lambda x: (len(x) - 1).bit_length())
+
+    A batch takes waiting requests oldest first while its cost stays within ``max_batch_cost``
+    (the sum of ``cost_fn`` over its requests, or with ``padded_cost=True`` its size times its
+    largest request's cost). A request whose own cost is over ``max_batch_cost`` is not
+    refused: it runs in a batch of its own (counted in ``statistics().cost.over_limit``). With
+    ``bucket_fn`` a batch takes requests of one bucket only (e.g. lengths within a power of two,
+    so a padded batch pads little); the oldest request's bucket goes first, and ``max_delay``
+    still bounds every request's wait for its batch to be cut.
 
     Failures: an exception from ``collate_fn``, ``model_fn`` or ``split_fn`` (or a split
     giving the wrong number of outputs) goes to every caller of that batch, with a note naming
@@ -114,8 +132,11 @@ class DynamicBatcher:
 
     Args:
         model_fn: Called with a collated batch; returns the batch's output. A plain function
-            runs in one of the batcher's threads (off the event loop); an ``async def``
-            function (or an object with an ``async def __call__``) is awaited on the loop.
+            runs in one of the batcher's threads (off the event loop), except that with one
+            batch at a time and no ``device``, while its calls have been taking under 1 ms
+            (by ``clock``), it is called on the loop: a thread hop costs more than that. An
+            ``async def`` function (or an object with an ``async def __call__``) is awaited
+            on the loop.
         max_batch_size: The most requests in one batch.
         max_delay: Seconds the oldest waiting request may wait for others to join its batch.
         max_queue: The most requests that may wait for a batch; a submission beyond it is
@@ -146,12 +167,20 @@ class DynamicBatcher:
         device_transform: Applied to the batch on the device, on the side stream, after the
             copy (e.g. uint8 to normalised float).
         clock: The clock for queue times, deadlines and statistics (seconds, monotonic).
+        cost_fn: ``cost_fn(item)`` is one request's cost (tokens, pixels): a number >= 0,
+            called once in ``submit``. Alone it only fills ``statistics().cost``.
+        max_batch_cost: The most cost in one batch (needs ``cost_fn``; None: no limit).
+        padded_cost: A batch costs its size times its largest request's cost (what a model
+            that pads pays), not the sum (needs ``cost_fn``).
+        bucket_fn: ``bucket_fn(item)`` is a hashable key, called once in ``submit``; a batch
+            holds requests of one key only.
 
     Raises:
-        ValueError: An argument is out of range or unknown (the message names it), or
-            ``device`` names CUDA while CUDA is not available.
-        TypeError: A function argument is not callable, or ``collate_fn`` does not pickle
-            while ``num_workers > 0``.
+        ValueError: An argument is out of range or unknown (the message names it),
+            ``max_batch_cost`` or ``padded_cost`` is given without ``cost_fn``, or ``device``
+            names CUDA while CUDA is not available.
+        TypeError: A function argument is not callable, ``max_batch_cost`` is not a number,
+            or ``collate_fn`` does not pickle while ``num_workers > 0``.
     """
 
     def __init__(
@@ -174,6 +203,10 @@ class DynamicBatcher:
         pin_memory: bool = False,
         device_transform: Callable[[Any], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cost_fn: Callable[[Any], float] | None = None,
+        max_batch_cost: float | None = None,
+        padded_cost: bool = False,
+        bucket_fn: Callable[[Any], Hashable] | None = None,
     ) -> None:
         self.policy = BatchPolicy(max_batch_size, max_delay, tuple(preferred_batch_sizes))
         start_method = start_method_of(multiprocessing_context)  # the loader's rule: never fork
@@ -188,7 +221,14 @@ class DynamicBatcher:
             num_workers=num_workers,
             on_exit=on_exit,
             clock=clock,
+            cost_fn=cost_fn,
+            bucket_fn=bucket_fn,
+            max_batch_cost=max_batch_cost,
+            padded_cost=padded_cost,
         )
+        self.limits = BatchLimits(max_batch_size, max_batch_cost, padded_cost)
+        self.cost_fn = cost_fn
+        self.bucket_fn = bucket_fn
         self.max_queue = max_queue
         self.max_concurrent_batches = max_concurrent_batches
         self.timeout = check_timeout("timeout", timeout)
@@ -203,11 +243,12 @@ class DynamicBatcher:
             concurrency=max_concurrent_batches,
             device=device_plan_of(device, pin_memory=pin_memory, transform=device_transform),
             host_transform=device_transform,
+            clock=clock,
         )
         self._clock = clock
         self._state = "new"  # new -> open -> closing -> closed (-> open again)
-        self._queue: PendingQueue[_Request] = PendingQueue(max_queue)
-        self._rec = BatcherRecorder(clock())
+        self._queue: PendingQueue[_Request] = PendingQueue(max_queue, self.limits)
+        self._rec = self._recorder()
         self._stack: contextlib.AsyncExitStack | None = None
         self._cancel_scope: anyio.CancelScope | None = None
         self._arrived: anyio.Event | None = None  # set when the runner collecting should look
@@ -226,8 +267,8 @@ class DynamicBatcher:
         """
         if self._state in ("open", "closing"):
             raise LoaderStateError("this batcher's scope is already open; it cannot be re-entered")
-        self._queue = PendingQueue(self.max_queue)
-        self._rec = BatcherRecorder(self._clock())
+        self._queue = PendingQueue(self.max_queue, self.limits)
+        self._rec = self._recorder()
         self._arrived = anyio.Event()
         stack = contextlib.AsyncExitStack()
         try:
@@ -273,6 +314,12 @@ class DynamicBatcher:
             self._rec.stopped = self._clock()
             self._stack = self._cancel_scope = None
 
+    def _recorder(self) -> BatcherRecorder:
+        rec = BatcherRecorder(self._clock())
+        if self.cost_fn is not None:
+            rec.track_cost()
+        return rec
+
     def statistics(self) -> BatcherStatistics:
         """A frozen snapshot of the batcher's counters, cumulative over its current (or last)
         scope."""
@@ -304,8 +351,12 @@ class DynamicBatcher:
                 a running one's result is dropped).
             LoaderStateError: The batcher's scope is not open (or is closing), or it closed
                 with ``on_exit="cancel"`` (or was cancelled) before this request was served.
-            ValueError: ``timeout`` is not a positive number or None.
-            Exception: What ``collate_fn``, ``model_fn`` or ``split_fn`` raised for this
+            ValueError: ``timeout`` is not a positive number or None, or ``cost_fn`` returned
+                a negative or non-finite cost.
+            TypeError: ``cost_fn`` returned something other than a number, or ``bucket_fn``
+                an unhashable key.
+            Exception: What ``cost_fn`` or ``bucket_fn`` raised (the request is not admitted),
+                or what ``collate_fn``, ``model_fn`` or ``split_fn`` raised for this
                 request's batch, or the exception instance the model returned for this request.
 
         Cancellation: a queued request is withdrawn (it never reaches the model); in a batch
@@ -318,20 +369,21 @@ class DynamicBatcher:
                 "`async with batcher:`"
             )
         limit = self.timeout if timeout is _USE_DEFAULT else check_timeout("timeout", timeout)
+        cost = 0.0 if self.cost_fn is None else cost_of(self.cost_fn, item)
+        bucket = None if self.bucket_fn is None else bucket_of(self.bucket_fn, item)
         now = self._clock()
         loop = asyncio.get_running_loop()
         deadline = math.inf if limit is None else now + limit
-        request = _Request(item, now, deadline, loop.create_future())
+        request = _Request(item, now, deadline, loop.create_future(), cost, bucket)
         try:
-            self._queue.push(request)
+            changed = self._queue.push(request)  # the first to wait, or its batch is now full
         except Overloaded:
             self._rec.rejected += 1
             raise
         self._rec.submitted += 1
         if limit is not None:
             request.timer = loop.call_later(limit, self._expire, request, limit)
-        queued = len(self._queue)
-        if queued == 1 or queued >= self.policy.max_batch_size:  # only these change the decision
+        if changed:  # only these change the decision
             self._wake()
         try:
             return await request.future
@@ -397,15 +449,25 @@ class DynamicBatcher:
             await self._run(requests)
 
     async def _next_batch(self) -> list[_Request] | None:
-        """Wait until the policy cuts a batch and take it; None once closing with none left."""
+        """Wait until the policy cuts a batch and take it; None once closing with none left.
+
+        A batch cut because its oldest request's ``max_delay`` is up (not because it is full)
+        is cut one loop turn later: requests whose ``submit`` is ready in the turn the delay
+        ends in (woken by the same poll as the timer) join it instead of starting the next,
+        smaller batch. One turn, once per batch: the wait is not extended further."""
         queue, policy = self._queue, self.policy
         fired = -math.inf  # the last deadline whose timer fired: it is due, whatever the clock
+        turned = False  # this batch's one extra loop turn is taken
         while True:
             now = max(self._clock(), fired)
             closing = self._state != "open"
-            decision = policy.decide(len(queue), queue.oldest_at(), now, flush=closing)
+            decision = policy.choose(queue, now, flush=closing)
             if decision.size:
-                requests, expired = queue.take(decision.size, now)
+                if not (turned or closing or queue.next_batch(decision.bucket)[1]):
+                    turned = True
+                    await asyncio.sleep(0)  # what is ready this turn runs before the cut
+                    continue
+                requests, expired = queue.take(decision.size, now, decision.bucket)
                 for request in expired:  # its caller's own deadline is about to fire too
                     request.state = _GONE
                     self._rec.expired += 1
@@ -437,6 +499,9 @@ class DynamicBatcher:
         rec, n = self._rec, len(requests)
         started = self._clock()
         seq = rec.batch_started(n)
+        if rec.cost is not None:
+            limits = self.limits
+            rec.cost.batch([r.cost for r in requests], limits.max_batch_cost, limits.padded)
         for request in requests:
             request.state = _RUNNING
             rec.waited(started - request.enqueued_at)

@@ -1,55 +1,55 @@
-"""The dynamic batcher's decisions: when to cut a batch and how big, which requests wait, which
-have expired, and how a model's output is split back per request.
+"""The dynamic batcher's decisions: when to cut a batch, from which bucket and how big, and how
+a model's output is split back per request.
 
-Owns: :class:`BatchPolicy` (cut now or wait until when), :class:`PendingQueue` (bounded FIFO of
-waiting requests with O(1) withdrawal), the split of a batch's output (:func:`default_split`,
-:func:`split_outputs`), and the checks of the batcher's arguments. Never: touches an event
-loop, awaits, sleeps or reads a clock; every time is passed in, so tests drive it with a fake
-clock.
+Owns: :class:`BatchPolicy` (cut now, from which bucket, or wait until when), the split of a
+batch's output (:func:`default_split`, :func:`split_outputs`), and the checks of the batcher's
+arguments. The waiting requests, their buckets and what each bucket's next batch may hold are
+:mod:`aioloader._serving.pending`'s. Never: touches an event loop, awaits, sleeps or reads a
+clock; every time is passed in, so tests drive it with a fake clock.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .._base.checks import check_int, check_picklable, check_seconds
-from .._base.exceptions import Overloaded
+from .pending import PendingQueue
 
 __all__ = [
     "BatchPolicy",
     "check_arguments",
     "check_timeout",
     "Decision",
-    "PendingQueue",
-    "Timed",
     "default_split",
     "split_outputs",
 ]
 
 
 class Decision(NamedTuple):
-    """What the batcher does now: cut a batch of ``size`` requests (``size > 0``), or wait until
-    ``wake_at`` (clock time) or, when ``wake_at`` is None, until a request arrives."""
+    """What the batcher does now: cut a batch of ``size`` requests (``size > 0``) from bucket
+    ``bucket``, or wait until ``wake_at`` (clock time) or, when ``wake_at`` is None, until a
+    request arrives."""
 
     size: int
     wake_at: float | None = None
+    bucket: Hashable = None
 
 
 @dataclass(frozen=True, slots=True)
 class BatchPolicy:
-    """When to cut a batch, and how big.
+    """When to cut a batch, from which bucket, and how big.
 
-    A batch is cut as soon as ``max_batch_size`` requests wait, or once the oldest waiting
-    request has waited ``max_delay`` (or at once when flushing at shutdown). Its size is the
-    largest preferred size that fits (at most the requests waiting, at most ``max_batch_size``),
-    or, when none fits, every waiting request up to ``max_batch_size``.
+    A batch is cut as soon as no waiting request could join it (``max_batch_size`` requests
+    wait, or the next would pass the cost limit), or once the oldest waiting request has waited
+    ``max_delay`` (or at once when flushing at shutdown). Its size is the largest preferred size
+    that fits (at most the requests its bucket's next batch would take), or, when none fits,
+    all of those.
 
     Args:
         max_batch_size: The most requests in one batch.
@@ -98,105 +98,58 @@ class BatchPolicy:
         return best or available
 
     def decide(
-        self, queued: int, oldest_at: float | None, now: float, *, flush: bool = False
+        self,
+        ready: int,
+        oldest_at: float | None,
+        now: float,
+        *,
+        full: bool | None = None,
+        flush: bool = False,
     ) -> Decision:
-        """Cut a batch now, or say until when to wait.
+        """Cut one bucket's next batch now, or say until when to wait.
 
         Args:
-            queued: Requests waiting.
+            ready: Requests its next batch would take (at most ``max_batch_size`` are used).
             oldest_at: When the oldest of them arrived (None when none waits).
             now: The current clock time.
+            full: No waiting request could join them (default: ``ready >= max_batch_size``;
+                a cost limit makes a batch full sooner).
             flush: Shutting down: cut whatever waits without waiting for ``max_delay``.
 
         Returns:
             ``Decision(size)`` to cut ``size`` requests now; ``Decision(0, wake_at)`` to wait
             until ``wake_at`` or a change; ``Decision(0)`` (nothing waits) to wait for a request.
         """
-        if queued <= 0 or oldest_at is None:
+        if ready <= 0 or oldest_at is None:
             return Decision(0)
-        if queued >= self.max_batch_size:
-            return Decision(self.size_for(self.max_batch_size))
+        if full is None:
+            full = ready >= self.max_batch_size
         due = oldest_at + self.max_delay
-        if flush or now >= due:
-            return Decision(self.size_for(queued))
+        if full or flush or now >= due:
+            return Decision(self.size_for(ready))
         return Decision(0, due)
 
-
-class Timed(Protocol):
-    """What the queue needs to know of a request: when it arrived and when it expires."""
-
-    @property
-    def enqueued_at(self) -> float: ...
-
-    @property
-    def deadline(self) -> float: ...
-
-
-E = TypeVar("E", bound=Timed)
-
-
-class PendingQueue(Generic[E]):
-    """Requests waiting for a batch, oldest first, at most ``capacity`` of them.
-
-    Withdrawing a request (its caller was cancelled or gave up) is O(1), so a crowd of
-    departing clients costs nothing and never leaves stale entries holding capacity.
-
-    Args:
-        capacity: The most requests that may wait (``max_queue``).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = check_int("max_queue", capacity, minimum=1)
-        self._entries: OrderedDict[E, None] = OrderedDict()
-        self.max_len = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def push(self, entry: E) -> None:
-        """Append ``entry``.
-
-        Raises:
-            Overloaded: ``capacity`` requests already wait.
-        """
-        if len(self._entries) >= self.capacity:
-            raise Overloaded(
-                f"the batcher's queue is full ({self.capacity} requests waiting, max_queue="
-                f"{self.capacity}); try again later"
-            )
-        self._entries[entry] = None
-        self.max_len = max(self.max_len, len(self._entries))
-
-    def withdraw(self, entry: E) -> bool:
-        """Remove ``entry`` if it still waits; return whether it did."""
-        return self._entries.pop(entry, False) is None
-
-    def oldest_at(self) -> float | None:
-        """When the oldest waiting request arrived (None when none waits)."""
-        for entry in self._entries:
-            return entry.enqueued_at
-        return None
-
-    def take(self, n: int, now: float) -> tuple[list[E], list[E]]:
-        """Remove up to ``n`` live requests, oldest first.
+    def choose(self, queue: PendingQueue[Any], now: float, *, flush: bool = False) -> Decision:
+        """The next batch across buckets: the oldest request's bucket when its batch is full or
+        that request has waited ``max_delay`` (or when flushing); else the full bucket whose
+        head is oldest; else wait until the oldest request's ``max_delay``. A batch never mixes
+        buckets, and the oldest request is never passed over once due.
 
         Returns:
-            ``(batch, expired)``: the requests taken, and those met on the way whose deadline
-            had passed by ``now`` (removed too, not counted in ``n``).
+            As :meth:`decide`, with the bucket to cut from.
         """
-        batch: list[E] = []
-        expired: list[E] = []
-        entries = self._entries
-        while entries and len(batch) < n:
-            entry, _ = entries.popitem(last=False)
-            (expired if entry.deadline <= now else batch).append(entry)
-        return batch, expired
-
-    def take_all(self) -> list[E]:
-        """Remove and return every waiting request, oldest first."""
-        everything = list(self._entries)
-        self._entries.clear()
-        return everything
+        head = queue.oldest()
+        if head is None:
+            return Decision(0)
+        ready, full = queue.next_batch(head.bucket)
+        decision = self.decide(ready, head.enqueued_at, now, full=full, flush=flush)
+        if decision.size:
+            return decision._replace(bucket=head.bucket)
+        other = queue.oldest_full()
+        if other is None:
+            return decision
+        ready, _ = queue.next_batch(other.bucket)
+        return Decision(self.size_for(ready), bucket=other.bucket)
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +233,10 @@ def check_arguments(
     num_workers: object,
     on_exit: object,
     clock: object,
+    cost_fn: object = None,
+    bucket_fn: object = None,
+    max_batch_cost: object = None,
+    padded_cost: object = False,
 ) -> None:
     """Check a :class:`DynamicBatcher`'s arguments (the policy's are checked by
     :class:`BatchPolicy`).
@@ -287,16 +244,26 @@ def check_arguments(
     Raises:
         TypeError: An argument has the wrong type (a count that is not an int, a function that
             is not callable), or ``collate_fn`` does not pickle while ``num_workers > 0``.
-        ValueError: An argument is out of range or unknown (the message names it).
+        ValueError: An argument is out of range or unknown (the message names it), or
+            ``max_batch_cost`` or ``padded_cost=True`` is given without ``cost_fn``.
     """
     for name, fn in (("model_fn", model_fn), ("clock", clock)):
         if not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__qualname__}")
-    for name, opt in (("collate_fn", collate_fn), ("split_fn", split_fn)):
+    optional = (
+        ("collate_fn", collate_fn), ("split_fn", split_fn), ("cost_fn", cost_fn),
+        ("bucket_fn", bucket_fn),
+    )  # fmt: skip
+    for name, opt in optional:
         if opt is not None and not callable(opt):
             raise TypeError(f"{name} must be callable or None, got {type(opt).__qualname__}")
     if check_int("max_queue", max_queue, minimum=1) < max_batch_size:
         raise ValueError(f"max_queue must be >= max_batch_size ({max_batch_size}), got {max_queue}")
+    if cost_fn is None:
+        given = (("max_batch_cost", max_batch_cost is not None), ("padded_cost", padded_cost))
+        for name, set_ in given:
+            if set_:
+                raise ValueError(f"{name} needs cost_fn (the cost of one request)")
     check_int("max_concurrent_batches", max_concurrent_batches, minimum=1)
     check_int("num_workers", num_workers, minimum=0)
     if num_workers and collate_in_thread:

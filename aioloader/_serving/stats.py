@@ -13,11 +13,51 @@ from typing import Any
 
 from .._base.recorders import WorkerRecorder
 from .._base.stats import LatencySummary, WorkerStatistics, format_ms
-from .policy import PendingQueue
+from .pending import PendingQueue
 
-__all__ = ["BatcherRecorder", "BatcherStatistics"]
+__all__ = ["BatchCostStatistics", "BatcherRecorder", "BatcherStatistics"]
 
 _RESERVOIR = 4096  # latencies kept for percentiles: the most recent ones
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCostStatistics:
+    """What the batches cost, by ``cost_fn`` (kept when the batcher has one).
+
+    Attributes:
+        batches: Batches counted.
+        requests: Requests in them.
+        cost: The sum of their requests' costs (what a model that does not pad pays).
+        padded_cost: The sum over batches of size x largest request's cost (what a model that
+            pads every request of a batch to its longest pays).
+        max_batch_cost: The largest batch cost seen, by the batcher's own measure (padded with
+            ``padded_cost=True``, else summed).
+        over_limit: Batches of one request whose own cost was over ``max_batch_cost`` (each ran
+            alone).
+    """
+
+    batches: int
+    requests: int
+    cost: float
+    padded_cost: float
+    max_batch_cost: float
+    over_limit: int
+
+    @property
+    def mean_batch_cost(self) -> float:
+        """Summed cost per batch (0 before the first batch)."""
+        return self.cost / self.batches if self.batches else 0.0
+
+    @property
+    def padded_per_request(self) -> float:
+        """Padded cost per request served: what a padding model spends on each."""
+        return self.padded_cost / self.requests if self.requests else 0.0
+
+    @property
+    def padded_fraction(self) -> float:
+        """Padding cost over padded cost: the share of a padding model's work spent on padding
+        (0 before the first batch). Bucketing by length lowers it."""
+        return (self.padded_cost - self.cost) / self.padded_cost if self.padded_cost else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +90,8 @@ class BatcherStatistics:
         batch_time: Collate + model + split of one batch.
         elapsed_s: Seconds since the scope opened (until it closed, once it has).
         workers: The collation processes' counters (None without ``num_workers``).
+        cost: What the batches cost (None without ``cost_fn``).
+        buckets: Buckets with a request waiting now (1 or 0 without ``bucket_fn``).
     """
 
     submitted: int
@@ -70,6 +112,8 @@ class BatcherStatistics:
     batch_time: LatencySummary
     elapsed_s: float
     workers: WorkerStatistics | None = None
+    cost: BatchCostStatistics | None = None
+    buckets: int = 0
 
     @property
     def pending(self) -> int:
@@ -102,6 +146,14 @@ class BatcherStatistics:
         ):
             cells = "".join(f"{format_ms(v):>9}" for v in (s.p50, s.p90, s.p99, s.max))
             lines.append(f"  {name:<12}{cells}{s.count:>9,}")
+        if self.cost is not None:
+            c = self.cost
+            lines.append(
+                f"  cost: {c.mean_batch_cost:,.1f} a batch summed"
+                f" (largest {c.max_batch_cost:,.1f}), padded {c.padded_per_request:,.1f}"
+                f" a request, {c.padded_fraction:.0%} of it padding;"
+                f" {c.over_limit} over the limit (ran alone)"
+            )
         if self.workers is not None:
             w = self.workers
             lines.append(
@@ -121,6 +173,7 @@ class BatcherRecorder:
         "batches",
         "cancelled",
         "completed",
+        "cost",
         "expired",
         "failed",
         "max_running",
@@ -144,6 +197,11 @@ class BatcherRecorder:
         self._latencies: deque[float] = deque(maxlen=_RESERVOIR)
         self._batch_times: deque[float] = deque(maxlen=_RESERVOIR)
         self.workers = WorkerRecorder()  # stays empty without collation processes
+        self.cost: _CostRecorder | None = None  # set by a batcher with a cost_fn
+
+    def track_cost(self) -> None:
+        """Keep cost counters (the batcher has a ``cost_fn``)."""
+        self.cost = _CostRecorder()
 
     def batch_started(self, size: int) -> int:
         """Count a batch of ``size`` starting; return its sequence number."""
@@ -190,4 +248,34 @@ class BatcherRecorder:
             batch_time=LatencySummary.of(self._batch_times, self.batches - self.running),
             elapsed_s=(self.stopped if self.stopped is not None else now) - self.started,
             workers=self.workers.snapshot() if self.workers.processes else None,
+            cost=None if self.cost is None else self.cost.snapshot(),
+            buckets=queue.buckets,
         )
+
+
+class _CostRecorder:
+    """The cost counters, from the event loop thread only."""
+
+    __slots__ = ("batches", "cost", "max_batch_cost", "over_limit", "padded_cost", "requests")
+
+    def __init__(self) -> None:
+        self.batches = self.requests = self.over_limit = 0
+        self.cost = self.padded_cost = self.max_batch_cost = 0.0
+
+    def batch(self, costs: list[float], limit: float | None, padded: bool) -> None:
+        """Count a batch of requests costing ``costs``."""
+        n, total, largest = len(costs), sum(costs), max(costs, default=0.0)
+        self.batches += 1
+        self.requests += n
+        self.cost += total
+        self.padded_cost += n * largest
+        own = n * largest if padded else total
+        self.max_batch_cost = max(self.max_batch_cost, own)
+        if limit is not None and n == 1 and own > limit:
+            self.over_limit += 1
+
+    def snapshot(self) -> BatchCostStatistics:
+        return BatchCostStatistics(
+            self.batches, self.requests, self.cost, self.padded_cost, self.max_batch_cost,
+            self.over_limit,
+        )  # fmt: skip

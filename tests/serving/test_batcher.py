@@ -7,7 +7,7 @@ import asyncio
 import math
 import threading
 from collections import namedtuple
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import aioloader
 from aioloader._device.stage import DevicePlan
-from aioloader._serving.policy import BatchPolicy, Decision, PendingQueue, default_split
+from aioloader._serving.pending import PendingQueue
+from aioloader._serving.policy import BatchPolicy, Decision, default_split
 from tests.device.test_device import FakeAccelerator
 
 FAST = settings(max_examples=200, deadline=None)
@@ -185,6 +186,8 @@ class Req:
     id: int
     enqueued_at: float
     deadline: float = math.inf
+    cost: float = 0.0
+    bucket: Hashable = None
 
 
 def test_queue_admits_up_to_capacity_withdraws_and_skips_the_expired() -> None:
