@@ -210,7 +210,8 @@ class _ModelPlace:
     timed (a warm-up never blocks the loop); calls inline are timed; and while calls go to
     the thread, one is tried inline after 1, 2, 4, ... calls, then every 64th (every 256th
     once it took 2 ms or more: a model that slow, a GPU's, blocks the loop for its time at
-    each try), its time the estimate from then on.
+    each try), its time the estimate from then on. A model that took 10 ms or more is re-timed
+    on its thread instead: a try inline would hold the loop's other requests that long.
     """
 
     __slots__ = ("clock", "placement")
@@ -231,11 +232,11 @@ class _ModelPlace:
         not a waiting point.
         """
         placement, clock = self.placement, self.clock
-        first = placement.recent.seconds is None
+        estimate = placement.recent.seconds
         where = placement.where()
         if where == "threads":
             return await threads.run(_call_ready, model_fn, batch)
-        if first:
+        if estimate is None or (where == "alone" and estimate >= _TRY_INLINE_BELOW_S):
             output, took = await threads.run(_clocked, clock, model_fn, batch)
             placement.alone_took(took)
             return output
@@ -248,6 +249,13 @@ class _ModelPlace:
                 placement.recent.add(took)
             else:  # a try after calls on the thread: the estimate from now on
                 placement.alone_took(took)
+
+
+# A model whose calls took this long or longer is re-timed on its thread, never tried on the
+# loop: a try inline holds every request the loop serves for the call's time (a GPU model of
+# 100 ms would stall them all once in 256 batches). Below it a try costs the loop little, and
+# a fast model read slow on its thread (its waits for the GIL) can still come back.
+_TRY_INLINE_BELOW_S = 0.01
 
 
 def _clocked(clock: Callable[[], float], model_fn: Callable[[Any], Any], batch: Any) -> Any:

@@ -62,3 +62,23 @@ async def test_the_model_stays_on_threads_with_several_batches_at_once() -> None
         for i in range(4):
             await batcher.submit(i)
     assert model.threads == ["thread"] * 4
+
+
+async def test_a_slow_model_is_never_tried_on_the_loop() -> None:
+    """From review: a model of 10 ms or more is re-timed on its thread, never inline, where a
+    try would hold every request the loop serves (a 100 ms GPU model, once in 256 batches)."""
+    clock = FakeClock()
+    model = Model(clock)
+    model.cost = 0.1
+    batcher = aioloader.DynamicBatcher(
+        model, collate_fn=list, max_batch_size=1, max_delay=0.0, clock=clock
+    )
+    async with batcher:
+        for i in range(40):
+            assert await batcher.submit(i) == i
+        assert model.threads == ["thread"] * 40
+        model.cost = 0.0  # fast again (warmed up): the next re-timing on the thread finds it
+        for i in range(40):
+            await batcher.submit(i)
+        assert model.threads[-1] == "loop"
+    check_accounts(batcher)
