@@ -162,7 +162,11 @@ def fork_server(
 ) -> ForkedServer:
     """Fork this process into a fork server speaking the stdlib's protocol (the caller has
     checked :func:`unsafe_to_fork`). The child keeps ``keep`` (descriptors of its own) and runs
-    ``before_serving`` before it serves; if that raises, it exits."""
+    ``before_serving`` before it serves; if that raises, it exits.
+
+    Raises:
+        OSError: The fork (or the listening socket) failed; nothing is left open.
+    """
     address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(address)
@@ -173,7 +177,12 @@ def fork_server(
         for stream in (sys.stdout, sys.stderr):  # else the children print it again
             with contextlib.suppress(Exception):
                 stream.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(alive_r)
+            os.close(alive_w)
+            raise
         if pid == 0:  # pragma: no cover - the child never returns
             _serve_in_child(listener.fileno(), alive_r, alive_w, name, keep, before_serving)
         os.close(alive_r)

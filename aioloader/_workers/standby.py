@@ -115,7 +115,9 @@ def _modules_being_imported() -> frozenset[str]:
 
 def fork_standby() -> None:
     """Fork the standby, if forking is safe now and nothing turned it off; else do nothing (a
-    loader then forks a server when it is built, if that is safe, or the stdlib starts one)."""
+    loader then forks a server when it is built, if that is safe, or the stdlib starts one).
+    Never raises: where the fork or its socket fails (a sandbox without fork), the reason is
+    kept for ``server_why`` and importing aioloader goes on."""
     global _standby, _missing
     if _standby is not None or _a_multiprocessing_child():
         return
@@ -128,15 +130,23 @@ def fork_standby() -> None:
     if (why := unsafe_to_fork()) is not None:
         _missing = f"no standby: when aioloader was imported, {why}"
         return
-    _missing = "the standby was used or retired"
     partial = _modules_being_imported()
-    ours, theirs = multiprocessing.Pipe()
+    try:
+        ours, theirs = multiprocessing.Pipe()
+    except OSError as exc:
+        _missing = f"no standby: its socket pair failed ({exc!r})"
+        return
     try:
         server = fork_server(
             "aioloader-sb", keep=(theirs.fileno(),), before_serving=lambda: _wait(theirs, partial)
         )
+    except OSError as exc:  # a sandbox without fork, no room for its socket: import goes on
+        ours.close()
+        _missing = f"no standby: forking it failed ({exc!r})"
+        return
     finally:
         theirs.close()
+    _missing = "the standby was used or retired"
     _standby = _Standby(server, ours)
 
 

@@ -313,3 +313,36 @@ def test_a_standby_left_unsafe_by_the_main_module_refuses_and_says_why(tmp_path:
         "this process had 2 Python threads; the standby server could not serve: running the "
         "main module again, this process had 2 Python threads"
     )
+
+
+NO_FORK = """
+import os, threading, torch.utils.data
+
+def refuse():
+    raise PermissionError(1, "fork is not allowed here")
+
+real_fork, os.fork = os.fork, refuse  # a sandbox without fork, as aioloader is imported
+import aioloader
+os.fork = real_fork
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        return i
+
+if __name__ == "__main__":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
+    assert [b.tolist() for b in loader] == [[0, 1]]
+    print(loader.statistics().workers.server, "|", loader.statistics().workers.server_why)
+"""
+
+
+def test_a_standby_that_cannot_be_forked_leaves_the_import_alone(tmp_path: Path) -> None:
+    done = run_script(tmp_path, {"nofork.py": NO_FORK}, "nofork.py")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == (
+        "interpreter | this process had 2 Python threads; no standby: forking it failed "
+        "(PermissionError(1, 'fork is not allowed here'))\n"
+    )
