@@ -25,8 +25,8 @@ and failure rules as the stages:
   enough: there is no way back to this path within the epoch. A plain ``for`` reading a blocking
   dataset is the exception: it makes every batch in its own thread's calls, however slow, as
   torch's ``num_workers=0`` loop does (nothing of the event loop's waits on it; handed to the
-  stages, cold files read 15.1k/s where torch's loop read 17.3k: the reading thread and the
-  consumer's wait for the GIL at each other's system calls). ``prefetch=`` asks for the stages.
+  stages, the reading thread and the consumer wait for the GIL at each other's system calls:
+  the figures are in docs/design.md). ``prefetch=`` asks for the stages.
 * A read that fails with ``max_failures`` left is handed over too (the stages read it again
   sample by sample, so that only the bad samples go); with none left its batch fails in its
   turn. A transform's failure spends the budget here, as the stages spend it.
