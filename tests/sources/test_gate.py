@@ -15,7 +15,7 @@ from aioloader.sources import objects, urls
 from aioloader.sources._gate import ByteGate
 from tests.sources.test_objects import CREDS, _boto_creds
 from tests.support import http_server
-from tests.support.http_server import FaultServer, body
+from tests.support.http_server import FaultServer, body, serve_on_loopback
 
 fault_server = http_server.fault_server
 
@@ -125,13 +125,9 @@ async def test_bodies_without_content_length_are_read_alone() -> None:
 
     app = web.Application()
     app.router.add_get("/c/{i}", chunked)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, port = await serve_on_loopback(app)
     try:
-        (host, port), *_ = runner.addresses
-        ds = urls([f"http://{host}:{port}/c/{i}" for i in range(4)], max_bytes_in_flight=6000)
+        ds = urls([f"http://127.0.0.1:{port}/c/{i}" for i in range(4)], max_bytes_in_flight=6000)
         async with ds:
             with anyio.fail_after(10):  # counted chunk by chunk, two bodies would deadlock
                 async with anyio.create_task_group() as tg:

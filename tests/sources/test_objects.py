@@ -16,6 +16,7 @@ from obstore.store import from_url
 
 import aioloader
 from aioloader.sources import ObjectDataset, TransientStoreError
+from tests.support.http_server import serve_on_loopback
 
 CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 
@@ -95,12 +96,8 @@ async def s3_style_server(
     and an obstore S3 store pointed at it (obstore's own retries off)."""
     app = web.Application()
     app.router.add_get("/bucket/{key}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, port = await serve_on_loopback(app)
     try:
-        port = runner.addresses[0][1]
         yield from_url(
             "s3://bucket/",
             config={"endpoint": f"http://127.0.0.1:{port}", **CREDS},  # type: ignore[typeddict-item]

@@ -43,6 +43,16 @@ def body(i: int) -> bytes:
 SIGNATURE = "X-Amz-Signature=REDIRECTSECRET&X-Amz-Credential=AKIDSECRET"
 
 
+async def serve_on_loopback(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Start ``app`` on 127.0.0.1, on a free port: its runner (to clean up) and the port."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    (host, port), *_ = runner.addresses  # the site's sockets, as the runner reports them
+    assert host == "127.0.0.1", host
+    return runner, int(port)
+
+
 class Fault(enum.StrEnum):
     """What the server does instead of answering normally."""
 
@@ -186,14 +196,7 @@ class FaultServer:
         app.router.add_get("/signed-elsewhere/{i:\\d+}", self._signed_elsewhere)
         app.router.add_get("/signed-ftp/{i:\\d+}", self._signed_elsewhere)
         app.router.add_get("/loop", self._loop)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        # The site's server sockets, as the runner reports them: (host, port) of each.
-        (host, port), *_ = self._runner.addresses
-        assert host == "127.0.0.1", host
-        self.port = int(port)
+        self._runner, self.port = await serve_on_loopback(app)
 
     async def stop(self) -> None:
         """Wake every stalled handler, then stop the server and close its connections."""

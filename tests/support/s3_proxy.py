@@ -28,7 +28,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from tests.support.http_server import Fault, FaultPlan, reset
+from tests.support.http_server import Fault, FaultPlan, reset, serve_on_loopback
 
 __all__ = ["S3_ERROR_CODES", "S3FaultProxy", "s3_proxy"]
 
@@ -115,13 +115,7 @@ class S3FaultProxy:
         self._client = aiohttp.ClientSession(auto_decompress=False)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        (host, port), *_ = self._runner.addresses
-        assert host == "127.0.0.1", host
-        self.port = int(port)
+        self._runner, self.port = await serve_on_loopback(app)
 
     async def _close(self) -> None:
         self._stop.set()
