@@ -21,7 +21,9 @@ The configurations (the columns of the issue's table):
 The tables (modes): ``gpu-data`` (iterate; each batch moved to the device, its labels counted
 there; one synchronisation an epoch) and ``gpu-train`` (a resnet18 step from
 ``torchvision.models``, else ``gpu_rows.TinyNet``: normalisation on the GPU, bf16 autocast,
-channels_last, SGD), both with ``persistent_workers=True`` and 3 epochs: ``samples/s`` is the
+channels_last, SGD; ``step_ms``: the step's host wall and main-thread CPU time, medians,
+alone before the loader is built and beside it in the steady epochs), both with
+``persistent_workers=True`` and 3 epochs: ``samples/s`` is the
 steady rate, the median of epochs 2 and 3; ``first_epoch_s`` is epoch 1 timed from building the
 dataset, worker start included. ``gpu-fresh``: ``persistent_workers=False`` (torch's default),
 data mode, 2 epochs, ``samples/s`` over both, each epoch starting its workers.
@@ -219,7 +221,7 @@ def extra(result: GpuResult) -> dict[str, Any]:
     keys = (
         "mode", "persistent", "images", "batch_size", "workers", "device", "dataset",
         "model", "epoch_s", "samples", "first_epoch_s", "first_batch_s", "startup_s", "server",
-        "server_why", "pss_by_process", "batch_shape", "batch_dtype", "batch_device",
+        "server_why", "pss_by_process", "step_ms", "batch_shape", "batch_dtype", "batch_device",
     )  # fmt: skip
     payload = result.payload or {}
     return {key: payload.get(key) for key in keys}

@@ -53,6 +53,20 @@ def _pss(payload: Mapping[str, Any]) -> str:
     return " / ".join(parts) + " MiB" if parts else "-"
 
 
+def _step(payload: Mapping[str, Any]) -> str:
+    """``8.1 / 8.0 -> 9.4 / 8.2 ms``: the training step's host wall / main-thread CPU time
+    alone, then beside the loader (medians)."""
+    step = payload.get("step_ms") or {}
+    alone, loop = step.get("alone") or {}, step.get("loop") or {}
+    if not loop:
+        return "-"
+
+    def pair(d: Mapping[str, float]) -> str:
+        return f"{d['host_ms']:.1f} / {d['cpu_ms']:.1f}" if d else "?"
+
+    return f"{pair(alone)} -> {pair(loop)} ms"
+
+
 def _startup(payload: Mapping[str, Any]) -> str:
     startup = payload.get("startup_s") or []
     if not startup:
@@ -97,6 +111,8 @@ def format_issue_table(
         ("steady, with the training step (samples/s)", "gpu-train", lambda r, p: f"{r.rate:,.0f}"),
         ("`persistent_workers=False`, 2 epochs (samples/s)", "gpu-fresh",
          lambda r, p: f"{r.rate:,.0f}"),
+        ("training step's host / CPU time, alone -> beside the loader", "gpu-train",
+         lambda r, p: _step(p)),
         ("peak PSS, process tree (MiB, data)", "gpu-data", lambda r, p: f"{r.peak_pss_mib:,.0f}"),
         ("peak PSS, process tree (MiB, train)", "gpu-train",
          lambda r, p: f"{r.peak_pss_mib:,.0f}"),

@@ -244,6 +244,55 @@ def make_step(
     return step
 
 
+class StepClock:
+    """The training step's cost to the main thread: per step, its wall time on the host (the
+    kernels' launches; the GPU's queue is empty when a data-bound loop calls it) and the main
+    thread's CPU time. Beside a loader, the wall time over the CPU time is time the main thread
+    waited for the GIL (or was descheduled): what the loader's threads cost the training loop."""
+
+    def __init__(self) -> None:
+        self.host_s: list[float] = []
+        self.cpu_s: list[float] = []
+
+    def timed(self, step: Callable[[], None]) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        step()
+        self.cpu_s.append(time.thread_time() - cpu)
+        self.host_s.append(time.perf_counter() - wall)
+
+    def summary(self) -> dict[str, float]:
+        """Medians, in milliseconds, and the steps counted."""
+        if not self.host_s:
+            return {}
+        return {
+            "host_ms": round(float(np.median(self.host_s)) * 1e3, 3),
+            "cpu_ms": round(float(np.median(self.cpu_s)) * 1e3, 3),
+            "steps": len(self.host_s),
+        }
+
+
+def step_alone(
+    step: Callable[[torch.Tensor, torch.Tensor], None], args: argparse.Namespace, classes: int
+) -> dict[str, float]:
+    """The step's cost with no loader in the process: ``STEPS_ALONE`` steps on one batch
+    resident on the device, each after the device is idle (as a data-bound loop calls it);
+    the first few (cuDNN's autotuning) left out."""
+    device = torch.device(args.device)
+    images = torch.randint(0, 256, (args.batch_size, 3, CROP, CROP), dtype=torch.uint8)
+    images, labels = images.to(device), torch.randint(0, classes, (args.batch_size,)).to(device)
+    clock = StepClock()
+    for index in range(STEPS_ALONE + WARM_STEPS):
+        if index == WARM_STEPS:
+            clock = StepClock()
+        clock.timed(lambda: step(images, labels))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return clock.summary()
+
+
+STEPS_ALONE, WARM_STEPS = 30, 5
+
+
 def epochs(
     loader: Any, args: argparse.Namespace, model: torch.nn.Module | None, begun: float
 ) -> dict[str, Any]:
@@ -255,6 +304,7 @@ def epochs(
     row: dict[str, Any] = {"epoch_s": [], "samples": [], "startup_s": [], "server": ""}
     row["server_why"] = ""
     step = make_step(model, device)
+    clock = StepClock()  # the steady epochs' steps
     batches = -(-len(loader.dataset) // args.batch_size)
     for epoch in range(args.epochs):
         started = begun if epoch == 0 else time.perf_counter()
@@ -270,7 +320,10 @@ def epochs(
             row.setdefault("batch_dtype", str(images.dtype).removeprefix("torch."))
             row.setdefault("batch_device", str(images.device))
             counts += torch.bincount(labels, minlength=len(expected))
-            step(images, labels)
+            if model is not None and epoch > 0:
+                clock.timed(lambda: step(images, labels))  # noqa: B023 (called at once)
+            else:
+                step(images, labels)
             if epoch == args.epochs - 1 and index == batches // 2:
                 row["pss_by_process"] = pss_by_process()
         if device.type == "cuda":
@@ -285,6 +338,8 @@ def epochs(
                 row["startup_s"].append(round(workers.startup_s, 3))
                 row["server"], row["server_why"] = workers.server, workers.server_why
     row["first_epoch_s"] = row["epoch_s"][0]
+    if model is not None:
+        row["step_ms"] = {"loop": clock.summary()}
     return row
 
 
@@ -324,10 +379,15 @@ def main() -> int:
         model, row["model"] = model_for(args, len(classes_of(args.root)), device)
         if args.thread:
             threading.Thread(target=threading.Event().wait, name="metrics", daemon=True).start()
+        alone = {}
+        if args.mode == "train":  # before the loader: its cost with nothing else running
+            alone = step_alone(make_step(model, device), args, len(classes_of(args.root)))
         begun = time.perf_counter()
         loader = build_loader(args, torchvision)
         row["images"] = len(loader.dataset)
         row.update(epochs(loader, args, model if args.mode == "train" else None, begun))
+        if "step_ms" in row:
+            row["step_ms"]["alone"] = alone
         if isinstance(loader, aioloader.DataLoader):
             loader.close()
         del loader

@@ -67,6 +67,12 @@ def test_the_smoke_run_measures_every_configuration_on_the_cpu(tmp_path: Path) -
         assert extra["batch_shape"] == [8, 3, gpu.CROP, gpu.CROP]
         assert (extra["batch_dtype"], extra["batch_device"]) == ("uint8", "cpu")
         assert extra["dataset"].startswith("PillowFolder") and extra["model"] == "TinyNet"
+        if extra["mode"] == "train":  # the step's cost alone and beside the loader
+            for where in ("alone", "loop"):
+                step = extra["step_ms"][where]
+                assert step["steps"] > 0 and step["host_ms"] > 0 and step["cpu_ms"] > 0
+        else:
+            assert extra["step_ms"] is None
         by_role = extra["pss_by_process"]
         assert by_role["main"]["processes"] == 1 and by_role["main"]["pss_mib"] > 0
         assert by_role["workers"]["processes"] == 2 and by_role["workers"]["pss_mib"] > 0
