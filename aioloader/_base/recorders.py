@@ -36,6 +36,7 @@ class WorkerRecorder:
         "processes",
         "restarts",
         "server",
+        "server_s",
         "server_why",
         "startup_s",
     )
@@ -50,6 +51,7 @@ class WorkerRecorder:
         self.restarts = 0
         self.server = ""
         self.server_why = ""
+        self.server_s = 0.0
 
     def snapshot(self) -> WorkerStatistics:
         return WorkerStatistics(
@@ -62,6 +64,7 @@ class WorkerRecorder:
             self.restarts,
             self.server,
             self.server_why,
+            self.server_s,
         )
 
 

@@ -106,6 +106,10 @@ class WorkerStatistics:
             was imported), ``"interpreter"`` (the stdlib's fresh interpreter, which imports
             torch and the main module: the slow start), ``"other"``; ``""`` with spawn.
         server_why: Why the faster ways to start it were not taken (``""`` when forked).
+        server_s: Seconds getting that server ready cost before the workers could start, in
+            the first loader that needed it (once per process): a few milliseconds to fork
+            one; for the standby, the time it took to run the main module again, that is to
+            import what the main module imports after aioloader. Not part of ``startup_s``.
     """
 
     processes: int
@@ -117,6 +121,7 @@ class WorkerStatistics:
     restarts: int
     server: str = ""
     server_why: str = ""
+    server_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +249,8 @@ class LoaderStatistics:
             )
             if w.server:
                 why = f" ({w.server_why})" if w.server_why else ""
-                lines.append(f"  fork server: {w.server}{why}")
+                ready = f", ready in {w.server_s:.2f}s" if w.server_s else ""
+                lines.append(f"  fork server: {w.server}{ready}{why}")
         lines.append(
             "  (busy: the share of the stage's slots' time its work took; in flight and queued: "
             "the most at once / the limit, - for none; no room: time it waited for the next "

@@ -113,17 +113,29 @@ def verdict(
 
 
 def _slow_start(stats: LoaderStatistics) -> str | None:
-    """What to say when starting the worker processes took a large share of the run."""
+    """What to say when getting the worker processes started took a large share of the run:
+    their start (``startup_s``) and, in the first loader of a process, readying the fork
+    server (``server_s``, paid as the loader was built: outside ``elapsed_s``)."""
     w = stats.workers
-    if w is None or w.startup_s < max(0.5, SLOW_START * stats.elapsed_s):
+    if w is None:
         return None
-    said = f"starting the {w.processes} worker processes took {w.startup_s:.1f} s"
+    took = w.startup_s + w.server_s
+    if took < max(0.5, SLOW_START * (stats.elapsed_s + w.server_s)):
+        return None
+    said = f"starting the {w.processes} worker processes took {took:.1f} s"
     if w.server == "interpreter":
         return (
             f"{said}: their fork server was a fresh interpreter importing torch and the main "
             f"module ({w.server_why}): import aioloader before CUDA is initialised and before "
             "other threads start, so that a fork server is forked in reserve, or keep the "
             "workers across epochs (persistent_workers=True)"
+        )
+    if w.server == "standby" and w.server_s >= w.startup_s:
+        return (
+            f"{said}, {w.server_s:.1f} s of it readying the fork server forked in reserve as "
+            "aioloader was imported: it imported again what the main module imports after "
+            "aioloader. Import aioloader after the heavy imports (torchvision, transformers, "
+            "your own packages), as the last of the imports at the top of the script"
         )
     return (
         f"{said}: keep them across epochs (persistent_workers=True), or lighten worker_init_fn "

@@ -15,6 +15,9 @@ The configurations (the columns of the issue's table):
   non_blocking=True)`` in the loop;
 * ``aio-swapped``: ``aioloader.DataLoader`` with the same arguments (the import swapped);
 * ``aio-device``: the same with ``device="cuda"`` (the loader's device stage moves the batch);
+* ``aio-first``: ``aio-swapped`` in a script that imports aioloader before torchvision (data
+  and fresh tables only): what the standby fork server costs when it has to import again what
+  the script imports after aioloader (``server_s``);
 * ``aio-files``: ``aioloader.sources.files(root, suffix=".jpg", with_keys=True)`` with a
   module-level ``transform`` doing the same decode and augment, and ``device="cuda"``.
 
@@ -28,10 +31,15 @@ steady rate, the median of epochs 2 and 3; ``first_epoch_s`` is epoch 1 timed fr
 dataset, worker start included. ``gpu-fresh``: ``persistent_workers=False`` (torch's default),
 data mode, 2 epochs, ``samples/s`` over both, each epoch starting its workers.
 
-Each configuration runs in a fresh interpreter (``python -m aioloader._bench.gpu_rows``), never
-a fork of this process or of a preloaded server, because what is measured is a user's fresh
-``python train.py``: its imports at the top (aioloader among them, which forks its standby fork
-server then), CUDA initialised and the model moved to the GPU, then the dataset and the loader.
+Each configuration runs in a fresh interpreter, never a fork of this process or of a preloaded
+server, because what is measured is a user's fresh ``python train.py``: a script written into
+the run's folder (:func:`user_script`) whose imports come at the top, ``torch``, then
+``torchvision``, then ``aioloader`` (which forks its standby fork server then; ``aio-first``
+swaps the last two), then ``gpu_rows``'s ``main``: CUDA initialised and the model moved to the
+GPU, then the dataset and the loader. (Run as ``python -m aioloader._bench.gpu_rows``, the
+package ``aioloader`` is imported before anything else, and the standby had to import
+torchvision again as it woke: about 5 s on an H100 box, a first epoch of 7.9 s against torch's
+2.2 s. That is ``aio-first``'s case.)
 The ``torch`` child imports aioloader too (``-m`` imports the package), with
 ``AIOLOADER_STANDBY=0``: no standby process in torch's tree, only aioloader's modules.
 This process samples the child's process tree (``harness.MemorySampler``: the peak PSS, from
@@ -91,7 +99,8 @@ from aioloader._bench.harness import (
     wait_until_gone,
 )
 
-CONFIGS = ("torch", "aio-swapped", "aio-device", "aio-files")
+CONFIGS = ("torch", "aio-swapped", "aio-device", "aio-files", "aio-first")
+NOT_TRAINED = ("aio-first",)  # configurations left out of the gpu-train table (time)
 TABLES = ("gpu-data", "gpu-train", "gpu-fresh")
 ROW_PREFIX = "aioloader-gpu-row "  # the child's JSON line on its stdout
 IMAGES, QUICK_IMAGES, SMOKE_IMAGES = 6144, 2048, 48
@@ -161,9 +170,41 @@ def write_folder(root: Path, images: int, classes: int) -> float:
 # -- one configuration in a fresh interpreter ------------------------------------------------
 
 
+SCRIPT = """\
+\"\"\"A user's train.py: the imports at the top ({order}), then the training script's body
+(``aioloader._bench.gpu_rows.main``).\"\"\"
+import sys
+
+import torch
+{imports}
+from aioloader._bench.gpu_rows import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+TORCHVISION = """\
+try:
+    import torchvision
+except Exception:  # a CPU box's CUDA wheel: the Pillow dataset runs instead
+    pass"""
+
+
+def user_script(folder: Path, aioloader_first: bool) -> Path:
+    """Write the script a configuration runs as: torch, torchvision, aioloader (``aioloader
+    first``: torch, aioloader, torchvision); its path."""
+    imports = ["import aioloader", TORCHVISION]
+    if not aioloader_first:
+        imports.reverse()
+    order = " ".join(["torch", *(("aioloader", "torchvision")[:: 1 if aioloader_first else -1])])
+    path = folder / ("train_aioloader_first.py" if aioloader_first else "train.py")
+    path.write_text(SCRIPT.format(order=order, imports="\n".join(imports)))
+    return path
+
+
 def child_command(run: Run, args: argparse.Namespace, root: Path) -> list[str]:
+    script = user_script(root.parent, aioloader_first=run.config == "aio-first")
     command = [
-        sys.executable, "-m", "aioloader._bench.gpu_rows",
+        sys.executable, str(script),
         "--config", run.config, "--mode", run.mode, "--epochs", str(run.epochs),
         "--root", str(root), "--workers", str(args.workers),
         "--batch-size", str(args.batch_size), "--device", args.device,
@@ -221,6 +262,7 @@ def extra(result: GpuResult) -> dict[str, Any]:
     keys = (
         "mode", "persistent", "images", "batch_size", "workers", "device", "dataset",
         "model", "epoch_s", "samples", "first_epoch_s", "first_batch_s", "startup_s", "server",
+        "server_s",
         "server_why", "pss_by_process", "step_ms", "batch_shape", "batch_dtype", "batch_device",
     )  # fmt: skip
     payload = result.payload or {}
@@ -259,7 +301,10 @@ def plan(args: argparse.Namespace) -> list[Run]:
     if args.smoke and not (args.only or args.tables):
         return [Run(table, config) for table, config in SMOKE_RUNS]
     return [
-        Run(table, config) for table in args.tables or TABLES for config in args.only or CONFIGS
+        Run(table, config)
+        for table in args.tables or TABLES
+        for config in args.only or CONFIGS
+        if not (table == "gpu-train" and config in NOT_TRAINED and not args.only)
     ]
 
 
@@ -284,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     results: dict[Run, GpuResult] = {}
     with tempfile.TemporaryDirectory(prefix="aioloader-gpu-") as tmp:
-        root = Path(tmp)
+        root = Path(tmp, "images")  # the scripts are written beside it
         kib = write_folder(root, args.images, args.classes)
         print(
             f"{args.images} JPEGs ({WIDTH}x{HEIGHT}, {kib:.1f} KiB on average) in {args.classes} "

@@ -71,7 +71,8 @@ def _startup(payload: Mapping[str, Any]) -> str:
     startup = payload.get("startup_s") or []
     if not startup:
         return "-"
-    return "/".join(f"{s:.2f}" for s in startup) + f" ({payload.get('server') or '?'})"
+    ready = f", ready in {payload['server_s']:.2f}" if payload.get("server_s") else ""
+    return "/".join(f"{s:.2f}" for s in startup) + f" ({payload.get('server') or '?'}{ready})"
 
 
 def format_run(table: str, result: GpuResult) -> str:

@@ -1,13 +1,13 @@
-"""One configuration of the ``gpu`` workload (``gpu.py``), run as a user's training script is:
-``python -m aioloader._bench.gpu_rows --config aio-device --mode train --persistent ...`` in a
-fresh interpreter. Its imports come first (torch, torchvision when it imports, aioloader: which
-forks its standby fork server here, as in a user's ``train.py``); then, under ``if __name__ ==
-"__main__":``, the model is built and moved to the device (CUDA initialised), and only then the
-dataset and the loader. It prints one JSON line, prefixed ``gpu.ROW_PREFIX``, on stdout.
+"""One configuration of the ``gpu`` workload (``gpu.py``): the body of a user's training
+script. ``gpu.user_script`` writes the script (its imports at the top, in the order the
+configuration measures: aioloader forks its standby fork server as it is imported), which
+calls :func:`main` under ``if __name__ == "__main__":``: the model is built and moved to the
+device (CUDA initialised), and only then the dataset and the loader. It prints one JSON line,
+prefixed ``gpu.ROW_PREFIX``, on stdout.
 
-The dataset's class, the transform and the model are defined here, at module level, as a user
-defines them in the script: aioloader's workers unpickle them from ``__main__``, which its fork
-server runs again as ``__mp_main__`` (torch's forked workers inherit them).
+The dataset's class, the transform and the model are defined here, at module level: aioloader's
+workers unpickle them from this module, which its standby fork server imports as it runs the
+script again as ``__mp_main__`` (torch's forked workers inherit them).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def build_loader(args: argparse.Namespace, torchvision: bool) -> Any:
         return torch.utils.data.DataLoader(dataset, **common)
     if args.config == "aio-device":
         return aioloader.DataLoader(dataset, device=device, **common)
-    return aioloader.DataLoader(dataset, **common)
+    return aioloader.DataLoader(dataset, **common)  # aio-swapped, aio-first
 
 
 def make_step(
@@ -337,6 +337,7 @@ def epochs(
             if workers is not None and (epoch == 0 or not args.persistent):  # a start each
                 row["startup_s"].append(round(workers.startup_s, 3))
                 row["server"], row["server_why"] = workers.server, workers.server_why
+                row["server_s"] = max(row.get("server_s", 0.0), round(workers.server_s, 3))
     row["first_epoch_s"] = row["epoch_s"][0]
     if model is not None:
         row["step_ms"] = {"loop": clock.summary()}

@@ -35,7 +35,7 @@ import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory re
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
-from .serverstart import prepare_forkserver, server_start
+from .serverstart import claim_server_seconds, prepare_forkserver, server_start
 from .worker import worker_main
 
 __all__ = [
@@ -169,6 +169,7 @@ class ProcessWorkers:
         self._stats.processes = self.concurrency
         if self._ctx.get_start_method() == "forkserver" and (server := server_start()):
             self._stats.server, self._stats.server_why = server.how, server.why
+            self._stats.server_s += claim_server_seconds()
 
     async def _replace(self, worker: _Worker) -> _Worker:
         """A fresh process for a dead (or abandoned) worker's slot.

@@ -28,7 +28,7 @@ from .forkserver import (
     unsafe_to_fork,
 )
 
-__all__ = ["ServerStart", "prepare_forkserver", "server_start"]
+__all__ = ["ServerStart", "claim_server_seconds", "prepare_forkserver", "server_start"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +61,21 @@ class ServerStart:
 
 
 _started: ServerStart | None = None
+_unclaimed_s = 0.0  # what getting the server ready cost, not yet in a pool's statistics
 
 
 def server_start() -> ServerStart | None:
     """How this process's fork server started; None before a loader needed one."""
     return _started
+
+
+def claim_server_seconds() -> float:
+    """What getting the fork server ready cost this process (a standby catching up with the
+    main module: its imports after aioloader's), for the statistics of the first pool that
+    starts workers after it; 0.0 once claimed, or when nothing was paid here."""
+    global _unclaimed_s
+    seconds, _unclaimed_s = _unclaimed_s, 0.0
+    return seconds
 
 
 def _start() -> ServerStart:
@@ -106,7 +116,7 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
         RuntimeError: Called while a fork server runs the main module again (a script that
             starts a loader with worker processes at its top level, unguarded).
     """
-    global _started
+    global _started, _unclaimed_s
     ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
     if ctx.get_start_method() != "forkserver":
         return
@@ -122,6 +132,8 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
     if _started is None or _started.slow or replaced:  # until ours runs: it may be safe now
         fresh = _start()
         if _started is None or replaced or not fresh.slow:
+            if fresh is not _started:
+                _unclaimed_s += fresh.seconds
             _started = fresh
     if not _started.slow:
         return

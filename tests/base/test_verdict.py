@@ -173,3 +173,12 @@ async def test_a_slow_worker_start_is_named_with_why_and_what_to_do() -> None:
     assert "took" in said and "persistent_workers=True" in said and "CUDA" not in said
     quick = dataclasses.replace(slow, startup_s=0.02)
     assert "starting" not in verdict(dataclasses.replace(stats, workers=quick))
+    # A standby that took long to catch up (imports after aioloader's): said, with the cure;
+    # its seconds were paid as the loader was built, outside the run's elapsed time.
+    caught_up = dataclasses.replace(quick, server="standby", server_s=elapsed * 0.5 + 0.5)
+    said = verdict(dataclasses.replace(stats, workers=caught_up))
+    assert f"{caught_up.server_s:.1f} s of it readying the fork server" in said, said
+    assert "Import aioloader after the heavy imports" in said
+    assert "starting" not in verdict(
+        dataclasses.replace(stats, workers=dataclasses.replace(caught_up, server_s=0.01))
+    )

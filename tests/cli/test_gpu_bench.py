@@ -84,8 +84,27 @@ def test_the_smoke_run_measures_every_configuration_on_the_cpu(tmp_path: Path) -
             # The smoke run's thread stands in for CUDA's: the workers come from the standby.
             assert all(n.startswith("aioloader-w") for n in by_role["workers"]["names"])
             assert by_role["fork server"]["names"] == ["aioloader-sb"]
+            assert extra["server"] == "standby" and extra["server_s"] > 0
             assert len(extra["startup_s"]) == (1 if extra["persistent"] else epochs)
             assert all(s > 0 for s in extra["startup_s"])
             assert extra["server"] == "standby" and "threads" in extra["server_why"]
     assert extra["mode"] == "data" and rows[1].extra["mode"] == "train"
     assert "| steady, with the training step (samples/s) |" in done.stdout
+
+
+def test_the_plan_measures_the_import_order_in_the_data_and_fresh_tables_only() -> None:
+    runs = {(r.table, r.config) for r in gpu.plan(gpu.parse_args([]))}
+    assert len(runs) == len(gpu.TABLES) * len(gpu.CONFIGS) - 1
+    assert ("gpu-data", "aio-first") in runs and ("gpu-fresh", "aio-first") in runs
+    assert ("gpu-train", "aio-first") not in runs
+
+
+def test_the_users_script_imports_aioloader_last_or_first(tmp_path: Path) -> None:
+    for first in (False, True):
+        text = gpu.user_script(tmp_path, aioloader_first=first).read_text()
+        lines = [x.strip() for x in text.splitlines() if x.strip().startswith("import ")]
+        expected = ["torch", "aioloader", "torchvision"] if first else ["torch", "torchvision"]
+        if not first:
+            expected.append("aioloader")
+        assert [x.removeprefix("import ") for x in lines[1:]] == expected, text
+        compile(text, "train.py", "exec")

@@ -16,10 +16,13 @@ from typing import Any
 import pytest
 
 PROBE = """
-import json, multiprocessing.forkserver, os, select, sys, threading
+import json, multiprocessing.forkserver, os, select, sys, threading, time
 import torch.utils.data
 import aioloader
 from aioloader._workers import standby
+
+if "slow-import" in sys.argv:  # an import after aioloader's taking 0.6 s (in the standby too)
+    time.sleep(0.6)
 
 class Pids(torch.utils.data.Dataset):
     def __len__(self):
@@ -68,6 +71,7 @@ if __name__ == "__main__":
     print(json.dumps({
         "server": stats.server,
         "server_why": stats.server_why,
+        "server_s": stats.server_s,
         "standby_was": standby_pid,
         "standby_alive": standby_pid is not None and os.path.exists(f"/proc/{standby_pid}")
             and open(f"/proc/{standby_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z",
@@ -115,6 +119,7 @@ def test_the_server_is_a_fork_of_a_single_threaded_process(tmp_path: Path) -> No
     assert got["server_holds_app_file"]  # a module's open file reads in a worker, as with fork
     assert got["pipe_eof"]
     assert (got["server"], got["server_why"]) == ("forked", "")
+    assert got["server_s"] < 0.5  # a fork of this process: milliseconds
     # The standby was there, and is gone: the server forked now replaced it.
     assert got["standby_was"] is not None and not got["standby_alive"]
 
@@ -134,6 +139,17 @@ def test_once_forking_is_unsafe_the_standby_serves(tmp_path: Path, unsafe: str, 
     assert got["server_parent"] == got["me"]
     assert got["server_cmdline"] == got["my_cmdline"]  # forked, not a fresh interpreter
     assert got["pipe_eof"]
+    assert 0 < got["server_s"] < 0.6  # waking it: the probe's imports are all in it already
+
+
+def test_what_the_main_module_imports_after_aioloader_is_the_standbys_ready_time(
+    tmp_path: Path,
+) -> None:
+    """Found on a GPU box: a script importing torchvision after aioloader had its standby
+    import it again as it woke (5 s), which ``startup_s`` did not show; ``server_s`` does."""
+    got = probe(tmp_path, "cuda", "slow-import")
+    assert (got["server"], got["workers"]) == ("standby", 2)
+    assert got["server_s"] >= 0.6
 
 
 def test_without_a_standby_the_stdlib_starts_its_server(tmp_path: Path) -> None:
