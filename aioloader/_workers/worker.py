@@ -165,6 +165,26 @@ def name_this_process(name: str) -> None:
         libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
 
 
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc's malloc.h)
+MMAP_THRESHOLD = 128 << 10  # bytes: glibc's default, fixed
+
+
+def fix_mmap_threshold() -> None:
+    """Keep glibc's malloc giving blocks of ``MMAP_THRESHOLD`` bytes or more their own mapping,
+    returned to the system when freed (Linux with glibc; best effort; left alone where the
+    user set ``MALLOC_MMAP_THRESHOLD_``).
+
+    By default glibc raises the threshold to the size of each mapped block freed, up to 32 MiB:
+    once a worker has freed one job's raw samples or one pickled batch, the next ones come from
+    the heap, which keeps its high-water mark. Measured with 2 workers, batches of 256 JPEGs
+    of 56 KiB: the workers' PSS went from 269 to 189 MiB (torch's workers: 205 MiB) with the
+    ImageFolder dataset, and from 380 to 270 MiB with the files' bytes sent to the workers."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    with contextlib.suppress(Exception):  # not glibc (musl has a mallopt that does nothing)
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def _exit_now() -> None:
     """Leave at once once the main process has hung up: nothing of the worker's needs tearing
     down, and an interpreter shutdown with torch loaded costs most of a second per worker."""
@@ -207,6 +227,7 @@ def worker_main(
     _info = WorkerInfo(worker_id, num_workers, seed, dataset)
     _tell_torch(_info)
     torch.set_num_threads(1)  # N workers on N cores: intra-op threads would oversubscribe
+    fix_mmap_threshold()
     seed_everything(seed)
     try:
         if worker_init_fn is not None:
@@ -217,14 +238,21 @@ def worker_main(
     _send(conn, ForkingPickler.dumps((True, os.getpid())))
     while True:
         try:
-            fn, args, batch_seed = pickle.loads(conn.recv_bytes())
+            job = conn.recv_bytes()
         except (EOFError, OSError):
             _exit_now()
-        if batch_seed is not None:
-            seed_everything(batch_seed)
-        try:
-            reply: tuple[bool, Any] = (True, pack_tensors(_prepare_failures(fn(*args))))
-            payload = ForkingPickler.dumps(reply)
-        except BaseException as exc:
-            payload = ForkingPickler.dumps((False, _with_worker_note(exc)))
+        payload = _run_job(job)
+        del job  # nothing of a job (its raw samples) is kept while the next one is awaited
         _send(conn, payload)
+
+
+def _run_job(job: bytes) -> memoryview:
+    """One job, ``(fn, args, batch_seed)`` pickled: the reply, ``(ok, value)`` pickled."""
+    fn, args, batch_seed = pickle.loads(job)
+    if batch_seed is not None:
+        seed_everything(batch_seed)
+    try:
+        reply: tuple[bool, Any] = (True, pack_tensors(_prepare_failures(fn(*args))))
+        return ForkingPickler.dumps(reply)
+    except BaseException as exc:
+        return ForkingPickler.dumps((False, _with_worker_note(exc)))
