@@ -20,7 +20,11 @@ Run on a machine with a CUDA GPU (about a minute on an H100; ``--quick`` for les
    already resident on the GPU. Prints steps/s and the gaps of (a), (b) and (b2) to (c); the
    goal is (a) within 5% of (c).
 3. Bandwidth: bytes per second through the device stage (copy into the pinned pool + H2D copy)
-   against a plain pinned ``copy_`` measured here, and the host copy rate into pinned memory.
+   against a plain pinned ``copy_`` measured here, with large tensors copied chunk by chunk
+   (the default: each chunk's H2D copy overlaps the next chunk's host copy) and whole
+   (``aioloader._device.stage._CHUNK_BYTES = 0``), for 64 MiB batches and image batches
+   (256x3x224x224 uint8, 36.8 MiB); and the host copy rate into pinned memory with torch's
+   thread count and with one thread.
 
 Exit status: 0 when every correctness check that ran passed, 1 when one failed, 2 without CUDA.
 A run the time budget left no room for is reported as skipped, not failed. The overlap goal is
@@ -43,6 +47,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import aioloader
+from aioloader._device import stage as stage_module
 
 MB = 1 << 20
 
@@ -476,18 +481,11 @@ def timed_copies(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
     return repeats * src.numel() * src.element_size() / (start.elapsed_time(end) / 1e3)
 
 
-def check_bandwidth(dev: torch.device, count: int) -> None:
-    size = 64 * MB
-    pageable = torch.randint(0, 256, (size,), dtype=torch.uint8)
-    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    on_gpu = torch.empty(size, dtype=torch.uint8, device=dev)
-    peak = timed_copies(on_gpu, pinned, repeats=20)
-    from_pageable = timed_copies(on_gpu, pageable, repeats=5)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        pinned.copy_(pageable)
-    host = 5 * size / (time.perf_counter() - t0)
-    del on_gpu
+def stage_rate(tensor: torch.Tensor, count: int) -> tuple[float, int, Any, Any]:
+    """Bytes per second through the device stage (``pin_memory=True, device="cuda"``) of
+    ``count`` batches, each ``tensor``; with the batches counted and the pool's allocations
+    and capacity."""
+    size = tensor.numel() * tensor.element_size()
     prefetch = 2  # staged batches ahead of the consumer, at most
 
     class Same(torch.utils.data.Dataset[torch.Tensor]):
@@ -495,7 +493,7 @@ def check_bandwidth(dev: torch.device, count: int) -> None:
             return 3 + prefetch + count
 
         def __getitem__(self, index: int) -> torch.Tensor:
-            return pageable
+            return tensor
 
     loader = aioloader.DataLoader(
         Same(), batch_size=None, pin_memory=True, device="cuda", prefetch=prefetch
@@ -512,20 +510,75 @@ def check_bandwidth(dev: torch.device, count: int) -> None:
             next(it)
         n = sum(1 for _ in it)
         torch.cuda.synchronize()
-        stage = n * size / (time.perf_counter() - t0)
+        rate = n * size / (time.perf_counter() - t0)
         scope = getattr(loader, "_scope", None)
         pool = getattr(getattr(scope, "device", None), "pool", None)
-        allocations = getattr(pool, "allocations", "?")
-        capacity = getattr(pool, "capacity", "?")
+    return rate, n, getattr(pool, "allocations", "?"), getattr(pool, "capacity", "?")
+
+
+def host_rate(dst: torch.Tensor, src: torch.Tensor, threads: int) -> float:
+    """Bytes per second of ``dst.copy_(src)`` on the host with ``threads`` intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dst.copy_(src)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        return 5 * src.numel() * src.element_size() / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_bandwidth(dev: torch.device, count: int, budget: Budget) -> None:
+    """The H2D peak and host copy rates, then the device stage with its large tensors copied
+    chunk by chunk (the default) and whole (``_CHUNK_BYTES = 0``), at 64 MiB and at an image
+    batch's size; each stage run is skipped once fewer than 5 s of the budget are left."""
+    size = 64 * MB
+    g = torch.Generator().manual_seed(0)
+    pageable = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    images = torch.randint(0, 256, (256, 3, 224, 224), dtype=torch.uint8, generator=g)
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    on_gpu = torch.empty(size, dtype=torch.uint8, device=dev)
+    peak = timed_copies(on_gpu, pinned, repeats=20)
+    from_pageable = timed_copies(on_gpu, pageable, repeats=5)
+    threads = torch.get_num_threads()
+    host = host_rate(pinned, pageable, threads)
+    host_one = host_rate(pinned, pageable, 1)
+    del on_gpu, pinned
     gb = 1e9
+    chunk = stage_module._CHUNK_BYTES
     print(f"    torch pinned copy_ peak (H2D)      {peak / gb:6.1f} GB/s")
     print(f"    torch pageable copy_ (H2D)         {from_pageable / gb:6.1f} GB/s")
-    print(f"    host copy into pinned memory       {host / gb:6.1f} GB/s (one call)")
     print(
-        f"    device stage (pool + H2D)          {stage / gb:6.1f} GB/s = {stage / peak:.0%} of "
-        f"peak; {n} batches of {size // MB} MiB; pinned buffers allocated: {allocations} "
-        f"(pool capacity {capacity})"
+        f"    host copy into pinned memory       {host / gb:6.1f} GB/s with torch's {threads} "
+        f"threads, {host_one / gb:.1f} GB/s with 1 (one call of {size // MB} MiB)"
     )
+    print(
+        f"    device stage (pool + H2D), large tensors in chunks of {chunk / MB:g} MiB "
+        f"(over {stage_module._CHUNKED_OVER} chunks) or whole:"
+    )
+    batches = {"64 MiB, flat uint8": pageable, "256x3x224x224 uint8": images}
+    for label, tensor in batches.items():
+        rates: dict[str, float] = {}
+        for mode, chunk_bytes in (("chunked", chunk), ("whole", 0)):
+            if budget.left() < 5:
+                print(f"      {label:<20} {mode:<8} skipped (time budget)")
+                continue
+            stage_module._CHUNK_BYTES = chunk_bytes
+            try:
+                rate, n, allocations, capacity = stage_rate(tensor, count)
+            finally:
+                stage_module._CHUNK_BYTES = chunk
+            rates[mode] = rate
+            nbytes = tensor.numel() * tensor.element_size()
+            print(
+                f"      {label:<20} {mode:<8} {rate / gb:6.1f} GB/s = {rate / peak:4.0%} of peak; "
+                f"{n} batches of {nbytes / MB:.1f} MiB; pinned buffers allocated: "
+                f"{allocations} (pool capacity {capacity})"
+            )
+        if len(rates) == 2:
+            print(f"      {label:<20} chunked/whole {rates['chunked'] / rates['whole']:.2f}x")
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -575,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("[3] H2D bandwidth")
     if budget.left() > 15:
-        check_bandwidth(dev, 16 if args.quick else 48)
+        check_bandwidth(dev, 16 if args.quick else 48, budget)
     else:
         print("    skipped (time budget)")
 

@@ -32,6 +32,11 @@ from .accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
 __all__ = ["device_plan", "DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
 
 _ALIGN = 256  # bytes: each tensor's offset in a pinned buffer (whole cache lines, any dtype)
+# A contiguous tensor larger than _CHUNKED_OVER chunks of _CHUNK_BYTES goes through its pinned
+# buffer chunk by chunk (see DeviceStage); _CHUNK_BYTES = 0 copies every tensor whole. Both are
+# read at each copy, so a test or a benchmark can change them.
+_CHUNK_BYTES = 4 << 20
+_CHUNKED_OVER = 2
 
 
 class Staged:
@@ -137,6 +142,39 @@ def device_plan(
     return plan_for(device, pin=pin, transform=transform)
 
 
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s memory as a flat ``uint8`` view, or None where it has none that holds its
+    values: not contiguous (a permuted dense tensor keeps the whole copy), a conjugate or
+    negative view (its bytes are not its values), or a dtype torch will not view as bytes."""
+    if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+        return None
+    try:
+        flat = tensor.view(-1).view(torch.uint8)
+    except RuntimeError:
+        return None
+    return flat if flat.numel() == tensor.numel() * tensor.element_size() else None
+
+
+def _copy_in_chunks(tensor: torch.Tensor, staging: torch.Tensor, target: torch.Tensor) -> bool:
+    """Copy ``tensor`` to ``target`` through ``staging`` (its bytes in a pinned buffer) chunk by
+    chunk: each chunk's copy to the device is issued (``non_blocking``) as soon as the chunk is
+    in the buffer, so it runs while the host copies the next one. False, with nothing copied,
+    when ``tensor`` is not larger than ``_CHUNKED_OVER`` chunks or either end has no byte view
+    (:func:`_as_bytes`): then the caller copies it whole."""
+    chunk = _CHUNK_BYTES
+    nbytes = staging.numel()
+    if chunk <= 0 or nbytes <= _CHUNKED_OVER * chunk:
+        return False
+    source, dest = _as_bytes(tensor), _as_bytes(target)
+    if source is None or dest is None:
+        return False
+    for start in range(0, nbytes, chunk):
+        end = min(start + chunk, nbytes)
+        staging[start:end].copy_(source[start:end])
+        dest[start:end].copy_(staging[start:end], non_blocking=True)
+    return True
+
+
 def _dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
     """The strides ``tensor.to(device)`` would give: its own when it is dense (contiguous,
     channels-last, any permutation), else contiguous ones."""
@@ -158,6 +196,12 @@ class DeviceStage:
     buffer is reused only once the copies out of it have completed. Tensors that cannot go
     through a pinned buffer (tensor subclasses, sparse, quantized, nested or empty tensors,
     tensors already on a device) are moved with ``tensor.to(device)`` on the side stream.
+
+    A contiguous tensor larger than ``_CHUNKED_OVER`` chunks of ``_CHUNK_BYTES`` goes through
+    its buffer chunk by chunk: each chunk's device copy is issued as soon as that chunk is in
+    the buffer, so it overlaps the host copy of the next chunk, where a whole tensor's device
+    copy waits for all of its host copy (the figures are in docs/design.md). A permuted dense
+    tensor, or one without a byte view, is copied whole.
 
     Args:
         plan: What to do (see :class:`DevicePlan`).
@@ -264,7 +308,7 @@ class DeviceStage:
                 )
                 if buffer is None:  # pin_memory=False: from pageable memory
                     target.copy_(tensor, non_blocking=True)
-                else:
+                elif not _copy_in_chunks(tensor, buffer[offset : offset + nbytes], target):
                     staging = buffer[offset : offset + nbytes].view(tensor.dtype)
                     staging = staging.as_strided(tensor.shape, strides)
                     staging.copy_(tensor)

@@ -21,9 +21,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 import aioloader
 from aioloader._base.tree import map_tensors, tensors_in
+from aioloader._device import stage as stage_module
 from aioloader._device.accelerator import PinnedPool, cuda_index, resolve_device, size_class
 from aioloader._device.stage import DevicePlan, DeviceStage
 from tests.conftest import aioloader_threads
@@ -451,7 +453,12 @@ def collate_records(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
-async def test_batches_equal_the_host_path_with_layout_and_non_tensors_kept() -> None:
+@pytest.mark.parametrize("chunk", [None, 16])  # 16: tensors over 32 bytes go in chunks
+async def test_batches_equal_the_host_path_with_layout_and_non_tensors_kept(
+    chunk: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if chunk is not None:
+        monkeypatch.setattr(stage_module, "_CHUNK_BYTES", chunk)
     kwargs: dict[str, Any] = {"batch_size": 5, "collate_fn": collate_records, "prefetch": 2}
     async with aioloader.DataLoader(Records(23), **kwargs) as plain:
         want = [b async for b in plain]
@@ -492,6 +499,193 @@ async def test_stage_copies_tensors_and_passes_everything_else_through() -> None
     assert torch.equal(out["x"], x) and torch.equal(out["pair"].a, x.t())
     assert out["pair"].a.stride() == x.t().stride()  # a permuted dense tensor keeps its layout
     assert len(fake.handed) == 1 and fake.closed
+
+
+# -- large tensors, chunk by chunk --------------------------------------------------------------
+
+
+class CopyLog(TorchFunctionMode):
+    """Logs every ``copy_`` made while it is active (on the thread that entered it), and fails
+    the ``fail_at``-th copy out of a pinned buffer."""
+
+    def __init__(self, fake: CopyingAccelerator) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            self.fake.copied(args[0], args[1], bool(non_blocking))
+        return func(*args, **kwargs)
+
+
+class CopyingAccelerator(FakeAccelerator):
+    """A :class:`FakeAccelerator` that logs, in order, the side stream's copies into a pinned
+    buffer (``"host"``) and out of one (``"device"``: the H2D copies on a GPU), each as (kind,
+    destination address, source address, bytes, ``non_blocking``), and each event recorded
+    (``("record", 0, 0, 0, False)``)."""
+
+    def __init__(self, *, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.buffers: list[torch.Tensor] = []
+        self.log: list[tuple[str, int, int, int, bool]] = []
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        buffer = super().pinned(nbytes)
+        self.buffers.append(buffer)
+        return buffer
+
+    @contextlib.contextmanager
+    def side(self) -> Iterator[None]:
+        with super().side(), CopyLog(self):
+            yield
+
+    def record(self) -> FakeEvent:
+        self.log.append(("record", 0, 0, 0, False))
+        return super().record()
+
+    def _pinned(self, t: torch.Tensor) -> bool:
+        return any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel() for b in self.buffers)
+
+    def copied(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        kind = "host" if self._pinned(dst) else "device" if self._pinned(src) else "other"
+        nbytes = dst.numel() * dst.element_size()
+        self.log.append((kind, dst.data_ptr(), src.data_ptr(), nbytes, non_blocking))
+        if kind == "device" and self.fail_at is not None:
+            self.fail_at -= 1
+            if self.fail_at == 0:
+                raise torch.OutOfMemoryError("pretend the device is full")
+
+    def device_copies(self, out: torch.Tensor) -> list[tuple[int, int]]:
+        """The copies out of a pinned buffer into ``out``'s memory: (offset, bytes) each."""
+        start, end = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+        return [(d - start, n) for k, d, _, n, _ in self.log if k == "device" and start <= d < end]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bytes as ``dtype`` (NaN payloads and all), except bool: 0 or 1."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).view(shape)
+
+
+CHUNK = 1024  # bytes: what the tests patch _CHUNK_BYTES to
+
+
+def chunks(nbytes: int) -> list[tuple[int, int]]:
+    return [(s, min(CHUNK, nbytes - s)) for s in range(0, nbytes, CHUNK)]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.uint8, torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.complex64],
+    ids=str,
+)
+async def test_large_tensors_go_chunk_by_chunk_and_arrive_bit_exact(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stage_module, "_CHUNK_BYTES", CHUNK)
+    big = random_tensor((7, 13, 29), dtype, 1)  # 2639 elements: no multiple of the chunk
+    conj = random_tensor((40, 40), torch.complex64, 6).conj()  # its bytes are not its values
+    batch = {
+        "big": big,
+        "exact": random_tensor((4 * CHUNK,), torch.uint8, 2),  # a multiple of the chunk
+        "two": random_tensor((2 * CHUNK,), torch.uint8, 8),  # not over two chunks: whole
+        "permuted": random_tensor((29, 13, 7), dtype, 3).permute(2, 0, 1),  # dense, permuted
+        "sliced": big[:, ::2],  # not dense
+        "small": random_tensor((5,), dtype, 4),
+        "scalar": random_tensor((), dtype, 5),
+        "conj": conj,
+        "label": 3,
+    }
+    fake = CopyingAccelerator()
+    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
+    await stage.open()
+    try:
+        out = (await stage.stage(batch)).ready()
+    finally:
+        await stage.aclose()
+    same(out, {**batch, "conj": conj.resolve_conj()})
+    nbytes = big.numel() * big.element_size()
+    assert nbytes > 2 * CHUNK and nbytes % CHUNK
+    assert fake.device_copies(out["big"]) == chunks(nbytes)
+    assert fake.device_copies(out["exact"]) == chunks(4 * CHUNK)
+    for key in ("two", "permuted", "sliced", "small", "scalar", "conj"):  # each copied whole
+        t = out[key]
+        assert fake.device_copies(t) == [(0, t.numel() * t.element_size())], key
+    assert all(nb for kind, *_, nb in fake.log if kind == "device"), "H2D copies not non_blocking"
+    assert {kind for kind, *_ in fake.log} == {"host", "device", "record"}
+
+
+async def test_each_chunk_is_sent_before_the_next_is_copied_and_one_event_ends_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(stage_module, "_CHUNK_BYTES", CHUNK)
+    big = random_tensor((10 * CHUNK + 3,), torch.uint8, 7)
+    fake = CopyingAccelerator()
+    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
+    await stage.open()
+    try:
+        out = (await stage.stage([big, torch.arange(3)])).ready()
+        pool = stage.pool
+        assert pool is not None and [e for _, e in pool._busy] == [fake.events[-1]]
+    finally:
+        await stage.aclose()
+    same(out, [big, torch.arange(3)])
+    log = fake.log
+    assert [kind for kind, *_ in log] == ["host", "device"] * 12 + ["record"]
+    assert len(fake.events) == 1  # one event, after every copy: the buffer's reuse waits for it
+    pairs = zip(log[0:-1:2], log[1:-1:2], strict=True)
+    for (_, staged, _, n, _), (_, _, src, m, non_blocking) in pairs:
+        assert src == staged and m == n and non_blocking  # chunk k, sent as soon as staged
+    assert fake.device_copies(out[0]) == chunks(10 * CHUNK + 3)
+
+
+async def test_chunking_off_copies_each_tensor_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stage_module, "_CHUNK_BYTES", 0)  # what benchmarks/gpu_check.py sets
+    big = random_tensor((64 << 10,), torch.float32, 8)
+    fake = CopyingAccelerator()
+    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
+    await stage.open()
+    try:
+        out = (await stage.stage(big)).ready()
+    finally:
+        await stage.aclose()
+    same(out, big)
+    assert [kind for kind, *_ in fake.log] == ["host", "device", "record"]
+
+
+async def test_a_failure_between_chunks_gives_the_buffer_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(stage_module, "_CHUNK_BYTES", CHUNK)
+    big = random_tensor((8 * CHUNK,), torch.uint8, 9)
+    fake = CopyingAccelerator(fail_at=3)
+    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
+    await stage.open()
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="pretend"):
+            await stage.stage({"x": big})
+        pool = stage.pool
+        assert pool is not None and pool._lent == 0
+        # Given back with an event after the copies issued before the failure.
+        assert [kind for kind, *_ in fake.log] == ["host", "device"] * 3 + ["record"]
+        assert [e for _, e in pool._busy] == [fake.events[-1]]
+        out = (await stage.stage({"x": big})).ready()  # the stage goes on
+    finally:
+        await stage.aclose()
+    same(out, {"x": big})
+    assert fake.pinned_sizes == [1 << 16]
 
 
 async def test_async_for_hands_over_on_the_loop_thread() -> None:

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import aioloader
 from aioloader._base.tree import tensors_in
+from aioloader._device import stage as stage_module
 from tests.conftest import aioloader_threads
 from tests.device.test_device import Records, collate_records, same
 from tests.support.helpers import Counting, other_tasks
@@ -80,6 +81,39 @@ async def test_batches_equal_the_cpu_path_bit_for_bit(
         same(g, w)
         assert all(t.device == cuda() for t in tensors_in(g))
         assert g["name"] == w["name"] and g["pair"].b == w["pair"].b  # non-tensors as they were
+
+
+async def test_large_tensors_in_chunks_equal_the_host_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Small chunks: many chunk copies out of each pinned buffer. The transform keeps the side
+    # stream busy, so the next batches' chunk copies are still queued when the host would
+    # reuse their buffers: the pool must wait for the one event after all of a batch's chunks.
+    monkeypatch.setattr(stage_module, "_CHUNK_BYTES", 1 << 12)
+    g = torch.Generator().manual_seed(11)
+    batches = [
+        {
+            "image": torch.randint(0, 256, (4, 3, 32, 32 + i), dtype=torch.uint8, generator=g),
+            "feat": torch.randn(6000 + 7 * i, generator=g).to(torch.bfloat16),
+            "mask": torch.rand(10_000 + i, generator=g) > 0.5,
+            "t": torch.randn(40, 50, generator=g).t(),  # dense, permuted: copied whole
+            "label": torch.tensor(i),
+        }
+        for i in range(24)
+    ]
+
+    def slow(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        return batch
+
+    dl = aioloader.DataLoader(
+        batches, batch_size=None, pin_memory=True, device="cuda", prefetch=3, device_transform=slow
+    )
+    async with dl:
+        got = [{k: v.cpu() for k, v in b.items()} async for b in dl]
+    assert len(got) == len(batches)
+    for batch, want in zip(got, batches, strict=True):
+        same(batch, want)
 
 
 async def test_pin_memory_without_device_pins_on_the_host() -> None:
