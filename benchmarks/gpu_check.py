@@ -554,31 +554,38 @@ def check_bandwidth(dev: torch.device, count: int, budget: Budget) -> None:
         f"    host copy into pinned memory       {host / gb:6.1f} GB/s with torch's {threads} "
         f"threads, {host_one / gb:.1f} GB/s with 1 (one call of {size // MB} MiB)"
     )
+    copy_threads = stage_module._COPY_THREADS
     print(
         f"    device stage (pool + H2D), large tensors in chunks of {chunk / MB:g} MiB "
-        f"(over {stage_module._CHUNKED_OVER} chunks) or whole:"
+        f"(over {stage_module._CHUNKED_OVER} chunks) or whole; the stage thread's torch "
+        f"threads (default {copy_threads}):"
     )
     batches = {"64 MiB, flat uint8": pageable, "256x3x224x224 uint8": images}
-    for label, tensor in batches.items():
-        rates: dict[str, float] = {}
-        for mode, chunk_bytes in (("chunked", chunk), ("whole", 0)):
-            if budget.left() < 5:
-                print(f"      {label:<20} {mode:<8} skipped (time budget)")
-                continue
-            stage_module._CHUNK_BYTES = chunk_bytes
-            try:
-                rate, n, allocations, capacity = stage_rate(tensor, count)
-            finally:
-                stage_module._CHUNK_BYTES = chunk
-            rates[mode] = rate
-            nbytes = tensor.numel() * tensor.element_size()
-            print(
-                f"      {label:<20} {mode:<8} {rate / gb:6.1f} GB/s = {rate / peak:4.0%} of peak; "
-                f"{n} batches of {nbytes / MB:.1f} MiB; pinned buffers allocated: "
-                f"{allocations} (pool capacity {capacity})"
-            )
-        if len(rates) == 2:
-            print(f"      {label:<20} chunked/whole {rates['chunked'] / rates['whole']:.2f}x")
+    variants = [(label, mode, copy_threads) for label in batches for mode in ("chunked", "whole")]
+    variants += [("256x3x224x224 uint8", "chunked", n) for n in (1, 8, 16) if n != copy_threads]
+    rates: dict[tuple[str, str, int], float] = {}
+    for label, mode, n_threads in variants:
+        tensor = batches[label]
+        if budget.left() < 5:
+            print(f"      {label:<20} {mode:<8} {n_threads:2d} threads: skipped (time budget)")
+            continue
+        stage_module._CHUNK_BYTES = chunk if mode == "chunked" else 0
+        stage_module._COPY_THREADS = n_threads
+        try:
+            rate, n, allocations, capacity = stage_rate(tensor, count)
+        finally:
+            stage_module._CHUNK_BYTES, stage_module._COPY_THREADS = chunk, copy_threads
+        rates[label, mode, n_threads] = rate
+        nbytes = tensor.numel() * tensor.element_size()
+        print(
+            f"      {label:<20} {mode:<8} {n_threads:2d} threads: {rate / gb:6.1f} GB/s = "
+            f"{rate / peak:4.0%} of peak; {n} batches of {nbytes / MB:.1f} MiB; pinned buffers "
+            f"allocated: {allocations} (pool capacity {capacity})"
+        )
+    for label in batches:
+        chunked, whole = (rates.get((label, m, copy_threads)) for m in ("chunked", "whole"))
+        if chunked and whole:
+            print(f"      {label:<20} chunked/whole {chunked / whole:.2f}x")
 
 
 # -- main -----------------------------------------------------------------------------------------

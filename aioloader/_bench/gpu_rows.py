@@ -36,7 +36,8 @@ from PIL import Image
 import aioloader
 from aioloader._bench.cpu_data import random_resized_crop_box
 from aioloader._bench.gpu import CONFIGS, CROP, ROW_PREFIX
-from aioloader._bench.harness import error_text, process_tree, pss_kib
+from aioloader._bench.gpu_memory import pss_by_process
+from aioloader._bench.harness import error_text
 from aioloader.sources import files
 
 tv: Any  # torchvision, when it imports (the GPU box has it; a wheel for another torch fails)
@@ -127,45 +128,6 @@ class TinyNet(torch.nn.Sequential):
             torch.nn.Flatten(),
             torch.nn.Linear(32, classes),
         )
-
-
-# -- the process tree's PSS, by role -------------------------------------------------------------
-
-
-def role(pid: int, main: int) -> tuple[str, str]:
-    """``(role, name)``: the role is ``main``, ``fork server`` (aioloader's forked one or its
-    standby, or the stdlib's interpreter), ``workers`` (aioloader's or torch's) or ``other``;
-    the name is the process's (``comm``), or what a ``python -c`` of multiprocessing's runs."""
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return "other", "?"
-    if "multiprocessing.forkserver" in command:
-        return "fork server", "stdlib forkserver"
-    if "multiprocessing.resource_tracker" in command:
-        return "other", "resource tracker"
-    if pid == main:
-        return "main", comm
-    if comm in ("aioloader-fs", "aioloader-sb"):
-        return "fork server", comm
-    if comm.startswith("aioloader-w") or comm == "pt_data_worker":
-        return "workers", comm
-    return "other", comm
-
-
-def pss_by_process() -> dict[str, dict[str, Any]]:
-    """This process's tree now: per role, its processes, their summed PSS (MiB) and names."""
-    me = os.getpid()
-    found: dict[str, dict[str, Any]] = {}
-    for pid in process_tree(me):
-        kind, name = role(pid, me)
-        entry = found.setdefault(kind, {"processes": 0, "pss_mib": 0.0, "names": []})
-        entry["processes"] += 1
-        entry["pss_mib"] = round(entry["pss_mib"] + pss_kib(pid) / 1024, 1)
-        if name not in entry["names"]:
-            entry["names"].append(name)
-    return found
 
 
 # -- the script ------------------------------------------------------------------------------

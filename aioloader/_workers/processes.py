@@ -35,7 +35,7 @@ import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory re
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
-from .serverstart import claim_server_seconds, prepare_forkserver, server_start
+from .serverstart import note_server, prepare_forkserver
 from .worker import worker_main
 
 __all__ = [
@@ -167,9 +167,8 @@ class ProcessWorkers:
             self._idle_send.send_nowait(worker)
         self._stats.startup_s = time.perf_counter() - started
         self._stats.processes = self.concurrency
-        if self._ctx.get_start_method() == "forkserver" and (server := server_start()):
-            self._stats.server, self._stats.server_why = server.how, server.why
-            self._stats.server_s += claim_server_seconds()
+        if self._ctx.get_start_method() == "forkserver":
+            note_server(self._stats)
 
     async def _replace(self, worker: _Worker) -> _Worker:
         """A fresh process for a dead (or abandoned) worker's slot.

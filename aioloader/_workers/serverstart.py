@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._base.recorders import WorkerRecorder
 from . import standby
 from .forkserver import (
     PRELOAD,
@@ -28,7 +29,7 @@ from .forkserver import (
     unsafe_to_fork,
 )
 
-__all__ = ["ServerStart", "claim_server_seconds", "prepare_forkserver", "server_start"]
+__all__ = ["ServerStart", "note_server", "prepare_forkserver", "server_start"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +70,15 @@ def server_start() -> ServerStart | None:
     return _started
 
 
-def claim_server_seconds() -> float:
-    """What getting the fork server ready cost this process (a standby catching up with the
-    main module: its imports after aioloader's), for the statistics of the first pool that
-    starts workers after it; 0.0 once claimed, or when nothing was paid here."""
+def note_server(stats: WorkerRecorder) -> None:
+    """Put into a pool's statistics how the fork server started and why, and what getting it
+    ready cost this process (a standby catching up with the main module: its imports after
+    aioloader's): that cost once, in the first pool that starts workers after it."""
     global _unclaimed_s
-    seconds, _unclaimed_s = _unclaimed_s, 0.0
-    return seconds
+    if _started is not None:
+        stats.server, stats.server_why = _started.how, _started.why
+        stats.server_s += _unclaimed_s
+        _unclaimed_s = 0.0
 
 
 def _start() -> ServerStart:

@@ -1,0 +1,47 @@
+"""The ``gpu`` workload's memory by process: a configuration's process tree read from inside
+(``/proc/PID/smaps_rollup``), each process put in a role: the main process, a fork server,
+workers, or other (the resource tracker)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from aioloader._bench.harness import process_tree, pss_kib
+
+
+def role(pid: int, main: int) -> tuple[str, str]:
+    """``(role, name)``: the role is ``main``, ``fork server`` (aioloader's forked one or its
+    standby, or the stdlib's interpreter), ``workers`` (aioloader's or torch's) or ``other``;
+    the name is the process's (``comm``), or what a ``python -c`` of multiprocessing's runs."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "other", "?"
+    if "multiprocessing.forkserver" in command:
+        return "fork server", "stdlib forkserver"
+    if "multiprocessing.resource_tracker" in command:
+        return "other", "resource tracker"
+    if pid == main:
+        return "main", comm
+    if comm in ("aioloader-fs", "aioloader-sb"):
+        return "fork server", comm
+    if comm.startswith("aioloader-w") or comm == "pt_data_worker":
+        return "workers", comm
+    return "other", comm
+
+
+def pss_by_process() -> dict[str, dict[str, Any]]:
+    """This process's tree now: per role, its processes, their summed PSS (MiB) and names."""
+    me = os.getpid()
+    found: dict[str, dict[str, Any]] = {}
+    for pid in process_tree(me):
+        kind, name = role(pid, me)
+        entry = found.setdefault(kind, {"processes": 0, "pss_mib": 0.0, "names": []})
+        entry["processes"] += 1
+        entry["pss_mib"] = round(entry["pss_mib"] + pss_kib(pid) / 1024, 1)
+        if name not in entry["names"]:
+            entry["names"].append(name)
+    return found
