@@ -554,38 +554,29 @@ def check_bandwidth(dev: torch.device, count: int, budget: Budget) -> None:
         f"    host copy into pinned memory       {host / gb:6.1f} GB/s with torch's {threads} "
         f"threads, {host_one / gb:.1f} GB/s with 1 (one call of {size // MB} MiB)"
     )
-    copy_threads = stage_module._COPY_THREADS
     print(
-        f"    device stage (pool + H2D), large tensors in chunks of {chunk / MB:g} MiB "
-        f"(over {stage_module._CHUNKED_OVER} chunks) or whole; the stage thread's torch "
-        f"threads (default {copy_threads}):"
+        f"    device stage (pool + H2D), large tensors in chunks (over "
+        f"{stage_module._CHUNKED_OVER} chunks; default {chunk / MB:g} MiB) or whole:"
     )
     batches = {"64 MiB, flat uint8": pageable, "256x3x224x224 uint8": images}
-    variants = [(label, mode, copy_threads) for label in batches for mode in ("chunked", "whole")]
-    variants += [("256x3x224x224 uint8", "chunked", n) for n in (1, 8, 16) if n != copy_threads]
-    rates: dict[tuple[str, str, int], float] = {}
-    for label, mode, n_threads in variants:
+    sizes = [*sorted({chunk, 4 * MB, 16 * MB} - {0}), 0]
+    for label, chunk_bytes in [(label, c) for label in batches for c in sizes]:
         tensor = batches[label]
+        mode = f"chunks of {chunk_bytes // MB} MiB" if chunk_bytes else "whole"
         if budget.left() < 5:
-            print(f"      {label:<20} {mode:<8} {n_threads:2d} threads: skipped (time budget)")
+            print(f"      {label:<20} {mode:<16} skipped (time budget)")
             continue
-        stage_module._CHUNK_BYTES = chunk if mode == "chunked" else 0
-        stage_module._COPY_THREADS = n_threads
+        stage_module._CHUNK_BYTES = chunk_bytes
         try:
             rate, n, allocations, capacity = stage_rate(tensor, count)
         finally:
-            stage_module._CHUNK_BYTES, stage_module._COPY_THREADS = chunk, copy_threads
-        rates[label, mode, n_threads] = rate
+            stage_module._CHUNK_BYTES = chunk
         nbytes = tensor.numel() * tensor.element_size()
         print(
-            f"      {label:<20} {mode:<8} {n_threads:2d} threads: {rate / gb:6.1f} GB/s = "
-            f"{rate / peak:4.0%} of peak; {n} batches of {nbytes / MB:.1f} MiB; pinned buffers "
-            f"allocated: {allocations} (pool capacity {capacity})"
+            f"      {label:<20} {mode:<16} {rate / gb:6.1f} GB/s = {rate / peak:4.0%} of peak; "
+            f"{n} batches of {nbytes / MB:.1f} MiB; pinned buffers allocated: {allocations} "
+            f"(pool capacity {capacity})"
         )
-    for label in batches:
-        chunked, whole = (rates.get((label, m, copy_threads)) for m in ("chunked", "whole"))
-        if chunked and whole:
-            print(f"      {label:<20} chunked/whole {chunked / whole:.2f}x")
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -601,6 +592,10 @@ def main(argv: list[str] | None = None) -> int:
         help="total seconds (default 140); sections shorten themselves when it runs low, and "
         "a hang 25 s past it aborts with stack dumps",
     )
+    parser.add_argument(
+        "--sections", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3],
+        help="which sections to run (default all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -617,24 +612,28 @@ def main(argv: list[str] | None = None) -> int:
         f"aioloader {aioloader.__version__}{' (quick)' if args.quick else ''}"
     )
 
-    print("[1] correctness: GPU batches vs the CPU path, bit for bit")
-    verdicts = [
-        check_correctness(dev, 100 if args.quick else 500, True, budget, reserve=75),
-        check_correctness(dev, 50 if args.quick else 100, False, budget, reserve=75),
-    ]
-    cycles_per_ms = sleep_cycles_per_ms()
-    for pin in (True, False):
-        n = 96 if args.quick else 192
-        verdicts.append(check_hand_over(dev, n, pin, budget, 60, cycles_per_ms))
+    verdicts: list[bool | None] = []
+    if 1 in args.sections:
+        print("[1] correctness: GPU batches vs the CPU path, bit for bit")
+        verdicts += [
+            check_correctness(dev, 100 if args.quick else 500, True, budget, reserve=75),
+            check_correctness(dev, 50 if args.quick else 100, False, budget, reserve=75),
+        ]
+        cycles_per_ms = sleep_cycles_per_ms()
+        for pin in (True, False):
+            n = 96 if args.quick else 192
+            verdicts.append(check_hand_over(dev, n, pin, budget, 60, cycles_per_ms))
 
     print("[2] overlap: steps/s of a ~5 ms training step")
-    if budget.left() > 45:
+    if 2 in args.sections and budget.left() > 45:
         check_overlap(dev, 100 if args.quick else 300, budget)
     else:
-        print("    skipped (time budget)")
+        print("    skipped (time budget)" if 2 in args.sections else "    not asked for")
 
     print("[3] H2D bandwidth")
-    if budget.left() > 15:
+    if 3 not in args.sections:
+        print("    not asked for")
+    elif budget.left() > 15:
         check_bandwidth(dev, 16 if args.quick else 48, budget)
     else:
         print("    skipped (time budget)")

@@ -16,7 +16,6 @@ consumer's stream with the host.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,14 +37,6 @@ _ALIGN = 256  # bytes: each tensor's offset in a pinned buffer (whole cache line
 # read at each copy, so a test or a benchmark can change them.
 _CHUNK_BYTES = 4 << 20
 _CHUNKED_OVER = 2
-# torch's intra-op threads for the stage thread's host copies (torch's count is per thread):
-# a quarter of the cores, at most 8, where the workers use the rest; torch's own pin thread
-# copies with one. Read as the stage's thread starts.
-_COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
-
-
-def _set_copy_threads(_: int) -> None:
-    torch.set_num_threads(_COPY_THREADS)
 
 
 class Staged:
@@ -229,7 +220,7 @@ class DeviceStage:
             else None
         )
         self._transform = plan.transform
-        self._thread = ThreadOffload(1, "device", worker_init_fn=_set_copy_threads)
+        self._thread = ThreadOffload(1, "device")
 
     async def open(self) -> None:
         """Initialise the device on the stage's thread (the first CUDA call can take seconds).

@@ -923,25 +923,3 @@ def test_a_batch_handed_out_is_not_kept_by_the_loader() -> None:
         assert refs[0]() is None, "the plain `for` machinery kept the batch alive"
         assert len(list(it)) == 3
 
-
-async def test_the_stage_thread_copies_with_its_own_share_of_torch_threads(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """torch's intra-op thread count is per thread: the stage's host copies use
-    ``_COPY_THREADS`` of them, and the application's threads keep their own count."""
-    mine = torch.get_num_threads()
-    monkeypatch.setattr(stage_module, "_COPY_THREADS", mine + 1)
-    seen: list[int] = []
-
-    class Counted(FakeAccelerator):
-        def pinned(self, nbytes: int) -> torch.Tensor:
-            seen.append(torch.get_num_threads())  # on the stage's thread
-            return super().pinned(nbytes)
-
-    dl = aioloader.DataLoader(Counting(8), batch_size=4)
-    on_fake_device(dl, Counted())
-    async with dl:
-        got = [b async for b in dl]
-    assert torch.cat(got).tolist() == list(range(8))
-    assert seen and set(seen) == {mine + 1}
-    assert torch.get_num_threads() == mine
