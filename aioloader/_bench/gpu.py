@@ -262,8 +262,8 @@ def extra(result: GpuResult) -> dict[str, Any]:
     keys = (
         "mode", "persistent", "images", "batch_size", "workers", "device", "dataset",
         "model", "epoch_s", "samples", "first_epoch_s", "first_batch_s", "startup_s", "server",
-        "server_s",
-        "server_why", "pss_by_process", "step_ms", "batch_shape", "batch_dtype", "batch_device",
+        "server_s", "server_why", "pss_by_process", "step_ms", "threads_cpu_ms", "batch_shape",
+        "batch_dtype", "batch_device",
     )  # fmt: skip
     payload = result.payload or {}
     return {key: payload.get(key) for key in keys}

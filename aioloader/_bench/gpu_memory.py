@@ -45,3 +45,26 @@ def pss_by_process() -> dict[str, dict[str, Any]]:
         if name not in entry["names"]:
             entry["names"].append(name)
     return found
+
+
+def threads_cpu_s() -> dict[str, float]:
+    """This process's threads' CPU time (user + system, seconds), by name: the Python name
+    where the thread has one (``aioloader-loop``, ``aioloader-device_0``, torch's pin thread
+    ``Thread-N (_pin_memory_loop)``), numbered names folded into one (``aioloader-files``),
+    else the kernel's."""
+    import re
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        name = names.get(int(tid)) or comm
+        name = "main" if int(tid) == os.getpid() else re.sub(r"_\d+$", "", name)
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return found

@@ -67,6 +67,13 @@ def _step(payload: Mapping[str, Any]) -> str:
     return f"{pair(alone)} -> {pair(loop)} ms"
 
 
+def _threads(payload: Mapping[str, Any]) -> str:
+    """``main 9.1 / aioloader-loop 2.0 / ...``: CPU ms per batch by thread, busiest first."""
+    threads = payload.get("threads_cpu_ms") or {}
+    top = sorted(threads.items(), key=lambda kv: -kv[1])[:4]
+    return " / ".join(f"{name} {ms:.1f}" for name, ms in top) or "-"
+
+
 def _startup(payload: Mapping[str, Any]) -> str:
     startup = payload.get("startup_s") or []
     if not startup:
@@ -114,6 +121,8 @@ def format_issue_table(
          lambda r, p: f"{r.rate:,.0f}"),
         ("training step's host / CPU time, alone -> beside the loader", "gpu-train",
          lambda r, p: _step(p)),
+        ("main process's CPU ms per batch by thread (train)", "gpu-train",
+         lambda r, p: _threads(p)),
         ("peak PSS, process tree (MiB, data)", "gpu-data", lambda r, p: f"{r.peak_pss_mib:,.0f}"),
         ("peak PSS, process tree (MiB, train)", "gpu-train",
          lambda r, p: f"{r.peak_pss_mib:,.0f}"),

@@ -36,7 +36,7 @@ from PIL import Image
 import aioloader
 from aioloader._bench.cpu_data import random_resized_crop_box
 from aioloader._bench.gpu import CONFIGS, CROP, ROW_PREFIX
-from aioloader._bench.gpu_memory import pss_by_process
+from aioloader._bench.gpu_memory import pss_by_process, threads_cpu_s
 from aioloader._bench.harness import error_text
 from aioloader.sources import files
 
@@ -255,6 +255,24 @@ def step_alone(
 STEPS_ALONE, WARM_STEPS = 30, 5
 
 
+class ThreadsCpu:
+    """CPU seconds by thread name summed over spans: each span from a reading with ``first``
+    to the next reading, over the threads seen at both (a thread that ended between them
+    leaves its span out)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self._start: dict[str, float] = {}
+
+    def __call__(self, now: dict[str, float], *, first: bool) -> None:
+        if first:
+            self._start = now
+            return
+        for name, seconds in now.items():
+            if name in self._start and seconds > self._start[name]:
+                self.sums[name] = self.sums.get(name, 0.0) + seconds - self._start[name]
+
+
 def epochs(
     loader: Any, args: argparse.Namespace, model: torch.nn.Module | None, begun: float
 ) -> dict[str, Any]:
@@ -266,6 +284,7 @@ def epochs(
     row: dict[str, Any] = {"epoch_s": [], "samples": [], "startup_s": [], "server": ""}
     row["server_why"] = ""
     step = make_step(model, device)
+    cpu_by_thread = ThreadsCpu()
     clock = StepClock()  # the steady epochs' steps
     batches = -(-len(loader.dataset) // args.batch_size)
     for epoch in range(args.epochs):
@@ -286,6 +305,8 @@ def epochs(
                 clock.timed(lambda: step(images, labels))  # noqa: B023 (called at once)
             else:
                 step(images, labels)
+            if epoch > 0 and index in (0, batches - 1):  # CPU by thread, while they run
+                cpu_by_thread(threads_cpu_s(), first=index == 0)
             if epoch == args.epochs - 1 and index == batches // 2:
                 row["pss_by_process"] = pss_by_process()
         if device.type == "cuda":
@@ -301,6 +322,11 @@ def epochs(
                 row["server"], row["server_why"] = workers.server, workers.server_why
                 row["server_s"] = max(row.get("server_s", 0.0), round(workers.server_s, 3))
     row["first_epoch_s"] = row["epoch_s"][0]
+    if args.epochs > 1:  # ms of CPU per batch, by thread of this process, in epochs 2 on
+        steady = (batches - 1) * (args.epochs - 1)
+        row["threads_cpu_ms"] = {
+            name: round(seconds * 1e3 / steady, 2) for name, seconds in cpu_by_thread.sums.items()
+        }
     if model is not None:
         row["step_ms"] = {"loop": clock.summary()}
     return row

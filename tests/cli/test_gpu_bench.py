@@ -73,6 +73,10 @@ def test_the_smoke_run_measures_every_configuration_on_the_cpu(tmp_path: Path) -
                 assert step["steps"] > 0 and step["host_ms"] > 0 and step["cpu_ms"] > 0
         else:
             assert extra["step_ms"] is None
+        # The steady epochs' CPU per batch, by thread (in clock ticks: the smoke run's other
+        # threads may use less than one).
+        threads = extra["threads_cpu_ms"]
+        assert threads["main"] > 0 and all(ms > 0 for ms in threads.values())
         by_role = extra["pss_by_process"]
         assert by_role["main"]["processes"] == 1 and by_role["main"]["pss_mib"] > 0
         assert by_role["workers"]["processes"] == 2 and by_role["workers"]["pss_mib"] > 0

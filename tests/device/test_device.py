@@ -922,4 +922,3 @@ def test_a_batch_handed_out_is_not_kept_by_the_loader() -> None:
         fake.handed.clear()  # (the fake keeps what it was handed)
         assert refs[0]() is None, "the plain `for` machinery kept the batch alive"
         assert len(list(it)) == 3
-

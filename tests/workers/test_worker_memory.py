@@ -17,14 +17,12 @@ import aioloader
 MIB = 1 << 20
 
 
+_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd")
+_MALLINFO2 += ("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
+
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012 (ctypes' declaration)
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd",
-            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-        )  # fmt: skip
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
 
 
 def mapped_bytes_of_a_block_after_a_larger_one_was_freed() -> int:
