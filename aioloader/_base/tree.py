@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_tensors", "pin_tree", "plain_cpu_tensor", "tensors_in"]
+__all__ = ["map_tensors", "plain_cpu_tensor", "tensors_in"]
 
 _MISSING = object()
 
@@ -128,19 +128,3 @@ def tensors_in(data: Any) -> list[torch.Tensor]:
 
     map_tensors(visit, data)
     return list(found.values())
-
-
-def _pinned(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type != "cpu" or tensor.is_pinned():
-        return tensor
-    return tensor.pin_memory()
-
-
-def pin_tree(data: Any) -> Any:
-    """``data`` with every CPU tensor inside it copied into page-locked memory (torch's
-    ``pin_memory=True`` without a device; torch's caching host allocator reuses the memory).
-
-    Raises:
-        RuntimeError: No accelerator is available to pin for.
-    """
-    return map_tensors(_pinned, data)

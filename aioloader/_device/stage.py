@@ -16,6 +16,7 @@ consumer's stream with the host.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,9 +26,10 @@ from typing import Any
 import anyio
 import torch
 
-from .._base.tree import map_tensors, pin_tree, plain_cpu_tensor, tensors_in
+from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
 from .._workers.offload import ThreadOffload
 from .accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
+from .hostcopy import HostCopy, as_bytes
 
 __all__ = ["device_plan", "DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
 
@@ -37,6 +39,9 @@ _ALIGN = 256  # bytes: each tensor's offset in a pinned buffer (whole cache line
 # read at each copy, so a test or a benchmark can change them.
 _CHUNK_BYTES = 0  # whole: see docs/design.md ("Chunked copies") for why, as measured
 _CHUNKED_OVER = 2
+# Threads per host copy into pinned memory, the stage's own included (see hostcopy.py): a
+# quarter of the cores, at most 4 (the workers have the rest); read as the stage is made.
+_COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 class Staged:
@@ -142,35 +147,24 @@ def device_plan(
     return plan_for(device, pin=pin, transform=transform)
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
-    """``tensor``'s memory as a flat ``uint8`` view, or None where it has none that holds its
-    values: not contiguous (a permuted dense tensor keeps the whole copy), a conjugate or
-    negative view (its bytes are not its values), or a dtype torch will not view as bytes."""
-    if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
-        return None
-    try:
-        flat = tensor.view(-1).view(torch.uint8)
-    except RuntimeError:
-        return None
-    return flat if flat.numel() == tensor.numel() * tensor.element_size() else None
-
-
-def _copy_in_chunks(tensor: torch.Tensor, staging: torch.Tensor, target: torch.Tensor) -> bool:
+def _copy_in_chunks(
+    host: HostCopy, tensor: torch.Tensor, staging: torch.Tensor, target: torch.Tensor
+) -> bool:
     """Copy ``tensor`` to ``target`` through ``staging`` (its bytes in a pinned buffer) chunk by
     chunk: each chunk's copy to the device is issued (``non_blocking``) as soon as the chunk is
     in the buffer, so it runs while the host copies the next one. False, with nothing copied,
     when ``tensor`` is not larger than ``_CHUNKED_OVER`` chunks or either end has no byte view
-    (:func:`_as_bytes`): then the caller copies it whole."""
+    (:func:`.hostcopy.as_bytes`): then the caller copies it whole."""
     chunk = _CHUNK_BYTES
     nbytes = staging.numel()
     if chunk <= 0 or nbytes <= _CHUNKED_OVER * chunk:
         return False
-    source, dest = _as_bytes(tensor), _as_bytes(target)
+    source, dest = as_bytes(tensor), as_bytes(target)
     if source is None or dest is None:
         return False
     for start in range(0, nbytes, chunk):
         end = min(start + chunk, nbytes)
-        staging[start:end].copy_(source[start:end])
+        host.copy(staging[start:end], source[start:end])
         dest[start:end].copy_(staging[start:end], non_blocking=True)
     return True
 
@@ -221,6 +215,7 @@ class DeviceStage:
         )
         self._transform = plan.transform
         self._thread = ThreadOffload(1, "device")
+        self._host = HostCopy(_COPY_THREADS)
 
     async def open(self) -> None:
         """Initialise the device on the stage's thread (the first CUDA call can take seconds).
@@ -254,7 +249,7 @@ class DeviceStage:
         return await self._thread.run(self._stage, batch, release)
 
     async def aclose(self) -> None:
-        """Wait for the copies still running, drop the pinned buffers, join the thread.
+        """Wait for the copies still running, drop the pinned buffers, join the threads.
 
         Cancellation: shielded; the wait is bounded by the work already issued to the device.
         """
@@ -263,6 +258,7 @@ class DeviceStage:
                 await self._thread.run(self._close)
             finally:
                 self._thread.close()
+                self._host.close()
 
     # -- on the stage's thread -----------------------------------------------------------------
 
@@ -275,7 +271,7 @@ class DeviceStage:
     def _stage(self, batch: Any, release: Callable[[], None] | None) -> Staged:
         acc = self.accelerator
         if acc is None:
-            return Staged(pin_tree(batch), release=release)
+            return Staged(map_tensors(self._pinned, batch), release=release)
         with torch.no_grad(), acc.side():
             moved, event = self._copy(acc, tensors_in(batch))
             out = map_tensors(lambda t: moved[id(t)], batch)
@@ -286,6 +282,19 @@ class DeviceStage:
                 leaves = tensors_in(out)  # what the transform returned, walked once more
         on_device = tuple(t for t in leaves if t.device == acc.device)
         return Staged(out, release=release, accelerator=acc, event=event, tensors=on_device)
+
+    def _pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` copied into page-locked memory (torch's caching host allocator), with
+        its layout where it is dense; one on a device, or pinned already, as it is."""
+        if tensor.device.type != "cpu" or tensor.is_pinned():
+            return tensor
+        if not plain_cpu_tensor(tensor):  # sparse, a subclass, empty: torch's own pinning
+            return tensor.pin_memory()
+        out = torch.empty_strided(
+            tensor.shape, _dense_strides(tensor), dtype=tensor.dtype, pin_memory=True
+        )
+        self._host.copy(out, tensor)
+        return out
 
     def _copy(
         self, acc: Accelerator, leaves: list[torch.Tensor]
@@ -308,10 +317,12 @@ class DeviceStage:
                 )
                 if buffer is None:  # pin_memory=False: from pageable memory
                     target.copy_(tensor, non_blocking=True)
-                elif not _copy_in_chunks(tensor, buffer[offset : offset + nbytes], target):
+                elif not _copy_in_chunks(
+                    self._host, tensor, buffer[offset : offset + nbytes], target
+                ):
                     staging = buffer[offset : offset + nbytes].view(tensor.dtype)
                     staging = staging.as_strided(tensor.shape, strides)
-                    staging.copy_(tensor)
+                    self._host.copy(staging, tensor)
                     target.copy_(staging, non_blocking=True)
                 moved[id(tensor)] = target
         except BaseException:

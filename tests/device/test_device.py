@@ -15,6 +15,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
+from unittest import mock
 
 import anyio
 import pytest
@@ -27,6 +28,7 @@ import aioloader
 from aioloader._base.tree import map_tensors, tensors_in
 from aioloader._device import stage as stage_module
 from aioloader._device.accelerator import PinnedPool, cuda_index, resolve_device, size_class
+from aioloader._device.hostcopy import HostCopy
 from aioloader._device.stage import DevicePlan, DeviceStage
 from tests.conftest import aioloader_threads
 from tests.support.helpers import Counting, other_tasks
@@ -520,7 +522,7 @@ class CopyLog(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.copy_:
+        if func is torch.Tensor.copy_ and not self.fake.quiet:
             non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
             self.fake.copied(args[0], args[1], bool(non_blocking))
         return func(*args, **kwargs)
@@ -537,6 +539,7 @@ class CopyingAccelerator(FakeAccelerator):
         self.fail_at = fail_at
         self.buffers: list[torch.Tensor] = []
         self.log: list[tuple[str, int, int, int, bool]] = []
+        self.quiet = False  # inside a host copy: logged once, as itself
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         buffer = super().pinned(nbytes)
@@ -545,7 +548,19 @@ class CopyingAccelerator(FakeAccelerator):
 
     @contextlib.contextmanager
     def side(self) -> Iterator[None]:
-        with super().side(), CopyLog(self):
+        """The side stream, with its copies logged: torch's ``copy_`` calls, and the stage's
+        host copies (``HostCopy.copy``: NumPy's, on its threads), each once."""
+        fake, original = self, HostCopy.copy
+
+        def logged(host: HostCopy, dst: torch.Tensor, src: torch.Tensor) -> None:
+            fake.copied(dst, src, False)
+            fake.quiet = True
+            try:
+                original(host, dst, src)
+            finally:
+                fake.quiet = False
+
+        with super().side(), CopyLog(self), mock.patch.object(HostCopy, "copy", logged):
             yield
 
     def record(self) -> FakeEvent:
