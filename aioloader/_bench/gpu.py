@@ -37,9 +37,8 @@ the run's folder (:func:`user_script`) whose imports come at the top, ``torch``,
 ``torchvision``, then ``aioloader`` (which forks its standby fork server then; ``aio-first``
 swaps the last two), then ``gpu_rows``'s ``main``: CUDA initialised and the model moved to the
 GPU, then the dataset and the loader. (Run as ``python -m aioloader._bench.gpu_rows``, the
-package ``aioloader`` is imported before anything else, and the standby had to import
-torchvision again as it woke: about 5 s on an H100 box, a first epoch of 7.9 s against torch's
-2.2 s. That is ``aio-first``'s case.)
+package ``aioloader`` would be imported before anything else, and the standby would import
+torchvision again as it woke: that is ``aio-first``'s case, measured on its own.)
 The ``torch`` child imports aioloader too (``-m`` imports the package), with
 ``AIOLOADER_STANDBY=0``: no standby process in torch's tree, only aioloader's modules.
 This process samples the child's process tree (``harness.MemorySampler``: the peak PSS, from

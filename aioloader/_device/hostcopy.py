@@ -2,16 +2,13 @@
 torch's OpenMP team.
 
 torch's CPU ``copy_`` splits a large copy over an OpenMP team of one thread per core, and after
-each copy libgomp's threads spin for more work (``GOMP_SPINCOUNT``) for milliseconds. Measured
-on an H100 box (16 cores, torch 2.11, the ImageFolder pipeline, batches of 256 images): the
-main process's unnamed threads used 150-160 ms of CPU per batch, a core and a half, beside
-aioloader's device stage, and none beside torch's ``DataLoader``, whose pin thread copies with
-one thread (it calls ``torch.set_num_threads(1)``, which also sets the count that threads
-started later begin with, and MKL's for the whole process: measured there too, the main thread
-then had 4 where it had 16, so the stage does not). libgomp spins that long when its threads
-do not outnumber the cores, as in a GPU training process whose main thread runs no OpenMP work.
-``benchmarks/bench_hostcopy.py`` measures it (2 cores here: 14.7 ms of CPU per 37 MiB copy
-with ``copy_`` in a thread, 4.0 ms with this, whose NumPy copies release the GIL).
+each copy libgomp's threads spin, waiting for more work, for milliseconds: beside a loader
+that copies a batch every few tens of milliseconds, a core or more of the training process
+spent spinning, taken from the workers. torch's own pin thread avoids it with
+``torch.set_num_threads(1)``, which also changes the count that threads started later begin
+with, and MKL's for the whole process, so the stage does not. NumPy's copy releases the GIL,
+and the threads here block when idle. docs/design.md has the measurements (an H100 box, and
+``benchmarks/bench_hostcopy.py`` on any machine).
 
 Owns: copying a tensor into one of the same shape, dtype and layout, as bytes, split over
 ``threads`` threads (the calling one and a pool that waits, blocked, when idle). Never: copies

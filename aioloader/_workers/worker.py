@@ -176,9 +176,7 @@ def fix_mmap_threshold() -> None:
 
     By default glibc raises the threshold to the size of each mapped block freed, up to 32 MiB:
     once a worker has freed one job's raw samples or one pickled batch, the next ones come from
-    the heap, which keeps its high-water mark. Measured with 2 workers, batches of 256 JPEGs
-    of 56 KiB: the workers' PSS went from 269 to 189 MiB (torch's workers: 205 MiB) with the
-    ImageFolder dataset, and from 380 to 270 MiB with the files' bytes sent to the workers."""
+    the heap, which keeps its high-water mark (the CHANGELOG has the figures)."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     with contextlib.suppress(Exception):  # not glibc (musl has a mallopt that does nothing)
