@@ -20,6 +20,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals
+from .._base.inline import ROUND_EVERY_S
 from .._data.epochs import OpensEpochs
 from .._data.resume import Mark
 from .._data.source import InWorkers, MapSource
@@ -27,16 +28,14 @@ from .._device.stage import Staged, hand_out
 from .._pipeline.demand import HANDED_OVER, OnDemand
 from .._pipeline.epoch import Epoch
 from .._pipeline.items import Raised, Received
-from .._workers.offload import INLINE_BELOW_S, ThreadOffload
+from .._workers.offload import ThreadOffload
 from .checkpoint import EpochState, Progress, fresh_state
 from .progress import EpochProgress, epoch_samples
 from .resuming import resumed_batches
 from .scope import LoaderState, Running, Scope
 
-__all__ = ["ROUND_EVERY_S", "EpochIterator"]
+__all__ = ["EpochIterator"]
 
-#: Batches made in ``__anext__`` let the event loop go round first once this long at most.
-ROUND_EVERY_S = INLINE_BELOW_S
 
 T_Batch = TypeVar("T_Batch")
 

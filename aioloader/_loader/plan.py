@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._base.inline import INLINE_BELOW_S
 from .._data.collate import default_collate
 from .._data.convert import default_convert
 from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, map_order
@@ -25,7 +26,7 @@ from .._data.sharding import resolve_rank
 from .._data.source import InWorkers, Kind, MapSource, StreamSource, open_source
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
-from .._workers.offload import INLINE_BELOW_S, ThreadOffload
+from .._workers.offload import ThreadOffload
 from .._workers.serverstart import prepare_forkserver
 from .arguments import Arguments, check_arguments
 

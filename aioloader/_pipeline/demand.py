@@ -48,23 +48,22 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from .._base.exceptions import annotate
+from .._base.inline import INLINE_BELOW_S, SEQUENTIAL_BELOW_S, SLOW_IN_A_ROW
 from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
 from .._data.source import MapSource
 from .._workers.job import collate_only, run_batch
-from .._workers.offload import INLINE_BELOW_S, ThreadOffload
+from .._workers.offload import ThreadOffload
 from .config import PipelineConfig
-from .fetch import SEQUENTIAL_BELOW_S, Attempts, FailureBudget, Pace
+from .fetch import Attempts, FailureBudget, Pace
 from .flow import nbytes_of
 from .items import Raised
 
-__all__ = ["HANDED_OVER", "SLOW_IN_A_ROW", "OnDemand"]
+__all__ = ["HANDED_OVER", "OnDemand"]
 
 #: What :meth:`OnDemand.next` returns when the rest of the epoch goes to the stages.
 HANDED_OVER: Any = object()
 
-#: Batches in a row whose read or transform was slow, after which the stages take over.
-SLOW_IN_A_ROW = 3
 
 _AGAIN: Any = object()  # a batch with nothing left: on with the next one
 

@@ -18,22 +18,15 @@ from typing import Any
 import anyio
 
 from .._base.exceptions import annotate
-from .._base.recent import Recent
+from .._base.inline import INLINE_BELOW_S, SEQUENTIAL_BELOW_S, Recent
 from .._base.recorders import Recorders, StageRecorder
 from .._base.retry import RetryPolicy
-from .._workers.offload import INLINE_BELOW_S
 
 __all__ = ["Attempts", "FailureBudget", "Pace"]
 
 logger = logging.getLogger("aioloader")
 
 _MAX_SKIPPED_KEPT = 1000  # skipped sample ids remembered for the statistics
-
-
-# Reads that take under this long each (on average, waiting included) gain nothing from running
-# concurrently: a batch's reads then run one after another in one task, where a task per read
-# would cost more than the read (a task switch and two stream hand-offs per sample).
-SEQUENTIAL_BELOW_S = 50e-6
 
 
 class Pace:

@@ -22,13 +22,20 @@ from typing import Any
 
 from .._base.checks import check_picklable
 from .._base.exceptions import annotate
-from .._base.recent import Placement
+from .._base.inline import (
+    INLINE_BELOW_S,
+    SERVING_PROBE_EVERY,
+    SERVING_SLOW_BELOW_S,
+    SLOW_PROBE_EVERY,
+    TRY_INLINE_BELOW_S,
+    Placement,
+)
 from .._base.recorders import WorkerRecorder
 from .._data.seeds import derive_seed
 from .._device.accelerator import resolve_device
 from .._device.stage import DevicePlan, DeviceStage, device_plan, hand_out
 from .._workers.job import collate_only
-from .._workers.offload import INLINE_BELOW_S, ThreadOffload
+from .._workers.offload import ThreadOffload
 from .._workers.processes import ProcessWorkers
 from .policy import split_outputs
 
@@ -206,7 +213,7 @@ class _ModelPlace:
 
     That wait is also why calls on the thread are not timed for this choice: under a busy loop
     a 50 µs call reads as milliseconds there, and would keep a fast model off the loop for
-    good. So (:class:`~aioloader._base.recent.Placement`) the first call runs on the thread,
+    good. So (:class:`~aioloader._base.inline.Placement`) the first call runs on the thread,
     timed (a warm-up never blocks the loop); calls inline are timed; and while calls go to
     the thread, one is tried inline after 1, 2, 4, ... calls, then every 64th (every 256th
     once it took 2 ms or more: a model that slow, a GPU's, blocks the loop for its time at
@@ -219,7 +226,10 @@ class _ModelPlace:
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.placement = Placement(
-            INLINE_BELOW_S, slow_below=2 * INLINE_BELOW_S, probe_every=64, slow_probe_every=256
+            INLINE_BELOW_S,
+            slow_below=SERVING_SLOW_BELOW_S,
+            probe_every=SERVING_PROBE_EVERY,
+            slow_probe_every=SLOW_PROBE_EVERY,
         )
 
     async def call(self, threads: ThreadOffload, model_fn: Callable[[Any], Any], batch: Any) -> Any:
@@ -236,7 +246,7 @@ class _ModelPlace:
         where = placement.where()
         if where == "threads":
             return await threads.run(_call_ready, model_fn, batch)
-        if estimate is None or (where == "alone" and estimate >= _TRY_INLINE_BELOW_S):
+        if estimate is None or (where == "alone" and estimate >= TRY_INLINE_BELOW_S):
             output, took = await threads.run(_clocked, clock, model_fn, batch)
             placement.alone_took(took)
             return output
@@ -249,13 +259,6 @@ class _ModelPlace:
                 placement.recent.add(took)
             else:  # a try after calls on the thread: the estimate from now on
                 placement.alone_took(took)
-
-
-# A model whose calls took this long or longer is re-timed on its thread, never tried on the
-# loop: a try inline holds every request the loop serves for the call's time (a GPU model of
-# 100 ms would stall them all once in 256 batches). Below it a try costs the loop little, and
-# a fast model read slow on its thread (its waits for the GIL) can still come back.
-_TRY_INLINE_BELOW_S = 0.01
 
 
 def _clocked(clock: Callable[[], float], model_fn: Callable[[Any], Any], batch: Any) -> Any:

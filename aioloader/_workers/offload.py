@@ -30,16 +30,11 @@ from typing import Any, TypeVar
 
 import anyio
 
-from .._base.recent import Recent
+from .._base.inline import Recent
 
-__all__ = ["INLINE_BELOW_S", "ThreadOffload", "timed", "wait_thread_future"]
+__all__ = ["ThreadOffload", "timed", "wait_thread_future"]
 
 R = TypeVar("R")
-
-# Calls that have been taking under this long run inline, where a pool allows it: a hop (about
-# 50 µs on the 2-core machine, GIL hand-overs included) is then over 5% of the call, and a loop
-# blocked for a millisecond delays nothing that matters (asyncio calls a callback slow at 100).
-INLINE_BELOW_S = 1e-3
 
 
 async def wait_thread_future(future: Future[R]) -> R:

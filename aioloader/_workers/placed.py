@@ -1,6 +1,6 @@
 """A blocking call that repeats, run where its recent times say: inline, or on a pool's threads.
 
-Owns: :class:`PlacedCalls`, which carries out :class:`~aioloader._base.recent.Placement`'s
+Owns: :class:`PlacedCalls`, which carries out :class:`~aioloader._base.inline.Placement`'s
 choice for calls on a ``ThreadPoolExecutor`` the caller owns (a dataset's reading threads): a
 call timed alone waits for the calls on the threads to finish, and calls that come meanwhile
 wait for it, so its time is its own. The lock belongs to the first event loop that calls
@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import anyio
 
-from .._base.recent import Placement
+from .._base.inline import Placement
 from .offload import timed, wait_thread_future
 
 __all__ = ["PlacedCalls"]

@@ -46,9 +46,8 @@ from typing import Literal, overload
 import aiofiles
 
 from .._base.checks import check_int
-from .._base.recent import Placement
+from .._base.inline import FILES_SLOW_BELOW_S, INLINE_BELOW_S, Placement
 from .._data.dataset import AsyncDataset
-from .._workers.offload import INLINE_BELOW_S
 from .._workers.placed import PlacedCalls
 from ._keyed import Keyed, keyed
 from ._patterns import check_pattern, check_suffix
@@ -190,7 +189,7 @@ class FileDataset(AsyncDataset[bytes]):
         self._pool: ThreadPoolExecutor | None = None
         self._entered = 0
         # Inline while slices read fast, else on the threads (see PlacedCalls).
-        self._placed = PlacedCalls(Placement(INLINE_BELOW_S, slow_below=10 * INLINE_BELOW_S))
+        self._placed = PlacedCalls(Placement(INLINE_BELOW_S, slow_below=FILES_SLOW_BELOW_S))
         self._ahead = ReadAhead()  # files of scheduled slices, read ahead while reads are slow
 
     # -- listing ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import aioloader
-from aioloader._pipeline.demand import SLOW_IN_A_ROW
+from aioloader._base.inline import SLOW_IN_A_ROW
 from tests.conftest import aioloader_threads
 from tests.support.helpers import flat
 

@@ -16,9 +16,9 @@ import anyio
 import pytest
 
 import aioloader
-import aioloader._base.recent
+import aioloader._base.inline
 import aioloader._workers.offload
-from aioloader._base.recent import Recent
+from aioloader._base.inline import Recent
 from aioloader.sources import FileDataset, files
 
 
@@ -406,7 +406,7 @@ class VirtualClock:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self._local = threading.local()
         timing = types.SimpleNamespace(perf_counter=self.perf_counter)
-        monkeypatch.setattr(aioloader._base.recent, "time", timing)
+        monkeypatch.setattr(aioloader._base.inline, "time", timing)
         monkeypatch.setattr(aioloader._workers.offload, "time", timing)
 
     def perf_counter(self) -> float:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 import pytest
 
-from aioloader._base.recent import Placement
+from aioloader._base.inline import Placement
 from aioloader._workers.placed import PlacedCalls
 
 

@@ -1,8 +1,34 @@
-"""How long something that repeats has been taking.
+"""Where repeating work runs: on the calling thread while it is fast, else on threads. One
+policy for the whole package: what is timed (:class:`Recent`), where the next call goes
+(:class:`Placement`, and ``ThreadOffload``'s one-thread case of it), and every threshold those
+decisions read, in the table below. docs/design.md ("Inline while fast") has the measurements
+that chose each value.
 
-Owns: :class:`Recent`, the moving average that the adaptive decisions read (run a call inline
-or on a thread, read a batch's samples in one task or a task each). Never: decides anything
-itself.
+=========================  ==========  ========================================================
+threshold                  value       decides
+=========================  ==========  ========================================================
+``INLINE_BELOW_S``         1 ms        a call runs inline while its recent calls took less
+                                       (``ThreadOffload``, a dataset's ``get_many`` slices, a
+                                       serving model): a thread hop and the GIL's hand-overs
+                                       cost more than such a call
+``ROUND_EVERY_S``          1 ms        a plain ``for`` that makes batches in ``__anext__`` lets
+                                       the event loop go round at least this often
+``SEQUENTIAL_BELOW_S``     50 us       a batch's reads run one after another in one task while
+                                       a read takes less (per sample), else a task each
+``SLOW_IN_A_ROW``          3           batches in a row read or transformed slowly on demand,
+                                       after which the epoch goes to the stages
+``PROBE_EVERY``            16 (256)    calls sent to the threads between two timed alone, at
+                                       most (once they take ``slow_below`` or more)
+``FILES_SLOW_BELOW_S``     10 ms       a file slice this slow is re-timed every 256 calls
+``SERVING_SLOW_BELOW_S``   2 ms        a model this slow is tried inline every 256 batches
+                                       (else every 64: ``SERVING_PROBE_EVERY``)
+``TRY_INLINE_BELOW_S``     10 ms       a model that took this long is re-timed on its thread,
+                                       never tried inline (it would hold the loop that long)
+=========================  ==========  ========================================================
+
+Owns: those thresholds, :class:`Recent` (the moving average the decisions read) and
+:class:`Placement` (inline, alone or on the threads). Never: runs anything on a thread (the
+pools do: ``_workers/offload.py``, ``_workers/placed.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +37,29 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["Placement", "Recent"]
+__all__ = [
+    "FILES_SLOW_BELOW_S",
+    "INLINE_BELOW_S",
+    "PROBE_EVERY",
+    "ROUND_EVERY_S",
+    "SEQUENTIAL_BELOW_S",
+    "SERVING_PROBE_EVERY",
+    "SERVING_SLOW_BELOW_S",
+    "SLOW_IN_A_ROW",
+    "SLOW_PROBE_EVERY",
+    "TRY_INLINE_BELOW_S",
+    "Placement",
+    "Recent",
+]
+
+INLINE_BELOW_S = 1e-3
+ROUND_EVERY_S = INLINE_BELOW_S
+SEQUENTIAL_BELOW_S = 50e-6
+SLOW_IN_A_ROW = 3
+PROBE_EVERY, SLOW_PROBE_EVERY = 16, 256
+FILES_SLOW_BELOW_S = 10 * INLINE_BELOW_S
+SERVING_SLOW_BELOW_S, SERVING_PROBE_EVERY = 2 * INLINE_BELOW_S, 64
+TRY_INLINE_BELOW_S = 0.01
 
 R = TypeVar("R")
 
@@ -75,8 +123,8 @@ class Placement:
         limit: float,
         *,
         slow_below: float,
-        probe_every: int = 16,
-        slow_probe_every: int = 256,
+        probe_every: int = PROBE_EVERY,
+        slow_probe_every: int = SLOW_PROBE_EVERY,
     ) -> None:
         if not 0 < limit <= slow_below:
             raise ValueError(f"need 0 < limit <= slow_below, got {limit} and {slow_below}")

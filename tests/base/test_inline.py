@@ -1,4 +1,5 @@
-"""The moving average the adaptive decisions read (``_base/recent.py``)."""
+"""The inline policy (``_base/inline.py``): the moving average the adaptive decisions read, and
+where the next call goes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aioloader._base.recent import Placement, Recent
+from aioloader._base.inline import Placement, Recent
 
 
 def test_nothing_measured_is_under_no_limit() -> None:
