@@ -1,24 +1,23 @@
 """``aioloader.DataLoader``: torch's DataLoader arguments, an asyncio pipeline underneath.
 
-Owns: validating arguments (at construction, naming the argument), building the epoch's batches
-of indices, the loader's scope (``async with`` / ``with``: task group, worker threads, device
-stage), starting and stopping epochs, the consumer side of iteration (``async for``, and a plain
-``for`` through :mod:`._session`'s background loop), and statistics. Never: runs pipeline stages
-itself (``_pipeline/epoch.py``) or decides order (``_data/sampler.py``).
+Owns: the ``DataLoader`` class: torch's signature and its docstring, the attributes that read
+the arguments back (views of the plan: ``settings.py``), ``len()``, ``set_epoch``, the consumer
+side of iteration (``async for``, and a plain ``for`` through ``session.py``'s background
+loop), progress and statistics. Its base classes open and close its scope (``async with`` /
+``with``: ``lifecycle.py``) and save and load its state (``state_dict.py``). Never: checks
+arguments itself (``arguments.py``, ``plan.py``), runs pipeline stages (``_pipeline/epoch.py``)
+or decides order (``_data/sampler.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar
 
-import anyio
 import torch
 
 from .._base.exceptions import LoaderStateError
@@ -28,53 +27,22 @@ from .._base.stats import LoaderStatistics
 from .._base.verdict import verdict
 from .._data.epochs import claim_epochs
 from .._data.source import InWorkers, dataset_length
-from .._workers.offload import ThreadOffload
 from .arguments import Arguments, non_negative_int
-from .checkpoint import EpochState, dumps_checked, fresh_state
+from .checkpoint import EpochState
 from .consumer import EpochIterator
+from .lifecycle import ScopeLifecycle
 from .plan import plan_loader
-from .resuming import check_resumable, resolve
 from .scope import LoaderState, Scope
-from .session import PlainIterator, Session, close_from_anywhere
+from .session import PlainIterator, Session
+from .settings import Setting
+from .state_dict import Resumable
 
 __all__ = ["DataLoader"]
 
 T_Batch = TypeVar("T_Batch")
-T = TypeVar("T")
 
 
-def _is_async_context(obj: object) -> bool:
-    return callable(getattr(obj, "__aenter__", None)) and callable(getattr(obj, "__aexit__", None))
-
-
-class _Setting(Generic[T]):
-    """A loader attribute that is a view of its plan: the argument as given, or (``resolved``)
-    as the plan resolved it. Setting it re-plans (see :meth:`LoaderPlan.replaced`)."""
-
-    __slots__ = ("name", "resolved")
-
-    def __init__(self, *, resolved: bool = False) -> None:
-        self.resolved = resolved
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, loader: None, owner: type) -> _Setting[T]: ...
-    @overload
-    def __get__(self, loader: DataLoader[Any], owner: type) -> T: ...
-    def __get__(self, loader: DataLoader[Any] | None, owner: type) -> T | _Setting[T]:
-        if loader is None:
-            return self
-        plan = loader._plan
-        return getattr(plan if self.resolved else plan.arguments, self.name)  # type: ignore[no-any-return]
-
-    def __set__(self, loader: DataLoader[Any], value: T) -> None:
-        loader._replan(self.name, value)
-
-
-class DataLoader(Generic[T_Batch]):
+class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
     """Batches from an async or ordinary dataset, fetched concurrently, yielded by ``async for``.
 
     The positional arguments and their meanings are those of ``torch.utils.data.DataLoader``, so a
@@ -243,37 +211,37 @@ class DataLoader(Generic[T_Batch]):
     # epochs cannot change (torch's ValueError); the others can between iterations, as in
     # torch: the new value is checked as at construction and the next scope runs with it.
 
-    dataset: _Setting[Any] = _Setting()
-    batch_size: _Setting[int | None] = _Setting(resolved=True)
-    sampler: _Setting[Iterable[int] | None] = _Setting(resolved=True)
-    batch_sampler: _Setting[Iterable[Sequence[int]] | None] = _Setting(resolved=True)
-    num_workers: _Setting[int] = _Setting()
-    collate_fn: _Setting[Callable[[Any], Any]] = _Setting(resolved=True)
-    pin_memory: _Setting[bool] = _Setting()
-    drop_last: _Setting[bool] = _Setting()
-    timeout: _Setting[float] = _Setting()
-    worker_init_fn: _Setting[Callable[[int], object] | None] = _Setting()
-    multiprocessing_context: _Setting[object] = _Setting()
-    generator: _Setting[torch.Generator | None] = _Setting()
-    prefetch_factor: _Setting[int | None] = _Setting()
-    persistent_workers: _Setting[bool] = _Setting()
-    pin_memory_device: _Setting[str] = _Setting()
-    in_order: _Setting[bool] = _Setting()
-    transform: _Setting[Callable[[Any], Any] | None] = _Setting()
-    max_inflight: _Setting[int] = _Setting()
-    prefetch: _Setting[int] = _Setting(resolved=True)
-    max_inflight_bytes: _Setting[int | None] = _Setting()
-    seed: _Setting[int | None] = _Setting()
-    retry: _Setting[RetryPolicy | None] = _Setting()
-    sample_timeout: _Setting[float | None] = _Setting()
-    max_failures: _Setting[int] = _Setting()
-    distributed: _Setting[bool] = _Setting()
-    rank: _Setting[int] = _Setting(resolved=True)
-    world_size: _Setting[int] = _Setting(resolved=True)
-    io_threads: _Setting[int] = _Setting(resolved=True)
-    worker_mode: _Setting[str] = _Setting()
-    device: _Setting[torch.device | None] = _Setting(resolved=True)
-    device_transform: _Setting[Callable[[Any], Any] | None] = _Setting()
+    dataset: Setting[Any] = Setting()
+    batch_size: Setting[int | None] = Setting(resolved=True)
+    sampler: Setting[Iterable[int] | None] = Setting(resolved=True)
+    batch_sampler: Setting[Iterable[Sequence[int]] | None] = Setting(resolved=True)
+    num_workers: Setting[int] = Setting()
+    collate_fn: Setting[Callable[[Any], Any]] = Setting(resolved=True)
+    pin_memory: Setting[bool] = Setting()
+    drop_last: Setting[bool] = Setting()
+    timeout: Setting[float] = Setting()
+    worker_init_fn: Setting[Callable[[int], object] | None] = Setting()
+    multiprocessing_context: Setting[object] = Setting()
+    generator: Setting[torch.Generator | None] = Setting()
+    prefetch_factor: Setting[int | None] = Setting()
+    persistent_workers: Setting[bool] = Setting()
+    pin_memory_device: Setting[str] = Setting()
+    in_order: Setting[bool] = Setting()
+    transform: Setting[Callable[[Any], Any] | None] = Setting()
+    max_inflight: Setting[int] = Setting()
+    prefetch: Setting[int] = Setting(resolved=True)
+    max_inflight_bytes: Setting[int | None] = Setting()
+    seed: Setting[int | None] = Setting()
+    retry: Setting[RetryPolicy | None] = Setting()
+    sample_timeout: Setting[float | None] = Setting()
+    max_failures: Setting[int] = Setting()
+    distributed: Setting[bool] = Setting()
+    rank: Setting[int] = Setting(resolved=True)
+    world_size: Setting[int] = Setting(resolved=True)
+    io_threads: Setting[int] = Setting(resolved=True)
+    worker_mode: Setting[str] = Setting()
+    device: Setting[torch.device | None] = Setting(resolved=True)
+    device_transform: Setting[Callable[[Any], Any] | None] = Setting()
 
     @property
     def start_method(self) -> Any:
@@ -350,94 +318,7 @@ class DataLoader(Generic[T_Batch]):
             self._state.progress = None  # left by a break: the next epoch starts afresh
         self._next_epoch = epoch
 
-    # -- resuming ------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the loader stands: the batches of the current epoch its consumer has taken (a
-        ``for``/``async for`` between two batches: "batches ``0..k`` were taken"), as a small
-        JSON-serialisable dict (a seed and counters, whatever the epoch's size; no pickles).
-        Between epochs (and before the first) it is the start of the next one. After a
-        ``break`` it is where the loop stopped, until :meth:`set_epoch` or the next iteration
-        starts another epoch. It may be called from any thread.
-
-        :meth:`load_state_dict` on a new loader with the same dataset and settings (in
-        another process, perhaps with another ``world_size``: see :func:`merge_states`) goes on
-        from there: every sample of the epoch once, none twice, none lost. It does not depend on
-        ``num_workers``, ``max_inflight``, ``prefetch`` or the order batches completed in.
-
-        Raises:
-            TypeError: The loader cannot resume, named: a stream dataset without
-                ``state_dict``/``load_state_dict`` (an async generator, say), an iterable
-                dataset read in worker processes, a stream split by ``distributed=True``, a
-                sampler whose order cannot be replayed; or a dataset's state that is not
-                JSON-serialisable.
-        """
-        check_resumable(self._plan)
-        if self._resume is not None:
-            state = self._resume
-        else:
-            progress = self._state.progress
-            if progress is None or progress.finished:
-                state = fresh_state(self._plan, self._next_epoch)
-            else:
-                state = progress.state()
-        document = state.to_json()
-        dumps_checked(document, self.dataset)
-        return document
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on from ``state`` (:meth:`state_dict` of a loader over the same data with the
-        same settings, or :func:`merge_states` of every rank's): the next iteration runs the
-        state's epoch and yields its batches not yet taken, with the places (and per-batch
-        seeds) they had, so with the same seed and world size the batches are the same as an
-        uninterrupted run's. With another ``world_size`` (a merged state, or a single rank's
-        state of a world of 1) the epoch's remaining samples are re-divided among the new
-        ranks: together they yield exactly those, every rank as many batches.
-
-        A loader built without ``seed`` takes the state's (its shuffle order is the saved
-        run's); a stream dataset gets its own state through its ``load_state_dict`` when the
-        epoch starts.
-
-        Raises:
-            TypeError, ValueError: ``state`` is malformed (the message names the field), or it
-                does not fit this loader (another dataset length, ``batch_size``, ``drop_last``,
-                ``seed``, kind of dataset), or a single rank's state of a world of several is
-                loaded with another ``world_size`` or rank (merge the ranks' states first).
-            TypeError: This loader cannot resume (see :meth:`state_dict`).
-
-        An epoch still running (a loop left by ``break``, an iterator kept) is ended first, as
-        starting another epoch would end it: an iterator still held stops.
-        """
-        loaded = EpochState.from_json(state)
-        check_resumable(self._plan)
-        resume = resolve(self._plan, loaded)
-        self._end_running_epoch()
-        plan = self._plan
-        if self.seed is None and (resume.seed, resume.order_seed) != (
-            plan.base_seed,
-            plan.order_seed,
-        ):
-            self._plan = plan.reseeded(resume.seed, resume.order_seed)
-            if self._scope is not None:  # the open scope's next epoch runs with these seeds
-                self._scope.plan = self._plan
-        self._resume = resume
-        self._next_epoch = resume.epoch
-        self._state.progress = None
-
-    def _end_running_epoch(self) -> None:
-        """End the epoch in progress, if any (from the thread that calls the loader)."""
-        owner = self._plain() if self._plain is not None else None
-        if owner is not None and self._session is None:
-            owner.close()  # a plain for's own scope: closed with its epoch
-            return
-        scope = self._scope
-        running = scope.current if scope is not None else None
-        if running is None or running.closed:
-            return
-        if self._session is not None:  # the scope's loop runs on the session's thread
-            self._session.portal.call(running.close_stream)
-        else:
-            running.close_stream()
+    # -- progress and statistics ---------------------------------------------------------------
 
     def progress(self) -> str:
         """The running (or last) epoch's progress in one line, for a loop of your own to log:
@@ -472,117 +353,6 @@ class DataLoader(Generic[T_Batch]):
         reads_in_workers = isinstance(self._plan.source, InWorkers)
         said = verdict(stats, pinned=pinned, to_device=to_device, reads_in_workers=reads_in_workers)
         return dataclasses.replace(stats, verdict=said)
-
-    # -- the scope -----------------------------------------------------------------------------
-
-    def _new_recorders(self) -> Recorders:
-        plan = self._plan
-        return Recorders(
-            max_inflight=plan.arguments.max_inflight,
-            workers=plan.worker_threads,
-            prefetch=plan.prefetch,
-            device=plan.device_depth if plan.device_plan is not None else None,
-        )
-
-    def _offload(self) -> ThreadOffload:
-        if self._scope is None:
-            raise LoaderStateError("the loader's scope is closed")
-        return self._scope.offload()
-
-    async def __aenter__(self) -> DataLoader[T_Batch]:
-        """Open the loader's scope: its task group and its workers (threads, or processes that
-        are started here and have run ``worker_init_fn`` when this returns), and the device
-        stage (CUDA is initialised and its stream created on the stage's own thread).
-
-        Raises:
-            LoaderStateError: The scope is already open.
-            WorkerCrashed: A worker process died while starting.
-            RuntimeError: CUDA failed to initialise for ``device``.
-            Exception: ``worker_init_fn`` raised in a worker (original type, worker traceback).
-
-        Cancellation: whatever was started is stopped again before the cancellation goes on.
-        """
-        if self._scope is not None:
-            raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
-        self._state.stats = self._new_recorders()
-        self._state.scopes += 1
-        stack = contextlib.AsyncExitStack()
-        scope = Scope(self._plan, self._state, stack)
-        stack.push_async_callback(scope.close_workers)
-        try:
-            await scope.start_workers()
-            if _is_async_context(self.dataset):
-                # A dataset holding clients (an HTTP session, an object store) lives as long as
-                # the scope: opened here, closed after every task that could use it is gone.
-                await stack.enter_async_context(self.dataset)
-            scope.task_group = await stack.enter_async_context(anyio.create_task_group())
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await stack.aclose()
-            raise
-        stack.callback(scope.task_group.cancel_scope.cancel)
-        stack.callback(scope.close_iteration)
-        self._state.scope = scope
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        """Close the scope: cancel the running epoch, wait for every task and thread.
-
-        Cancellation: the task group waits for its tasks even when the caller is cancelled, and
-        the threads are joined after it, so a cancelled caller still leaves nothing behind.
-        """
-        scope = self._scope
-        if scope is None:
-            return None
-        self._stopped_at = time.perf_counter()
-        # The body's exception is the caller's, not the task group's: passing it in would wrap
-        # it in an ExceptionGroup. The scope's cleanup is the same whatever ended the body.
-        # The scope stays set while it closes: closing a blocking stream still needs its threads.
-        try:
-            await scope.stack.aclose()
-        finally:
-            self._state.scope = None
-        return None
-
-    def __enter__(self) -> DataLoader[T_Batch]:
-        """Open the scope for plain ``for`` loops: one background event loop (and one set of
-        workers, one device stage) serves every epoch until ``__exit__``. A scope kept open by
-        ``persistent_workers`` is taken over (``__exit__`` closes it).
-
-        Raises:
-            LoaderStateError: The scope is already open (``async with`` or ``with``).
-            Exception: As :meth:`__aenter__`.
-        """
-        session = self._session
-        if session is not None and session.persistent:
-            session.persistent = False
-            return self
-        if session is not None or self._scope is not None:
-            raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
-        self._session = Session(self, persistent=False)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            session.close()
-
-    def close(self) -> None:
-        """Close the scope opened by ``with loader:`` or kept open by ``persistent_workers``:
-        stop the workers and the background loop (no-op when none is open)."""
-        self.__exit__(None, None, None)
-
-    def __del__(self) -> None:
-        # Persistent workers go with their loader, as torch's do. (A scope opened by `with`
-        # or `async with` holds the loader itself: it closes when its block ends.)
-        session = self.__dict__.get("_session")
-        if session is not None:
-            close_from_anywhere(session.close)
 
     # -- iteration -------------------------------------------------------------------------------
 

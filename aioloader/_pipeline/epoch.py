@@ -1,7 +1,9 @@
 """One epoch of the data path: schedule → fetch → transform+collate → reorder → device → output.
 
 Owns: the stages of one epoch as tasks in one task group, joined by bounded memory object
-streams, and the bounds that make backpressure work:
+streams (the schedulers and the fetch stage here; the transform + collate stage in
+``transform.py`` and the reorder + device + output stage in ``output.py``, the epoch's base
+classes), and the bounds that make backpressure work:
 
 * at most ``window`` batches exist between being scheduled and being handed to the output
   stream (a semaphore slot per batch, released when the batch enters the output stream);
@@ -34,35 +36,29 @@ Never: decides order or sharding itself (``_data/sampler.py``, ``_data/sharding.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._base.exceptions import WorkerCrashed, annotate, first_leaf
+from .._base.exceptions import annotate, first_leaf
 from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
-from .._data.seeds import derive_seed
 from .._data.sharding import StreamShare
 from .._data.source import InWorkers, MapSource, StreamSource, is_resumable
-from .._device.stage import DeviceStage, Staged
-from .._workers.job import (
-    JobResult,
-    collate_only,
-    run_batch,
-    run_indices,
-)
+from .._device.stage import DeviceStage
 from .._workers.pool import WorkerPool
 from .config import PipelineConfig
 from .fetch import Attempts, FailureBudget, Pace
 from .flow import ByteBudget, blocked, get, put
-from .items import Batch, Done, Raised, one_item_lanes
+from .items import Batch, Done
+from .output import OutputStage
 from .reads import Reads
-from .reorder import BatchAssembler, ReorderBuffer
+from .reorder import BatchAssembler
+from .transform import TransformStage
 from .worker_streams import WorkerStreams
 
 __all__ = ["Epoch"]
@@ -70,7 +66,7 @@ __all__ = ["Epoch"]
 logger = logging.getLogger("aioloader")
 
 
-class Epoch:
+class Epoch(TransformStage, OutputStage):
     """One pass over the data. Create it, run :meth:`run` in a task group, read the output.
 
     Args:
@@ -296,35 +292,6 @@ class Epoch:
         await self.admit(item.batch)
         await put(done, item, self.stats.transform)
 
-    async def skip_then_collate(
-        self,
-        batch: Batch,
-        result: JobResult,
-        keys: Sequence[object],
-        run: Callable[..., Awaitable[Any]],
-        *,
-        seed: int | None = None,
-    ) -> JobResult:
-        """Spend the skip budget on a job's failed samples (``keys`` name them), or raise the
-        first one past it; then collate the survivors where the job ran (``run``).
-
-        Raises:
-            Exception: A failure past the ``max_failures`` budget, or the collation's own.
-        """
-        self.budget.skip_each(result.failures, keys, batch.seq)
-        if not result.transformed:
-            return JobResult(size=0)
-        cfg = self.config
-        value = await run(
-            collate_only,
-            cfg.collate_fn,
-            result.transformed,
-            cfg.unbatched,
-            cfg.finish,
-            seed=seed,
-        )
-        return JobResult(batch=value, size=len(result.transformed))
-
     async def _schedule_stream(
         self, source: StreamSource, ready: MemoryObjectSendStream[Batch]
     ) -> None:
@@ -407,187 +374,3 @@ class Epoch:
                     )
                 else:
                     await put(ready, batch, self.stats.fetch)
-
-    # -- transform + collate ----------------------------------------------------------------------
-
-    async def _transform_worker(
-        self, ready: MemoryObjectReceiveStream[Batch], done: MemoryObjectSendStream[Done]
-    ) -> None:
-        async with ready, done:
-            while (batch := await get(ready, self.stats.transform)) is not None:
-                self.stats.fetch.set_queued(ready.statistics().current_buffer_used)
-                await put(done, await self._transform(batch, self.work.run), self.stats.transform)
-
-    async def _round_robin(
-        self,
-        work: WorkerPool,
-        ready: MemoryObjectReceiveStream[Batch],
-        done: MemoryObjectSendStream[Done],
-    ) -> None:
-        """Batch ``k`` of the epoch to worker ``k % n``, as torch deals a dataset's batches (a
-        worker's copy may keep state, e.g. what ``worker_init_fn`` seeded, and torch's users
-        rely on which worker read which batch). One batch queued and one running per worker."""
-        n = work.concurrency
-        with one_item_lanes(Batch, n) as lanes:
-            async with ready, done, work.reserved() as run_on, anyio.create_task_group() as tg:
-                for worker_id, (_, recv) in enumerate(lanes):
-                    run = functools.partial(run_on, worker_id)
-                    tg.start_soon(self._lane, run, recv, done.clone())
-                k = 0
-                while (batch := await get(ready, self.stats.transform)) is not None:
-                    await lanes[k % n][0].send(batch)
-                    k += 1
-                for send, _ in lanes:
-                    send.close()
-
-    async def _lane(
-        self,
-        run: Callable[..., Awaitable[Any]],
-        lane: MemoryObjectReceiveStream[Batch],
-        done: MemoryObjectSendStream[Done],
-    ) -> None:
-        async with lane, done:
-            async for batch in lane:
-                await put(done, await self._transform(batch, run), self.stats.transform)
-
-    async def _transform(self, batch: Batch, run: Callable[..., Awaitable[Any]]) -> Done:
-        cfg, rec = self.config, self.stats.transform
-        if batch.error is not None:
-            return Done(batch, None, 0, batch.error)
-        failed = batch.failed
-        keep = (
-            range(len(batch.ids))
-            if not failed
-            else [p for p in range(len(batch.ids)) if p not in failed]
-        )
-        if not keep:
-            return Done(batch, None, 0)
-        unbatched = cfg.unbatched
-        seed = derive_seed(cfg.seed, self.number, batch.seq) if cfg.seeded else None
-        try:
-            with rec.operation():
-                value, size = await self._run_batch(batch, keep, run, seed)
-        except Exception as exc:
-            # A worker's failure names its stage and sample already: this adds the batch and
-            # the epoch to that note.
-            ids = batch.ids[0] if unbatched else batch.ids
-            stage = "transform" if isinstance(exc, WorkerCrashed) else "collate"
-            annotate(exc, stage, epoch=self.number, batch=batch.seq, index=ids)
-            return Done(batch, None, 0, exc)
-        return Done(batch, value, size)
-
-    async def _run_batch(
-        self,
-        batch: Batch,
-        keep: Sequence[int],
-        run: Callable[..., Awaitable[Any]],
-        seed: int | None,
-    ) -> tuple[Any, int]:
-        """Transform and collate ``batch`` (or, in the workers, read it first); failed samples
-        skipped as the failure budget allows. Returns the batch and its size."""
-        cfg = self.config
-        unbatched = cfg.unbatched
-        result: JobResult
-        if isinstance(self.source, InWorkers):  # the worker reads the indices itself
-            result = await run(
-                run_indices,
-                batch.ids,
-                cfg.transform,
-                cfg.collate_fn,
-                unbatched,
-                cfg.finish,
-                cfg.retry,
-                self.budget.left > 0,
-                seed=seed,
-            )
-            self.stats.fetch.retries += result.retries
-        else:
-            samples = [batch.samples[p] for p in keep] if batch.failed else batch.samples
-            result = await run(
-                run_batch,
-                cfg.transform,
-                cfg.collate_fn,
-                samples,
-                unbatched,
-                cfg.finish,
-                seed=seed,
-            )
-        if result.failures:
-            keys = [batch.ids[keep[position]] for position, _, _ in result.failures]
-            result = await self.skip_then_collate(batch, result, keys, run, seed=seed)
-        return result.batch, result.size
-
-    # -- reorder + output ---------------------------------------------------------------------
-
-    async def _emit(
-        self, done: MemoryObjectReceiveStream[Done], out: MemoryObjectSendStream[Any]
-    ) -> None:
-        taken = self.taken
-        reorder: ReorderBuffer[Done] = ReorderBuffer(taken.through if taken else 0)
-        for seq in sorted(taken.beyond) if taken else ():
-            reorder.skip(seq)  # taken before the stop: never scheduled
-        empty = self._empty_ahead  # places of batches with nothing left: taken with the next item
-        async with done:
-            while (item := await get(done, self.stats.output)) is not None:
-                deliverable = reorder.push(item.batch.seq, item) if self.config.in_order else [item]
-                self.stats.transform.set_queued(
-                    len(reorder) + done.statistics().current_buffer_used
-                )
-                for d in deliverable:
-                    if d.error is not None:  # its turn has come: every batch before it is out
-                        # Handed over, not kept: raised in the consumer, the error's traceback
-                        # holds the consumer's frames (and its iterator), which no task of ours
-                        # may keep alive.
-                        error, d.error, d.batch.error = d.error, None, None
-                        own = ((d.batch.seq, 0, d.batch.mark),) if d.batch.counted else ()
-                        marks, empty = (*empty, *own), []
-                        await put(out, Raised(error, marks), self.stats.output)
-                        del error
-                    elif d.size:
-                        value = d.value if self.device is None else await self._stage(d)
-                        mark = (d.batch.seq, d.size, d.batch.mark)
-                        if empty:  # the places of empty batches go with this one
-                            marks, empty = (*empty, mark), []
-                        else:
-                            marks = (mark,)
-                        await put(out, (value, d.size, marks), self.stats.output)
-                        self.stats.output.completed += 1
-                        self.stats.output.set_queued(out.statistics().current_buffer_used)
-                    else:  # nothing left of it: its place goes with the next item
-                        empty.append((d.batch.seq, 0, d.batch.mark))
-                    self._bytes.release(d.batch.seq, d.batch.nbytes)
-                    self.stats.bytes_held = self._bytes.held
-                    self.stats.window.finish(None)
-                    self._open_batches -= 1
-                    self._slots.release()
-
-    async def _stage(self, d: Done) -> Staged:
-        """Pin a batch and issue its copy to the device, once fewer than ``depth`` staged
-        batches wait for the consumer. A failure ends the epoch in the batch's turn."""
-        device, rec = self.device, self.stats.device
-        if device is None:
-            raise RuntimeError("no device stage")
-        try:
-            self._on_device.acquire_nowait()
-        except anyio.WouldBlock:
-            with blocked(rec, "put"):  # the device is `depth` batches ahead of the consumer
-                await self._on_device.acquire()
-        try:
-            with rec.operation():
-                staged = await device.stage(d.value, self._taken)
-        except Exception as exc:
-            self._taken()
-            annotate(exc, "device", epoch=self.number, batch=d.batch.seq)
-            self.error = exc
-            raise
-        except BaseException:  # cancelled: the staging itself finished on its thread
-            self._taken()
-            raise
-        rec.set_queued(device.depth - self._on_device.value)
-        return staged
-
-    def _taken(self) -> None:
-        """A staged batch left the device's queue: the consumer took it, or staging failed."""
-        self._on_device.release()
-        if self.device is not None:
-            self.stats.device.set_queued(self.device.depth - self._on_device.value)

@@ -363,7 +363,7 @@ def test_each_argument_is_declared_once_and_the_rest_agrees() -> None:
     import inspect
 
     from aioloader._loader.arguments import Arguments
-    from aioloader._loader.loader import _Setting
+    from aioloader._loader.settings import Setting
 
     params = list(inspect.signature(aioloader.DataLoader.__init__).parameters.values())[1:]
     fields = dataclasses.fields(Arguments)
@@ -372,7 +372,7 @@ def test_each_argument_is_declared_once_and_the_rest_agrees() -> None:
         f.name: f.default for f in fields if f.default is not dataclasses.MISSING
     }
     names = [p.name for p in params]
-    settings = [n for n, v in vars(aioloader.DataLoader).items() if isinstance(v, _Setting)]
+    settings = [n for n, v in vars(aioloader.DataLoader).items() if isinstance(v, Setting)]
     # torch keeps no shuffle attribute; progress is the method that draws the line.
     assert settings == [n for n in names if n not in ("shuffle", "progress")]
     args = (aioloader.DataLoader.__doc__ or "").partition("Args:")[2].partition("Raises:")[0]

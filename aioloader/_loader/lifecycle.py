@@ -1,0 +1,167 @@
+"""The loader's scope opened and closed: ``async with loader:``, ``with loader:``, ``close()``.
+
+Owns: :class:`ScopeLifecycle`, the part of ``DataLoader`` (one of its base classes) that opens
+a scope (its recorders, workers, the dataset's own ``async with``, the task group) and closes
+it, or a background session for a plain ``for`` (``session.py``), and ends persistent workers
+with their loader. Never: says what a scope owns (``scope.py`` does), or begins an epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+import anyio
+
+from .._base.exceptions import LoaderStateError
+from .._base.recorders import Recorders
+from .._workers.offload import ThreadOffload
+from .plan import LoaderPlan
+from .scope import LoaderState, Scope
+from .session import Session, SessionLoader, close_from_anywhere
+
+__all__ = ["ScopeLifecycle", "ScopedLoader"]
+
+
+class ScopedLoader(SessionLoader[Any], Protocol):
+    """What opening and closing a scope need of a loader (``loader.DataLoader`` is one),
+    besides what its session needs: its plan, shared state and dataset, its session, and when
+    its last scope closed."""
+
+    _plan: LoaderPlan
+    _state: LoaderState
+    _session: Session | None
+    _stopped_at: float | None
+
+    @property
+    def dataset(self) -> Any: ...
+
+    def _new_recorders(self) -> Recorders: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+
+L = TypeVar("L", bound=ScopedLoader)
+
+
+def _is_async_context(obj: object) -> bool:
+    return callable(getattr(obj, "__aenter__", None)) and callable(getattr(obj, "__aexit__", None))
+
+
+class ScopeLifecycle:
+    """Opening and closing the loader's scope (a base class of ``DataLoader``, whose
+    ``__init__`` sets the attributes below, which these methods set again)."""
+
+    _session: Session | None
+    _stopped_at: float | None
+
+    def _new_recorders(self: ScopedLoader) -> Recorders:
+        plan = self._plan
+        return Recorders(
+            max_inflight=plan.arguments.max_inflight,
+            workers=plan.worker_threads,
+            prefetch=plan.prefetch,
+            device=plan.device_depth if plan.device_plan is not None else None,
+        )
+
+    def _offload(self: ScopedLoader) -> ThreadOffload:
+        if self._scope is None:
+            raise LoaderStateError("the loader's scope is closed")
+        return self._scope.offload()
+
+    async def __aenter__(self: L) -> L:
+        """Open the loader's scope: its task group and its workers (threads, or processes that
+        are started here and have run ``worker_init_fn`` when this returns), and the device
+        stage (CUDA is initialised and its stream created on the stage's own thread).
+
+        Raises:
+            LoaderStateError: The scope is already open.
+            WorkerCrashed: A worker process died while starting.
+            RuntimeError: CUDA failed to initialise for ``device``.
+            Exception: ``worker_init_fn`` raised in a worker (original type, worker traceback).
+
+        Cancellation: whatever was started is stopped again before the cancellation goes on.
+        """
+        if self._scope is not None:
+            raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
+        self._state.stats = self._new_recorders()
+        self._state.scopes += 1
+        stack = contextlib.AsyncExitStack()
+        scope = Scope(self._plan, self._state, stack)
+        stack.push_async_callback(scope.close_workers)
+        try:
+            await scope.start_workers()
+            if _is_async_context(self.dataset):
+                # A dataset holding clients (an HTTP session, an object store) lives as long as
+                # the scope: opened here, closed after every task that could use it is gone.
+                await stack.enter_async_context(self.dataset)
+            scope.task_group = await stack.enter_async_context(anyio.create_task_group())
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stack.aclose()
+            raise
+        stack.callback(scope.task_group.cancel_scope.cancel)
+        stack.callback(scope.close_iteration)
+        self._state.scope = scope
+        return self
+
+    async def __aexit__(
+        self: ScopedLoader,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        """Close the scope: cancel the running epoch, wait for every task and thread.
+
+        Cancellation: the task group waits for its tasks even when the caller is cancelled, and
+        the threads are joined after it, so a cancelled caller still leaves nothing behind.
+        """
+        scope = self._scope
+        if scope is None:
+            return None
+        self._stopped_at = time.perf_counter()
+        # The body's exception is the caller's, not the task group's: passing it in would wrap
+        # it in an ExceptionGroup. The scope's cleanup is the same whatever ended the body.
+        # The scope stays set while it closes: closing a blocking stream still needs its threads.
+        try:
+            await scope.stack.aclose()
+        finally:
+            self._state.scope = None
+        return None
+
+    def __enter__(self: L) -> L:
+        """Open the scope for plain ``for`` loops: one background event loop (and one set of
+        workers, one device stage) serves every epoch until ``__exit__``. A scope kept open by
+        ``persistent_workers`` is taken over (``__exit__`` closes it).
+
+        Raises:
+            LoaderStateError: The scope is already open (``async with`` or ``with``).
+            Exception: As :meth:`__aenter__`.
+        """
+        session = self._session
+        if session is not None and session.persistent:
+            session.persistent = False
+            return self
+        if session is not None or self._scope is not None:
+            raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
+        self._session = Session(self, persistent=False)
+        return self
+
+    def __exit__(self: ScopedLoader, *exc_info: object) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def close(self: ScopedLoader) -> None:
+        """Close the scope opened by ``with loader:`` or kept open by ``persistent_workers``:
+        stop the workers and the background loop (no-op when none is open)."""
+        self.__exit__(None, None, None)
+
+    def __del__(self) -> None:
+        # Persistent workers go with their loader, as torch's do. (A scope opened by `with`
+        # or `async with` holds the loader itself: it closes when its block ends.)
+        session = self.__dict__.get("_session")
+        if session is not None:
+            close_from_anywhere(session.close)

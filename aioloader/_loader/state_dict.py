@@ -1,0 +1,141 @@
+"""A loader's ``state_dict`` and ``load_state_dict``: where its consumer stands, saved, and a
+saved state gone on from.
+
+Owns: :class:`Resumable`, the part of ``DataLoader`` (one of its base classes) that saves the
+state of the running epoch (or the start of the next) and loads one for the next epoch to go
+on from, ending the epoch still running first. Never: checks, resolves or re-divides a state
+itself (``checkpoint.py``, ``resuming.py``, ``merging.py`` do), or begins an epoch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+from .checkpoint import EpochState, dumps_checked, fresh_state
+from .plan import LoaderPlan
+from .resuming import check_resumable, resolve
+from .scope import LoaderState, Scope
+from .session import PlainIterator, Session
+
+__all__ = ["Resumable", "ResumableLoader"]
+
+
+class ResumableLoader(Protocol):
+    """What saving and loading a state need of a loader (``loader.DataLoader`` is one): its
+    plan and shared state, the epoch it runs next and a state loaded for it, and what runs
+    its epochs (a scope, a plain ``for``'s session or iterator)."""
+
+    _plan: LoaderPlan
+    _state: LoaderState
+    _session: Session | None
+    _plain: weakref.ref[PlainIterator[Any]] | None
+    _resume: EpochState | None
+    _next_epoch: int
+
+    @property
+    def _scope(self) -> Scope | None: ...
+
+    @property
+    def dataset(self) -> Any: ...
+
+    @property
+    def seed(self) -> int | None: ...
+
+    def _end_running_epoch(self) -> None: ...
+
+
+class Resumable:
+    """``state_dict`` and ``load_state_dict`` (a base class of ``DataLoader``, whose
+    ``__init__`` sets the attributes below, which loading a state sets again)."""
+
+    _plan: LoaderPlan
+    _resume: EpochState | None
+    _next_epoch: int
+
+    def state_dict(self: ResumableLoader) -> dict[str, Any]:
+        """Where the loader stands: the batches of the current epoch its consumer has taken (a
+        ``for``/``async for`` between two batches: "batches ``0..k`` were taken"), as a small
+        JSON-serialisable dict (a seed and counters, whatever the epoch's size; no pickles).
+        Between epochs (and before the first) it is the start of the next one. After a
+        ``break`` it is where the loop stopped, until :meth:`set_epoch` or the next iteration
+        starts another epoch. It may be called from any thread.
+
+        :meth:`load_state_dict` on a new loader with the same dataset and settings (in
+        another process, perhaps with another ``world_size``: see :func:`merge_states`) goes on
+        from there: every sample of the epoch once, none twice, none lost. It does not depend on
+        ``num_workers``, ``max_inflight``, ``prefetch`` or the order batches completed in.
+
+        Raises:
+            TypeError: The loader cannot resume, named: a stream dataset without
+                ``state_dict``/``load_state_dict`` (an async generator, say), an iterable
+                dataset read in worker processes, a stream split by ``distributed=True``, a
+                sampler whose order cannot be replayed; or a dataset's state that is not
+                JSON-serialisable.
+        """
+        check_resumable(self._plan)
+        if self._resume is not None:
+            state = self._resume
+        else:
+            progress = self._state.progress
+            if progress is None or progress.finished:
+                state = fresh_state(self._plan, self._next_epoch)
+            else:
+                state = progress.state()
+        document = state.to_json()
+        dumps_checked(document, self.dataset)
+        return document
+
+    def load_state_dict(self: ResumableLoader, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of a loader over the same data with the
+        same settings, or :func:`merge_states` of every rank's): the next iteration runs the
+        state's epoch and yields its batches not yet taken, with the places (and per-batch
+        seeds) they had, so with the same seed and world size the batches are the same as an
+        uninterrupted run's. With another ``world_size`` (a merged state, or a single rank's
+        state of a world of 1) the epoch's remaining samples are re-divided among the new
+        ranks: together they yield exactly those, every rank as many batches.
+
+        A loader built without ``seed`` takes the state's (its shuffle order is the saved
+        run's); a stream dataset gets its own state through its ``load_state_dict`` when the
+        epoch starts.
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed (the message names the field), or it
+                does not fit this loader (another dataset length, ``batch_size``, ``drop_last``,
+                ``seed``, kind of dataset), or a single rank's state of a world of several is
+                loaded with another ``world_size`` or rank (merge the ranks' states first).
+            TypeError: This loader cannot resume (see :meth:`state_dict`).
+
+        An epoch still running (a loop left by ``break``, an iterator kept) is ended first, as
+        starting another epoch would end it: an iterator still held stops.
+        """
+        loaded = EpochState.from_json(state)
+        check_resumable(self._plan)
+        resume = resolve(self._plan, loaded)
+        self._end_running_epoch()
+        plan = self._plan
+        if self.seed is None and (resume.seed, resume.order_seed) != (
+            plan.base_seed,
+            plan.order_seed,
+        ):
+            self._plan = plan.reseeded(resume.seed, resume.order_seed)
+            if self._scope is not None:  # the open scope's next epoch runs with these seeds
+                self._scope.plan = self._plan
+        self._resume = resume
+        self._next_epoch = resume.epoch
+        self._state.progress = None
+
+    def _end_running_epoch(self: ResumableLoader) -> None:
+        """End the epoch in progress, if any (from the thread that calls the loader)."""
+        owner = self._plain() if self._plain is not None else None
+        if owner is not None and self._session is None:
+            owner.close()  # a plain for's own scope: closed with its epoch
+            return
+        scope = self._scope
+        running = scope.current if scope is not None else None
+        if running is None or running.closed:
+            return
+        if self._session is not None:  # the scope's loop runs on the session's thread
+            self._session.portal.call(running.close_stream)
+        else:
+            running.close_stream()
