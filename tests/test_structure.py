@@ -119,7 +119,6 @@ LONG_FILES = {
     "aioloader/_pipeline/epoch.py": "one epoch's stages and their bounds, read together",
     "aioloader/_loader/loader.py": "torch's DataLoader surface: its signature and docstring",
     "aioloader/sources/_http.py": "one transport: sessions, retries, redirects, errors",
-    "aioloader/_serving/batcher.py": "DynamicBatcher's public surface and its docstrings",
     "aioloader/sources/_tar.py": "tar_shards' public surface, its options and epoch plan",
     "aioloader/sources/_tarfmt.py": "one file format's parser, pure and synchronous",
     # aioloader bench's workloads, moved whole from their scripts (each a workload's data, its
@@ -127,8 +126,6 @@ LONG_FILES = {
     "aioloader/_bench/cpu.py": "a workload: CPU-heavy transforms and the drop-in Dataset (main)",
     "aioloader/_bench/streams.py": "a workload: WebDataset shards over HTTP and S3 (main)",
     "aioloader/_bench/overhead.py": "a workload: the loader's own cost per sample",
-    "aioloader/_bench/serving.py": "a workload: dynamic batching under load",
-    "aioloader/_bench/harness.py": "the measuring every workload shares (processes, memory)",
 }
 
 
