@@ -45,21 +45,17 @@ import torch
 import torch.utils.data
 
 import aioloader
-from aioloader._bench.harness import (
-    Column,
-    Result,
+from aioloader._bench.harness import Result, delivery_error, timed
+from aioloader._bench.harness_script import (
     add_batch_size,
     add_only,
     add_quick,
     add_timeout,
-    delivery_error,
     exit_status,
-    format_table,
     quick_defaults,
-    ratio_to,
-    timed,
     versions,
 )
+from aioloader._bench.harness_table import Column, format_table, ratio_to
 
 QUICK_ITEMS = 320
 CEILING_CONCURRENCY = 64

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import aioloader
-from aioloader._bench.harness import cpus_and_load, versions
+from aioloader._bench.harness_script import cpus_and_load, versions
 from aioloader._bench.overhead import AsyncRows, Rows
 
 

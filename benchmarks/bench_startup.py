@@ -72,30 +72,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-# The harness, loaded from its file: importing it as ``aioloader._bench.harness`` would import
-# aioloader and torch into this process, whose pages its measured children would then share (and
-# their PSS would count only half of them).
-_spec = importlib.util.spec_from_file_location(
-    "_harness", Path(__file__).parents[1] / "aioloader" / "_bench" / "harness.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-_harness = importlib.util.module_from_spec(_spec)
-sys.modules["_harness"] = _harness  # its dataclasses look their module up
-_spec.loader.exec_module(_harness)
-from _harness import (  # noqa: E402
-    Column,
+
+# The harness's light modules, loaded from their files: importing them as
+# ``aioloader._bench.harness_*`` would import aioloader and torch into this process, whose pages
+# its measured children would then share (and their PSS would count only half of them). None of
+# the three imports another module of the package.
+def _load_harness(name: str) -> None:
+    spec = importlib.util.spec_from_file_location(
+        f"_{name}", Path(__file__).parents[1] / "aioloader" / "_bench" / f"{name}.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"_{name}"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+
+
+for _name in ("harness_processes", "harness_table", "harness_script"):
+    _load_harness(_name)
+from _harness_processes import (  # noqa: E402
     MemorySampler,
+    kill_group,
+    process_group,
+    wait_until_gone,
+)
+from _harness_script import (  # noqa: E402
     add_only,
     add_timeout,
     cpus_and_load,
     exit_status,
-    format_table,
-    kill_group,
     load_average,
-    process_group,
-    wait_until_gone,
 )
+from _harness_table import Column, format_table  # noqa: E402
 
 ITEMS = 2000
 BATCH_SIZE = 32

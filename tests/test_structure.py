@@ -118,7 +118,6 @@ def test_no_private_name_is_imported_from_outside_its_folder() -> None:
 LONG_FILES = {
     "aioloader/_loader/loader.py": "torch's DataLoader surface: signature, docstring, attributes",
     "aioloader/sources/_http.py": "one transport: sessions, retries, redirects, errors",
-    "aioloader/_serving/batcher.py": "DynamicBatcher's public surface and its docstrings",
     "aioloader/sources/_tar.py": "tar_shards' public surface, its options and epoch plan",
     "aioloader/sources/_tarfmt.py": "one file format's parser, pure and synchronous",
     # aioloader bench's workloads, moved whole from their scripts (each a workload's data, its
@@ -126,8 +125,6 @@ LONG_FILES = {
     "aioloader/_bench/cpu.py": "a workload: CPU-heavy transforms and the drop-in Dataset (main)",
     "aioloader/_bench/streams.py": "a workload: WebDataset shards over HTTP and S3 (main)",
     "aioloader/_bench/overhead.py": "a workload: the loader's own cost per sample",
-    "aioloader/_bench/serving.py": "a workload: dynamic batching under load",
-    "aioloader/_bench/harness.py": "the measuring every workload shares (processes, memory)",
 }
 
 

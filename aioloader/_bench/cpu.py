@@ -13,10 +13,10 @@ reports:
 * ``1st batch s``: seconds from constructing the loader to the first batch;
 * ``peak MiB``: the highest sum of VmRSS over this process and all its descendants, sampled
   every 50 ms from ``/proc`` by a background thread while the configuration runs (worker
-  shutdown included; ``harness.MemorySampler``). Shared pages (shared-memory batches, fork's
-  copy-on-write pages) count once per process that maps them, so this over-states what the
-  machine actually spent; ``+MiB`` is that peak minus the same sum just before the
-  configuration started;
+  shutdown included; ``harness_processes.MemorySampler``). Shared pages (shared-memory
+  batches, fork's copy-on-write pages) count once per process that maps them, so this
+  over-states what the machine actually spent; ``+MiB`` is that peak minus the same sum just
+  before the configuration started;
 * ``peak PSS`` / ``+PSS``: the same for the proportional set size (``Pss`` of
   ``/proc/<pid>/smaps_rollup``, what psutil's ``memory_full_info().pss`` reports: a shared page
   divided among the processes mapping it), sampled every 0.2 s;
@@ -132,7 +132,8 @@ from aioloader._bench.cpu_runs import (
     measure,
     measure_pipe,
 )
-from aioloader._bench.harness import (
+from aioloader._bench.harness import report
+from aioloader._bench.harness_script import (
     add_batch_size,
     add_only,
     add_quick,
@@ -140,7 +141,6 @@ from aioloader._bench.harness import (
     cpus_and_load,
     exit_status,
     quick_defaults,
-    report,
     versions,
 )
 

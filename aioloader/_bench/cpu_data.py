@@ -44,10 +44,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from aioloader._bench.harness import (
-    delivery_error,
-    describe,
-)
+from aioloader._bench.harness import delivery_error, describe
 
 Image: Any  # PIL.Image when PIL is installed (PNG), else None (the NumPy/zlib stand-in)
 try:

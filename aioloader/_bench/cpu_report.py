@@ -13,11 +13,7 @@ from aioloader._bench.cpu_runs import (
     DROPIN_GOALS,
     CpuResult,
 )
-from aioloader._bench.harness import (
-    Column,
-    format_table,
-    ratio_to,
-)
+from aioloader._bench.harness_table import Column, format_table, ratio_to
 
 # -- output ------------------------------------------------------------------------------------
 

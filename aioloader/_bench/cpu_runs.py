@@ -53,16 +53,13 @@ from aioloader._bench.cpu_data import (
     full_image,
     speed_probe,
 )
-from aioloader._bench.harness import (
+from aioloader._bench.harness import Result, describe, error_text, watchdog
+from aioloader._bench.harness_processes import (
     EXIT_WAIT_S,
     MemorySampler,
-    Result,
-    describe,
-    error_text,
     machine_ticks,
     process_tree,
     wait_for_children,
-    watchdog,
 )
 
 # -- CPU used meanwhile ------------------------------------------------------------------------

@@ -41,8 +41,8 @@ package ``aioloader`` would be imported before anything else, and the standby wo
 torchvision again as it woke: that is ``aio-first``'s case, measured on its own.)
 The ``torch`` child imports aioloader too (``-m`` imports the package), with
 ``AIOLOADER_STANDBY=0``: no standby process in torch's tree, only aioloader's modules.
-This process samples the child's process tree (``harness.MemorySampler``: the peak PSS, from
-its start to its exit) and reads its JSON line: per-epoch times, the first batch,
+This process samples the child's process tree (``harness_processes.MemorySampler``: the peak
+PSS, from its start to its exit) and reads its JSON line: per-epoch times, the first batch,
 ``statistics().workers.startup_s`` / ``server`` / ``server_why`` per epoch (aioloader's rows),
 and PSS by process (main, fork server, workers, other) read from ``/proc/PID/smaps_rollup`` by
 the child at the middle batch of its last epoch. Every epoch is checked: each class's count of
@@ -86,17 +86,15 @@ from typing import Any
 import numpy as np
 
 from aioloader._bench.gpu_results import GpuResult, format_issue_table, format_run
-from aioloader._bench.harness import (
+from aioloader._bench.harness import Result, report
+from aioloader._bench.harness_processes import (
     MemorySampler,
-    Result,
-    exit_status,
     kill_group,
     process_group,
     process_tree,
-    report,
-    versions,
     wait_until_gone,
 )
+from aioloader._bench.harness_script import exit_status, versions
 
 CONFIGS = ("torch", "aio-swapped", "aio-device", "aio-files", "aio-first")
 DATA_ONLY = ("aio-first",)  # configurations measured in the gpu-data table only (time)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from aioloader._bench.harness import process_tree, pss_kib
+from aioloader._bench.harness_processes import process_tree, pss_kib
 
 
 def role(pid: int, main: int) -> tuple[str, str]:

@@ -47,7 +47,7 @@ Workloads (``--workloads rows files``, default both):
   not dropped), in a table of their own whose baseline is ``torch-nw8``.
 
 How a configuration runs: in a child process of its own, forked from a server that has only
-imported this module (``harness.run_in_child``), after the same set-up in each (this script's
+imported this module (``harness_child.run_in_child``), after the same set-up in each (this script's
 imports, the data built, garbage collected), so no row inherits the heap an earlier one grew.
 The child builds the
 loader, runs one warm-up epoch (checked: every index exactly once, each sample's content
@@ -96,22 +96,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-from aioloader._bench.harness import (
-    Column,
-    Result,
+from aioloader._bench.harness import Result, report, watchdog
+from aioloader._bench.harness_child import run_in_child
+from aioloader._bench.harness_script import (
     add_only,
     add_quick,
     add_timeout,
     cpus_and_load,
     exit_status,
-    format_table,
     quick_defaults,
-    ratio_to,
-    report,
-    run_in_child,
     versions,
-    watchdog,
 )
+from aioloader._bench.harness_table import Column, format_table, ratio_to
 from aioloader._bench.overhead_data import (
     BASELINE,
     BATCH_SIZES,
@@ -164,7 +160,8 @@ class OverheadResult(Result):
 
 
 def measure(job: Job, timeout: float) -> OverheadResult:
-    """Run ``job`` in a fresh child (``harness.run_in_child``), its memory sampled from here."""
+    """Run ``job`` in a fresh child (``harness_child.run_in_child``), its memory sampled from
+    here."""
     config = CONFIGS[job.workload][job.config]
     if config.skip is not None:
         return OverheadResult(job.config, skipped=config.skip)

@@ -18,11 +18,7 @@ import torch
 import torch.utils.data
 
 import aioloader
-from aioloader._bench.harness import (
-    delivery_error,
-    describe,
-    error_text,
-)
+from aioloader._bench.harness import delivery_error, describe, error_text
 
 ROWS = 100_000
 QUICK_ROWS = 20_000

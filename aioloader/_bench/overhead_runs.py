@@ -194,7 +194,7 @@ ALL_NAMES = list(dict.fromkeys(name for configs in CONFIGS.values() for name in 
 
 def prepare(job: Job, profiler: cProfile.Profile | None = None) -> Callable[[], dict[str, Any]]:
     """The set-up of a configuration, the same for every row (in a child: before
-    ``harness.run_in_child`` has it say ready): the dataset built; returns its work, whose
+    ``harness_child.run_in_child`` has it say ready): the dataset built; returns its work, whose
     outcome is a dict."""
     # torch warns that 8 workers exceed a small machine's cores: measuring that is the point.
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)

@@ -45,7 +45,7 @@ them are what matter:
 torchdata and SPDL are the optional extra ``.[bench]``: where one is not installed, its row says so
 and the rest still run.
 
-Each configuration runs in a child of its own (``harness.run_in_child``), which imports the
+Each configuration runs in a child of its own (``harness_child.run_in_child``), which imports the
 peers before its clock starts (so none pays its import inside its wall time, and every row's
 memory holds them all). Wall time covers one full epoch end to end, including starting and
 stopping the loader (worker processes, threads, sessions). Peak PSS and CPU time are the
@@ -74,23 +74,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aioloader._bench.harness import (
-    Column,
-    Result,
-    ServerProcess,
+from aioloader._bench.harness import Result, report, timed
+from aioloader._bench.harness_child import run_in_child
+from aioloader._bench.harness_script import (
     add_batch_size,
     add_only,
     add_quick,
     add_timeout,
     exit_status,
-    format_table,
     quick_defaults,
-    ratio_to,
-    report,
-    run_in_child,
-    timed,
     versions,
 )
+from aioloader._bench.harness_server import ServerProcess
+from aioloader._bench.harness_table import Column, format_table, ratio_to
 from aioloader._bench.remote_data import (
     Settings,
     check,
@@ -146,7 +142,7 @@ def prepare_child(job: Job) -> Callable[[], dict[str, Any]]:
 
 
 def measure(name: str, settings: Settings) -> Result:
-    """Run one configuration in a child of its own (``harness.run_in_child``), its process
+    """Run one configuration in a child of its own (``harness_child.run_in_child``), its process
     tree's memory and CPU sampled from here; past ``settings.timeout``, its stacks are dumped
     and its tree killed."""
     run = run_in_child(prepare_child, Job(name, settings), settings.timeout, f"bench-{name}")

@@ -14,9 +14,7 @@ import aiohttp
 import torch
 import torch.utils.data
 
-from aioloader._bench.harness import (
-    delivery_error,
-)
+from aioloader._bench.harness import delivery_error
 from aioloader._bench.remote_server import (
     BUCKET,
     CEILING_CONCURRENCY,

@@ -14,9 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from aioloader._bench.harness import (
-    wait_for_stop,
-)
+from aioloader._bench.harness_server import wait_for_stop
 
 QUICK_ITEMS = 400
 OBJECT_SIZE = 64 * 1024

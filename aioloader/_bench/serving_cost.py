@@ -45,7 +45,8 @@ from typing import Any
 import uvloop
 
 from aioloader import DynamicBatcher
-from aioloader._bench.harness import Result, add_quick, quick_defaults, report
+from aioloader._bench.harness import Result, report
+from aioloader._bench.harness_script import add_quick, quick_defaults
 
 MAX_BATCH, MAX_DELAY, MAX_COST = 32, 0.005, 4096
 FIXED_S, TOKEN_S = 0.0005, 1e-6

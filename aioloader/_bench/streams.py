@@ -6,8 +6,8 @@ The data and its decodes (``streams_data.py``), the servers (``streams_servers.p
 configurations (``streams_runs.py``) are described where they are defined.
 
 How a configuration runs: each row of each decode runs in a child process of its own, forked
-from a server that has only imported this module (``harness.run_in_child``), one after another,
-the servers staying up. No row
+from a server that has only imported this module (``harness_child.run_in_child``), one after
+another, the servers staying up. No row
 inherits the heap an earlier one grew. Every child has the same baseline: it imports this
 script's modules (torch, NumPy, Pillow, aiohttp, webdataset, aioloader and its sources) and
 obstore where installed, sets torch to one intra-op thread (as both loaders' workers run), and
@@ -31,7 +31,7 @@ Measured per configuration:
   its descendants: the loader's workers, the curl processes under webdataset's workers,
   aioloader's fork server (forked from the child when its first loader with workers starts, as
   in a training script, so in ``aio-nw2``'s time and memory). Sampled by this process from
-  outside (``harness.run_in_child``: its ``MemorySampler`` rooted at the child, RSS every
+  outside (``harness_child.run_in_child``: its ``MemorySampler`` rooted at the child, RSS every
   50 ms, PSS every 0.2 s), so that the child runs no thread of the benchmark's: one would
   compete for its GIL, and aioloader forks its fork server only from a process with a single
   thread. The servers and multiprocessing's resource tracker (this process's, which the child
@@ -87,20 +87,19 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from aioloader._bench.harness import (
-    ServerProcess,
+from aioloader._bench.harness import error_text, report
+from aioloader._bench.harness_child import run_in_child
+from aioloader._bench.harness_script import (
     add_batch_size,
     add_only,
     add_quick,
     add_timeout,
-    error_text,
     exit_status,
     machine,
     quick_defaults,
-    report,
-    run_in_child,
     versions,
 )
+from aioloader._bench.harness_server import ServerProcess
 from aioloader._bench.streams_data import (
     BANDWIDTH_MB_S,
     BATCH_SIZE,
@@ -182,8 +181,8 @@ def run_epochs(job: Job, config: Config, decoder: Decoder, rec: Recorder) -> Out
 
 def prepare_child(job: Job) -> Callable[[], dict[str, Any]]:
     """A child's set-up, the same for every row (its fork server has imported this module's
-    imports by now), before ``harness.run_in_child`` has it say ready; returns its work: run the
-    epochs, and the outcome as a dict."""
+    imports by now), before ``harness_child.run_in_child`` has it say ready; returns its work: run
+    the epochs, and the outcome as a dict."""
     with contextlib.suppress(ImportError):
         importlib.import_module("obstore")  # aio-s3-nw0's; imported by every row alike
     torch.set_num_threads(1)
@@ -205,7 +204,7 @@ def prepare_child(job: Job) -> Callable[[], dict[str, Any]]:
 
 
 def measure(job: Job, timeout: float) -> StreamResult:
-    """Run ``job`` in a fresh child (``harness.run_in_child``); sample its tree's memory
+    """Run ``job`` in a fresh child (``harness_child.run_in_child``); sample its tree's memory
     from here between go and the child's last message; past ``timeout`` per epoch, dump its
     stacks and kill its tree."""
     run = run_in_child(prepare_child, job, timeout * job.epochs, name=f"bench-{job.config}")

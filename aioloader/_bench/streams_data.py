@@ -40,9 +40,7 @@ import torch.utils.data
 import webdataset as wds
 from PIL import Image
 
-from aioloader._bench.harness import (
-    describe,
-)
+from aioloader._bench.harness import describe
 
 SHARDS = 16
 SAMPLES_PER_SHARD = 1000

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from aioloader._bench.harness import (
-    Column,
-    format_table,
-    ratio_to,
-)
+from aioloader._bench.harness_table import Column, format_table, ratio_to
 from aioloader._bench.streams_runs import (
     Outcome,
     StreamResult,

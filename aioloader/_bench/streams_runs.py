@@ -56,11 +56,7 @@ import webdataset as wds
 
 import aioloader
 import aioloader.sources
-from aioloader._bench.harness import (
-    Result,
-    delivery_error,
-    describe,
-)
+from aioloader._bench.harness import Result, delivery_error, describe
 from aioloader._bench.streams_data import (
     BUCKET,
     REGION,

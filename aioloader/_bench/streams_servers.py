@@ -28,9 +28,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from aioloader._bench.harness import (
-    wait_for_stop,
-)
+from aioloader._bench.harness_server import wait_for_stop
 from aioloader._bench.streams_data import (
     BUCKET,
     CHUNK,

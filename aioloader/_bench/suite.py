@@ -2,7 +2,7 @@
 module's ``main``, as its script runs it), its rows read back from the file it reports them to
 (``harness.report``), its output kept in a log.
 
-A workload's module runs each configuration in a child of its own (``harness.run_in_child``)
+A workload's module runs each configuration in a child of its own (``harness_child.run_in_child``)
 or, for the CPU workloads, one after another in its own process; either way no configuration
 shares a heap with the command. Cancelled (Ctrl-C, SIGTERM), or past its time: the workload's
 process group is sent SIGTERM (on which ``streams`` and ``overhead`` clean up as on Ctrl-C; the
@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .harness import ROWS_ENV, process_group, wait_until_gone
+from .harness import ROWS_ENV
+from .harness_processes import process_group, wait_until_gone
 from .results import Row
 
 STOP_GRACE_S = 10.0  # from SIGTERM to SIGKILL

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._bench import chart, suite
-from .._bench.harness import machine, versions
+from .._bench.harness_script import machine, versions
 from .._bench.results import Row, failures, format_rows, format_summary, summarize
 from .signals import run_until_signal
 

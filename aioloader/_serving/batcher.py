@@ -1,13 +1,14 @@
 """``aioloader.DynamicBatcher``: single requests in, batches through a model, one result out each.
 
-Owns: the batcher's scope (its task group and runner tasks), admission, each request's life
-(queued, deadline, cancellation) and handing every caller its own outcome. Never: decides when
-to cut a batch or how big (:mod:`aioloader._serving.policy`), runs collate/model/split itself
-(:mod:`aioloader._serving.runner`), or polls (a runner waits on an event with the policy's
-deadline).
+Owns: the batcher's public surface and its docstrings; its scope (its task group, the runner
+tasks started in it), admission, and a request's life on its caller's side (queued, deadline,
+cancellation). Never: decides when to cut a batch or how big (:mod:`aioloader._serving.policy`),
+collects and runs batches (the runner tasks, :mod:`aioloader._serving.dispatch`), runs
+collate/model/split itself (:mod:`aioloader._serving.runner`), or polls.
 
-A request's life: ``WAITING`` in the queue → ``RUNNING`` in a batch → ``DONE`` (outcome set), or
-``GONE`` (withdrawn, expired, cancelled or abandoned: counted once, by whoever moved it there).
+A request's life (:mod:`aioloader._serving.request`): ``WAITING`` in the queue → ``RUNNING`` in a
+batch → ``DONE`` (outcome set), or ``GONE`` (withdrawn, expired, cancelled or abandoned: counted
+once, by whoever moved it there).
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ import anyio
 import anyio.abc
 import torch
 
-from .._base.exceptions import LoaderStateError, Overloaded, annotate
+from .._base.exceptions import LoaderStateError, Overloaded
 from .._data.collate import default_collate
 from .._workers.processes import start_method_of
+from .dispatch import Dispatcher
 from .pending import BatchLimits, PendingQueue, bucket_of, cost_of
 from .policy import BatchPolicy, check_arguments, check_timeout, default_split
+from .request import DONE, GONE, RUNNING, WAITING, Request
 from .runner import BatchRunner, device_plan_of
 from .stats import BatcherRecorder, BatcherStatistics
 
 __all__ = ["DynamicBatcher"]
-
-_WAITING, _RUNNING, _DONE, _GONE = "waiting", "running", "done", "gone"
 
 
 class _Default(enum.Enum):
@@ -46,45 +47,6 @@ class _Default(enum.Enum):
 
 
 _USE_DEFAULT: Final = _Default.TIMEOUT
-
-
-class _Request:
-    """One caller's request; its outcome arrives through ``future``.
-
-    A bare asyncio future and timer handle rather than an anyio event and cancel scope: they
-    are what every request pays for, and cost a few microseconds instead of tens. Each raise of
-    a future's exception starts from the traceback it was set with, so when every caller of a
-    batch gets the same exception object, one caller's frames don't pile onto another's.
-    """
-
-    __slots__ = ("bucket", "cost", "deadline", "enqueued_at", "future", "item", "state", "timer")
-
-    def __init__(
-        self,
-        item: Any,
-        enqueued_at: float,
-        deadline: float,
-        future: asyncio.Future[Any],
-        cost: float,
-        bucket: Hashable,
-    ) -> None:
-        self.item = item
-        self.enqueued_at = enqueued_at
-        self.deadline = deadline
-        self.future = future
-        self.cost = cost
-        self.bucket = bucket
-        self.state = _WAITING
-        self.timer: asyncio.TimerHandle | None = None
-
-    def resolve(self, value: Any, error: BaseException | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        if not self.future.done():
-            if error is None:
-                self.future.set_result(value)
-            else:
-                self.future.set_exception(error)
 
 
 class DynamicBatcher:
@@ -247,11 +209,11 @@ class DynamicBatcher:
         )
         self._clock = clock
         self._state = "new"  # new -> open -> closing -> closed (-> open again)
-        self._queue: PendingQueue[_Request] = PendingQueue(max_queue, self.limits)
+        self._queue: PendingQueue[Request] = PendingQueue(max_queue, self.limits)
         self._rec = self._recorder()
         self._stack: contextlib.AsyncExitStack | None = None
         self._cancel_scope: anyio.CancelScope | None = None
-        self._arrived: anyio.Event | None = None  # set when the runner collecting should look
+        self._dispatch: Dispatcher | None = None  # the runner tasks of the current (or last) scope
 
     # -- scope -----------------------------------------------------------------------------------
 
@@ -269,16 +231,24 @@ class DynamicBatcher:
             raise LoaderStateError("this batcher's scope is already open; it cannot be re-entered")
         self._queue = PendingQueue(self.max_queue, self.limits)
         self._rec = self._recorder()
-        self._arrived = anyio.Event()
+        self._dispatch = dispatch = Dispatcher(
+            self._queue,
+            self._rec,
+            policy=self.policy,
+            limits=self.limits,
+            work=self._work,
+            clock=self._clock,
+            is_open=lambda: self._state == "open",
+        )
         stack = contextlib.AsyncExitStack()
         try:
             await self._work.open(stack, self._rec.workers)
             # Runs after the task group is gone: no admitted caller is left without an outcome.
-            stack.callback(self._cancel_waiting)
+            stack.callback(dispatch.cancel_waiting)
             tg = await stack.enter_async_context(anyio.create_task_group())
             cutting = anyio.Lock()
             for i in range(self.max_concurrent_batches):
-                tg.start_soon(self._runner, cutting, name=f"aioloader-batcher-runner-{i}")
+                tg.start_soon(dispatch.runner, cutting, name=f"aioloader-batcher-runner-{i}")
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stack.aclose()
@@ -299,12 +269,12 @@ class DynamicBatcher:
         Cancellation: a drain that is cancelled turns into a cancel; the tasks, threads and
         processes are still waited for, and every admitted caller still gets an outcome.
         """
-        stack, scope = self._stack, self._cancel_scope
-        if self._state != "open" or stack is None or scope is None:
+        stack, scope, dispatch = self._stack, self._cancel_scope, self._dispatch
+        if self._state != "open" or stack is None or scope is None or dispatch is None:
             return
         self._state = "closing"
         if self.on_exit == "cancel" or exc_type is not None:
-            self._cancel_waiting()
+            dispatch.cancel_waiting()
             scope.cancel()
         self._wake()  # a runner waiting for requests must see the closing
         try:
@@ -374,7 +344,7 @@ class DynamicBatcher:
         now = self._clock()
         loop = asyncio.get_running_loop()
         deadline = math.inf if limit is None else now + limit
-        request = _Request(item, now, deadline, loop.create_future(), cost, bucket)
+        request = Request(item, now, deadline, loop.create_future(), cost, bucket)
         try:
             changed = self._queue.push(request)  # the first to wait, or its batch is now full
         except Overloaded:
@@ -394,22 +364,22 @@ class DynamicBatcher:
                 future.exception()  # an outcome that came too late: mark it seen, not leaked
             raise
 
-    def _expire(self, request: _Request, limit: float) -> None:
+    def _expire(self, request: Request, limit: float) -> None:
         """The request's deadline passed (a timer callback on the loop)."""
         was = request.state
-        if was in (_DONE, _GONE):
+        if was in (DONE, GONE):
             return
         self._leave(request, expired=True)
-        where = "its batch was running: the result is dropped" if was == _RUNNING else "queued"
+        where = "its batch was running: the result is dropped" if was == RUNNING else "queued"
         request.resolve(None, TimeoutError(f"request not served within {limit} s ({where})"))
 
-    def _leave(self, request: _Request, *, expired: bool) -> None:
+    def _leave(self, request: Request, *, expired: bool) -> None:
         """The caller gives up on ``request``: withdraw it if queued; drop its result if not."""
-        if request.state in (_DONE, _GONE):
+        if request.state in (DONE, GONE):
             return
-        if request.state == _WAITING:
+        if request.state == WAITING:
             self._queue.withdraw(request)
-        request.state = _GONE
+        request.state = GONE
         if request.timer is not None:
             request.timer.cancel()
         if expired:
@@ -418,119 +388,5 @@ class DynamicBatcher:
             self._rec.cancelled += 1
 
     def _wake(self) -> None:
-        if self._arrived is not None:
-            self._arrived.set()
-
-    def _cancel_waiting(self) -> None:
-        waiting = self._queue.take_all()
-        if not waiting:
-            return
-        error = LoaderStateError(
-            "the batcher closed (on_exit='cancel', or its scope failed or was cancelled) "
-            "before this request's batch started"
-        )
-        for request in waiting:
-            request.state = _GONE
-            self._rec.cancelled += 1
-            request.resolve(None, error)
-
-    # -- runners ---------------------------------------------------------------------------------
-
-    async def _runner(self, cutting: anyio.Lock) -> None:
-        """Collect a batch (one runner at a time, under ``cutting``), run it, repeat; return once
-        closing with nothing left. ``max_concurrent_batches`` runners bound the batches in
-        flight structurally, and a runner only collects while it is free, so requests that
-        arrive while every runner is busy join the next batch."""
-        while True:
-            async with cutting:
-                requests = await self._next_batch()
-            if requests is None:
-                return
-            await self._run(requests)
-
-    async def _next_batch(self) -> list[_Request] | None:
-        """Wait until the policy cuts a batch and take it; None once closing with none left.
-
-        A batch cut because its oldest request's ``max_delay`` is up (not because it is full)
-        is cut one loop turn later: requests whose ``submit`` is ready in the turn the delay
-        ends in (woken by the same poll as the timer) join it instead of starting the next,
-        smaller batch. One turn, once per batch: the wait is not extended further."""
-        queue, policy = self._queue, self.policy
-        fired = -math.inf  # the last deadline whose timer fired: it is due, whatever the clock
-        turned = False  # this batch's one extra loop turn is taken
-        while True:
-            now = max(self._clock(), fired)
-            closing = self._state != "open"
-            decision = policy.choose(queue, now, flush=closing)
-            if decision.size:
-                if not (turned or closing or queue.next_batch(decision.bucket)[1]):
-                    turned = True
-                    await asyncio.sleep(0)  # what is ready this turn runs before the cut
-                    continue
-                requests, expired = queue.take(decision.size, now, decision.bucket)
-                for request in expired:  # its caller's own deadline is about to fire too
-                    request.state = _GONE
-                    self._rec.expired += 1
-                    request.resolve(None, TimeoutError("request expired in the queue"))
-                if requests:
-                    return requests
-                continue
-            if closing:
-                return None
-            # The delay timer is a deadline on this wait, not a poll: submit() sets the event
-            # when the queue's first request arrives or it reaches max_batch_size.
-            self._arrived = arrived = anyio.Event()
-            delay = None if decision.wake_at is None else decision.wake_at - now
-            with anyio.move_on_after(delay) as timer:
-                await arrived.wait()
-            if timer.cancelled_caught and decision.wake_at is not None:
-                # The loop's timer and the batcher's clock need not agree to the microsecond
-                # (uvloop's is millisecond-grained; a test's clock may not move at all):
-                # trusting the timer keeps a near miss from turning into a spin.
-                fired = decision.wake_at
-
-    async def _run(self, requests: list[_Request]) -> None:
-        """Collate, run and split one batch, and give each caller its outcome.
-
-        Cancellation (the scope closing with ``on_exit="cancel"``): the batch's callers get
-        :class:`LoaderStateError`; a running thread or worker job is waited for first (see
-        ``_workers/offload.py`` and ``_workers/processes.py``).
-        """
-        rec, n = self._rec, len(requests)
-        started = self._clock()
-        seq = rec.batch_started(n)
-        if rec.cost is not None:
-            limits = self.limits
-            rec.cost.batch([r.cost for r in requests], limits.max_batch_cost, limits.padded)
-        for request in requests:
-            request.state = _RUNNING
-            rec.waited(started - request.enqueued_at)
-        try:
-            outputs = await self._work.run([r.item for r in requests], seq)
-        except Exception as exc:  # noted with the stage and batch: every caller gets it
-            for request in requests:
-                self._settle(request, None, exc)
-        except BaseException:
-            error = LoaderStateError(
-                f"the batcher closed (on_exit='cancel', or its scope failed or was cancelled) "
-                f"while this request's batch {seq} was running"
-            )
-            for request in requests:
-                self._settle(request, None, error)
-            raise
-        else:
-            for position, (request, out) in enumerate(zip(requests, outputs, strict=True)):
-                if isinstance(out, Exception):
-                    annotate(out, "model", batch=seq, detail=f"request {position} of {n} only")
-                    self._settle(request, None, out)
-                else:
-                    self._settle(request, out, None)
-        finally:
-            rec.batch_finished(self._clock() - started)
-
-    def _settle(self, request: _Request, value: Any, error: BaseException | None) -> None:
-        if request.state != _RUNNING:  # its caller left: the result is dropped
-            return
-        request.state = _DONE
-        self._rec.served(self._clock() - request.enqueued_at, ok=error is None)
-        request.resolve(value, error)
+        if self._dispatch is not None:
+            self._dispatch.wake()

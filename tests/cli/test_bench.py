@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from aioloader._bench import chart, harness, suite
+from aioloader._bench import chart, harness, harness_child, harness_processes, suite
 from aioloader._bench.results import Row, failures, family, format_rows, summarize
 
 ROOT = Path(__file__).parents[2]
@@ -360,7 +360,7 @@ def test_a_forked_row_s_memory_is_what_a_process_of_its_own_holds() -> None:
     the same work, and the memory the work holds shows in full."""
     from tests.support import pss_probe
 
-    forked = harness.run_in_child(pss_probe.prepare, pss_probe.MIB, 60, "pss-probe")
+    forked = harness_child.run_in_child(pss_probe.prepare, pss_probe.MIB, 60, "pss-probe")
     assert forked.error is None, forked.error
     context = multiprocessing.get_context("spawn")
     conn, child = context.Pipe()
@@ -368,7 +368,9 @@ def test_a_forked_row_s_memory_is_what_a_process_of_its_own_holds() -> None:
     process.start()
     try:
         assert conn.poll(60) and conn.recv() == "ready"
-        alone = harness.MemorySampler(functools.partial(harness.process_tree, process.pid))
+        alone = harness_processes.MemorySampler(
+            functools.partial(harness_processes.process_tree, process.pid)
+        )
         with alone:
             conn.send("go")
             assert conn.poll(30) and conn.recv() == {"held": pss_probe.MIB * 2**20}

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from aioloader._bench import harness, serving, serving_cost
+from aioloader._bench import harness, serving, serving_cost, serving_load
 
 
-def level(mode: str, rate: float, sizes: dict[int, int]) -> serving.Level:
-    return serving.Level(mode, rate, 10, 10, 0, 1.0, [0.01] * 10, sizes, 0.0, 0.01)
+def level(mode: str, rate: float, sizes: dict[int, int]) -> serving_load.Level:
+    return serving_load.Level(mode, rate, 10, 10, 0, 1.0, [0.01] * 10, sizes, 0.0, 0.01)
 
 
 def test_the_serving_table_shows_each_server_s_batch_sizes(

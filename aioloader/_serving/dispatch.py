@@ -1,0 +1,172 @@
+"""The dynamic batcher's runner tasks: collect a batch when the policy cuts one, run it, hand each
+caller its outcome.
+
+Owns: :class:`Dispatcher`, one scope's loop of ``max_concurrent_batches`` runner tasks: waiting
+(on an event, with the policy's deadline) for a batch to be cut, taking it from the queue,
+running it through :class:`~aioloader._serving.runner.BatchRunner` and settling each of its
+requests (``RUNNING`` → ``DONE``, or dropped when its caller left), and failing what is still
+queued when the scope closes without serving it. Never: decides when to cut
+or how big (:mod:`aioloader._serving.policy`), runs collate/model/split itself
+(:mod:`aioloader._serving.runner`), admits requests or opens the scope
+(:mod:`aioloader._serving.batcher`), or polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from .._base.exceptions import LoaderStateError, annotate
+from .pending import BatchLimits, PendingQueue
+from .policy import BatchPolicy
+from .request import DONE, GONE, RUNNING, Request
+from .runner import BatchRunner
+from .stats import BatcherRecorder
+
+__all__ = ["Dispatcher"]
+
+
+class Dispatcher:
+    """The runner tasks of one scope of a batcher: its queue and recorder, the event a runner
+    waiting for requests waits on (:meth:`wake` sets it), and ``is_open``: whether the scope is
+    still open (not closing)."""
+
+    def __init__(
+        self,
+        queue: PendingQueue[Request],
+        rec: BatcherRecorder,
+        *,
+        policy: BatchPolicy,
+        limits: BatchLimits,
+        work: BatchRunner,
+        clock: Callable[[], float],
+        is_open: Callable[[], bool],
+    ) -> None:
+        self._queue = queue
+        self._rec = rec
+        self._policy = policy
+        self._limits = limits
+        self._work = work
+        self._clock = clock
+        self._is_open = is_open
+        self._arrived = anyio.Event()  # set when the runner collecting should look
+
+    def wake(self) -> None:
+        self._arrived.set()
+
+    def cancel_waiting(self) -> None:
+        """Fail every request still queued: the scope is closing without serving them."""
+        waiting = self._queue.take_all()
+        if not waiting:
+            return
+        error = LoaderStateError(
+            "the batcher closed (on_exit='cancel', or its scope failed or was cancelled) "
+            "before this request's batch started"
+        )
+        for request in waiting:
+            request.state = GONE
+            self._rec.cancelled += 1
+            request.resolve(None, error)
+
+    async def runner(self, cutting: anyio.Lock) -> None:
+        """Collect a batch (one runner at a time, under ``cutting``), run it, repeat; return once
+        closing with nothing left. ``max_concurrent_batches`` runners bound the batches in
+        flight structurally, and a runner only collects while it is free, so requests that
+        arrive while every runner is busy join the next batch."""
+        while True:
+            async with cutting:
+                requests = await self._next_batch()
+            if requests is None:
+                return
+            await self._run(requests)
+
+    async def _next_batch(self) -> list[Request] | None:
+        """Wait until the policy cuts a batch and take it; None once closing with none left.
+
+        A batch cut because its oldest request's ``max_delay`` is up (not because it is full)
+        is cut one loop turn later: requests whose ``submit`` is ready in the turn the delay
+        ends in (woken by the same poll as the timer) join it instead of starting the next,
+        smaller batch. One turn, once per batch: the wait is not extended further."""
+        queue, policy = self._queue, self._policy
+        fired = -math.inf  # the last deadline whose timer fired: it is due, whatever the clock
+        turned = False  # this batch's one extra loop turn is taken
+        while True:
+            now = max(self._clock(), fired)
+            closing = not self._is_open()
+            decision = policy.choose(queue, now, flush=closing)
+            if decision.size:
+                if not (turned or closing or queue.next_batch(decision.bucket)[1]):
+                    turned = True
+                    await asyncio.sleep(0)  # what is ready this turn runs before the cut
+                    continue
+                requests, expired = queue.take(decision.size, now, decision.bucket)
+                for request in expired:  # its caller's own deadline is about to fire too
+                    request.state = GONE
+                    self._rec.expired += 1
+                    request.resolve(None, TimeoutError("request expired in the queue"))
+                if requests:
+                    return requests
+                continue
+            if closing:
+                return None
+            # The delay timer is a deadline on this wait, not a poll: submit() sets the event
+            # when the queue's first request arrives or it reaches max_batch_size.
+            self._arrived = arrived = anyio.Event()
+            delay = None if decision.wake_at is None else decision.wake_at - now
+            with anyio.move_on_after(delay) as timer:
+                await arrived.wait()
+            if timer.cancelled_caught and decision.wake_at is not None:
+                # The loop's timer and the batcher's clock need not agree to the microsecond
+                # (uvloop's is millisecond-grained; a test's clock may not move at all):
+                # trusting the timer keeps a near miss from turning into a spin.
+                fired = decision.wake_at
+
+    async def _run(self, requests: list[Request]) -> None:
+        """Collate, run and split one batch, and give each caller its outcome.
+
+        Cancellation (the scope closing with ``on_exit="cancel"``): the batch's callers get
+        :class:`LoaderStateError`; a running thread or worker job is waited for first (see
+        ``_workers/offload.py`` and ``_workers/processes.py``).
+        """
+        rec, n = self._rec, len(requests)
+        started = self._clock()
+        seq = rec.batch_started(n)
+        if rec.cost is not None:
+            limits = self._limits
+            rec.cost.batch([r.cost for r in requests], limits.max_batch_cost, limits.padded)
+        for request in requests:
+            request.state = RUNNING
+            rec.waited(started - request.enqueued_at)
+        try:
+            outputs = await self._work.run([r.item for r in requests], seq)
+        except Exception as exc:  # noted with the stage and batch: every caller gets it
+            for request in requests:
+                self._settle(request, None, exc)
+        except BaseException:
+            error = LoaderStateError(
+                f"the batcher closed (on_exit='cancel', or its scope failed or was cancelled) "
+                f"while this request's batch {seq} was running"
+            )
+            for request in requests:
+                self._settle(request, None, error)
+            raise
+        else:
+            for position, (request, out) in enumerate(zip(requests, outputs, strict=True)):
+                if isinstance(out, Exception):
+                    annotate(out, "model", batch=seq, detail=f"request {position} of {n} only")
+                    self._settle(request, None, out)
+                else:
+                    self._settle(request, out, None)
+        finally:
+            rec.batch_finished(self._clock() - started)
+
+    def _settle(self, request: Request, value: Any, error: BaseException | None) -> None:
+        if request.state != RUNNING:  # its caller left: the result is dropped
+            return
+        request.state = DONE
+        self._rec.served(self._clock() - request.enqueued_at, ok=error is None)
+        request.resolve(value, error)
