@@ -118,9 +118,7 @@ def test_no_private_name_is_imported_from_outside_its_folder() -> None:
 LONG_FILES = {
     "aioloader/_pipeline/epoch.py": "one epoch's stages and their bounds, read together",
     "aioloader/_loader/loader.py": "torch's DataLoader surface: its signature and docstring",
-    "aioloader/sources/_http.py": "one transport: sessions, retries, redirects, errors",
     "aioloader/_serving/batcher.py": "DynamicBatcher's public surface and its docstrings",
-    "aioloader/sources/_tar.py": "tar_shards' public surface, its options and epoch plan",
     "aioloader/sources/_tarfmt.py": "one file format's parser, pure and synchronous",
     # aioloader bench's workloads, moved whole from their scripts (each a workload's data, its
     # configurations, their checks and its own tables): the next candidates for splitting.
