@@ -11,12 +11,12 @@ opens and closes them.
 
 from ._files import FileDataset as FileDataset
 from ._files import files as files
-from ._http import HTTPConnectionError as HTTPConnectionError
-from ._http import HTTPStatusError as HTTPStatusError
-from ._http import HTTPTimeoutError as HTTPTimeoutError
-from ._http import TransientHTTPError as TransientHTTPError
 from ._http import UrlDataset as UrlDataset
 from ._http import urls as urls
+from ._httperrors import HTTPConnectionError as HTTPConnectionError
+from ._httperrors import HTTPStatusError as HTTPStatusError
+from ._httperrors import HTTPTimeoutError as HTTPTimeoutError
+from ._httperrors import TransientHTTPError as TransientHTTPError
 from ._keyed import Keyed as Keyed
 from ._object_stream import ObjectStream as ObjectStream
 from ._object_stream import object_stream as object_stream

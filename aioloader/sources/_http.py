@@ -2,17 +2,13 @@
 
 Owns: one ``aiohttp.ClientSession`` per open dataset (a connection pool of ``connections``,
 opened by ``async with`` — the loader's scope does it — and closed when that scope exits),
-the request of one item or one byte range, and turning what goes wrong into exceptions that say
-which item, which (redacted) URL and what happened: an error status, a connection that broke, a
-body cut short, a timeout. Failures worth retrying are marked transient (``TransientError``,
-``ConnectionError`` or ``TimeoutError``), so the loader's :class:`~aioloader.RetryPolicy`
-retries them.
+and the request of one item or one byte range. What goes wrong becomes an exception of
+``_httperrors.py`` that says which item, which (redacted) URL and what happened; the transient
+ones are retried by the loader's :class:`~aioloader.RetryPolicy`.
 
 Never: retries anything itself, not even aiohttp's silent resend of a GET whose connection
 broke (every attempt is the loader's, counted in its statistics and bounded by its policy);
-logs; or shows credentials. A URL in a message or ``repr`` keeps its scheme, host, port and path
-only: user info, query string (where signed URLs carry their signature and token) and fragment
-are replaced. An aiohttp exception is kept as ``__cause__`` unless its own text would show them.
+logs; or shows credentials (a URL in a ``repr`` is redacted as ``_httperrors.py`` says).
 """
 
 from __future__ import annotations
@@ -23,169 +19,32 @@ import re
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self, overload
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 import anyio
 from multidict import CIMultiDictProxy
 
 from .._base.checks import check_int, check_seconds
-from .._base.exceptions import AioLoaderError, LoaderStateError, TransientError
+from .._base.exceptions import LoaderStateError
 from .._data.dataset import AsyncDataset
 from ._gate import ByteGate, holding
+from ._httperrors import (
+    HTTPConnectionError,
+    HTTPStatusError,
+    _shows_secrets,
+    client_error,
+    redact_url,
+    status_error,
+)
 from ._keyed import Keyed, keyed
 
-__all__ = [
-    "HTTPConnectionError",
-    "HTTPStatusError",
-    "HTTPTimeoutError",
-    "TransientHTTPError",
-    "UrlDataset",
-    "redact_url",
-    "urls",
-]
-
-#: Statuses worth retrying: timeout, too early, throttled, and the server's passing troubles.
-TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+__all__ = ["UrlDataset", "urls"]
 
 #: An error response's body is read (so its connection can be reused) when at most this long.
 _DRAIN_LIMIT = 64 * 1024
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``url`` without anything secret: scheme, host, port and path are kept; user info is
-    dropped, and a query string or fragment is replaced by ``<redacted>``.
-
-    Example: ``https://user:pw@host/a/b?X-Amz-Signature=...`` → ``https://host/a/b?<redacted>``.
-    """
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    host = parts.netloc.rpartition("@")[2]
-    query = "?<redacted>" if parts.query else ""
-    fragment = "#<redacted>" if parts.fragment else ""
-    return f"{parts.scheme}://{host}{parts.path}{query}{fragment}"
-
-
-def _secrets_of(url: str) -> list[str]:
-    """The parts of ``url`` that :func:`redact_url` hides, raw and percent-decoded."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return [url]
-    userinfo = parts.netloc.rpartition("@")[0]
-    found = [userinfo, parts.query, parts.fragment]
-    found += userinfo.split(":")
-    for piece in re.split(r"[&;]", parts.query):  # each value (a bare piece: all of it)
-        found.append(piece.partition("=")[2] or piece)
-    found += [unquote(s) for s in found]
-    return [s for s in found if s]
-
-
-_URL_IN_TEXT = re.compile(r"[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s'\"<>]+")
-
-
-def _names_secret_url(text: str) -> bool:
-    """Whether ``text`` shows any URL with user info, a query or a fragment (a redirect's
-    target is signed where the URL asked for was not: its secrets are not ``url``'s)."""
-    return any(redact_url(found) != found for found in _URL_IN_TEXT.findall(text))
-
-
-def _shows_secrets(exc: BaseException, url: str) -> bool:
-    """Whether the text of ``exc``, or of an exception chained to it, shows a secret of ``url``
-    (aiohttp's ``TooManyRedirects`` and ``ConnectionTimeoutError`` name the full URL), or any
-    URL that carries user info or a query (``NonHttpUrlRedirectClientError`` is the Location a
-    redirect pointed at)."""
-    secrets = [s for s in _secrets_of(url) if s]
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        try:
-            text = f"{e}\n{e!r}\n" + "\n".join(map(str, getattr(e, "__notes__", ())))
-        except Exception:  # a broken __str__: treat it as unsafe
-            return True
-        if any(s in text for s in secrets) or _names_secret_url(text):
-            return True
-        todo += [e.__cause__, e.__context__]
-    return False
-
-
-# -- exceptions ---------------------------------------------------------------------------------
-
-
-class HTTPStatusError(AioLoaderError):
-    """The server answered with a status other than 2xx (or a 206 with the wrong range).
-
-    Attributes:
-        status: The HTTP status.
-        url: The URL asked for, redacted (no user info, query string or fragment).
-    """
-
-    def __init__(self, message: str, *, status: int, url: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.url = url
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild,
-            (type(self), str(self), {"status": self.status, "url": self.url}),
-            self.__dict__,
-        )
-
-
-class TransientHTTPError(HTTPStatusError, TransientError):
-    """An error status worth retrying: 408, 425, 429, 500, 502, 503 or 504. The default
-    :class:`~aioloader.RetryPolicy` retries it (it is a :class:`~aioloader.TransientError`)."""
-
-
-class HTTPConnectionError(AioLoaderError, TransientError, ConnectionError):
-    """The exchange broke before a whole response arrived: the connection could not be made, was
-    reset or closed by the server, or the body was shorter than its ``Content-Length``.
-
-    It is a :class:`~aioloader.TransientError` and a ``ConnectionError``, so the default
-    :class:`~aioloader.RetryPolicy` retries it.
-
-    Attributes:
-        url: The URL asked for, redacted.
-    """
-
-    def __init__(self, message: str, *, url: str) -> None:
-        super().__init__(message)
-        self.url = url
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), str(self), {"url": self.url}), self.__dict__)
-
-
-class HTTPTimeoutError(AioLoaderError, TransientError, TimeoutError):
-    """No complete response within the dataset's ``timeout``. A ``TimeoutError`` (and a
-    :class:`~aioloader.TransientError`), so the default :class:`~aioloader.RetryPolicy` retries it.
-
-    Attributes:
-        url: The URL asked for, redacted.
-        timeout: The limit that was exceeded, in seconds.
-    """
-
-    def __init__(self, message: str, *, url: str, timeout: float) -> None:
-        super().__init__(message)
-        self.url = url
-        self.timeout = timeout
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        state = {"url": self.url, "timeout": self.timeout}
-        return (_rebuild, (type(self), str(self), state), self.__dict__)
-
-
-def _rebuild(cls: type[Exception], message: str, kwargs: dict[str, Any]) -> Exception:
-    return cls(message, **kwargs)
 
 
 # -- the dataset --------------------------------------------------------------------------------
@@ -523,51 +382,6 @@ def new_session(**options: Any) -> aiohttp.ClientSession:
     if hasattr(session, "_retry_connection"):
         session._retry_connection = False
     return session
-
-
-def client_error(exc: BaseException, raw: str, where: str, timeout: float) -> Exception:
-    """The error to raise for an aiohttp or socket exception while asking for ``raw``:
-    transient (``HTTPTimeoutError``, ``HTTPConnectionError``) when a new attempt may work.
-    Messages name ``where`` and never a secret of ``raw``; the caller chains ``exc`` unless
-    :func:`_shows_secrets` says its text is unsafe."""
-    url = redact_url(raw)
-    if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError is one too
-        return HTTPTimeoutError(
-            f"no whole response from {where} within timeout={timeout}s", url=url, timeout=timeout
-        )
-    if isinstance(exc, aiohttp.TooManyRedirects):
-        return HTTPStatusError(
-            f"too many redirects from {where} ({len(exc.history)} followed)",
-            status=exc.history[-1].status if exc.history else exc.status,
-            url=url,
-        )
-    if isinstance(exc, aiohttp.InvalidURL):
-        return ValueError(f"invalid URL {where}")
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        return HTTPConnectionError(f"body of {where} cut short: {_describe(exc, raw)}", url=url)
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return HTTPConnectionError(f"server disconnected before answering {where}", url=url)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return HTTPConnectionError(f"cannot connect for {where}: {_describe(exc, raw)}", url=url)
-    return HTTPConnectionError(f"connection failed for {where}: {_describe(exc, raw)}", url=url)
-
-
-def status_error(status: int, reason: str | None, raw: str, where: str) -> HTTPStatusError:
-    """The error for a non-2xx answer: :class:`TransientHTTPError` for the statuses worth
-    retrying, :class:`HTTPStatusError` otherwise. A reason phrase that echoes a secret of ``raw``
-    is left out."""
-    kind = TransientHTTPError if status in TRANSIENT_STATUSES else HTTPStatusError
-    if reason and (any(s in reason for s in _secrets_of(raw)) or _names_secret_url(reason)):
-        reason = None  # a server that echoes the URL in its reason phrase
-    text = f"HTTP {status} {reason or ''}".rstrip()
-    return kind(f"{text} from {where}", status=status, url=redact_url(raw))
-
-
-def _describe(exc: BaseException, raw_url: str) -> str:
-    """The exception's type and message, or only its type when the message shows a secret."""
-    if _shows_secrets(exc, raw_url) or not str(exc):
-        return type(exc).__name__
-    return f"{type(exc).__name__}: {exc}"
 
 
 async def _drain(resp: aiohttp.ClientResponse) -> None:

@@ -26,7 +26,7 @@ import aiohttp
 import anyio
 
 from .._base.retry import RetryPolicy
-from ._http import (
+from ._httperrors import (
     HTTPConnectionError,
     HTTPStatusError,
     _shows_secrets,

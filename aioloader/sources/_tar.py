@@ -1,10 +1,11 @@
 """A streaming reader of WebDataset-style tar shards, on the local disk, over HTTP(S) or in an
 object store.
 
-Owns: naming shards (paths, URLs, brace patterns), the per-epoch shard shuffle, the rank split of
-shards and the sample shuffle buffer. Reading bytes, with resumption after a broken transfer, is
-``_streams.py``'s; parsing them into samples is ``_tarfmt.py``'s. Never: decodes member bytes,
-or reads a whole shard into memory or to disk first.
+Owns: ``tar_shards``' options and public surface, the per-epoch shard shuffle, the rank split of
+shards and the plan of an epoch (shards in flight, read-ahead per shard, the shuffles' seeds).
+Naming and reading shards is ``_tarread.py``'s (bytes resumed by ``_streams.py``, parsed by
+``_tarfmt.py``); where an epoch stands, and checking a saved state, ``_tarstate.py``'s. Never:
+decodes member bytes, or reads a whole shard into memory or to disk first.
 """
 
 from __future__ import annotations
@@ -12,35 +13,25 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
-import aiohttp
-import anyio
-
-from .._base.checks import check_bool, check_int, check_seconds, check_seed
+from .._base.checks import check_bool, check_int, check_seed
 from .._base.retry import RetryPolicy
 from .._data.epochs import OpensEpochs
-from .._data.restream import Piece, split_pieces, state_pieces
+from .._data.restream import Piece, split_pieces
 from .._data.seeds import derive_seed
 from .._data.sharding import epoch_parts, resolve_rank
-from .._fanin.lanes import ahead_for, interleaved, plan_digest
-from ._braces import expand_braces
-from ._http import new_session, redact_url
-from ._objects import redact_store_url, store_from_url
-from ._streams import ChunkReader, FileReader, HTTPReader, StoreReader, resumable
-from ._tarfmt import CorruptShardError, read_located
-from ._tarstate import EpochRun, Located, ShuffleBuffer, Spanned, piece_items, without_spans
+from .._fanin.lanes import ahead_for, plan_digest
+from ._tarfmt import CorruptShardError
+from ._tarread import ShardReading, _display, _sample_bytes, shard_names
+from ._tarstate import EpochRun, ShuffleBuffer, check_saved_state
 
 if TYPE_CHECKING:
     from ._slots import SlotPolicy, SlotStreams
 
 __all__ = ["CorruptShardError", "TarShards", "tar_shards"]
 
-_HTTP = ("http", "https")
-_LOCAL = ("", "file")
 _DEFAULT_RETRY = RetryPolicy(attempts=5)
 
 
@@ -202,20 +193,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         client_options: Mapping[str, Any] | None = None,
         store: Any = None,
     ) -> None:
-        if isinstance(shards, str):
-            shards = expand_braces(shards)
-        given: object = shards
-        if not isinstance(given, Sequence) or isinstance(given, bytes | bytearray):
-            raise TypeError(f"shards must be a sequence of paths or URLs, got {shards!r}")
-        if not shards:
-            raise ValueError("shards must name at least one tar file")
-        self._shards = [os.fspath(s) for s in shards]
-        for i, s in enumerate(self._shards):
-            if not isinstance(s, str):
-                raise TypeError(f"shards must be str paths or URLs, got {s!r}")
-            if store is None and _scheme(s) not in _LOCAL and not urlsplit(s).netloc:
-                what = "host" if _scheme(s) in _HTTP else "bucket"
-                raise ValueError(f"shards[{i}] {_display(s)!r} names no {what}")
+        self._shards = shard_names(shards, store)
         self._shuffle_shards = check_bool("shuffle_shards", shuffle_shards)
         self._shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, minimum=0)
         self._chunk_size = check_int("chunk_size", chunk_size, minimum=1)
@@ -230,18 +208,22 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             resolve_rank(rank, world_size)  # validate early
         self._rank = rank
         self._world_size = world_size
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise TypeError(f"retry must be an aioloader.RetryPolicy or None, got {retry!r}")
-        self._retry = retry
-        self._timeout = check_seconds("timeout", timeout)
-        self._headers = dict(headers or {})
-        self._config = dict(config or {})
-        self._client_options = dict(client_options or {})
-        self._store = store
-        self._stores: dict[str, Any] = {}  # one per scheme://bucket, built at first use
+        self._reading = ShardReading(
+            chunk_size=self._chunk_size,
+            retry=retry,
+            timeout=timeout,
+            headers=headers,
+            config=config,
+            client_options=client_options,
+            store=store,
+            on_retry=self._count_retry,
+        )
         self._running: EpochRun | None = None  # the open epoch, whose state state_dict() gives
         #: Reads resumed after a transient failure, over the dataset's life.
         self.retries = 0
+
+    def _count_retry(self) -> None:
+        self.retries += 1
 
     @property
     def shards(self) -> list[str]:
@@ -296,29 +278,13 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             TypeError, ValueError: ``state`` is malformed, of a different list of shards or
                 seed, or of another rank or world size.
         """
-        epoch, shards = state.get("epoch"), state.get("shards")
-        checked = check_int("state['epoch']", epoch, minimum=0)
-        if shards != len(self._shards):
-            raise ValueError(
-                f"state['shards'] is {shards!r}: the state is of a dataset of other shards "
-                f"(this one has {len(self._shards)})"
-            )
-        if state.get("dataset", self._dataset) != self._dataset:
-            raise ValueError(
-                "the state is of another tar_shards (other shards, seed or shuffle_shards): it "
-                "cannot resume here"
-            )
-        split = state.get("split")
-        if split is not None:  # a state saved before issue 26 names none: its plan is checked
-            mine = list(resolve_rank(self._rank, self._world_size))
-            if list(split) != mine:
-                raise ValueError(
-                    f"the state is rank {split[0]}'s of {split[1]}; this tar_shards is rank "
-                    f"{mine[0]} of {mine[1]} (give each rank its own state: states[k] of "
-                    "merge_states(..., world_size=W) to rank k)"
-                )
-            state_pieces(state)  # well-formed
-        return checked
+        return check_saved_state(
+            state,
+            count=len(self._shards),
+            dataset=self._dataset,
+            rank=self._rank,
+            world_size=self._world_size,
+        )
 
     def epoch_shards(self, epoch: int) -> list[str]:
         """The shards this rank reads in ``epoch``, in reading order.
@@ -339,7 +305,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         """How many shards are read at once in an epoch of ``shards`` shards (see the class)."""
         if self._in_flight is not None:
             return max(1, min(self._in_flight, shards))
-        remote = self._store is not None or _scheme(self._shards[0]) not in _LOCAL
+        remote = self._reading.remote(self._shards[0])
         return max(1, min(16 if remote else 4, shards))
 
     def per_slot(
@@ -361,7 +327,7 @@ class TarShards(OpensEpochs[dict[str, Any]]):
 
         return SlotStreams(
             self.epoch_shards,
-            self._open_reader,
+            self._reading.open_reader,
             slots=slots,
             policy=policy,
             fill=fill,
@@ -397,69 +363,6 @@ class TarShards(OpensEpochs[dict[str, Any]]):
         return self._samples(pieces, split, resume)
 
     @contextlib.asynccontextmanager
-    async def _open_reader(
-        self,
-    ) -> AsyncIterator[Callable[[str], AsyncGenerator[dict[str, Any], None]]]:
-        """For one epoch: a function giving the samples of a shard (see :meth:`_open_located`)."""
-        async with self._open_located() as located:
-            yield lambda shard: without_spans(located(shard))
-
-    @contextlib.asynccontextmanager
-    async def _open_located(self) -> AsyncIterator[Located]:
-        """For one epoch: a function giving the samples of a shard from a byte offset on, each
-        with where it lies (``read_located``). It owns the epoch's HTTP session (opened at the
-        first URL, closed on exit, shielded from cancellation)."""
-        session: aiohttp.ClientSession | None = None
-
-        def reader(shard: str) -> ChunkReader:
-            nonlocal session
-            scheme = "" if self._store is not None else _scheme(shard)
-            if self._store is not None:
-                return StoreReader(self._store, shard, shard, self._chunk_size)
-            if scheme in _HTTP:
-                if session is None:
-                    session = new_session(
-                        # One connection per stream being read (slot streams read many shards
-                        # at once; aiohttp's default pool of 100 would starve the 101st).
-                        connector=aiohttp.TCPConnector(limit=0),
-                        headers=self._headers,
-                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout),
-                    )
-                return HTTPReader(session, shard, self._chunk_size, self._timeout)
-            if scheme in _LOCAL:
-                path = urlsplit(shard).path if scheme == "file" else shard
-                return FileReader(path, self._chunk_size)
-            parts = urlsplit(shard)
-            root = f"{parts.scheme}://{parts.netloc}"
-            if root not in self._stores:
-                self._stores[root] = store_from_url(root, self._config, self._client_options)
-            return StoreReader(
-                self._stores[root], parts.path.lstrip("/"), _display(shard), self._chunk_size
-            )
-
-        def located(shard: str, start: int = 0) -> AsyncGenerator[Spanned, None]:
-            fields = None
-            if self._store is None and _scheme(shard) in _LOCAL:  # as webdataset names it
-                fields = {"__local_path__": urlsplit(shard).path if _scheme(shard) else shard}
-            chunks = self._chunks(reader(shard), start)
-            return read_located(_display(shard), chunks, fields, start=start)
-
-        try:
-            yield located
-        finally:
-            if session is not None:
-                with anyio.CancelScope(shield=True):
-                    await session.close()
-
-    def _chunks(self, reader: ChunkReader, start: int = 0) -> AsyncGenerator[bytes, None]:
-        def count() -> None:
-            self.retries += 1
-
-        return resumable(
-            reader, self._retry, stall_timeout=self._timeout, on_retry=count, start=start
-        )
-
-    @contextlib.asynccontextmanager
     async def _samples(
         self, pieces: list[Piece], split: dict[str, Any], resume: dict[str, Any] | None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
@@ -479,56 +382,14 @@ class TarShards(OpensEpochs[dict[str, Any]]):
             if resume is not None:
                 run.buffer.restore(resume.get("buffer"))
 
-        def name(piece: Piece) -> str:
-            return _display(self._shards[piece.part])
-
-        async with self._open_located() as located:
-
-            def read(piece: Piece) -> AsyncGenerator[Spanned, None]:
-                return piece_items(located, self._shards[piece.part], piece)
-
-            async with (
-                interleaved(
-                    pieces,
-                    read,
-                    width=width,
-                    ahead=ahead,
-                    part_limit=per_shard,
-                    size=_spanned_bytes,
-                    rng=order,
-                    name=name,
-                    cursor=run.cursor,
-                    reopen=run.reopener(read),
-                ) as spanned,
-                aclosing(run.samples(spanned)) as samples,
-            ):
-                if run.buffer is not None:
-                    await run.buffer.read_again(read, pieces, name, width)
-                    async with aclosing(run.buffer.run(samples)) as shuffled:
-                        self._running = run
-                        try:
-                            yield shuffled
-                        finally:
-                            self._running = None
-                    return
-                self._running = run
-                try:
-                    yield samples
-                finally:
-                    self._running = None
-
-
-_SAMPLE_OVERHEAD = 256  # bytes a sample holds besides its members: the dict, the key, headers
-
-
-def _spanned_bytes(item: Spanned) -> int:
-    return _sample_bytes(item[0])
-
-
-def _sample_bytes(sample: dict[str, Any]) -> int:
-    """What a sample holds, for the read-ahead bound: its members and a fixed overhead (so that
-    a shard of tiny or empty samples is bounded too)."""
-    return _SAMPLE_OVERHEAD + sum(len(v) for v in sample.values() if isinstance(v, bytes))
+        async with self._reading.epoch(
+            self._shards, pieces, run, width=width, ahead=ahead, part_limit=per_shard, order=order
+        ) as samples:
+            self._running = run
+            try:
+                yield samples
+            finally:
+                self._running = None
 
 
 #: ``aioloader.sources.tar_shards(...)``: the constructor under the name the other sources use
@@ -537,18 +398,3 @@ def _sample_bytes(sample: dict[str, Any]) -> int:
 #:     ds = aioloader.sources.tar_shards("s3://bucket/train-{000000..000127}.tar",
 #:                                       shuffle_shards=True, shuffle_buffer=1000)
 tar_shards = TarShards
-
-
-def _scheme(shard: str) -> str:
-    """The URL scheme of ``shard``, lower case; "" for a plain path (a Windows drive letter is
-    not a scheme)."""
-    head, sep, _ = shard.partition("://")
-    return head.lower() if sep and head.isalnum() and len(head) > 1 else ""
-
-
-def _display(shard: str) -> str:
-    """``shard`` as shown in samples, messages and ``repr``: URLs without credentials."""
-    scheme = _scheme(shard)
-    if scheme in _HTTP:
-        return redact_url(shard)
-    return shard if scheme in _LOCAL else redact_store_url(shard)

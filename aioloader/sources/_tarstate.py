@@ -1,13 +1,14 @@
 """Where an epoch of ``tar_shards`` stands, and how it goes on from a saved state.
 
-Owns: :class:`EpochRun` (the open epoch as ``TarShards.state_dict`` describes it: what the
+Owns: :func:`check_saved_state` (a saved state is of this dataset's shards, seed and rank),
+:class:`EpochRun` (the open epoch as ``TarShards.state_dict`` describes it: what the
 rank reads, its pieces, named as ``_data/restream.py`` says; the interleave's cursor over them,
 the byte offset after the last sample taken from each open piece, the shuffle buffer),
 :func:`piece_items` (a piece's samples) and :class:`ShuffleBuffer` (the sample shuffle buffer,
 which knows where each sample it holds lies, so a saved state can read them again). A resumed
 piece is read from the byte after its last sample taken (a range request, a seek); a piece of a
 compressed shard, whose offsets are the uncompressed stream's, from its own start with the
-samples taken passed over. Never: reads bytes or parses tar itself (``_tar.py`` and
+samples taken passed over. Never: reads bytes or parses tar itself (``_tarread.py`` and
 ``_tarfmt.py`` do), or decides a re-division (``_data/restream.py`` does).
 """
 
@@ -20,11 +21,21 @@ from typing import Any
 
 import anyio
 
-from .._data.restream import Piece
+from .._base.checks import check_int
+from .._data.restream import Piece, state_pieces
+from .._data.sharding import resolve_rank
 from .._fanin.interleave import rng_from_json, rng_to_json
 from .._fanin.lanes import Cursor
 
-__all__ = ["EpochRun", "Located", "ShuffleBuffer", "Spanned", "piece_items", "without_spans"]
+__all__ = [
+    "EpochRun",
+    "Located",
+    "ShuffleBuffer",
+    "Spanned",
+    "check_saved_state",
+    "piece_items",
+    "without_spans",
+]
 
 #: A sample with where it lies in its shard: ``(sample, start, end)``, offsets None for a
 #: compressed shard.
@@ -65,6 +76,42 @@ async def without_spans(
     async with aclosing(items):
         async for sample, _, _ in items:
             yield sample
+
+
+def check_saved_state(
+    state: dict[str, Any], *, count: int, dataset: str, rank: int | None, world_size: int | None
+) -> int:
+    """The epoch of a saved state of a ``tar_shards`` of ``count`` shards whose split is
+    ``dataset`` (its digest) and whose ``rank`` and ``world_size`` are as given (None: detected);
+    the rest is checked as the epoch opens (:class:`EpochRun`).
+
+    Raises:
+        TypeError, ValueError: ``state`` is malformed, of a different list of shards or seed,
+            or of another rank or world size.
+    """
+    epoch, shards = state.get("epoch"), state.get("shards")
+    checked = check_int("state['epoch']", epoch, minimum=0)
+    if shards != count:
+        raise ValueError(
+            f"state['shards'] is {shards!r}: the state is of a dataset of other shards "
+            f"(this one has {count})"
+        )
+    if state.get("dataset", dataset) != dataset:
+        raise ValueError(
+            "the state is of another tar_shards (other shards, seed or shuffle_shards): it "
+            "cannot resume here"
+        )
+    split = state.get("split")
+    if split is not None:  # a state saved before issue 26 names none: its plan is checked
+        mine = list(resolve_rank(rank, world_size))
+        if list(split) != mine:
+            raise ValueError(
+                f"the state is rank {split[0]}'s of {split[1]}; this tar_shards is rank "
+                f"{mine[0]} of {mine[1]} (give each rank its own state: states[k] of "
+                "merge_states(..., world_size=W) to rank k)"
+            )
+        state_pieces(state)  # well-formed
+    return checked
 
 
 class EpochRun:

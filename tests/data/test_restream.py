@@ -209,7 +209,7 @@ async def test_a_real_tar_state_says_what_is_left(
         state = ds.state_dict()
     left = pieces_left(RankLeft.from_state([Piece(i) for i in range(len(shards))], state))
     rest = []
-    async with ds._open_located() as located:
+    async with ds._reading.open_located() as located:
         for piece in left:
             got = 0
             async with aclosing(located(shards[piece.part], piece.start or 0)) as items:

@@ -19,7 +19,7 @@ import pytest
 import aioloader
 import aioloader.sources
 from aioloader.sources import tar_shards
-from aioloader.sources._http import (
+from aioloader.sources._httperrors import (
     HTTPConnectionError,
     HTTPStatusError,
     HTTPTimeoutError,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import aioloader
 from aioloader import DataLoader
 from aioloader.sources import tar_shards
-from aioloader.sources._tarfmt import read_located
+from aioloader.sources._tarstream import read_located
 from tests.sources.test_objects import bucket
 from tests.sources.test_remote_tar import serve_shards
 from tests.sources.test_tar import make_shard, make_shards
