@@ -199,3 +199,15 @@ def test_no_stream_source_keeps_its_own_epoch() -> None:
     """The loader owns a stream's epoch and passes it to ``open_epoch`` (issue 26, part 3):
     only ``OpensEpochs`` (``_data/epochs.py``) keeps the epoch of a dataset iterated directly."""
     assert epoch_counters(PACKAGE) == []
+
+
+def test_one_module_reads_the_stdlib_fork_servers_private_state() -> None:
+    """The one seam into another package's private names (docs/design.md): ``install`` and the
+    readers in ``_workers/forkserver.py``; everything else asks them."""
+    private = re.compile(r"_forkserver\._|_forkserver_pid|_forkserver_address|_preload_modules")
+    readers = {
+        str(path.relative_to(PACKAGE.parent))
+        for path in PACKAGE.rglob("*.py")
+        if private.search(path.read_text())
+    }
+    assert readers == {"aioloader/_workers/forkserver.py"}

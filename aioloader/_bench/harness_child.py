@@ -33,6 +33,7 @@ from aioloader._bench.harness_processes import (
     pss_kib,
     wait_for_children,
 )
+from aioloader._workers.forkserver import running_server_pid
 
 J = TypeVar("J")
 
@@ -62,14 +63,6 @@ class ChildRun:
     memory: MemorySampler
 
 
-def _fork_server_pid() -> int | None:
-    """The pid of multiprocessing's fork server in this process, if one runs (aioloader's forked
-    one or the stdlib's)."""
-    server: Any = getattr(multiprocessing.forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    return pid if isinstance(pid, int) else None
-
-
 def _nothing() -> None:
     """A child that only starts: the fork server, once it has imported its modules."""
 
@@ -94,7 +87,7 @@ def _child_main(
     conn.recv()  # go: the parent has read the base PSS and samples this tree from now on
     conn.send(("ended", work()))
     keep = {os.getpid()}
-    if (server := _fork_server_pid()) is not None:
+    if (server := running_server_pid()) is not None:
         keep.add(server)
     left = wait_for_children(keep)
     for pid in left:
@@ -139,13 +132,13 @@ def run_in_child(
     :class:`MemorySampler`'s ``lent``), so a row's PSS is what a process of its own would hold.
     ``context``: another fork server context of this process's."""
     start = context or preloaded_forkserver([getattr(prepare, "__module__", "__main__")])
-    if _fork_server_pid() is None:
+    if running_server_pid() is None:
         # Start the server, and let it import its modules, before the first row: its PSS is
         # read while it has no child.
         first = start.Process(target=_nothing, name="bench-fork-server-start")
         first.start()
         first.join()
-    server = _fork_server_pid()
+    server = running_server_pid()
     if server is None:
         raise RuntimeError("the fork server did not start: no process to fork the row from")
     idle_kib = pss_kib(server)

@@ -20,9 +20,11 @@ file a module opened at import is readable in a worker (pipes and sockets it let
 keeps the memory it shares with this process for the life of the process: memory this process
 frees after the server was forked stays mapped in the server.
 
-The one seam into another package's private names: :func:`install` sets three attributes of
-``multiprocessing.forkserver._forkserver`` (3.11 to 3.13; :func:`server_protocol_known` says
-whether this Python's server is that one).
+The one seam into another package's private names, for the whole package: :func:`install` sets
+three attributes of ``multiprocessing.forkserver._forkserver`` (3.11 to 3.13;
+:func:`server_protocol_known` says whether this Python's server is that one), and
+:func:`running_server_pid`, :func:`server_preload` and :func:`server_lock` read its pid and
+its preload list and hold its lock.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import connection, resource_tracker, util
 from typing import Any
@@ -50,6 +52,9 @@ __all__ = [
     "ForkedServer",
     "fork_server",
     "install",
+    "running_server_pid",
+    "server_lock",
+    "server_preload",
     "server_protocol_known",
     "unsafe_to_fork",
 ]
@@ -187,6 +192,30 @@ def fork_server(
             _serve_in_child(listener.fileno(), alive_r, alive_w, name, keep, before_serving)
         os.close(alive_r)
     return ForkedServer(address, alive_w, pid)
+
+
+def running_server_pid() -> int | None:
+    """The pid of multiprocessing's fork server in this process, if one runs (one of ours, or
+    the stdlib's fresh interpreter)."""
+    server: Any = getattr(stdlib_forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+def server_preload() -> list[str]:
+    """The modules the stdlib's server will import as it starts (``set_forkserver_preload``'s
+    list; ``["__main__"]`` by default)."""
+    server: Any = getattr(stdlib_forkserver, "_forkserver", None)
+    return list(getattr(server, "_preload_modules", ["__main__"]))
+
+
+@contextlib.contextmanager
+def server_lock() -> Iterator[int | None]:
+    """Hold the stdlib's own lock, which it holds while it starts its server: nothing starts
+    one meanwhile. Yields :func:`running_server_pid`."""
+    server: Any = stdlib_forkserver._forkserver
+    with server._lock:
+        yield running_server_pid()
 
 
 def install(forked: ForkedServer) -> None:

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
-import multiprocessing.forkserver as stdlib_forkserver
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from .._base.recorders import WorkerRecorder
 from . import standby
@@ -25,6 +23,9 @@ from .forkserver import (
     ForkedServer,
     fork_server,
     install,
+    running_server_pid,
+    server_lock,
+    server_preload,
     server_protocol_known,
     unsafe_to_fork,
 )
@@ -86,9 +87,7 @@ def _start() -> ServerStart:
     if not server_protocol_known():
         standby.retire()
         return ServerStart("interpreter", standby.UNKNOWN_PROTOCOL)
-    server: Any = stdlib_forkserver._forkserver
-    with server._lock:  # the stdlib's own, held while it starts its server
-        running = server._forkserver_pid
+    with server_lock() as running:  # the stdlib's own, held while it starts its server
         if running is not None:
             if _started is not None and _started.pid in (None, running):
                 return _started
@@ -129,8 +128,7 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
             "the main module again to find its classes (as spawn and forkserver do): put the "
             "script's loading and training under `if __name__ == '__main__':`"
         )
-    server = getattr(stdlib_forkserver, "_forkserver", None)
-    running = getattr(server, "_forkserver_pid", None)
+    running = running_server_pid()
     replaced = _started is not None and _started.pid not in (None, running)  # ours died
     if _started is None or _started.slow or replaced:  # until ours runs: it may be safe now
         fresh = _start()
@@ -140,7 +138,7 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
             _started = fresh
     if not _started.slow:
         return
-    current = list(getattr(server, "_preload_modules", ["__main__"]))
+    current = server_preload()
     wanted = current + [m for m in PRELOAD if m not in current]
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
