@@ -166,13 +166,16 @@ def name_this_process(name: str) -> None:
 
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc's malloc.h)
-MMAP_THRESHOLD = 128 << 10  # bytes: glibc's default, fixed
+# Bytes: blocks this large or larger get a mapping of their own. Not glibc's 128 KiB default:
+# a decoded image's buffers (a few hundred KiB, every sample) then cost a mapping and its page
+# faults each time (the CHANGELOG has the figures); the job messages and batches are MiBs.
+MMAP_THRESHOLD = 1 << 20
 
 
 def fix_mmap_threshold() -> None:
     """Keep glibc's malloc giving blocks of ``MMAP_THRESHOLD`` bytes or more their own mapping,
     returned to the system when freed (Linux with glibc; best effort; left alone where the
-    user set ``MALLOC_MMAP_THRESHOLD_``).
+    user set ``MALLOC_MMAP_THRESHOLD_``): a job's raw samples, a pickled batch.
 
     By default glibc raises the threshold to the size of each mapped block freed, up to 32 MiB:
     once a worker has freed one job's raw samples or one pickled batch, the next ones come from
