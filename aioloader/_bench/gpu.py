@@ -189,10 +189,9 @@ except Exception:  # a CPU box's CUDA wheel: the Pillow dataset runs instead
 def user_script(folder: Path, aioloader_first: bool) -> Path:
     """Write the script a configuration runs as: torch, torchvision, aioloader (``aioloader
     first``: torch, aioloader, torchvision); its path."""
-    imports = ["import aioloader", TORCHVISION]
-    if not aioloader_first:
-        imports.reverse()
-    order = " ".join(["torch", *(("aioloader", "torchvision")[:: 1 if aioloader_first else -1])])
+    names = ["aioloader", "torchvision"] if aioloader_first else ["torchvision", "aioloader"]
+    imports = [TORCHVISION if name == "torchvision" else "import aioloader" for name in names]
+    order = " ".join(["torch", *names])
     path = folder / ("train_aioloader_first.py" if aioloader_first else "train.py")
     path.write_text(SCRIPT.format(order=order, imports="\n".join(imports)))
     return path

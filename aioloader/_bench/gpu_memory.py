@@ -5,6 +5,8 @@ workers, or other (the resource tracker)."""
 from __future__ import annotations
 
 import os
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +54,6 @@ def threads_cpu_s() -> dict[str, float]:
     where the thread has one (``aioloader-loop``, ``aioloader-device_0``, torch's pin thread
     ``Thread-N (_pin_memory_loop)``), numbered names folded into one (``aioloader-files``),
     else the kernel's."""
-    import re
-    import threading
-
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     found: dict[str, float] = {}

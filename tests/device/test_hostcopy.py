@@ -14,24 +14,11 @@ from hypothesis import strategies as st
 
 from aioloader._device import hostcopy
 from aioloader._device.hostcopy import HostCopy, as_bytes
-
-
-def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    size = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).view(dtype).view(shape)
+from tests.device.test_device import bits, random_tensor
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(
-            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-        )
-    )
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 @given(nbytes=st.integers(0, 1 << 24), threads=st.integers(1, 8))
@@ -63,7 +50,7 @@ def test_a_copy_in_parts_on_three_threads_is_bit_exact(
     monkeypatch.setattr(hostcopy.np, "copyto", watched)
     host = HostCopy(3)
     try:
-        src = random_bytes((37, 91, 13), dtype, 1)  # not a multiple of a page
+        src = random_tensor((37, 91, 13), dtype, 1)  # not a multiple of a page
         dst = torch.empty_like(src)
         host.copy(dst, src)
         assert same_bits(dst, src)
@@ -76,8 +63,8 @@ def test_a_copy_in_parts_on_three_threads_is_bit_exact(
 def test_what_has_no_byte_view_goes_through_torch() -> None:
     host = HostCopy(2)
     try:
-        permuted = random_bytes((4, 5, 6), torch.float32, 2).permute(2, 0, 1)
-        conj = random_bytes((8, 8), torch.complex64, 3).conj()
+        permuted = random_tensor((4, 5, 6), torch.float32, 2).permute(2, 0, 1)
+        conj = random_tensor((8, 8), torch.complex64, 3).conj()
         for src in (permuted, conj):
             assert as_bytes(src) is None
             dst = torch.empty_like(src)
@@ -103,7 +90,7 @@ def test_a_part_that_fails_raises_after_every_part_ended(monkeypatch: pytest.Mon
     monkeypatch.setattr(hostcopy.np, "copyto", failing)
     host = HostCopy(2)
     try:
-        src = random_bytes((1 << 16,), torch.uint8, 4)
+        src = random_tensor((1 << 16,), torch.uint8, 4)
         with pytest.raises(MemoryError, match="pretend"):
             host.copy(torch.empty_like(src), src)
         assert len(calls) == 2 and done == [True]  # the caller's part ran to its end
