@@ -36,6 +36,7 @@ from ._loader.merging import merge_states as merge_states
 from ._serving.batcher import DynamicBatcher as DynamicBatcher
 from ._serving.stats import BatchCostStatistics as BatchCostStatistics
 from ._serving.stats import BatcherStatistics as BatcherStatistics
+from ._workers.rayspec import RayWorkers as RayWorkers
 from ._workers.standby import fork_standby as _fork_standby
 from ._workers.worker import WorkerInfo as WorkerInfo
 from ._workers.worker import get_worker_info as get_worker_info
@@ -73,6 +74,7 @@ __all__ = [
     "PadCollate",
     "PaddedBatch",
     "RandomSampler",
+    "RayWorkers",
     "RemoteError",
     "RetryPolicy",
     "SequentialSampler",

@@ -63,16 +63,19 @@ class LoaderTimeout(AioLoaderError, TimeoutError, RuntimeError):
 
 
 class WorkerCrashed(AioLoaderError, RuntimeError):
-    """A worker process died while running a job (killed by a signal, segfault, OOM kill, exit).
+    """A worker died while running a job (killed by a signal, segfault, OOM kill, exit; with
+    Ray workers, its actor died or its node was lost).
 
     The message starts as torch's does (``DataLoader worker (pid N) is killed by signal: ...``)
-    and names the worker and the signal.
+    and names the worker and the signal (with Ray workers: the actor and its node).
 
     Attributes:
         worker_id: The worker's id (-1 when rebuilt from a message alone).
         pid: Its process id.
         exitcode: Its exit code (negative: killed by that signal), or None if unknown.
         signal: The signal's name (``"SIGKILL"``), or None when it exited on its own.
+        actor: The Ray actor's id (hex), or None for a worker process.
+        node: The Ray node it ran on (its address and id), or None for a worker process.
     """
 
     def __init__(
@@ -82,13 +85,18 @@ class WorkerCrashed(AioLoaderError, RuntimeError):
         *,
         exitcode: int | None = None,
         signal: str | None = None,
+        actor: str | None = None,
+        node: str | None = None,
     ) -> None:
+        self.actor, self.node = actor, node
         if isinstance(worker_id, str):  # rebuilt from its message, as `type(exc)(str(exc))`
             super().__init__(worker_id)
             self.worker_id, self.pid, self.exitcode, self.signal = -1, pid, exitcode, signal
             return
         # torch's words first (code and tests match them), then ours.
-        if signal:
+        if actor is not None:
+            how = f"is gone: Ray actor {actor} on node {node} died. (aioloader worker {worker_id}"
+        elif signal:
             description = _describe_signal(signal)
             how = f"is killed by signal: {description}. (aioloader worker {worker_id}, {signal}"
         else:
@@ -101,7 +109,10 @@ class WorkerCrashed(AioLoaderError, RuntimeError):
         self.signal = signal
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_crashed, (self.worker_id, self.pid, self.exitcode, self.signal))
+        return (
+            _rebuild_crashed,
+            (self.worker_id, self.pid, self.exitcode, self.signal, self.actor, self.node),
+        )
 
 
 class RemoteError(AioLoaderError):
@@ -125,9 +136,14 @@ def _describe_signal(name: str) -> str:
 
 
 def _rebuild_crashed(
-    worker_id: int | str, pid: int | None, exitcode: int | None, signal: str | None
+    worker_id: int | str,
+    pid: int | None,
+    exitcode: int | None,
+    signal: str | None,
+    actor: str | None = None,
+    node: str | None = None,
 ) -> WorkerCrashed:
-    return WorkerCrashed(worker_id, pid, exitcode=exitcode, signal=signal)
+    return WorkerCrashed(worker_id, pid, exitcode=exitcode, signal=signal, actor=actor, node=node)
 
 
 _WHERE = "_aioloader_where"  # the fields of the note annotate() wrote, kept on the exception

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_tensors", "plain_cpu_tensor", "tensors_in"]
+__all__ = ["map_instances", "map_tensors", "plain_cpu_tensor", "tensors_in"]
 
 _MISSING = object()
 
@@ -34,7 +34,13 @@ def plain_cpu_tensor(tensor: torch.Tensor) -> bool:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """Return ``data`` with every tensor ``t`` inside it replaced by ``fn(t)``.
+    """Return ``data`` with every tensor ``t`` inside it replaced by ``fn(t)`` (see
+    :func:`map_instances`)."""
+    return map_instances(fn, data, torch.Tensor)
+
+
+def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type) -> Any:
+    """Return ``data`` with every instance ``t`` of ``leaf`` inside it replaced by ``fn(t)``.
 
     Walks mappings, named tuples, dataclass instances (frozen or not), lists, tuples and other
     sequences (not ``str`` or ``bytes``); anything else is returned as it is. A container is
@@ -50,17 +56,17 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     Raises:
         Exception: Whatever ``fn`` raises.
     """
-    if isinstance(data, torch.Tensor):
+    if isinstance(data, leaf):
         return fn(data)
     if isinstance(data, str | bytes | bytearray | memoryview):
         return data
     if isinstance(data, Mapping):
-        values = {key: map_tensors(fn, value) for key, value in data.items()}
+        values = {key: map_instances(fn, value, leaf) for key, value in data.items()}
         if all(values[key] is value for key, value in data.items()):
             return data
         return _rebuild_mapping(data, values)
     if isinstance(data, tuple) and hasattr(data, "_fields"):
-        items = [map_tensors(fn, item) for item in data]
+        items = [map_instances(fn, item, leaf) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
         return type(data)(*items)
@@ -70,7 +76,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
             old = getattr(data, field.name, _MISSING)
             if old is _MISSING:  # an init=False field never set
                 continue
-            new = map_tensors(fn, old)
+            new = map_instances(fn, old, leaf)
             if new is not old:
                 changed[field.name] = new
         if not changed:
@@ -80,7 +86,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
             object.__setattr__(clone, name, value)
         return clone
     if isinstance(data, Sequence):
-        items = [map_tensors(fn, item) for item in data]
+        items = [map_instances(fn, item, leaf) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
         return _rebuild_sequence(data, items)

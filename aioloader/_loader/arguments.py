@@ -23,6 +23,7 @@ from .._base.retry import RetryPolicy
 from .._data.source import Kind, classify
 from .._device.accelerator import resolve_device
 from .._workers.processes import start_method_of
+from .._workers.rayspec import RayWorkers, ray_spec_of
 
 __all__ = ["Arguments", "Checked", "check_arguments", "non_negative_int", "positive_int"]
 
@@ -57,6 +58,7 @@ class Checked(NamedTuple):
     prefetch: int
     start_method: str | multiprocessing.context.BaseContext
     device: torch.device | None  # None also for None; a CUDA device has its index
+    ray: RayWorkers | None  # the workers are Ray actors (worker_mode="ray" or RayWorkers)
 
 
 def _let_the_dataset_check(
@@ -156,7 +158,7 @@ class Arguments:
     rank: int | None = None
     world_size: int | None = None
     io_threads: int | None = None
-    worker_mode: str = "process"
+    worker_mode: str | RayWorkers = "process"
     device: object = None
     device_transform: Callable[[Any], Any] | None = None
     progress: bool = False
@@ -241,8 +243,15 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
         if a.generator is not None:
             raise ValueError("pass seed or generator, not both: both set the shuffle order")
     check_bool("distributed", a.distributed)
-    if a.worker_mode not in ("process", "thread"):
-        raise ValueError(f"worker_mode must be 'process' or 'thread', got {a.worker_mode!r}")
+    ray = ray_spec_of(a.worker_mode)
+    in_workers = num_workers > 0 and (a.worker_mode == "process" or ray is not None)
+    if ray is not None and a.multiprocessing_context is not None:
+        warnings.warn(
+            f"multiprocessing_context={a.multiprocessing_context!r} has no effect with Ray "
+            "workers: Ray starts its actors' processes itself",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
 
     batch_size = None if a.batch_sampler is not None else a.batch_size  # torch's convention
     _let_the_dataset_check(a.dataset, batch_size, a.in_order, a.distributed)
@@ -250,7 +259,7 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
         raise ValueError("sampler is mutually exclusive with distributed")
     target = resolve_device(a.device)
     on_host = target is None or target.type != "cuda"
-    if a.worker_mode == "process" and num_workers > 0:
+    if in_workers:
         for name, fn in (
             ("transform", a.transform),
             ("collate_fn", a.collate_fn),
@@ -260,9 +269,9 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
         ):
             check_picklable(name, fn)
     _warn_if_more_workers_than_cpus(num_workers, stacklevel)
-    if kind.is_blocking and a.worker_mode == "process" and num_workers > 0:
+    if kind.is_blocking and in_workers:
         _warn_of_options_without_effect(a, kind, stacklevel)
-    return Checked(kind, batch_size, prefetch, start_method, target)
+    return Checked(kind, batch_size, prefetch, start_method, target, ray)
 
 
 # aioloader's options for the fetches in this process: a blocking dataset read in worker

@@ -27,6 +27,7 @@ from .._base.stats import LoaderStatistics
 from .._base.verdict import verdict
 from .._data.epochs import claim_epochs
 from .._data.source import InWorkers, dataset_length
+from .._workers.rayspec import RayWorkers
 from .arguments import Arguments, non_negative_int
 from .checkpoint import EpochState
 from .consumer import EpochIterator
@@ -133,8 +134,11 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
             dataset that can be called from several threads at once.
         worker_mode: ``"process"`` (default): ``num_workers`` spawned processes;
             ``"thread"``: ``num_workers`` threads (for GIL-releasing code or free-threaded
-            Python). Processes need ``transform``, ``collate_fn`` and ``worker_init_fn`` to be
-            picklable; that is checked here.
+            Python); ``"ray"`` or an :class:`aioloader.RayWorkers`: ``num_workers`` Ray actors
+            on the cluster ``ray.init()`` joins (joined here, on this thread, unless the
+            program did; needs ``aioloader[ray]``), which do what worker processes do.
+            Processes and actors need ``transform``, ``collate_fn`` and ``worker_init_fn`` to
+            be picklable; that is checked here.
         device: Where batches go: ``"cuda"`` (the current CUDA device; under torchrun the
             local rank's, from ``LOCAL_RANK``), ``"cuda:N"`` or a ``torch.device``. Every
             tensor of a batch (in mappings, named tuples, dataclasses, lists, tuples) is copied
@@ -188,7 +192,7 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
         rank: int | None = None,
         world_size: int | None = None,
         io_threads: int | None = None,
-        worker_mode: Literal["process", "thread"] = "process",
+        worker_mode: Literal["process", "thread", "ray"] | RayWorkers = "process",
         device: str | torch.device | None = None,
         device_transform: Callable[[Any], Any] | None = None,
         progress: bool = False,
@@ -239,7 +243,7 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
     rank: Setting[int] = Setting(resolved=True)
     world_size: Setting[int] = Setting(resolved=True)
     io_threads: Setting[int] = Setting(resolved=True)
-    worker_mode: Setting[str] = Setting()
+    worker_mode: Setting[str | RayWorkers] = Setting()
     device: Setting[torch.device | None] = Setting(resolved=True)
     device_transform: Setting[Callable[[Any], Any] | None] = Setting()
 

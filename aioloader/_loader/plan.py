@@ -27,6 +27,8 @@ from .._data.source import InWorkers, Kind, MapSource, StreamSource, open_source
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
 from .._workers.offload import ThreadOffload
+from .._workers.raypool import join_cluster
+from .._workers.rayspec import RayWorkers
 from .._workers.serverstart import prepare_forkserver
 from .arguments import Arguments, check_arguments
 
@@ -68,6 +70,7 @@ class LoaderPlan:
         device: Where batches go (a resolved ``torch.device``), or None.
         device_plan: The device stage's plan, or None.
         start_method: The worker processes' start method.
+        ray: Where the workers run when they are Ray actors, else None.
         rank, world_size: This rank's share (0 of 1 unless ``distributed``).
         base_seed: ``seed``, or one drawn as torch draws its base seed.
         config: The epoch's sizes and functions.
@@ -85,6 +88,7 @@ class LoaderPlan:
     device: torch.device | None
     device_plan: DevicePlan | None
     start_method: Any
+    ray: RayWorkers | None
     rank: int
     world_size: int
     base_seed: int
@@ -102,8 +106,10 @@ class LoaderPlan:
 
     @property
     def in_processes(self) -> bool:
-        """Whether the workers are processes (else threads run the transforms)."""
-        return self.arguments.worker_mode == "process" and self.arguments.num_workers > 0
+        """Whether the workers are processes, local or Ray actors (else threads run the
+        transforms)."""
+        a = self.arguments
+        return a.num_workers > 0 and (a.worker_mode == "process" or self.ray is not None)
 
     @property
     def worker_threads(self) -> int:
@@ -229,7 +235,8 @@ def plan_loader(
     Raises:
         TypeError, ValueError: As :func:`~aioloader._loader.arguments.check_arguments`.
     """
-    kind, batch_size, prefetch, start_method, target = check_arguments(a, stacklevel=stacklevel + 2)
+    checked = check_arguments(a, stacklevel=stacklevel + 2)
+    kind, batch_size, prefetch, start_method, target, ray = checked
     rank, world_size = resolve_rank(a.rank, a.world_size) if a.distributed else (0, 1)
     if earlier is not None:
         base_seed, sampler, batch_sampler = (
@@ -282,9 +289,11 @@ def plan_loader(
         seed=base_seed,
         seeded=a.seed is not None,
     )
-    in_workers = a.worker_mode == "process" and a.num_workers > 0
-    if in_workers:
+    in_workers = a.num_workers > 0 and (a.worker_mode == "process" or ray is not None)
+    if in_workers and ray is None:
         prepare_forkserver(start_method)
+    elif in_workers and ray is not None:
+        join_cluster(ray)  # on this thread: see join_cluster
     return LoaderPlan(
         arguments=a,
         kind=kind,
@@ -300,6 +309,7 @@ def plan_loader(
         device=target,
         device_plan=devices,
         start_method=start_method,
+        ray=ray,
         rank=rank,
         world_size=world_size,
         base_seed=base_seed,

@@ -26,6 +26,7 @@ from .._pipeline.fetch import Pace
 from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
 from .._workers.processes import ProcessWorkers
+from .._workers.raypool import RayPool
 from .checkpoint import Progress
 from .progress import EpochProgress
 
@@ -80,7 +81,18 @@ class Scope:
         # Without `seed=`, each scope draws anew, as each torch iterator does (a plain `for`
         # without `with` is a scope per epoch: new augmentations each), whatever the workers.
         worker_seed = plan.scope_seed()
-        if plan.in_processes:
+        dataset = plan.dataset if isinstance(plan.source, InWorkers) else None
+        if plan.ray is not None and plan.num_workers > 0:
+            self.work = RayPool(
+                plan.ray,
+                plan.num_workers,
+                seed=worker_seed,
+                derive=derive_seed,
+                worker_init_fn=worker_init_fn,
+                stats=state.stats.workers,
+                dataset=dataset,
+            )
+        elif plan.in_processes:
             self.work = ProcessWorkers(
                 plan.num_workers,
                 context=plan.start_method,
@@ -88,7 +100,7 @@ class Scope:
                 derive=derive_seed,
                 worker_init_fn=worker_init_fn,
                 stats=state.stats.workers,
-                dataset=plan.dataset if isinstance(plan.source, InWorkers) else None,
+                dataset=dataset,
             )
         else:
             self.work = ThreadOffload(

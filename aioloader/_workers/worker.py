@@ -37,9 +37,12 @@ from .pack import pack_tensors
 
 __all__ = [
     "WorkerInfo",
+    "become_worker",
+    "call_job",
     "get_worker_info",
     "name_this_process",
     "seed_everything",
+    "with_worker_note",
     "worker_dataset",
     "worker_main",
 ]
@@ -66,6 +69,7 @@ class WorkerInfo:
 
 
 _info: WorkerInfo | None = None
+_where: str | None = None  # this worker, as the notes of its exceptions name it
 
 
 def get_worker_info() -> WorkerInfo | None:
@@ -117,7 +121,9 @@ def _picklable(exc: BaseException) -> BaseException:
     return exc
 
 
-def _with_worker_note(exc: BaseException) -> BaseException:
+def with_worker_note(exc: BaseException) -> BaseException:
+    """``exc`` (or a stand-in, for a non-Exception or one that does not pickle) with a note
+    naming this worker and carrying its traceback."""
     if not isinstance(exc, Exception):
         # SystemExit, KeyboardInterrupt, GeneratorExit from user code: in the main process they
         # would read as its own exit or cancellation. The job failed; say so as an Exception.
@@ -126,8 +132,7 @@ def _with_worker_note(exc: BaseException) -> BaseException:
         )
         stand_in.__cause__ = None
         exc = _attach_traceback(stand_in, exc)
-    info = _info
-    where = f"worker {info.id} (pid {os.getpid()})" if info else f"pid {os.getpid()}"
+    where = _where or f"pid {os.getpid()}"
     exc.add_note(f"aioloader: raised in {where}; the worker's traceback:\n{_stack(exc)}")
     return _picklable(exc)
 
@@ -153,7 +158,7 @@ def _prepare_failures(result: Any) -> Any:
     """Exceptions inside a job's result (per-sample failures) must survive pickling."""
     failures = getattr(result, "failures", None)
     if failures:
-        result.failures = [(pos, stage, _with_worker_note(exc)) for pos, stage, exc in failures]
+        result.failures = [(pos, stage, with_worker_note(exc)) for pos, stage, exc in failures]
     return result
 
 
@@ -222,19 +227,14 @@ def worker_main(
     Ctrl-C is the main process's to handle: the worker ignores SIGINT (the main process stops
     it by closing the pipe), so an interrupted script prints one traceback, not one per worker.
     """
-    global _info
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_this_process(f"aioloader-w{worker_id}")
-    _info = WorkerInfo(worker_id, num_workers, seed, dataset)
-    _tell_torch(_info)
-    torch.set_num_threads(1)  # N workers on N cores: intra-op threads would oversubscribe
-    fix_mmap_threshold()
-    seed_everything(seed)
+    become_worker(worker_id, num_workers, seed, dataset)
     try:
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException as exc:
-        _send(conn, ForkingPickler.dumps((False, _with_worker_note(exc))))
+        _send(conn, ForkingPickler.dumps((False, with_worker_note(exc))))
         return
     _send(conn, ForkingPickler.dumps((True, os.getpid())))
     while True:
@@ -247,13 +247,45 @@ def worker_main(
         _send(conn, payload)
 
 
-def _run_job(job: bytes) -> memoryview:
-    """One job, ``(fn, args, batch_seed)`` pickled: the reply, ``(ok, value)`` pickled."""
-    fn, args, batch_seed = pickle.loads(job)
+def become_worker(
+    worker_id: int, num_workers: int, seed: int, dataset: Any, where: str | None = None
+) -> None:
+    """Make this process worker ``worker_id`` of ``num_workers``: what
+    :func:`get_worker_info` (and torch's) answer, one intra-op thread, the mmap threshold,
+    the worker's seed. ``where`` names the worker in the notes of the exceptions it sends back
+    (default: its id and pid)."""
+    global _info, _where
+    _info = WorkerInfo(worker_id, num_workers, seed, dataset)
+    _where = where or f"worker {worker_id} (pid {os.getpid()})"
+    _tell_torch(_info)
+    torch.set_num_threads(1)  # N workers on N cores: intra-op threads would oversubscribe
+    fix_mmap_threshold()
+    seed_everything(seed)
+
+
+def call_job(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    batch_seed: int | None,
+    finish: Callable[[Any], Any],
+) -> tuple[bool, Any]:
+    """``(True, finish(result))`` of ``fn(*args)``, seeded with ``batch_seed`` first, or
+    ``(False, exception)`` with the worker's traceback in a note (picklable). ``finish``
+    prepares the result for the way back (packing tensors for shared memory, say)."""
     if batch_seed is not None:
         seed_everything(batch_seed)
     try:
-        reply: tuple[bool, Any] = (True, pack_tensors(_prepare_failures(fn(*args))))
-        return ForkingPickler.dumps(reply)
+        return True, finish(_prepare_failures(fn(*args)))
     except BaseException as exc:
-        return ForkingPickler.dumps((False, _with_worker_note(exc)))
+        return False, with_worker_note(exc)
+
+
+def _run_job(job: bytes) -> memoryview:
+    """One job, ``(fn, args, batch_seed)`` pickled: the reply, ``(ok, value)`` pickled."""
+    fn, args, batch_seed = pickle.loads(job)
+    reply = call_job(fn, args, batch_seed, pack_tensors)
+    del fn, args
+    try:
+        return ForkingPickler.dumps(reply)
+    except BaseException as exc:  # the result does not pickle
+        return ForkingPickler.dumps((False, with_worker_note(exc)))

@@ -1,0 +1,130 @@
+"""The Ray actor a Ray worker is, and what crosses between it and the loader.
+
+Owns: :class:`RayWorkerActor`, which does in a Ray actor what ``worker.worker_main`` does in a
+worker process (becomes worker ``id`` of ``num_workers``, keeps its copy of the dataset, runs
+``worker_init_fn``, runs one job at a time, seeded per batch), and the wire form of a result's
+tensors: each plain CPU tensor goes as a NumPy array of its bytes, which Ray stores out of band
+in its object store and hands back without a pickle copy; :func:`from_wire` turns them into
+ordinary (writable, resizable) torch tensors with one copy each, on the loader's side. Never:
+imports Ray at module level (the actor side reads its own node from Ray's runtime context),
+touches an event loop, or decides what to do with a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._base.tree import map_instances, map_tensors, plain_cpu_tensor
+from .worker import become_worker, call_job, with_worker_note
+
+__all__ = ["RayWorkerActor", "WireTensor", "from_wire", "to_wire"]
+
+
+class WireTensor:
+    """A tensor on its way back from an actor: its bytes as a flat ``uint8`` NumPy array (Ray
+    keeps it in the object store and reads it back as a view), its dtype and shape.
+
+    A tensor that was not contiguous arrives contiguous; tensors that shared a storage arrive
+    as tensors of their own.
+    """
+
+    __slots__ = ("array", "dtype", "shape")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        self.array: np.ndarray[Any, np.dtype[np.uint8]] = flat.view(torch.uint8).numpy()
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self.array, self.dtype, self.shape
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.array, self.dtype, self.shape = state
+
+    def tensor(self) -> torch.Tensor:
+        """A torch tensor of its own with these bytes (one copy out of the object store).
+
+        Raises:
+            RuntimeError: Memory for it could not be allocated.
+        """
+        out = torch.empty(self.array.nbytes, dtype=torch.uint8)
+        np.copyto(out.numpy(), self.array, casting="no")  # releases the GIL for large copies
+        return out.view(self.dtype).view(self.shape)
+
+
+def _on_wire(tensor: torch.Tensor) -> Any:
+    if plain_cpu_tensor(tensor) and not tensor.requires_grad:
+        return WireTensor(tensor)
+    return tensor  # pickled by torch's own reduction (a copy), as Ray sends any object
+
+
+def to_wire(result: Any) -> Any:
+    """``result`` with its plain CPU tensors as :class:`WireTensor` s (in the actor)."""
+    return map_tensors(_on_wire, result)
+
+
+def from_wire(result: Any) -> Any:
+    """``result`` with its :class:`WireTensor` s as torch tensors again (in the loader).
+
+    Raises:
+        RuntimeError: Memory for a tensor could not be allocated.
+    """
+    return map_instances(WireTensor.tensor, result, WireTensor)
+
+
+class RayWorkerActor:
+    """Worker ``worker_id`` of ``num_workers``, as a Ray actor (made by ``raypool.py`` with
+    ``ray.remote(...)``; one job at a time).
+
+    Args:
+        worker_id: Its index.
+        num_workers: Workers in the pool.
+        seed: Its seed (``random``, NumPy and torch are seeded with it now).
+        worker_init_fn: Run once, now, with ``worker_id``; what it raises is kept and reported
+            by :meth:`ready` (an exception raised here would only say that the actor died).
+        dataset: Its own copy of a blocking dataset, or None.
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        num_workers: int,
+        seed: int,
+        worker_init_fn: Callable[[int], object] | None,
+        dataset: Any,
+    ) -> None:
+        import ray  # in the actor's process, which Ray started: Ray is there
+
+        context = ray.get_runtime_context()
+        self._node = context.get_node_id()
+        self._name = context.get_actor_id() or "?"
+        self._ip = ray.util.get_node_ip_address()
+        self._failed: BaseException | None = None
+        where = f"Ray worker {worker_id} (pid {os.getpid()}, node {self._ip})"
+        try:
+            become_worker(worker_id, num_workers, seed, dataset, where)
+            if worker_init_fn is not None:
+                worker_init_fn(worker_id)
+        except BaseException as exc:
+            self._failed = with_worker_note(exc)
+
+    def ready(self) -> tuple[bool, Any]:
+        """``(True, (pid, node id, node address, actor id))``, or ``(False, what
+        worker_init_fn raised)``."""
+        if self._failed is not None:
+            return False, self._failed
+        return True, (os.getpid(), self._node, self._ip, self._name)
+
+    def run(self, job: bytes) -> tuple[bool, Any]:
+        """One job, ``(fn, args, batch_seed)`` pickled: ``(ok, value)`` as a worker process
+        replies, the value's tensors on the wire."""
+        fn, args, seed = pickle.loads(job)
+        del job
+        return call_job(fn, args, seed, to_wire)

@@ -1,0 +1,382 @@
+"""A pool of Ray actors as the loader's workers, driven from the event loop.
+
+Owns: joining the cluster (:func:`join_cluster`, on the thread that builds the loader), making
+``num_workers`` actors (:class:`~aioloader._workers.rayactor.RayWorkerActor`) with the
+resources asked for, handing one job at a time to an idle actor (or, for a worker's own
+stream, to that actor), awaiting the reply as an object ref on the event loop (Ray's refs are
+awaitable: no thread per job, no polling), telling a dead actor as :class:`WorkerCrashed`
+naming the actor and its node, replacing it, and killing every actor on close.
+
+Jobs go as bytes the loader pickled itself (standard pickle, as for worker processes: samples,
+a batch's indices, the functions by reference), so ``jobs`` and ``bytes_sent`` count what was
+sent. Results come back through the object store, their tensors as NumPy arrays read without a
+pickle copy (``rayactor.py``), then copied once into torch tensors of their own.
+
+Cancellation policy (as for worker processes): a job already sent is awaited, shielded, for up
+to ``CANCEL_GRACE`` seconds and its reply dropped; an actor still busy after that is killed and
+replaced on next use. Never: leaves an actor alive once :meth:`RayPool.aclose` returns, or
+shuts down a Ray connection (the program's, or the one the first Ray loader made: later loaders
+use it too; ``ray.shutdown()`` ends it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+
+from .._base.exceptions import LoaderTimeout, WorkerCrashed, first_leaf
+from .._base.recorders import WorkerRecorder
+from .processes import CANCEL_GRACE
+from .rayactor import RayWorkerActor, WireTensor, from_wire
+from .rayspec import RayWorkers
+
+__all__ = ["RayPool", "join_cluster"]
+
+R = TypeVar("R")
+
+_STOP_GRACE = 5.0  # seconds to wait for a killed actor to be reported dead
+_joined = threading.Lock()
+
+
+def join_cluster(spec: RayWorkers) -> None:
+    """``ray.init(address=spec.address)`` unless Ray is initialised already.
+
+    Called as the loader is built, on the thread that builds it: Ray ties the local cluster
+    it may start to the life of the thread that starts it (its processes get the thread's
+    parent-death signal), so it must not be a thread of the loader's own, which ends with the
+    loader.
+
+    Raises:
+        ConnectionError: The cluster at ``spec.address`` could not be reached (Ray's own
+            exception, with a note naming the address).
+    """
+    import ray
+
+    with _joined:
+        if ray.is_initialized():
+            return
+        try:
+            ray.init(address=spec.address, ignore_reinit_error=True)
+        except Exception as exc:
+            exc.add_note(
+                f"aioloader: joining the Ray cluster for worker_mode=RayWorkers(address="
+                f"{spec.address!r}) failed"
+            )
+            raise
+
+
+@dataclass(eq=False, slots=True)
+class _Actor:
+    id: int
+    handle: Any  # ray.actor.ActorHandle
+    pid: int = 0
+    name: str = "?"  # the actor's id, once it is ready
+    node: str = ""  # "address (node id)"
+    alive: bool = True
+    killed: bool = False
+
+
+class RayPool:
+    """``workers`` Ray actors, each running one job at a time (the ``WorkerPool`` protocol).
+
+    Args:
+        spec: Where the actors run and what each reserves.
+        workers: Number of actors.
+        seed: Base seed; worker ``i`` is seeded with ``derive(seed, i)`` at start.
+        derive: Derives a worker's seed from ``(seed, worker_id)``.
+        worker_init_fn: Called once in each actor as it starts, with its id.
+        stats: Where start-up time, restarts, crashes, jobs and bytes are counted.
+        dataset: A blocking dataset each actor keeps its own copy of (put in the object store
+            once, read by each actor as it starts), or None.
+    """
+
+    def __init__(
+        self,
+        spec: RayWorkers,
+        workers: int,
+        *,
+        seed: int,
+        derive: Callable[..., int],
+        worker_init_fn: Callable[[int], object] | None,
+        stats: WorkerRecorder,
+        dataset: object = None,
+    ) -> None:
+        self.concurrency = workers
+        self.per_worker = True  # each actor a process with its own copy of the dataset
+        self.inlines = False
+        self._spec = spec
+        self._seed = seed
+        self._derive = derive
+        self._init_fn = worker_init_fn
+        self._stats = stats
+        self._dataset = dataset
+        self._dataset_ref: Any = None
+        self._actor_class: Any = None
+        self._actors: list[_Actor] = []
+        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[_Actor](workers)
+
+    # -- life ------------------------------------------------------------------------------------
+
+    def _make(self, worker_id: int) -> _Actor:
+        handle = self._actor_class.remote(
+            worker_id,
+            self.concurrency,
+            self._derive(self._seed, worker_id),
+            self._init_fn,
+            self._dataset_ref,
+        )
+        return _Actor(worker_id, handle)
+
+    async def _ready(self, actor: _Actor) -> None:
+        """Wait until ``actor`` is placed and has run ``worker_init_fn``.
+
+        Raises:
+            LoaderTimeout: Not ready within ``start_timeout`` (no node had room for it).
+            WorkerCrashed: It died while starting.
+            Exception: ``worker_init_fn`` raised (original type, the actor's traceback in a
+                note).
+        """
+        spec = self._spec
+        ref = actor.handle.ready.remote()
+        with anyio.move_on_after(spec.start_timeout) as waited:
+            ok, value = await self._reply(actor, ref)
+        if waited.cancelled_caught:
+            raise LoaderTimeout(
+                f"Ray worker {actor.id} was not ready within start_timeout="
+                f"{spec.start_timeout:g} s: no node of the cluster placed an actor with "
+                f"{spec.asked()}, or its worker_init_fn did not return (a cluster without "
+                "room for it never places it; `ray status` shows what it has)"
+            )
+        if not ok:
+            raise value  # worker_init_fn failed, with the actor's traceback in a note
+        actor.pid, node, address, name = value
+        actor.node, actor.name = f"{address} ({node[:12]})", name[:16]
+
+    async def start(self) -> None:
+        """Make every actor and wait until each has run ``worker_init_fn``.
+
+        Raises:
+            LoaderTimeout: An actor was not placed within ``start_timeout``.
+            WorkerCrashed: An actor died while starting.
+            Exception: ``worker_init_fn`` raised (original type, the actor's traceback in a
+                note), or the dataset could not be serialised (with a note naming it).
+
+        Cancellation: the actors made so far are killed.
+        """
+        import ray
+
+        started = time.perf_counter()
+        self._actor_class = ray.remote(RayWorkerActor).options(**self._spec.actor_options())
+        if self._dataset is not None:
+            self._dataset_ref = await anyio.to_thread.run_sync(self._put_dataset)
+        self._actors = [self._make(i) for i in range(self.concurrency)]
+        try:
+            async with anyio.create_task_group() as tg:
+                for actor in self._actors:
+                    tg.start_soon(self._ready, actor)
+        except BaseException as group:
+            with anyio.CancelScope(shield=True):
+                await self._kill_all()
+            if isinstance(group, Exception):
+                raise first_leaf(group) from None
+            raise
+        for actor in self._actors:
+            self._idle_send.send_nowait(actor)
+        self._stats.startup_s = time.perf_counter() - started
+        self._stats.processes = self.concurrency
+        self._stats.server = "ray"
+        nodes = sorted({a.node for a in self._actors})
+        self._stats.server_why = f"{len(nodes)} node(s): {', '.join(nodes)}"
+
+    def _put_dataset(self) -> Any:
+        import ray
+
+        try:
+            return ray.put(self._dataset)
+        except Exception as exc:
+            exc.add_note(
+                f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to each "
+                "Ray worker and must serialise (Ray uses cloudpickle)"
+            )
+            raise
+
+    async def _replace(self, actor: _Actor) -> _Actor:
+        """A fresh actor for a dead (or abandoned) one's slot.
+
+        Cancellation: a half-started replacement is killed; the slot keeps the old one, to be
+        replaced on next use.
+        """
+        await self._kill(actor)
+        fresh = self._make(actor.id)
+        try:
+            await self._ready(fresh)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._kill(fresh)
+            raise
+        self._actors[actor.id] = fresh
+        self._stats.restarts += 1
+        return fresh
+
+    async def _kill(self, actor: _Actor) -> None:
+        """Kill ``actor`` and wait (briefly, shielded) until Ray reports it dead."""
+        if actor.killed:
+            return
+        import ray
+
+        actor.alive = False
+        actor.killed = True
+        with contextlib.suppress(Exception):  # already dead, or the cluster is gone
+            ray.kill(actor.handle, no_restart=True)
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(_STOP_GRACE),
+            contextlib.suppress(Exception),  # dead: what we waited for
+        ):
+            await actor.handle.ready.remote()
+
+    async def _kill_all(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for actor in self._actors:
+                tg.start_soon(self._kill, actor)
+
+    async def aclose(self) -> None:
+        """Kill every actor and wait until Ray reports each dead.
+
+        Cancellation: shielded; a cancelled caller still leaves no actor behind.
+        """
+        with anyio.CancelScope(shield=True):
+            await self._kill_all()
+        self._idle_send.close()
+        self._idle_recv.close()
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    async def _reply(self, actor: _Actor, ref: Any) -> Any:
+        """Await ``ref``, a call on ``actor``; a dead actor raises :class:`WorkerCrashed`."""
+        import ray.exceptions as rex
+
+        try:
+            return await ref
+        except (rex.RayActorError, rex.ObjectLostError, rex.WorkerCrashedError) as exc:
+            actor.alive = False
+            self._stats.crashes += 1
+            crashed = self._dead(actor)
+            crashed.add_note(f"aioloader: Ray said: {_first_line(exc)}")
+            raise crashed from None
+        except rex.RayTaskError as exc:  # our own call failed in the actor (not the job)
+            raise exc.as_instanceof_cause() from None
+
+    async def run(self, fn: Callable[..., R], *args: Any, seed: int | None = None) -> R:
+        """Run ``fn(*args)`` in an idle actor (seeded with ``seed`` first) and return its
+        result.
+
+        Raises:
+            WorkerCrashed: The actor died during the job (it is replaced on next use).
+            LoaderTimeout: Its replacement could not be placed within ``start_timeout``.
+            Exception: Whatever ``fn`` raised, with its original type when it pickles (else
+                ``RemoteError``), and the actor's traceback in a note.
+
+        Cancellation: see the module's policy; the actor goes back to the pool either way.
+        """
+        actor = await self._idle_recv.receive()
+        try:
+            return await self._exchange(actor, fn, args, seed)
+        finally:
+            self._idle_send.send_nowait(self._actors[actor.id])
+
+    @contextlib.asynccontextmanager
+    async def reserved(self) -> AsyncIterator[Callable[..., Any]]:
+        """Every actor for one owner, as ``ProcessWorkers.reserved``: yields ``run_on(
+        worker_id, fn, *args, seed=None, replace=True)``.
+
+        Cancellation: waiting for the actors can be cancelled; the ones taken go back.
+        """
+        taken: list[_Actor] = []
+        try:
+            for _ in range(self.concurrency):
+                taken.append(await self._idle_recv.receive())
+
+            async def run_on(
+                worker_id: int,
+                fn: Callable[..., R],
+                *args: Any,
+                seed: int | None = None,
+                replace: bool = True,
+            ) -> R:
+                actor = self._actors[worker_id]
+                return await self._exchange(actor, fn, args, seed, replace=replace)
+
+            yield run_on
+        finally:
+            for actor in taken:
+                self._idle_send.send_nowait(self._actors[actor.id])
+
+    async def _exchange(
+        self,
+        actor: _Actor,
+        fn: Callable[..., R],
+        args: tuple[Any, ...],
+        seed: int | None,
+        *,
+        replace: bool = True,
+    ) -> R:
+        if not actor.alive:
+            if not replace:
+                raise self._dead(actor)
+            actor = await self._replace(actor)
+        payload = pickle.dumps((fn, args, seed), protocol=pickle.HIGHEST_PROTOCOL)
+        self._stats.bytes_sent += len(payload)
+        self._stats.jobs += 1
+        ref = actor.handle.run.remote(payload)
+        del payload
+        try:
+            ok, value = await self._reply(actor, ref)
+        except anyio.get_cancelled_exc_class():
+            await self._drain_cancelled(actor, ref)
+            raise
+        if not ok:
+            try:
+                raise value
+            finally:  # no reference cycle through this frame
+                del value
+        self._stats.bytes_received += _wire_bytes(value)
+        return from_wire(value)  # type: ignore[no-any-return]
+
+    def _dead(self, actor: _Actor) -> WorkerCrashed:
+        return WorkerCrashed(actor.id, actor.pid, actor=actor.name, node=actor.node or "?")
+
+    async def _drain_cancelled(self, actor: _Actor, ref: Any) -> None:
+        if not actor.alive:
+            return
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(CANCEL_GRACE), contextlib.suppress(WorkerCrashed):
+                await self._reply(actor, ref)
+                return
+            await self._kill(actor)  # still busy: don't let it run on unseen
+
+
+def _wire_bytes(value: Any) -> int:
+    from .._base.tree import map_instances
+
+    total = 0
+
+    def count(wire: WireTensor) -> WireTensor:
+        nonlocal total
+        total += wire.array.nbytes
+        return wire
+
+    map_instances(count, value, WireTensor)
+    return total
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
