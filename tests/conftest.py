@@ -43,3 +43,17 @@ def s3_endpoint() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A two-node Ray cluster on this machine (``tests/support/ray_cluster.py``), joined by
+    this process, for the session: the tests of Ray workers ask for it."""
+    from tests.support.ray_cluster import RayCluster
+
+    cluster = RayCluster(tmp_path_factory.mktemp("ray"))
+    try:
+        cluster.join()
+        yield cluster
+    finally:
+        cluster.close()

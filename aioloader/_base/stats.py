@@ -97,15 +97,19 @@ class WorkerStatistics:
         processes: Worker processes.
         startup_s: Seconds from starting them to every one having run ``worker_init_fn``.
         jobs: Jobs (batches) sent to them.
-        bytes_sent: Bytes written to their pipes (jobs: raw samples and the functions' names).
-        bytes_received: Bytes read back (results: tensors travel as shared-memory handles).
+        bytes_sent: Bytes written to their pipes (jobs: raw samples and the functions' names;
+            for Ray workers, the jobs as pickled for Ray).
+        bytes_received: Bytes read back (results: tensors travel as shared-memory handles; for
+            Ray workers, the tensors' bytes read from the object store).
         crashes: Workers that died mid-job.
         restarts: Workers started again after a crash or a cancelled job that did not finish.
         server: Where the workers were forked from (start method forkserver): ``"forked"`` (a
             server forked from this process), ``"standby"`` (the server forked as aioloader
             was imported), ``"interpreter"`` (the stdlib's fresh interpreter, which imports
-            torch and the main module: the slow start), ``"other"``; ``""`` with spawn.
-        server_why: Why the faster ways to start it were not taken (``""`` when forked).
+            torch and the main module: the slow start), ``"other"``; ``""`` with spawn;
+            ``"ray"`` for Ray workers (actors, which Ray starts).
+        server_why: Why the faster ways to start it were not taken (``""`` when forked); for
+            Ray workers, the nodes their actors were placed on.
         server_s: Seconds getting that server ready cost before the workers could start, in
             the first loader that needed it (once per process): a few milliseconds to fork
             one; for the standby, the time it took to run the main module again, that is to
@@ -242,12 +246,16 @@ class LoaderStatistics:
             lines.append(f"  skipped samples: {shown}" + (f" (+{more} more)" if more > 0 else ""))
         if self.workers is not None and self.workers.processes:
             w = self.workers
+            ray = w.server == "ray"
+            kind, via = ("Ray actors", "bytes") if ray else ("processes", "pipe bytes")
             lines.append(
-                f"  workers: {w.processes} processes started in {w.startup_s:.2f}s, {w.jobs} jobs,"
-                f" pipe bytes out {w.bytes_sent:,} / back {w.bytes_received:,},"
+                f"  workers: {w.processes} {kind} started in {w.startup_s:.2f}s, {w.jobs} jobs,"
+                f" {via} out {w.bytes_sent:,} / back {w.bytes_received:,},"
                 f" {w.crashes} crashed, {w.restarts} restarted"
             )
-            if w.server:
+            if ray:
+                lines.append(f"  Ray cluster: {w.server_why}")
+            elif w.server:
                 why = f" ({w.server_why})" if w.server_why else ""
                 ready = f", ready in {w.server_s:.2f}s" if w.server_s else ""
                 lines.append(f"  fork server: {w.server}{ready}{why}")

@@ -65,6 +65,13 @@ def verdict(
     device = busy.get("device", 0.0)
     if work >= SATURATED and work >= fetch:
         workers = stats.stage("transform").limit
+        if stats.workers is not None and stats.workers.server == "ray":
+            return (
+                f"{head}; the cluster's Ray workers were busy {min(work, 1):.0%} of the time "
+                f"({workers} actors on {stats.workers.server_why}): they are the limit, not the "
+                "loader: more actors (num_workers) where the cluster has CPUs for them, more "
+                "nodes, or a lighter transform"
+            )
         return (
             f"{head}; the workers were busy {min(work, 1):.0%} of the time ({workers} of "
             "them): add workers (num_workers) or lighten the transform"
@@ -123,6 +130,12 @@ def _slow_start(stats: LoaderStatistics) -> str | None:
     if took < max(0.5, SLOW_START * (stats.elapsed_s + w.server_s)):
         return None
     said = f"starting the {w.processes} worker processes took {took:.1f} s"
+    if w.server == "ray":
+        return (
+            f"starting the {w.processes} Ray actors took {took:.1f} s: keep them across epochs "
+            "(persistent_workers=True), or lighten worker_init_fn and the dataset each actor "
+            "receives"
+        )
     if w.server == "interpreter":
         return (
             f"{said}: their fork server was a fresh interpreter importing torch and the main "

@@ -182,3 +182,15 @@ async def test_a_slow_worker_start_is_named_with_why_and_what_to_do() -> None:
     assert "starting" not in verdict(
         dataclasses.replace(stats, workers=dataclasses.replace(caught_up, server_s=0.01))
     )
+
+
+async def test_ray_workers_busy_or_slow_to_start_are_named_as_the_clusters() -> None:
+    stats = await run(DataLoader(Instant(), batch_size=8, transform=heavy, max_inflight=64))
+    ray = aioloader.WorkerStatistics(2, 0.01, 20, 0, 0, 0, 0, "ray", "2 node(s): a, b")
+    said = verdict(dataclasses.replace(stats, workers=ray))
+    assert "the cluster's Ray workers were busy" in said, said
+    assert "(1 actors on 2 node(s): a, b)" in said and "not the loader" in said
+    slow = dataclasses.replace(ray, startup_s=stats.elapsed_s + 1)
+    said = verdict(dataclasses.replace(stats, workers=slow))
+    assert f"starting the 2 Ray actors took {slow.startup_s:.1f} s" in said, said
+    assert "persistent_workers=True" in said and "fork server" not in said

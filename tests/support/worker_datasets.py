@@ -244,3 +244,20 @@ class RawBytes(torch.utils.data.Dataset[bytes]):
 
     def __getitem__(self, index: int) -> bytes:
         return index.to_bytes(4, "little") * (self.size // 4)
+
+
+class WhereRead(torch.utils.data.Dataset[tuple[int, int, str]]):
+    """Sample ``i`` is ``(i, pid, Ray node id)`` of where it was read, after ``delay`` seconds
+    (for tests of Ray workers)."""
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[int, int, str]:
+        import ray
+
+        time.sleep(self.delay)
+        return index, os.getpid(), ray.get_runtime_context().get_node_id()

@@ -1,0 +1,360 @@
+"""Ray workers: the process workers' semantics, each on a real Ray cluster of two nodes on this
+machine (``tests/support/ray_cluster.py``): who the workers are, seeding, order, failures and
+retries, streams, persistence, resuming, bounds, crashes, and no actor left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import aioloader
+from aioloader import default_collate
+from aioloader._workers import rayspec
+from tests.support import worker_datasets as wd
+from tests.support import worker_fns
+from tests.support.helpers import Counting, flat
+from tests.support.ray_cluster import SECOND, RayCluster
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def rows(batches: list[Any]) -> list[dict[str, Any]]:
+    return [
+        {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in zip(b, values, strict=True)}
+        for b in batches
+        for values in zip(*b.values(), strict=True)
+    ]
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+def gone(pids: set[int], timeout: float = 20.0) -> bool:
+    """Whether every process in ``pids`` has exited within ``timeout`` (waited on pidfds: they
+    are Ray's processes, not our children)."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds.append(os.pidfd_open(pid))
+    try:
+        waiting = set(fds)
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [], timeout)
+            if not ready:
+                return False
+            waiting -= set(ready)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def indices_only(batch: list[tuple[int, int, str]]) -> list[int]:
+    return [i for i, _, _ in batch]
+
+
+def ray_loader(dataset: Any, **kw: Any) -> aioloader.DataLoader[Any]:
+    kw.setdefault("num_workers", 2)
+    kw.setdefault("worker_mode", "ray")
+    return aioloader.DataLoader(dataset, **kw)
+
+
+# -- who the workers are, and what they give -----------------------------------------------------
+
+
+def test_each_actor_keeps_its_own_dataset_copy_and_knows_who_it_is() -> None:
+    dl = ray_loader(wd.WhoReads(16), batch_size=4, worker_init_fn=wd.offset_by_worker)
+    got = rows(list(dl))
+    assert [r["index"] for r in got] == list(range(16))
+    assert {r["torch_id"] for r in got} == {0, 1} and {r["torch_workers"] for r in got} == {2}
+    assert all(r["our_id"] == r["torch_id"] for r in got)
+    assert all(r["dataset_is_self"] for r in got)  # torch's WorkerInfo.dataset is the copy
+    for r in got:  # worker_init_fn configured each actor's own copy
+        assert r["value"] == r["index"] + 1000 * (r["torch_id"] + 1)
+    pids = {r["pid"] for r in got}
+    assert len(pids) == 2 and os.getpid() not in pids
+    stats = dl.statistics().workers
+    assert stats is not None and stats.server == "ray" and stats.processes == 2
+    assert stats.jobs == 4 and stats.bytes_sent > 0 and stats.bytes_received > 0
+    assert gone(pids)  # the epoch's scope ended: its actors are killed
+
+
+def test_a_seed_gives_the_same_batches_as_process_workers() -> None:
+    on_ray = list(ray_loader(wd.Augmenting(), batch_size=4, seed=7, shuffle=True))
+    in_processes = list(
+        aioloader.DataLoader(wd.Augmenting(), batch_size=4, num_workers=2, seed=7, shuffle=True)
+    )
+    assert len(on_ray) == 6
+    for a, b in zip(on_ray, in_processes, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_every_sample_comes_once_in_order_or_not(in_order: bool) -> None:
+    got = flat(
+        list(
+            ray_loader(
+                wd.WhereRead(40),
+                batch_size=4,
+                in_order=in_order,
+                collate_fn=indices_only,
+            )
+        )
+    )
+    if in_order:
+        assert got == list(range(40))
+    else:
+        assert sorted(got) == list(range(40))
+
+
+async def test_an_async_sources_transform_and_collation_run_in_the_actors() -> None:
+    dl = ray_loader(Counting(12), batch_size=4, transform=worker_fns.whoami, collate_fn=list)
+    async with dl:
+        got = [r for b in [b async for b in dl] for r in b]
+    assert sorted(r["x"] for r in got) == list(range(12))
+    assert {r["id"] for r in got} <= {0, 1} and {r["num_workers"] for r in got} == {2}
+    assert os.getpid() not in {r["pid"] for r in got}
+
+
+def test_tensors_come_back_whole_writable_and_of_every_dtype() -> None:
+    batches = list(ray_loader(Counting(8), batch_size=4, transform=every_dtype))
+    assert len(batches) == 2
+    for first, batch in zip((0, 4), batches, strict=True):
+        expected = default_collate([every_dtype(x) for x in range(first, first + 4)])
+        assert batch.keys() == expected.keys()
+        for key, tensor in batch.items():
+            assert tensor.dtype == expected[key].dtype and torch.equal(tensor, expected[key])
+    image = batches[1]["image"]
+    image.add_(1)  # an ordinary tensor of its own, not a read-only view of the object store
+    assert image[0, 0, 0, 0].item() == 5
+
+
+DTYPES = (torch.uint8, torch.bfloat16, torch.bool, torch.complex64, torch.int64, torch.float16)
+
+
+def every_dtype(x: int) -> dict[str, torch.Tensor]:
+    """A sample with a tensor of each dtype, one not contiguous, one 0-d."""
+    grid = torch.arange(6).reshape(2, 3) + x
+    sample = {str(dtype): grid.to(dtype).t() for dtype in DTYPES}
+    sample["image"] = worker_fns.image(x)
+    sample["scalar"] = torch.tensor(float(x))
+    return sample
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+def test_a_failed_sample_names_itself_its_batch_and_its_ray_worker() -> None:
+    with pytest.raises(KeyError, match="bad sample 5") as info:
+        list(ray_loader(wd.FailsAt(16, {5}), batch_size=4))
+    said = notes(info.value)
+    assert "Ray worker" in said and "node" in said and "batch 1" in said
+    skipped = flat(list(ray_loader(wd.FailsAt(16, {5}), batch_size=4, max_failures=1)))
+    assert skipped == [i for i in range(16) if i != 5]
+
+
+def test_transient_failures_are_retried_in_the_actor() -> None:
+    dl = ray_loader(
+        wd.FlakyOnce(12, {2, 9}),
+        batch_size=4,
+        retry=aioloader.RetryPolicy(attempts=2, initial_backoff=0.0),
+    )
+    assert flat(list(dl)) == list(range(12))
+    assert dl.statistics().stage("fetch").retries == 2
+
+
+def test_a_failing_worker_init_fn_fails_the_start_with_its_own_error() -> None:
+    with pytest.raises(LookupError, match="no config for worker") as info:
+        list(ray_loader(wd.WhoReads(4), batch_size=2, worker_init_fn=worker_fns.failing_init))
+    assert "Ray worker" in notes(info.value)
+
+
+# -- streams, persistence, resuming, bounds --------------------------------------------------
+
+
+def test_each_actor_iterates_its_own_copy_of_an_iterable_dataset() -> None:
+    got = flat(list(ray_loader(wd.Ranges(0, 40), batch_size=4)))
+    assert sorted(got) == list(range(40))
+
+
+def test_persistent_workers_keep_their_actors_and_others_start_anew() -> None:
+    kept = ray_loader(wd.WhereRead(8), batch_size=4, persistent_workers=True)
+    try:
+        first = {pid for b in kept for pid in b[1].tolist()}
+        second = {pid for b in kept for pid in b[1].tolist()}
+        assert first == second
+    finally:
+        kept.close()
+    assert gone(first)
+    fresh = ray_loader(wd.WhereRead(8), batch_size=4)
+    first = {pid for b in fresh for pid in b[1].tolist()}
+    second = {pid for b in fresh for pid in b[1].tolist()}
+    assert not first & second and gone(first | second)
+
+
+def test_a_stream_in_actors_resumes_from_its_state_dict() -> None:
+    def make() -> aioloader.DataLoader[Any]:
+        return ray_loader(wd.ResumableShards(40), batch_size=4, collate_fn=list)
+
+    full = list(make())
+    loader = make()
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    it.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert first + list(resumed) == full
+
+
+async def _jobs_while_the_consumer_waits(worker_mode: str) -> tuple[int, int]:
+    dl = ray_loader(Counting(400), batch_size=2, prefetch=2, worker_mode=worker_mode)
+    async with dl:
+        it = aiter(dl)
+        await anext(it)
+        with anyio.move_on_after(1.0):  # give the workers every chance to run ahead
+            await anyio.sleep_forever()
+        stats = dl.statistics()
+        await it.aclose()
+    assert stats.workers is not None
+    return stats.workers.jobs, stats.stage("transform").max_in_flight
+
+
+async def test_batches_in_flight_are_bounded_as_with_process_workers() -> None:
+    on_ray, at_once = await _jobs_while_the_consumer_waits("ray")
+    in_processes, _ = await _jobs_while_the_consumer_waits("process")
+    assert on_ray <= in_processes < 200  # the window's bound (max_inflight), not the epoch
+    assert at_once <= 2  # one job per actor at a time
+
+
+# -- crashes, and nothing left behind ----------------------------------------------------------
+
+
+def test_a_killed_actor_is_named_with_its_node_and_replaced() -> None:
+    dl = ray_loader(Counting(16), batch_size=4, transform=worker_fns.kill_on_7, max_failures=0)
+    with dl:
+        with pytest.raises(aioloader.WorkerCrashed) as info:
+            list(dl)
+        crash = info.value
+        assert crash.actor and crash.node and crash.pid and crash.worker_id in (0, 1)
+        assert f"DataLoader worker (pid {crash.pid}) is gone: Ray actor {crash.actor}" in str(crash)
+        assert "stage 'transform'" in notes(crash) and "batch 1" in notes(crash)
+        assert gone({crash.pid})
+    stats = dl.statistics().workers
+    assert stats is not None and stats.crashes == 1
+    batches = [[0, 1], [7], [2, 3]]
+    again = ray_loader(
+        Counting(16), batch_sampler=batches, num_workers=1, transform=worker_fns.kill_on_7
+    )
+    with again:
+        with pytest.raises(aioloader.WorkerCrashed):
+            list(again)
+        batches.remove([7])
+        assert flat(list(again)) == [0, 1, 2, 3]
+        stats = again.statistics().workers
+        assert stats is not None and stats.restarts == 1
+
+
+def _actor_pids(dl: aioloader.DataLoader[Any]) -> set[int]:
+    pool = dl._state.scope.work  # type: ignore[union-attr]
+    return {a.pid for a in pool._actors}
+
+
+def test_break_an_exception_and_close_leave_no_actor() -> None:
+    dl = ray_loader(wd.WhereRead(64), batch_size=2)
+    for batch in dl:
+        pids = set(batch[1].tolist()) | _actor_pids(dl)
+        break
+    del batch
+    dl.close()
+    assert len(pids) == 2 and gone(pids)
+    dl = ray_loader(wd.WhereRead(64), batch_size=2, persistent_workers=True)
+    with pytest.raises(ZeroDivisionError):
+        for _ in dl:
+            pids = _actor_pids(dl)
+            1 / 0  # noqa: B018
+    dl.close()
+    assert gone(pids)
+
+
+async def test_cancelling_an_epoch_leaves_no_actor() -> None:
+    dl = ray_loader(wd.WhereRead(64, delay=0.05), batch_size=2)
+    async with dl:
+        with anyio.move_on_after(1.0):
+            async for _ in dl:
+                pids = _actor_pids(dl)
+    assert gone(pids)
+
+
+def test_an_actor_no_node_can_place_times_out_naming_what_it_asked_for() -> None:
+    spec = aioloader.RayWorkers(resources={"nowhere": 1}, start_timeout=2.0)
+    with pytest.raises(aioloader.LoaderTimeout, match=r"resources=\{'nowhere': 1\}"):
+        list(ray_loader(wd.WhoReads(4), batch_size=2, worker_mode=spec))
+
+
+# -- two nodes -------------------------------------------------------------------------------
+
+
+def test_actors_are_placed_on_the_node_with_their_resource(ray_cluster: RayCluster) -> None:
+    spec = aioloader.RayWorkers(resources={SECOND: 1})
+    nodes = {n for b in ray_loader(wd.WhereRead(8), batch_size=4, worker_mode=spec) for n in b[2]}
+    assert nodes == {ray_cluster.second_node}
+
+
+def test_losing_a_node_mid_epoch_fails_its_batches_and_the_epoch_goes_on(
+    ray_cluster: RayCluster,
+) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    lost = ray_cluster.second_node
+    second = NodeAffinitySchedulingStrategy(lost, soft=True)
+    spec = aioloader.RayWorkers(options={"scheduling_strategy": second})
+    dl = ray_loader(wd.WhereRead(48, delay=0.02), batch_size=4, worker_mode=spec, collate_fn=list)
+    got: list[tuple[int, int, str]] = []
+    crashes: list[aioloader.WorkerCrashed] = []
+    it = iter(dl)
+    try:
+        for _ in range(40):  # bounded: the epoch must end
+            try:
+                got.extend(next(it))
+            except StopIteration:
+                break
+            except aioloader.WorkerCrashed as exc:  # raised in its batch's turn; the epoch goes on
+                crashes.append(exc)
+            if len(got) == 8 and ray_cluster.second is not None:
+                before = len(got)
+                ray_cluster.stop_second()
+        else:
+            pytest.fail("the epoch did not end")
+    finally:
+        it.close()
+        dl.close()
+        if ray_cluster.second is None:
+            ray_cluster.start_second()
+    nodes = [node for _, _, node in got]
+    assert lost in nodes[:before]  # placed there first
+    assert nodes[-4:] == [ray_cluster.head_node()] * 4  # replaced on the head when it went
+    assert crashes and all(c.node and c.actor for c in crashes)
+    stats = dl.statistics().workers
+    assert stats is not None and stats.crashes >= len(crashes) and stats.restarts >= 1
+    indices = [i for i, _, _ in got]
+    assert len(indices) == len(set(indices)) and len(indices) + 4 * len(crashes) == 48
+
+
+def test_worker_mode_ray_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = rayspec.importlib.util.find_spec
+    monkeypatch.setattr(
+        rayspec.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "ray" else real(name, *a),
+    )
+    with pytest.raises(ImportError, match=r"pip install 'aioloader\[ray\]'"):
+        aioloader.DataLoader(wd.WhoReads(4), num_workers=2, worker_mode="ray")
