@@ -116,6 +116,8 @@ from aioloader._bench.cpu_data import (
     unpack_gil,
     unpack_jpeg,
 )
+from aioloader._bench.cpu_ray import RAY_ROW, measure_overhead, ray_row
+from aioloader._bench.cpu_ray import describe as describe_overhead
 from aioloader._bench.cpu_report import (
     format_goals,
     format_results,
@@ -420,9 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\ndropin-jpeg: needs Pillow (pip install -e '.[bench]'); not run", flush=True)
             failed.append(name)
             continue
-        configs = _chosen(DROPIN_CONFIGS, args.configs)
+        configs = ray_row(_chosen(DROPIN_CONFIGS, args.configs), name)
         results = run_workload(build(args), configs, DROPIN_BASELINES, reference_probe_s)
         failed.extend(f"{name}/{r.name}" for r in results if not r.ok)
+        if RAY_ROW in configs:
+            print(describe_overhead(measure_overhead()), flush=True)
     if "pipe" in only:
         pipe = measure_pipe(_timeout(args, 1.0))
         print()

@@ -262,6 +262,8 @@ DROPIN_CONFIGS: dict[str, Runner] = {
     ),
     "aio-nw0": lambda w, t, e: run_dropin(aioloader.DataLoader, w, 0, t, e),
     "aio-nw2": lambda w, t, e: run_dropin(aioloader.DataLoader, w, 2, t, e),
+    # dropin-jpeg only, where Ray is installed (cpu_ray.py): the same code on two Ray actors.
+    "aio-ray-nw2": lambda w, t, e: run_dropin(aioloader.DataLoader, w, 2, t, e, worker_mode="ray"),
 }
 DROPIN_BASELINES = ("aio-nw0", "torch-nw2-fork")
 # The drop-in goals: (row, over row, "samples/s" or "PSS", goal, higher is better)
@@ -270,6 +272,7 @@ DROPIN_GOALS = (
     ("aio-nw2", "torch-nw2-spawn", "samples/s", None, True),
     ("aio-nw2", "aio-nw0", "samples/s", 1.8, True),
     ("aio-nw2", "torch-nw2-fork", "peak PSS", 1.2, False),
+    ("aio-ray-nw2", "aio-nw2", "samples/s", 0.9, True),  # the cost of the cluster path
 )
 
 

@@ -60,7 +60,7 @@ _FILES_QUICK = ("plain-loop", "torch-nw0", "torch-nw8", "aio-files", "aio-torchd
 _CPU = ("--only", "gil", "dropin-jpeg")
 # torch's default start method here (fork) and aioloader's; the full run adds aio-nw1 and
 # torch-nw2-spawn (seconds of start-up each).
-_CPU_QUICK = ("--configs", "aio-nw0", "aio-nw2", "torch-nw0", "torch-nw2-fork")
+_CPU_QUICK = ("--configs", "aio-nw0", "aio-nw2", "torch-nw0", "torch-nw2-fork", "aio-ray-nw2")
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload(
