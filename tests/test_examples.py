@@ -17,6 +17,8 @@ RUNS = {
     "serve_http.py": (["--selftest"], "every answer its own: True"),
     "stateful_slots.py": ([], "batches of 4 streams"),
     "image_folder.py": ([], "epoch 2: accuracy"),
+    # A local cluster of its own ("local"), whatever else runs on this machine.
+    "ray_workers.py": (["--address", "local"], "made by Ray actors with pids"),
 }
 
 

@@ -129,19 +129,21 @@ def _slow_start(stats: LoaderStatistics) -> str | None:
     took = w.startup_s + w.server_s
     if took < max(0.5, SLOW_START * (stats.elapsed_s + w.server_s)):
         return None
-    said = f"starting the {w.processes} worker processes took {took:.1f} s"
-    if w.server == "ray":
-        return (
-            f"starting the {w.processes} Ray actors took {took:.1f} s: keep them across epochs "
-            "(persistent_workers=True), or lighten worker_init_fn and the dataset each actor "
-            "receives"
-        )
+    who = "Ray actors" if w.server == "ray" else "worker processes"
+    said = f"starting the {w.processes} {who} took {took:.1f} s"
+    # Several epochs in the statistics' scope: its workers were kept across them already.
+    kept = stats.epochs > 1
+    keep = (
+        f"it was paid once for the {stats.epochs} epochs so far (a longer run spreads it)"
+        if kept
+        else "keep them across epochs (persistent_workers=True)"
+    )
     if w.server == "interpreter":
         return (
             f"{said}: their fork server was a fresh interpreter importing torch and the main "
             f"module ({w.server_why}): import aioloader before CUDA is initialised and before "
-            "other threads start, so that a fork server is forked in reserve, or keep the "
-            "workers across epochs (persistent_workers=True)"
+            "other threads start, so that a fork server is forked in reserve"
+            + ("" if kept else ", or keep the workers across epochs (persistent_workers=True)")
         )
     if w.server == "standby" and w.server_s >= w.startup_s:
         return (
@@ -150,7 +152,9 @@ def _slow_start(stats: LoaderStatistics) -> str | None:
             "aioloader. Import aioloader after the heavy imports (torchvision, transformers, "
             "your own packages), as the last of the imports at the top of the script"
         )
+    each = "each actor (Ray starts a Python process for it, which imports torch)"
     return (
-        f"{said}: keep them across epochs (persistent_workers=True), or lighten worker_init_fn "
-        "and the dataset each worker receives"
+        f"{said}: {keep}, or lighten worker_init_fn and the dataset "
+        + (each if w.server == "ray" else "each worker")
+        + " receives"
     )

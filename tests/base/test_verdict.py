@@ -194,3 +194,6 @@ async def test_ray_workers_busy_or_slow_to_start_are_named_as_the_clusters() -> 
     said = verdict(dataclasses.replace(stats, workers=slow))
     assert f"starting the 2 Ray actors took {slow.startup_s:.1f} s" in said, said
     assert "persistent_workers=True" in said and "fork server" not in said
+    # Kept across epochs already: not told to keep them.
+    said = verdict(dataclasses.replace(stats, workers=slow, epochs=3))
+    assert "paid once for the 3 epochs so far" in said and "persistent_workers" not in said

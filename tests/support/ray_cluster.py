@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,13 @@ class RayCluster:
         # node and this process, the driver, share a token made for the session.
         self._saved_env = {k: os.environ.get(k) for k in _AUTH}
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
-        self.head = self._start("head", "--head", f"--port={self.port}")
+        # A temp dir of its own (short: Ray's socket paths live in it): ``ray start --head``
+        # leaves the address of its cluster there, and a later ``ray.init()`` on this machine
+        # (an example run by the tests) would try to join it once it is gone.
+        self.temp_dir = tempfile.mkdtemp(prefix="aioray-", dir="/tmp")
+        self.head = self._start(
+            "head", "--head", f"--port={self.port}", f"--temp-dir={self.temp_dir}"
+        )
         self.second: subprocess.Popen[bytes] | None = None
 
     def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
@@ -104,6 +112,7 @@ class RayCluster:
         ray.shutdown()
         self.stop_second()
         _stop(self.head)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -349,6 +349,37 @@ def test_losing_a_node_mid_epoch_fails_its_batches_and_the_epoch_goes_on(
     assert len(indices) == len(set(indices)) and len(indices) + 4 * len(crashes) == 48
 
 
+def test_a_cluster_that_goes_away_ends_the_epoch_with_a_clear_error(
+    ray_cluster: RayCluster,
+) -> None:
+    """Every node that could hold the actors is lost: their replacements cannot be placed, and
+    the epoch ends with an error that says so, not a hang."""
+    spec = aioloader.RayWorkers(resources={SECOND: 1}, start_timeout=10.0)
+    dl = ray_loader(wd.WhereRead(48, delay=0.02), batch_size=4, worker_mode=spec, collate_fn=list)
+    errors: list[BaseException] = []
+    it = iter(dl)
+    try:
+        for n in range(40):  # bounded: the epoch must end
+            try:
+                next(it)
+            except StopIteration:
+                break
+            except (aioloader.WorkerCrashed, aioloader.LoaderTimeout) as exc:
+                errors.append(exc)
+                if isinstance(exc, aioloader.LoaderTimeout):
+                    break
+            if n == 1:
+                ray_cluster.stop_second()
+        else:
+            pytest.fail("the epoch did not end")
+    finally:
+        it.close()
+        dl.close()
+        ray_cluster.start_second()
+    assert isinstance(errors[-1], aioloader.LoaderTimeout), errors
+    assert f"resources={{'{SECOND}': 1}}" in str(errors[-1])
+
+
 def test_worker_mode_ray_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     real = rayspec.importlib.util.find_spec
     monkeypatch.setattr(
