@@ -245,6 +245,13 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
     check_bool("distributed", a.distributed)
     ray = ray_spec_of(a.worker_mode)
     in_workers = num_workers > 0 and (a.worker_mode == "process" or ray is not None)
+    if ray is not None and num_workers == 0:
+        warnings.warn(
+            f"worker_mode={a.worker_mode!r} has no effect with num_workers=0: batches are made "
+            "in this process (as torch's num_workers=0); pass num_workers=N for N Ray actors",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
     if ray is not None and a.multiprocessing_context is not None:
         warnings.warn(
             f"multiprocessing_context={a.multiprocessing_context!r} has no effect with Ray "
