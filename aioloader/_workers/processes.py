@@ -321,18 +321,18 @@ class ProcessWorkers:
             worker = await self._replace(worker)
         payload = ForkingPickler.dumps((fn, args, seed))
         _blocking(worker.conn)
-        try:
+        with payload:  # a view of a BytesIO: let go now, not when a traceback is collected
             try:
                 worker.conn.send_bytes(payload)
-            except OSError:  # it died while idle: the job never reached it
+            except OSError as exc:  # it died while idle: the job never reached it
+                # Its frames view payload: left in a cycle, they crashed 3.12.1's gc (gh-111049)
+                exc.__traceback__ = None
                 await self._mark_dead(worker)
                 if not replace:
                     raise self._crashed(worker) from None
                 worker = await self._replace(worker)
                 worker.conn.send_bytes(payload)
             self._stats.bytes_sent += len(payload)
-        finally:  # a view of a BytesIO: let go now, not when a traceback is collected
-            payload.release()
         self._stats.jobs += 1
         try:
             ok, value = await self._reply(worker)

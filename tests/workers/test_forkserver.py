@@ -18,6 +18,8 @@ import pytest
 PROBE = """
 import json, multiprocessing.forkserver, os, select, sys, threading, time
 import torch.utils.data
+if "authkey" in sys.argv:  # a server we do not know, as 3.14's (it has an authentication key)
+    multiprocessing.forkserver._forkserver._forkserver_authkey = None
 import aioloader
 from aioloader._workers import standby
 
@@ -255,12 +257,38 @@ def test_imported_after_a_thread_started_the_fallback_says_so(tmp_path: Path) ->
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
 
 
-def test_the_fast_paths_are_taken_on_the_pythons_whose_server_we_know() -> None:
-    """3.11 to 3.13: the fork server is forked (now, or as a standby); 3.14 gave the stdlib's
-    server an authentication key, so there the stdlib starts its own (said in server_why)."""
-    from aioloader._workers.forkserver import server_protocol_known
+# Per version, whether a forked server is handed to the stdlib's (checked by CI on 3.11 and 3.12,
+# by hand on 3.13): 3.14 gave the stdlib's server an authentication key, so there it starts its own.
+FAST_PATH_TAKEN = (3, 11) <= sys.version_info[:2] <= (3, 13)
 
-    assert server_protocol_known() == (sys.version_info < (3, 14))
+
+def test_the_fast_path_is_taken_on_the_pythons_whose_server_we_know(tmp_path: Path) -> None:
+    from aioloader._workers.forkserver import server_protocol_known
+    from aioloader._workers.standby import UNKNOWN_PROTOCOL
+
+    assert server_protocol_known() == FAST_PATH_TAKEN
+    got = probe(tmp_path, "alone")
+    assert got["workers"] == 2 and got["workers_children_of_server"]
+    if FAST_PATH_TAKEN:
+        assert (got["server"], got["server_why"]) == ("forked", "")
+        assert got["server_cmdline"] == got["my_cmdline"]
+    else:  # said, and the stdlib's own start: a fresh interpreter, no standby forked
+        assert (got["server"], got["server_why"]) == ("interpreter", UNKNOWN_PROTOCOL)
+        assert "multiprocessing.forkserver import main" in got["server_cmdline"]
+        assert got["standby_was"] is None
+
+
+def test_a_server_we_do_not_know_gets_the_stdlibs_own_start_and_says_why(tmp_path: Path) -> None:
+    """3.14's fallback, on every Python: a stdlib server with an authentication key is not
+    handed a forked server (nor is a standby forked for it)."""
+    from aioloader._workers.standby import UNKNOWN_PROTOCOL
+
+    got = probe(tmp_path, "authkey")
+    assert got["workers"] == 2 and got["workers_children_of_server"]
+    assert (got["server"], got["server_why"]) == ("interpreter", UNKNOWN_PROTOCOL)
+    assert "multiprocessing.forkserver import main" in got["server_cmdline"]
+    assert got["standby_was"] is None
+    assert got["pipe_eof"]
 
 
 PACKAGE = {
