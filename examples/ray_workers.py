@@ -55,6 +55,13 @@ class Jpegs(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
         return pixels, os.getpid()  # the pid shows the batch was made in an actor
 
 
+def to_batch(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collation defined in this script: Ray's actors get it by value (their ``__main__`` is
+    Ray's, not this script)."""
+    images, pids = zip(*samples, strict=True)
+    return torch.stack(images), torch.tensor(pids)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--address", help="the Ray cluster to join (default: a local one)")
@@ -68,6 +75,7 @@ def main() -> None:
         shuffle=True,
         num_workers=args.workers,
         worker_mode=workers,
+        collate_fn=to_batch,
         persistent_workers=True,
         seed=0,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Callable
 
 __all__ = ["check_bool", "check_int", "check_picklable", "check_seconds", "check_seed"]
 
@@ -84,8 +85,16 @@ def check_seconds(name: str, value: object) -> float:
     return float(value)
 
 
-def check_picklable(name: str, value: object, *, remedy: str = "pass worker_mode='thread'") -> None:
-    """Fail now, not mid-epoch, when ``value`` cannot be sent to a worker process.
+def check_picklable(
+    name: str,
+    value: object,
+    *,
+    remedy: str = "pass worker_mode='thread'",
+    dumps: Callable[[object], bytes] | None = None,
+    to: str = "worker processes",
+) -> None:
+    """Fail now, not mid-epoch, when ``value`` cannot be sent to a worker process (``to``),
+    pickled by ``dumps`` (default: the standard pickle, as the worker processes' jobs are).
 
     Raises:
         TypeError: ``value`` does not pickle; the message names the argument and what to do.
@@ -93,10 +102,15 @@ def check_picklable(name: str, value: object, *, remedy: str = "pass worker_mode
     if value is None:
         return
     try:
-        pickle.dumps(value)
+        (dumps or pickle.dumps)(value)
     except Exception as exc:
+        how = (
+            ""
+            if dumps is not None
+            else " Define it at module level (a lambda, a closure or a local function cannot be "
+            "pickled),"
+        )
         raise TypeError(
-            f"{name}={value!r} cannot be sent to worker processes ({type(exc).__name__}: "
-            f"{exc}). Define it at module level (a lambda, a closure or a local function "
-            f"cannot be pickled), make its object picklable, or {remedy}"
+            f"{name}={value!r} cannot be sent to {to} ({type(exc).__name__}: {exc}).{how} "
+            f"make its object picklable, or {remedy}"
         ) from exc

@@ -68,7 +68,8 @@ def verdict(
         if stats.workers is not None and stats.workers.server == "ray":
             return (
                 f"{head}; the cluster's Ray workers were busy {min(work, 1):.0%} of the time "
-                f"({workers} actors on {stats.workers.server_why}): they are the limit, not the "
+                f"({stats.workers.processes} actors on {stats.workers.server_why}): they are the "
+                "limit, not the "
                 "loader: more actors (num_workers) where the cluster has CPUs for them, more "
                 "nodes, or a lighter transform"
             )
@@ -152,9 +153,8 @@ def _slow_start(stats: LoaderStatistics) -> str | None:
             "aioloader. Import aioloader after the heavy imports (torchvision, transformers, "
             "your own packages), as the last of the imports at the top of the script"
         )
-    each = "each actor (Ray starts a Python process for it, which imports torch)"
-    return (
-        f"{said}: {keep}, or lighten worker_init_fn and the dataset "
-        + (each if w.server == "ray" else "each worker")
-        + " receives"
+    return f"{said}: {keep}, or lighten worker_init_fn and the dataset each " + (
+        "actor receives (each is a Python process Ray starts, which imports torch)"
+        if w.server == "ray"
+        else "worker receives"
     )

@@ -274,10 +274,14 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
             # Without a CUDA device it runs where collation runs: in the workers.
             ("device_transform", a.device_transform if on_host else None),
         ):
-            check_picklable(name, fn)
-    _warn_if_more_workers_than_cpus(num_workers, stacklevel)
+            if ray is None:
+                check_picklable(name, fn)
+            else:  # Ray's jobs go by cloudpickle: lambdas and the script's own functions too
+                check_picklable(name, fn, dumps=_cloudpickle_dumps(), to="Ray workers")
+    if ray is None:  # Ray's actors run on the cluster's CPUs, not this machine's
+        _warn_if_more_workers_than_cpus(num_workers, stacklevel)
     if kind.is_blocking and in_workers:
-        _warn_of_options_without_effect(a, kind, stacklevel)
+        _warn_of_options_without_effect(a, kind, stacklevel, ray is not None)
     return Checked(kind, batch_size, prefetch, start_method, target, ray)
 
 
@@ -286,19 +290,27 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
 _FETCH_OPTIONS = ("max_inflight", "max_inflight_bytes", "sample_timeout", "io_threads")
 
 
-def _warn_of_options_without_effect(a: Arguments, kind: Kind, stacklevel: int) -> None:
+def _warn_of_options_without_effect(a: Arguments, kind: Kind, stacklevel: int, ray: bool) -> None:
+    where = "Ray workers" if ray else "worker processes"
     defaults = {f.name: f.default for f in dataclasses.fields(Arguments)}
     for name in _FETCH_OPTIONS:
         value = getattr(a, name)
         if value != defaults[name]:
             warnings.warn(
                 f"{name}={value!r} has no effect here: a blocking {kind.value} dataset with "
-                f"num_workers={a.num_workers} is read in the worker processes, each reading its "
+                f"num_workers={a.num_workers} is read in the {where}, each reading its "
                 f"batch itself (it applies to async datasets and sources, and to "
                 "worker_mode='thread')",
                 UserWarning,
                 stacklevel=stacklevel,
             )
+
+
+def _cloudpickle_dumps() -> Callable[[object], bytes]:
+    from ray import cloudpickle
+
+    dumps: Callable[[object], bytes] = cloudpickle.dumps
+    return dumps
 
 
 def _warn_if_more_workers_than_cpus(num_workers: int, stacklevel: int) -> None:

@@ -27,7 +27,7 @@ from .._data.source import InWorkers, Kind, MapSource, StreamSource, open_source
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
 from .._workers.offload import ThreadOffload
-from .._workers.raypool import join_cluster
+from .._workers.raycluster import join_cluster
 from .._workers.rayspec import RayWorkers
 from .._workers.serverstart import prepare_forkserver
 from .arguments import Arguments, check_arguments

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._base.exceptions import WorkerCrashed, annotate
+from .._base.exceptions import LoaderTimeout, WorkerCrashed, annotate
 from .._base.recorders import Recorders
 from .._data.seeds import derive_seed
 from .._data.source import InWorkers, MapSource, StreamSource
@@ -104,7 +104,9 @@ class TransformStage:
             # A worker's failure names its stage and sample already: this adds the batch and
             # the epoch to that note.
             ids = batch.ids[0] if unbatched else batch.ids
-            stage = "transform" if isinstance(exc, WorkerCrashed) else "collate"
+            # A worker lost (or a Ray worker's replacement not placed) is not collation's.
+            lost = isinstance(exc, WorkerCrashed | LoaderTimeout)
+            stage = "transform" if lost else "collate"
             annotate(exc, stage, epoch=self.number, batch=batch.seq, index=ids)
             return Done(batch, None, 0, exc)
         return Done(batch, value, size)

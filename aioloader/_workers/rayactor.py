@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,35 +29,48 @@ __all__ = ["RayWorkerActor", "WireTensor", "from_wire", "to_wire"]
 
 class WireTensor:
     """A tensor on its way back from an actor: its bytes as a flat ``uint8`` NumPy array (Ray
-    keeps it in the object store and reads it back as a view), its dtype and shape.
+    keeps it in the object store and reads it back as a view), its dtype, and its shape in
+    memory order with the permutation back to its own (so a ``channels_last`` or transposed
+    tensor keeps its strides, as worker processes keep them).
 
-    A tensor that was not contiguous arrives contiguous; tensors that shared a storage arrive
-    as tensors of their own.
+    A tensor whose elements overlap or leave gaps (a slice, an expanded view) arrives as a
+    contiguous tensor of its own; tensors that shared a storage arrive as tensors of their own.
     """
 
-    __slots__ = ("array", "dtype", "shape")
+    __slots__ = ("array", "dtype", "order", "shape")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-        self.array: np.ndarray[Any, np.dtype[np.uint8]] = flat.view(torch.uint8).numpy()
-        self.dtype = tensor.dtype
-        self.shape = tuple(tensor.shape)
+        t = tensor.detach().resolve_conj().resolve_neg()
+        # Its dimensions from the outermost in memory to the innermost.
+        strides = t.stride()
+        order = sorted(range(t.dim()), key=lambda d: -strides[d])
+        dense = t.permute(order)
+        if not dense.is_contiguous():  # not a permutation of a dense block: copied
+            order, dense = list(range(t.dim())), t.contiguous()
+        self.array: np.ndarray[Any, np.dtype[np.uint8]] = (
+            dense.reshape(-1).view(torch.uint8).numpy()
+        )
+        self.dtype = t.dtype
+        self.shape = tuple(dense.shape)
+        self.order = tuple(order)
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return self.array, self.dtype, self.shape
+        return self.array, self.dtype, self.shape, self.order
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.array, self.dtype, self.shape = state
+        self.array, self.dtype, self.shape, self.order = state
 
     def tensor(self) -> torch.Tensor:
-        """A torch tensor of its own with these bytes (one copy out of the object store).
+        """A torch tensor of its own with these bytes (one copy out of the object store), in
+        the sent tensor's shape and strides.
 
         Raises:
             RuntimeError: Memory for it could not be allocated.
         """
         out = torch.empty(self.array.nbytes, dtype=torch.uint8)
         np.copyto(out.numpy(), self.array, casting="no")  # releases the GIL for large copies
-        return out.view(self.dtype).view(self.shape)
+        back = sorted(range(len(self.order)), key=self.order.__getitem__)
+        return out.view(self.dtype).view(self.shape).permute(back)
 
 
 def _on_wire(tensor: torch.Tensor) -> Any:
@@ -90,6 +104,7 @@ class RayWorkerActor:
         worker_init_fn: Run once, now, with ``worker_id``; what it raises is kept and reported
             by :meth:`ready` (an exception raised here would only say that the actor died).
         dataset: Its own copy of a blocking dataset, or None.
+        threads: torch's intra-op threads in it (the CPUs it reserved, at least 1).
     """
 
     def __init__(
@@ -99,32 +114,41 @@ class RayWorkerActor:
         seed: int,
         worker_init_fn: Callable[[int], object] | None,
         dataset: Any,
+        threads: int = 1,
     ) -> None:
         import ray  # in the actor's process, which Ray started: Ray is there
 
         context = ray.get_runtime_context()
         self._node = context.get_node_id()
-        self._name = context.get_actor_id() or "?"
         self._ip = ray.util.get_node_ip_address()
         self._failed: BaseException | None = None
         where = f"Ray worker {worker_id} (pid {os.getpid()}, node {self._ip})"
         try:
-            become_worker(worker_id, num_workers, seed, dataset, where)
+            become_worker(worker_id, num_workers, seed, dataset, where, threads)
             if worker_init_fn is not None:
                 worker_init_fn(worker_id)
         except BaseException as exc:
             self._failed = with_worker_note(exc)
 
     def ready(self) -> tuple[bool, Any]:
-        """``(True, (pid, node id, node address, actor id))``, or ``(False, what
-        worker_init_fn raised)``."""
+        """``(True, (pid, node id, node address))``, or ``(False, what worker_init_fn
+        raised)``."""
         if self._failed is not None:
             return False, self._failed
-        return True, (os.getpid(), self._node, self._ip, self._name)
+        return True, (os.getpid(), self._node, self._ip)
 
     def run(self, job: bytes) -> tuple[bool, Any]:
         """One job, ``(fn, args, batch_seed)`` pickled: ``(ok, value)`` as a worker process
-        replies, the value's tensors on the wire."""
-        fn, args, seed = pickle.loads(job)
+        replies, the value's tensors on the wire; a job that does not unpickle here (a module
+        this node cannot import) fails as its function would, with this worker's note."""
+        try:
+            fn, args, seed = pickle.loads(job)
+        except Exception as exc:
+            return False, with_worker_note(exc)
         del job
         return call_job(fn, args, seed, to_wire)
+
+    def park(self) -> None:
+        """Never returns: the call the loader awaits after killing this actor, which only its
+        death ends (one job at a time: it waits behind a job still running)."""
+        threading.Event().wait()

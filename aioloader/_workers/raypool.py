@@ -1,16 +1,23 @@
 """A pool of Ray actors as the loader's workers, driven from the event loop.
 
-Owns: joining the cluster (:func:`join_cluster`, on the thread that builds the loader), making
-``num_workers`` actors (:class:`~aioloader._workers.rayactor.RayWorkerActor`) with the
+Owns: making ``num_workers`` actors (:class:`~aioloader._workers.rayactor.RayWorkerActor`) with the
 resources asked for, handing one job at a time to an idle actor (or, for a worker's own
 stream, to that actor), awaiting the reply as an object ref on the event loop (Ray's refs are
 awaitable: no thread per job, no polling), telling a dead actor as :class:`WorkerCrashed`
 naming the actor and its node, replacing it, and killing every actor on close.
 
-Jobs go as bytes the loader pickled itself (standard pickle, as for worker processes: samples,
-a batch's indices, the functions by reference), so ``jobs`` and ``bytes_sent`` count what was
-sent. Results come back through the object store, their tensors as NumPy arrays read without a
-pickle copy (``rayactor.py``), then copied once into torch tensors of their own.
+Jobs go as bytes the loader pickled itself with Ray's cloudpickle (samples, a batch's indices,
+the functions: by reference where their module imports on the node, by value where it does not,
+such as the script's own ``__main__``, whose actors run Ray's own main instead), so ``jobs`` and
+``bytes_sent`` count what was sent. Results come back through the object store, their tensors as
+NumPy arrays read without a pickle copy (``rayactor.py``), then copied once into torch tensors
+of their own, on the event loop's thread (``np.copyto`` releases the GIL, not the loop: a few
+milliseconds for a batch of tens of MB).
+
+Losing the head node (Ray's control store) is not survived: Ray ends a driver that cannot reach
+it after ``gcs_rpc_server_reconnect_timeout_s`` (60 s by default), and ``ray.kill`` can block
+until then. Losing other nodes is survived: their actors' batches fail with ``WorkerCrashed``
+and new actors take their places, where a node can hold them (else ``LoaderTimeout``).
 
 Cancellation policy (as for worker processes): a job already sent is awaited, shielded, for up
 to ``CANCEL_GRACE`` seconds and its reply dropped; an actor still busy after that is killed and
@@ -23,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -35,41 +41,14 @@ from .._base.exceptions import LoaderTimeout, WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
 from .processes import CANCEL_GRACE
 from .rayactor import RayWorkerActor, WireTensor, from_wire
+from .raycluster import lost_errors
 from .rayspec import RayWorkers
 
-__all__ = ["RayPool", "join_cluster"]
+__all__ = ["RayPool"]
 
 R = TypeVar("R")
 
 _STOP_GRACE = 5.0  # seconds to wait for a killed actor to be reported dead
-_joined = threading.Lock()
-
-
-def join_cluster(spec: RayWorkers) -> None:
-    """``ray.init(address=spec.address)`` unless Ray is initialised already.
-
-    Called as the loader is built, on the thread that builds it: Ray ties the local cluster
-    it may start to the life of the thread that starts it (its processes get the thread's
-    parent-death signal), so it must not be a thread of the loader's own, which ends with the
-    loader.
-
-    Raises:
-        ConnectionError: The cluster at ``spec.address`` could not be reached (Ray's own
-            exception, with a note naming the address).
-    """
-    import ray
-
-    with _joined:
-        if ray.is_initialized():
-            return
-        try:
-            ray.init(address=spec.address, ignore_reinit_error=True)
-        except Exception as exc:
-            exc.add_note(
-                f"aioloader: joining the Ray cluster for worker_mode=RayWorkers(address="
-                f"{spec.address!r}) failed"
-            )
-            raise
 
 
 @dataclass(eq=False, slots=True)
@@ -77,8 +56,8 @@ class _Actor:
     id: int
     handle: Any  # ray.actor.ActorHandle
     pid: int = 0
-    name: str = "?"  # the actor's id, once it is ready
-    node: str = ""  # "address (node id)"
+    name: str = "?"  # the actor's id (hex)
+    node: str = ""  # "address (node id ...)", once it is ready
     alive: bool = True
     killed: bool = False
 
@@ -131,8 +110,11 @@ class RayPool:
             self._derive(self._seed, worker_id),
             self._init_fn,
             self._dataset_ref,
+            max(1, int(self._spec.num_cpus)),
         )
-        return _Actor(worker_id, handle)
+        # The id as `ray list actors` and `ray logs` take it (Ray's handle has no public getter).
+        name = getattr(getattr(handle, "_actor_id", None), "hex", lambda: "?")()
+        return _Actor(worker_id, handle, name=name)
 
     async def _ready(self, actor: _Actor) -> None:
         """Wait until ``actor`` is placed and has run ``worker_init_fn``.
@@ -156,8 +138,8 @@ class RayPool:
             )
         if not ok:
             raise value  # worker_init_fn failed, with the actor's traceback in a note
-        actor.pid, node, address, name = value
-        actor.node, actor.name = f"{address} ({node[:12]})", name[:16]
+        actor.pid, node, address = value
+        actor.node = f"{address} (node id {node})"
 
     async def start(self) -> None:
         """Make every actor and wait until each has run ``worker_init_fn``.
@@ -176,17 +158,26 @@ class RayPool:
         self._actor_class = ray.remote(RayWorkerActor).options(**self._spec.actor_options())
         if self._dataset is not None:
             self._dataset_ref = await anyio.to_thread.run_sync(self._put_dataset)
-        self._actors = [self._make(i) for i in range(self.concurrency)]
         try:
+            for i in range(self.concurrency):  # one at a time: a failure kills those made
+                self._actors.append(self._make(i))
             async with anyio.create_task_group() as tg:
                 for actor in self._actors:
                     tg.start_soon(self._ready, actor)
         except BaseException as group:
             with anyio.CancelScope(shield=True):
                 await self._kill_all()
-            if isinstance(group, Exception):
-                raise first_leaf(group) from None
-            raise
+            if not isinstance(group, Exception):
+                raise
+            error = first_leaf(group)
+            if isinstance(error, WorkerCrashed):
+                error.add_note(
+                    "aioloader: the Ray worker died while starting: its node must import what "
+                    "the dataset, worker_init_fn, transform and collate_fn need (the same torch "
+                    "and aioloader; your own modules: RayWorkers(options={'runtime_env': "
+                    "{'working_dir': '.'}}) ships this folder)"
+                )
+            raise error from None
         for actor in self._actors:
             self._idle_send.send_nowait(actor)
         self._stats.startup_s = time.perf_counter() - started
@@ -226,7 +217,11 @@ class RayPool:
         return fresh
 
     async def _kill(self, actor: _Actor) -> None:
-        """Kill ``actor`` and wait (briefly, shielded) until Ray reports it dead."""
+        """Kill ``actor`` and wait (briefly, shielded) until Ray reports it dead.
+
+        ``ray.kill`` only asks Ray's control store to kill it, and a call made afterwards may
+        still be served before the kill lands: the call awaited here is one that never returns
+        (``park``, sent first), so only the actor's death ends the wait."""
         if actor.killed:
             return
         import ray
@@ -234,13 +229,14 @@ class RayPool:
         actor.alive = False
         actor.killed = True
         with contextlib.suppress(Exception):  # already dead, or the cluster is gone
+            parked = actor.handle.park.remote()
             ray.kill(actor.handle, no_restart=True)
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(_STOP_GRACE),
-            contextlib.suppress(Exception),  # dead: what we waited for
-        ):
-            await actor.handle.ready.remote()
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(_STOP_GRACE),
+                contextlib.suppress(Exception),  # dead: what we waited for
+            ):
+                await parked
 
     async def _kill_all(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -265,14 +261,14 @@ class RayPool:
 
         try:
             return await ref
-        except (rex.RayActorError, rex.ObjectLostError, rex.WorkerCrashedError) as exc:
+        except rex.RayTaskError as exc:  # our own call failed in the actor (not the job)
+            raise exc.as_instanceof_cause() from None
+        except lost_errors() as exc:
             actor.alive = False
             self._stats.crashes += 1
             crashed = self._dead(actor)
-            crashed.add_note(f"aioloader: Ray said: {_first_line(exc)}")
+            crashed.add_note(f"aioloader: Ray said ({type(exc).__name__}): {str(exc).strip()}")
             raise crashed from None
-        except rex.RayTaskError as exc:  # our own call failed in the actor (not the job)
-            raise exc.as_instanceof_cause() from None
 
     async def run(self, fn: Callable[..., R], *args: Any, seed: int | None = None) -> R:
         """Run ``fn(*args)`` in an idle actor (seeded with ``seed`` first) and return its
@@ -332,7 +328,7 @@ class RayPool:
             if not replace:
                 raise self._dead(actor)
             actor = await self._replace(actor)
-        payload = pickle.dumps((fn, args, seed), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = _dumps((fn, args, seed))
         self._stats.bytes_sent += len(payload)
         self._stats.jobs += 1
         ref = actor.handle.run.remote(payload)
@@ -351,7 +347,8 @@ class RayPool:
         return from_wire(value)  # type: ignore[no-any-return]
 
     def _dead(self, actor: _Actor) -> WorkerCrashed:
-        return WorkerCrashed(actor.id, actor.pid, actor=actor.name, node=actor.node or "?")
+        node = actor.node or "not known (it was not ready yet)"
+        return WorkerCrashed(actor.id, actor.pid, actor=actor.name, node=node)
 
     async def _drain_cancelled(self, actor: _Actor, ref: Any) -> None:
         if not actor.alive:
@@ -377,6 +374,8 @@ def _wire_bytes(value: Any) -> int:
     return total
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def _dumps(job: tuple[Any, ...]) -> bytes:
+    from ray import cloudpickle
+
+    data: bytes = cloudpickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+    return data

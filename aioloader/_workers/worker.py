@@ -248,17 +248,22 @@ def worker_main(
 
 
 def become_worker(
-    worker_id: int, num_workers: int, seed: int, dataset: Any, where: str | None = None
+    worker_id: int,
+    num_workers: int,
+    seed: int,
+    dataset: Any,
+    where: str | None = None,
+    threads: int = 1,
 ) -> None:
     """Make this process worker ``worker_id`` of ``num_workers``: what
-    :func:`get_worker_info` (and torch's) answer, one intra-op thread, the mmap threshold,
-    the worker's seed. ``where`` names the worker in the notes of the exceptions it sends back
-    (default: its id and pid)."""
+    :func:`get_worker_info` (and torch's) answer, ``threads`` intra-op threads, the mmap
+    threshold, the worker's seed. ``where`` names the worker in the notes of the exceptions it
+    sends back (default: its id and pid)."""
     global _info, _where
     _info = WorkerInfo(worker_id, num_workers, seed, dataset)
     _where = where or f"worker {worker_id} (pid {os.getpid()})"
     _tell_torch(_info)
-    torch.set_num_threads(1)  # N workers on N cores: intra-op threads would oversubscribe
+    torch.set_num_threads(threads)  # N workers on N cores: more would oversubscribe
     fix_mmap_threshold()
     seed_everything(seed)
 

@@ -189,7 +189,7 @@ async def test_ray_workers_busy_or_slow_to_start_are_named_as_the_clusters() -> 
     ray = aioloader.WorkerStatistics(2, 0.01, 20, 0, 0, 0, 0, "ray", "2 node(s): a, b")
     said = verdict(dataclasses.replace(stats, workers=ray))
     assert "the cluster's Ray workers were busy" in said, said
-    assert "(1 actors on 2 node(s): a, b)" in said and "not the loader" in said
+    assert "(2 actors on 2 node(s): a, b)" in said and "not the loader" in said
     slow = dataclasses.replace(ray, startup_s=stats.elapsed_s + 1)
     said = verdict(dataclasses.replace(stats, workers=slow))
     assert f"starting the 2 Ray actors took {slow.startup_s:.1f} s" in said, said

@@ -3,11 +3,16 @@ a Ray loader without workers, or a wrong argument, never joins one)."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
+import torch
 
 import aioloader
+from aioloader._workers import rayspec
+from aioloader._workers.rayactor import WireTensor
+from tests.support import worker_datasets as wd
 
 
 @pytest.mark.parametrize(
@@ -56,3 +61,39 @@ def test_ray_without_workers_warns_and_makes_batches_here() -> None:
         loader = aioloader.DataLoader(list(range(4)), batch_size=2, worker_mode="ray")
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     assert loader.statistics().workers is None
+
+
+def test_worker_mode_ray_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = rayspec.importlib.util.find_spec
+    monkeypatch.setattr(
+        rayspec.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "ray" else real(name, *a),
+    )
+    with pytest.raises(ImportError, match=r"pip install 'aioloader\[ray\]'"):
+        aioloader.DataLoader(wd.WhoReads(4), num_workers=2, worker_mode="ray")
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(24.0).reshape(2, 3, 4),
+        torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1),
+        torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        torch.tensor(3.5),
+        torch.arange(10)[::2],
+        torch.arange(6).reshape(2, 3).expand(4, 2, 3),
+        torch.randn(3, 4, dtype=torch.complex64).conj(),
+        torch.ones(2, 2, dtype=torch.bfloat16).t(),
+    ],
+    ids=["contiguous", "permuted", "channels_last", "0-d", "strided", "expanded", "conj", "bf16"],
+)
+def test_a_tensor_crosses_the_wire_whole_with_its_layout_where_dense(tensor: torch.Tensor) -> None:
+    sent = pickle.loads(pickle.dumps(WireTensor(tensor), protocol=5))
+    back = sent.tensor()
+    assert back.dtype == tensor.dtype and torch.equal(back, tensor.resolve_conj())
+    if tensor.stride() in ((2,), (0, 3, 1)):  # gaps or overlaps: arrives contiguous
+        assert back.is_contiguous()
+    else:  # a permutation of a dense block: its strides kept
+        assert back.stride() == tensor.stride()
+    back.add_(1)  # its own memory, writable
