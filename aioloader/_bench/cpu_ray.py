@@ -43,7 +43,14 @@ def start_ray(cpus: int) -> float:
     if not ray.is_initialized():
         # "local": a cluster of its own, even where another runs on this machine.
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        # Ray starts a worker process per CPU as it starts, each importing Ray (seconds of CPU
+        # here): a task on each, answered, means they are up, and idle during the other rows.
+        ray.get([ray.remote(num_cpus=1)(_noop).remote() for _ in range(cpus)])
     return time.perf_counter() - started
+
+
+def _noop() -> None:
+    return None
 
 
 def ray_row(configs: dict[str, Any], workload: str) -> dict[str, Any]:
