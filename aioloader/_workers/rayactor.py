@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .._base.tree import map_instances, map_tensors, plain_cpu_tensor
+from .rayshm import to_shm
 from .worker import become_worker, call_job, with_worker_note
 
 __all__ = ["RayWorkerActor", "WireTensor", "from_wire", "to_wire"]
@@ -105,6 +106,9 @@ class RayWorkerActor:
             by :meth:`ready` (an exception raised here would only say that the actor died).
         dataset: Its own copy of a blocking dataset, or None.
         threads: torch's intra-op threads in it (the CPUs it reserved, at least 1).
+        shm: ``(prefix, the loader's node id)``: on that node, results' tensors go through
+            shared memory in blocks named with the prefix (``rayshm.py``); elsewhere (or None),
+            through the object store.
     """
 
     def __init__(
@@ -115,11 +119,13 @@ class RayWorkerActor:
         worker_init_fn: Callable[[int], object] | None,
         dataset: Any,
         threads: int = 1,
+        shm: tuple[str, str] | None = None,
     ) -> None:
         import ray  # in the actor's process, which Ray started: Ray is there
 
         context = ray.get_runtime_context()
         self._node = context.get_node_id()
+        self._shm = shm[0] if shm is not None and shm[1] == self._node else None
         self._ip = ray.util.get_node_ip_address()
         self._failed: BaseException | None = None
         where = f"Ray worker {worker_id} (pid {os.getpid()}, node {self._ip})"
@@ -146,7 +152,17 @@ class RayWorkerActor:
         except Exception as exc:
             return False, with_worker_note(exc)
         del job
-        return call_job(fn, args, seed, to_wire)
+        return call_job(fn, args, seed, self._finish)
+
+    def _finish(self, result: Any) -> Any:
+        """The result's tensors in shared memory on the loader's node, else on the wire (and
+        on the wire when ``/dev/shm`` has no room)."""
+        if self._shm is not None:
+            try:
+                return to_shm(result, self._shm)
+            except OSError:
+                pass
+        return to_wire(result)
 
     def park(self) -> None:
         """Never returns: the call the loader awaits after killing this actor, which only its

@@ -9,10 +9,13 @@ naming the actor and its node, replacing it, and killing every actor on close.
 Jobs go as bytes the loader pickled itself with Ray's cloudpickle (samples, a batch's indices,
 the functions: by reference where their module imports on the node, by value where it does not,
 such as the script's own ``__main__``, whose actors run Ray's own main instead), so ``jobs`` and
-``bytes_sent`` count what was sent. Results come back through the object store, their tensors as
-NumPy arrays read without a pickle copy (``rayactor.py``), then copied once into torch tensors
-of their own, on the event loop's thread (``np.copyto`` releases the GIL, not the loop: a few
-milliseconds for a batch of tens of MB).
+``bytes_sent`` count what was sent. An actor on the loader's node writes a result's tensors
+into one block of shared memory, which the loader maps without a copy (``rayshm.py``, as worker
+processes do; blocks a killed actor left are removed on close). From another node they come
+through the object store, as NumPy arrays read without a pickle copy (``rayactor.py``), then
+copied once into torch tensors of their own, on the event loop's thread (``np.copyto`` releases
+the GIL, not the loop: a few milliseconds for a batch of tens of MB); ``bytes_received``
+counts those.
 
 Losing the head node (Ray's control store) is not survived: Ray ends a driver that cannot reach
 it after ``gcs_rpc_server_reconnect_timeout_s`` (60 s by default), and ``ray.kill`` can block
@@ -29,7 +32,9 @@ use it too; ``ray.shutdown()`` ends it).
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ from .._base.recorders import WorkerRecorder
 from .processes import CANCEL_GRACE
 from .rayactor import RayWorkerActor, WireTensor, from_wire
 from .raycluster import lost_errors
+from .rayshm import discard, from_shm, sweep
 from .rayspec import RayWorkers
 
 __all__ = ["RayPool"]
@@ -98,6 +104,9 @@ class RayPool:
         self._dataset = dataset
         self._dataset_ref: Any = None
         self._actor_class: Any = None
+        self._node = ""  # the loader's Ray node (set as the pool starts)
+        # Blocks of shared memory the actors on this node write results into (rayshm.py).
+        self._shm_prefix = f"aioloader-ray-{os.getpid()}-{secrets.token_hex(4)}"
         self._actors: list[_Actor] = []
         self._idle_send, self._idle_recv = anyio.create_memory_object_stream[_Actor](workers)
 
@@ -111,6 +120,7 @@ class RayPool:
             self._init_fn,
             self._dataset_ref,
             max(1, int(self._spec.num_cpus)),
+            (self._shm_prefix, self._node),
         )
         # The id as `ray list actors` and `ray logs` take it (Ray's handle has no public getter).
         name = getattr(getattr(handle, "_actor_id", None), "hex", lambda: "?")()
@@ -155,6 +165,7 @@ class RayPool:
         import ray
 
         started = time.perf_counter()
+        self._node = ray.get_runtime_context().get_node_id()
         self._actor_class = ray.remote(RayWorkerActor).options(**self._spec.actor_options())
         if self._dataset is not None:
             self._dataset_ref = await anyio.to_thread.run_sync(self._put_dataset)
@@ -250,6 +261,7 @@ class RayPool:
         """
         with anyio.CancelScope(shield=True):
             await self._kill_all()
+        sweep(self._shm_prefix)  # what actors killed mid-job left
         self._idle_send.close()
         self._idle_recv.close()
 
@@ -344,7 +356,7 @@ class RayPool:
             finally:  # no reference cycle through this frame
                 del value
         self._stats.bytes_received += _wire_bytes(value)
-        return from_wire(value)  # type: ignore[no-any-return]
+        return from_wire(from_shm(value))  # type: ignore[no-any-return]
 
     def _dead(self, actor: _Actor) -> WorkerCrashed:
         node = actor.node or "not known (it was not ready yet)"
@@ -355,7 +367,9 @@ class RayPool:
             return
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(CANCEL_GRACE), contextlib.suppress(WorkerCrashed):
-                await self._reply(actor, ref)
+                ok, value = await self._reply(actor, ref)
+                if ok:
+                    discard(value)  # its blocks of shared memory, which nobody will map
                 return
             await self._kill(actor)  # still busy: don't let it run on unseen
 

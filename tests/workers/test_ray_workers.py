@@ -345,9 +345,9 @@ def test_losing_a_node_mid_epoch_fails_its_batches_and_the_epoch_goes_on(
 
     lost = ray_cluster.second_node
     second = NodeAffinitySchedulingStrategy(lost, soft=True)
-    # No CPU asked for: the second node always has room for both actors (whatever earlier
-    # tests' actors hold), and so does the head for their replacements.
-    spec = aioloader.RayWorkers(num_cpus=0, options={"scheduling_strategy": second})
+    # Half a CPU each: the second node has room for both actors even while an earlier test's
+    # last actors release theirs, and so does the head for their replacements.
+    spec = aioloader.RayWorkers(num_cpus=0.5, options={"scheduling_strategy": second})
     dl = ray_loader(wd.WhereRead(48, delay=0.02), batch_size=4, worker_mode=spec, collate_fn=list)
     got: list[tuple[int, int, str]] = []
     crashes: list[aioloader.WorkerCrashed] = []
