@@ -108,5 +108,5 @@ def describe(overhead: Overhead) -> str:
     return (
         f"per-batch overhead (1 worker, batches of one tiny sample, {OVERHEAD_BATCHES} a "
         f"epoch): process worker {overhead.process_ms:.2f} ms, Ray actor {overhead.ray_ms:.2f} "
-        f"ms a batch ({extra:+.2f} ms through Ray's object store and the event loop's await)"
+        f"ms a batch ({extra:+.2f} ms for the actor call: Ray's submission, reply and await)"
     )
