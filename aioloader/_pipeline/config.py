@@ -54,13 +54,14 @@ class PipelineConfig:
         """Concurrent fetch calls: as many as fit in ``max_inflight`` samples (at least one)."""
         return max(1, self.max_inflight // self.chunk(batched_source))
 
-    def window(self, workers: int, *, in_workers: bool = False) -> int:
+    def window(self, workers: int, *, in_workers: bool = False, depth: int = 1) -> int:
         """Batches in progress at once: twice what keeps every fetch busy (a batch waiting on
         its slowest sample must not idle the fetches, so the next ones start meanwhile), plus
-        one per transform worker, plus one so the next batch starts while one is handed out.
-        Where the workers read the dataset there is no fetch stage: two batches per worker
-        (one running, one sent behind it, as torch's ``prefetch_factor=2``), plus one."""
+        one per call the workers take at once (``depth`` each), plus one so the next batch
+        starts while one is handed out. Where the workers read the dataset there is no fetch
+        stage: per worker, its calls plus one batch sent behind them (``depth=1``: two, as
+        torch's ``prefetch_factor=2``), plus one."""
         if in_workers:
-            return 2 * workers + 1
+            return (depth + 1) * workers + 1
         fetching = math.ceil(self.max_inflight / self.per_batch)
-        return 2 * fetching + workers + 1
+        return 2 * fetching + workers * depth + 1

@@ -135,7 +135,7 @@ class Epoch(TransformStage, OutputStage):
         self._pace = pace if pace is not None else Pace()
         self._fetch_workers = config.fetch_workers(batched)
         in_workers = isinstance(source, InWorkers)
-        self.window = config.window(work.concurrency, in_workers=in_workers)
+        self.window = config.window(work.concurrency, in_workers=in_workers, depth=work.depth)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
         self.budget = FailureBudget(config.max_failures, stats, number)
@@ -233,7 +233,7 @@ class Epoch(TransformStage, OutputStage):
                 # in_order=False, as torch, to whichever worker is free).
                 tg.start_soon(self._round_robin, work, ready_recv, done_send)
             else:
-                for _ in range(work.concurrency):
+                for _ in range(work.concurrency * work.depth):
                     tg.start_soon(self._transform_worker, ready_recv.clone(), done_send.clone())
                 ready_recv.close()
                 done_send.close()

@@ -59,13 +59,16 @@ class TransformStage:
     ) -> None:
         """Batch ``k`` of the epoch to worker ``k % n``, as torch deals a dataset's batches (a
         worker's copy may keep state, e.g. what ``worker_init_fn`` seeded, and torch's users
-        rely on which worker read which batch). One batch queued and one running per worker."""
+        rely on which worker read which batch). One batch queued and ``work.depth`` running per
+        worker (a lane's tasks take its batches in turn and send each as they take it, so a
+        worker gets them in the epoch's order)."""
         n = work.concurrency
         with one_item_lanes(Batch, n) as lanes:
             async with ready, done, work.reserved() as run_on, anyio.create_task_group() as tg:
                 for worker_id, (_, recv) in enumerate(lanes):
                     run = functools.partial(run_on, worker_id)
-                    tg.start_soon(self._lane, run, recv, done.clone())
+                    for _ in range(work.depth):
+                        tg.start_soon(self._lane, run, recv.clone(), done.clone())
                 k = 0
                 while (batch := await get(ready, self.stats.transform)) is not None:
                     await lanes[k % n][0].send(batch)

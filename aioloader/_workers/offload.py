@@ -178,6 +178,7 @@ class ThreadOffload:
 
     #: Threads share one copy of everything: no worker is distinct (see ``_pool.WorkerPool``).
     per_worker = False
+    depth = 1
 
     async def start(self) -> None:
         """Nothing to start: threads are made as calls come."""

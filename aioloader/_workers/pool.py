@@ -25,11 +25,15 @@ class WorkerPool(Protocol):
         inlines: Whether its calls run one at a time, the fast ones inline on the caller's
             thread (a pool of one thread with ``inline_below``): any task may call it directly,
             without a stage of tasks queueing work for it.
+        depth: Calls a worker takes at once, run one after the other in it: 1 for processes
+            and threads; more where a call's round trip is long enough to idle the worker
+            between jobs (a Ray actor: the next job is already there when one ends).
     """
 
     concurrency: int
     per_worker: bool
     inlines: bool
+    depth: int
 
     async def start(self) -> None:
         """Start the workers (processes: spawned, ``worker_init_fn`` run)."""

@@ -25,7 +25,7 @@ from .._base.tree import map_instances, map_tensors, plain_cpu_tensor
 from .rayshm import to_shm
 from .worker import become_worker, call_job, with_worker_note
 
-__all__ = ["RayWorkerActor", "WireTensor", "from_wire", "to_wire"]
+__all__ = ["RayWorkerActor", "WireTensor", "from_wire", "to_wire", "wire_bytes"]
 
 
 class WireTensor:
@@ -83,6 +83,19 @@ def _on_wire(tensor: torch.Tensor) -> Any:
 def to_wire(result: Any) -> Any:
     """``result`` with its plain CPU tensors as :class:`WireTensor` s (in the actor)."""
     return map_tensors(_on_wire, result)
+
+
+def wire_bytes(result: Any) -> int:
+    """The bytes of ``result``'s tensors on the wire (what came through the object store)."""
+    total = 0
+
+    def count(wire: WireTensor) -> WireTensor:
+        nonlocal total
+        total += wire.array.nbytes
+        return wire
+
+    map_instances(count, result, WireTensor)
+    return total
 
 
 def from_wire(result: Any) -> Any:

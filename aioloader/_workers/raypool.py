@@ -37,7 +37,7 @@ import pickle
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -45,7 +45,7 @@ import anyio
 from .._base.exceptions import LoaderTimeout, WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
 from .processes import CANCEL_GRACE
-from .rayactor import RayWorkerActor, WireTensor, from_wire
+from .rayactor import RayWorkerActor, from_wire, wire_bytes
 from .raycluster import lost_errors
 from .rayshm import discard, from_shm, sweep
 from .rayspec import RayWorkers
@@ -55,6 +55,7 @@ __all__ = ["RayPool"]
 R = TypeVar("R")
 
 _STOP_GRACE = 5.0  # seconds to wait for a killed actor to be reported dead
+DEPTH = 2  # calls in flight per actor
 
 
 @dataclass(eq=False, slots=True)
@@ -66,6 +67,9 @@ class _Actor:
     node: str = ""  # "address (node id ...)", once it is ready
     alive: bool = True
     killed: bool = False
+    # Its calls not answered yet, oldest first: the oldest runs, the others wait behind it.
+    calls: list[object] = field(default_factory=list)
+    ran: object = None  # the call it was running when it died
 
 
 class RayPool:
@@ -96,6 +100,9 @@ class RayPool:
         self.concurrency = workers
         self.per_worker = True  # each actor a process with its own copy of the dataset
         self.inlines = False
+        # Two calls at once per actor, run one after the other in it: the next job is there
+        # when one ends, so the round trip of each call (about a millisecond) does not idle it.
+        self.depth = DEPTH
         self._spec = spec
         self._seed = seed
         self._derive = derive
@@ -108,7 +115,10 @@ class RayPool:
         # Blocks of shared memory the actors on this node write results into (rayshm.py).
         self._shm_prefix = f"aioloader-ray-{os.getpid()}-{secrets.token_hex(4)}"
         self._actors: list[_Actor] = []
-        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[_Actor](workers)
+        # Each actor's free call slots (``DEPTH`` each); replacing a slot's actor takes its lock.
+        slots = workers * DEPTH
+        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[_Actor](slots)
+        self._replacing = [anyio.Lock() for _ in range(workers)]
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -189,8 +199,9 @@ class RayPool:
                     "{'working_dir': '.'}}) ships this folder)"
                 )
             raise error from None
-        for actor in self._actors:
-            self._idle_send.send_nowait(actor)
+        for _ in range(DEPTH):
+            for actor in self._actors:
+                self._idle_send.send_nowait(actor)
         self._stats.startup_s = time.perf_counter() - started
         self._stats.processes = self.concurrency
         self._stats.server = "ray"
@@ -210,11 +221,18 @@ class RayPool:
             raise
 
     async def _replace(self, actor: _Actor) -> _Actor:
-        """A fresh actor for a dead (or abandoned) one's slot.
+        """A fresh actor for a dead (or abandoned) one's slot; the slot's actor as it is when
+        another call replaced it meanwhile (two calls at once per actor).
 
         Cancellation: a half-started replacement is killed; the slot keeps the old one, to be
         replaced on next use.
         """
+        async with self._replacing[actor.id]:
+            if self._actors[actor.id] is not actor:
+                return self._actors[actor.id]  # replaced by the other call
+            return await self._replace_now(actor)
+
+    async def _replace_now(self, actor: _Actor) -> _Actor:
         await self._kill(actor)
         fresh = self._make(actor.id)
         try:
@@ -267,8 +285,9 @@ class RayPool:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    async def _reply(self, actor: _Actor, ref: Any) -> Any:
-        """Await ``ref``, a call on ``actor``; a dead actor raises :class:`WorkerCrashed`."""
+    async def _reply(self, actor: _Actor, ref: Any, *, count: bool = True) -> Any:
+        """Await ``ref``, a call on ``actor``; a dead actor raises :class:`WorkerCrashed`
+        (counted as a crash unless ``count`` is False: the caller decides)."""
         import ray.exceptions as rex
 
         try:
@@ -277,7 +296,7 @@ class RayPool:
             raise exc.as_instanceof_cause() from None
         except lost_errors() as exc:
             actor.alive = False
-            self._stats.crashes += 1
+            self._stats.crashes += count
             crashed = self._dead(actor)
             crashed.add_note(f"aioloader: Ray said ({type(exc).__name__}): {str(exc).strip()}")
             raise crashed from None
@@ -309,7 +328,7 @@ class RayPool:
         """
         taken: list[_Actor] = []
         try:
-            for _ in range(self.concurrency):
+            for _ in range(self.concurrency * DEPTH):
                 taken.append(await self._idle_recv.receive())
 
             async def run_on(
@@ -345,17 +364,31 @@ class RayPool:
         self._stats.jobs += 1
         ref = actor.handle.run.remote(payload)
         del payload
+        ticket = object()
+        actor.calls.append(ticket)
         try:
-            ok, value = await self._reply(actor, ref)
+            ok, value = await self._reply(actor, ref, count=False)
+        except WorkerCrashed:
+            # The actor died: the call that ran fails, as a worker process's job does; a call
+            # still waiting behind it never started, and goes to its replacement.
+            if actor.ran is None:  # the first of its calls to learn of its death
+                actor.ran = actor.calls[0]
+            waited = actor.ran is not ticket
+            if waited and replace:
+                return await self._exchange(self._actors[actor.id], fn, args, seed)
+            self._stats.crashes += 1
+            raise
         except anyio.get_cancelled_exc_class():
             await self._drain_cancelled(actor, ref)
             raise
+        finally:
+            actor.calls.remove(ticket)
         if not ok:
             try:
                 raise value
             finally:  # no reference cycle through this frame
                 del value
-        self._stats.bytes_received += _wire_bytes(value)
+        self._stats.bytes_received += wire_bytes(value)
         return from_wire(from_shm(value))  # type: ignore[no-any-return]
 
     def _dead(self, actor: _Actor) -> WorkerCrashed:
@@ -372,20 +405,6 @@ class RayPool:
                     discard(value)  # its blocks of shared memory, which nobody will map
                 return
             await self._kill(actor)  # still busy: don't let it run on unseen
-
-
-def _wire_bytes(value: Any) -> int:
-    from .._base.tree import map_instances
-
-    total = 0
-
-    def count(wire: WireTensor) -> WireTensor:
-        nonlocal total
-        total += wire.array.nbytes
-        return wire
-
-    map_instances(count, value, WireTensor)
-    return total
 
 
 def _dumps(job: tuple[Any, ...]) -> bytes:
