@@ -135,7 +135,9 @@ class Epoch(TransformStage, OutputStage):
         self._pace = pace if pace is not None else Pace()
         self._fetch_workers = config.fetch_workers(batched)
         in_workers = isinstance(source, InWorkers)
-        self.window = config.window(work.concurrency, in_workers=in_workers, depth=work.depth)
+        lanes = in_workers and work.per_worker and config.in_order  # see _round_robin
+        depth = work.depth if lanes else 1
+        self.window = config.window(work.concurrency, in_workers=in_workers, depth=depth)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
         self.budget = FailureBudget(config.max_failures, stats, number)
@@ -233,7 +235,7 @@ class Epoch(TransformStage, OutputStage):
                 # in_order=False, as torch, to whichever worker is free).
                 tg.start_soon(self._round_robin, work, ready_recv, done_send)
             else:
-                for _ in range(work.concurrency * work.depth):
+                for _ in range(work.concurrency):
                     tg.start_soon(self._transform_worker, ready_recv.clone(), done_send.clone())
                 ready_recv.close()
                 done_send.close()

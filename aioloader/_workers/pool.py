@@ -25,9 +25,11 @@ class WorkerPool(Protocol):
         inlines: Whether its calls run one at a time, the fast ones inline on the caller's
             thread (a pool of one thread with ``inline_below``): any task may call it directly,
             without a stage of tasks queueing work for it.
-        depth: Calls a worker takes at once, run one after the other in it: 1 for processes
-            and threads; more where a call's round trip is long enough to idle the worker
-            between jobs (a Ray actor: the next job is already there when one ends).
+        depth: Calls a worker takes at once through ``reserved``'s ``run_on`` (its lane of a
+            dataset read in the workers), run one after the other in it: 1 for processes and
+            threads; more where a call's round trip would idle the worker between jobs (a Ray
+            actor: the next job is already there when one ends). ``run`` gives one call to an
+            idle worker, whatever the depth.
     """
 
     concurrency: int

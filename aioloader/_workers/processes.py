@@ -92,8 +92,7 @@ class ProcessWorkers:
     ) -> None:
         self.concurrency = workers
         self.per_worker = True  # each worker a process with its own copy (``_pool.WorkerPool``)
-        self.inlines = False  # each call is a round trip to a worker process
-        self.depth = 1  # one job at a time on its pipe
+        self.inlines, self.depth = False, 1  # a round trip to a worker process, one at a time
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
         self._dataset = dataset
         self._seed = seed

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from .._base.tree import map_instances, map_tensors, plain_cpu_tensor
-from .rayshm import to_shm
+from .rayshm import sees, to_shm
 from .worker import become_worker, call_job, with_worker_note
 
-__all__ = ["RayWorkerActor", "WireTensor", "from_wire", "to_wire", "wire_bytes"]
+__all__ = ["RayWorkerActor", "WireTensor", "dumps_job", "from_wire", "to_wire", "wire_bytes"]
 
 
 class WireTensor:
@@ -85,6 +85,15 @@ def to_wire(result: Any) -> Any:
     return map_tensors(_on_wire, result)
 
 
+def dumps_job(job: tuple[Any, ...]) -> bytes:
+    """A job, ``(fn, args, batch_seed)``, as the loader sends it: Ray's cloudpickle, which
+    sends the script's own functions by value (an actor's ``__main__`` is Ray's)."""
+    from ray import cloudpickle
+
+    data: bytes = cloudpickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+    return data
+
+
 def wire_bytes(result: Any) -> int:
     """The bytes of ``result``'s tensors on the wire (what came through the object store)."""
     total = 0
@@ -119,9 +128,9 @@ class RayWorkerActor:
             by :meth:`ready` (an exception raised here would only say that the actor died).
         dataset: Its own copy of a blocking dataset, or None.
         threads: torch's intra-op threads in it (the CPUs it reserved, at least 1).
-        shm: ``(prefix, the loader's node id)``: on that node, results' tensors go through
-            shared memory in blocks named with the prefix (``rayshm.py``); elsewhere (or None),
-            through the object store.
+        shm: ``(prefix, the pool's probe file)``: where the probe is visible (the loader's
+            machine), results' tensors go through shared memory in blocks named with the prefix
+            (``rayshm.py``); elsewhere (or None), through the object store.
     """
 
     def __init__(
@@ -132,13 +141,13 @@ class RayWorkerActor:
         worker_init_fn: Callable[[int], object] | None,
         dataset: Any,
         threads: int = 1,
-        shm: tuple[str, str] | None = None,
+        shm: tuple[str, str | None] | None = None,
     ) -> None:
         import ray  # in the actor's process, which Ray started: Ray is there
 
         context = ray.get_runtime_context()
         self._node = context.get_node_id()
-        self._shm = shm[0] if shm is not None and shm[1] == self._node else None
+        self._shm = shm[0] if shm is not None and sees(shm[1]) else None
         self._ip = ray.util.get_node_ip_address()
         self._failed: BaseException | None = None
         where = f"Ray worker {worker_id} (pid {os.getpid()}, node {self._ip})"
@@ -173,7 +182,7 @@ class RayWorkerActor:
         if self._shm is not None:
             try:
                 return to_shm(result, self._shm)
-            except OSError:
+            except OSError:  # no room in /dev/shm (nothing left there): this one goes the other way
                 pass
         return to_wire(result)
 

@@ -1,43 +1,35 @@
 """A pool of Ray actors as the loader's workers, driven from the event loop.
 
-Owns: making ``num_workers`` actors (:class:`~aioloader._workers.rayactor.RayWorkerActor`) with the
-resources asked for, handing one job at a time to an idle actor (or, for a worker's own
-stream, to that actor), awaiting the reply as an object ref on the event loop (Ray's refs are
-awaitable: no thread per job, no polling), telling a dead actor as :class:`WorkerCrashed`
-naming the actor and its node, replacing it, and killing every actor on close.
+Owns: making ``num_workers`` actors (``rayactor.RayWorkerActor``) with the resources asked for,
+handing a job to an idle actor (or, through ``reserved``, to the actor of a worker's lane: two
+calls at once, ``depth``), awaiting each reply as an object ref on the event loop (no thread
+per job, no polling), telling a dead actor as :class:`WorkerCrashed` naming it and its node,
+replacing it, and killing every actor on close.
 
-Jobs go as bytes the loader pickled itself with Ray's cloudpickle (samples, a batch's indices,
-the functions: by reference where their module imports on the node, by value where it does not,
-such as the script's own ``__main__``, whose actors run Ray's own main instead), so ``jobs`` and
-``bytes_sent`` count what was sent. An actor on the loader's node writes a result's tensors
-into one block of shared memory, which the loader maps without a copy (``rayshm.py``, as worker
-processes do; blocks a killed actor left are removed on close). From another node they come
-through the object store, as NumPy arrays read without a pickle copy (``rayactor.py``), then
-copied once into torch tensors of their own, on the event loop's thread (``np.copyto`` releases
-the GIL, not the loop: a few milliseconds for a batch of tens of MB); ``bytes_received``
-counts those.
+Jobs go as bytes pickled here with Ray's cloudpickle (the script's own functions by value: an
+actor's ``__main__`` is Ray's), counted in ``jobs`` and ``bytes_sent``. An actor on the loader's
+machine writes a result's tensors into one block of shared memory, mapped here without a copy
+(``rayshm.py``); from another machine they come through the object store (``rayactor.py``),
+copied once into tensors of their own on the loop's thread, counted in ``bytes_received``.
 
 Losing the head node (Ray's control store) is not survived: Ray ends a driver that cannot reach
-it after ``gcs_rpc_server_reconnect_timeout_s`` (60 s by default), and ``ray.kill`` can block
-until then. Losing other nodes is survived: their actors' batches fail with ``WorkerCrashed``
-and new actors take their places, where a node can hold them (else ``LoaderTimeout``).
+it after ``gcs_rpc_server_reconnect_timeout_s`` (60 s), and ``ray.kill`` can block until then.
+Losing other nodes is: their actors' batches fail with ``WorkerCrashed`` and new actors take
+their places where a node can hold them (else ``LoaderTimeout``).
 
-Cancellation policy (as for worker processes): a job already sent is awaited, shielded, for up
-to ``CANCEL_GRACE`` seconds and its reply dropped; an actor still busy after that is killed and
-replaced on next use. Never: leaves an actor alive once :meth:`RayPool.aclose` returns, or
-shuts down a Ray connection (the program's, or the one the first Ray loader made: later loaders
-use it too; ``ray.shutdown()`` ends it).
+Cancellation (as for worker processes): a call waiting behind another in its actor is
+withdrawn; a running one is awaited, shielded, for up to ``CANCEL_GRACE`` seconds and its reply
+dropped, then its actor killed if still busy and replaced on next use. Never: leaves an actor
+alive once :meth:`RayPool.aclose` returns, or shuts down a Ray connection (``ray.shutdown()``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -45,9 +37,10 @@ import anyio
 from .._base.exceptions import LoaderTimeout, WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
 from .processes import CANCEL_GRACE
-from .rayactor import RayWorkerActor, from_wire, wire_bytes
+from .rayactor import RayWorkerActor, dumps_job, from_wire, wire_bytes
 from .raycluster import lost_errors
-from .rayshm import discard, from_shm, sweep
+from .rayshm import discard, from_shm, probe, sweep
+from .rayslot import Actor
 from .rayspec import RayWorkers
 
 __all__ = ["RayPool"]
@@ -56,20 +49,6 @@ R = TypeVar("R")
 
 _STOP_GRACE = 5.0  # seconds to wait for a killed actor to be reported dead
 DEPTH = 2  # calls in flight per actor
-
-
-@dataclass(eq=False, slots=True)
-class _Actor:
-    id: int
-    handle: Any  # ray.actor.ActorHandle
-    pid: int = 0
-    name: str = "?"  # the actor's id (hex)
-    node: str = ""  # "address (node id ...)", once it is ready
-    alive: bool = True
-    killed: bool = False
-    # Its calls not answered yet, oldest first: the oldest runs, the others wait behind it.
-    calls: list[object] = field(default_factory=list)
-    ran: object = None  # the call it was running when it died
 
 
 class RayPool:
@@ -100,8 +79,9 @@ class RayPool:
         self.concurrency = workers
         self.per_worker = True  # each actor a process with its own copy of the dataset
         self.inlines = False
-        # Two calls at once per actor, run one after the other in it: the next job is there
-        # when one ends, so the round trip of each call (about a millisecond) does not idle it.
+        # Two calls at once per actor from its lane (``reserved``), run one after the other in
+        # it: the next job is there when one ends, so a call's round trip (about a millisecond)
+        # does not idle it. ``run`` hands out an idle actor, one call each.
         self.depth = DEPTH
         self._spec = spec
         self._seed = seed
@@ -111,18 +91,16 @@ class RayPool:
         self._dataset = dataset
         self._dataset_ref: Any = None
         self._actor_class: Any = None
-        self._node = ""  # the loader's Ray node (set as the pool starts)
+        self._probe: str | None = None  # its file in /dev/shm, made as the pool starts
         # Blocks of shared memory the actors on this node write results into (rayshm.py).
         self._shm_prefix = f"aioloader-ray-{os.getpid()}-{secrets.token_hex(4)}"
-        self._actors: list[_Actor] = []
-        # Each actor's free call slots (``DEPTH`` each); replacing a slot's actor takes its lock.
-        slots = workers * DEPTH
-        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[_Actor](slots)
-        self._replacing = [anyio.Lock() for _ in range(workers)]
+        self._actors: list[Actor] = []
+        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[Actor](workers)
+        self._replacing = [anyio.Lock() for _ in range(workers)]  # a slot's replacement
 
     # -- life ------------------------------------------------------------------------------------
 
-    def _make(self, worker_id: int) -> _Actor:
+    def _make(self, worker_id: int) -> Actor:
         handle = self._actor_class.remote(
             worker_id,
             self.concurrency,
@@ -130,13 +108,13 @@ class RayPool:
             self._init_fn,
             self._dataset_ref,
             max(1, int(self._spec.num_cpus)),
-            (self._shm_prefix, self._node),
+            (self._shm_prefix, self._probe),
         )
         # The id as `ray list actors` and `ray logs` take it (Ray's handle has no public getter).
         name = getattr(getattr(handle, "_actor_id", None), "hex", lambda: "?")()
-        return _Actor(worker_id, handle, name=name)
+        return Actor(worker_id, handle, name=name)
 
-    async def _ready(self, actor: _Actor) -> None:
+    async def _ready(self, actor: Actor) -> None:
         """Wait until ``actor`` is placed and has run ``worker_init_fn``.
 
         Raises:
@@ -175,7 +153,7 @@ class RayPool:
         import ray
 
         started = time.perf_counter()
-        self._node = ray.get_runtime_context().get_node_id()
+        self._probe = probe(self._shm_prefix)
         self._actor_class = ray.remote(RayWorkerActor).options(**self._spec.actor_options())
         if self._dataset is not None:
             self._dataset_ref = await anyio.to_thread.run_sync(self._put_dataset)
@@ -199,9 +177,8 @@ class RayPool:
                     "{'working_dir': '.'}}) ships this folder)"
                 )
             raise error from None
-        for _ in range(DEPTH):
-            for actor in self._actors:
-                self._idle_send.send_nowait(actor)
+        for actor in self._actors:
+            self._idle_send.send_nowait(actor)
         self._stats.startup_s = time.perf_counter() - started
         self._stats.processes = self.concurrency
         self._stats.server = "ray"
@@ -220,7 +197,7 @@ class RayPool:
             )
             raise
 
-    async def _replace(self, actor: _Actor) -> _Actor:
+    async def _replace(self, actor: Actor) -> Actor:
         """A fresh actor for a dead (or abandoned) one's slot; the slot's actor as it is when
         another call replaced it meanwhile (two calls at once per actor).
 
@@ -232,7 +209,7 @@ class RayPool:
                 return self._actors[actor.id]  # replaced by the other call
             return await self._replace_now(actor)
 
-    async def _replace_now(self, actor: _Actor) -> _Actor:
+    async def _replace_now(self, actor: Actor) -> Actor:
         await self._kill(actor)
         fresh = self._make(actor.id)
         try:
@@ -245,7 +222,7 @@ class RayPool:
         self._stats.restarts += 1
         return fresh
 
-    async def _kill(self, actor: _Actor) -> None:
+    async def _kill(self, actor: Actor) -> None:
         """Kill ``actor`` and wait (briefly, shielded) until Ray reports it dead.
 
         ``ray.kill`` only asks Ray's control store to kill it, and a call made afterwards may
@@ -285,7 +262,7 @@ class RayPool:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    async def _reply(self, actor: _Actor, ref: Any, *, count: bool = True) -> Any:
+    async def _reply(self, actor: Actor, ref: Any, *, count: bool = True) -> Any:
         """Await ``ref``, a call on ``actor``; a dead actor raises :class:`WorkerCrashed`
         (counted as a crash unless ``count`` is False: the caller decides)."""
         import ray.exceptions as rex
@@ -297,7 +274,7 @@ class RayPool:
         except lost_errors() as exc:
             actor.alive = False
             self._stats.crashes += count
-            crashed = self._dead(actor)
+            crashed = actor.dead()
             crashed.add_note(f"aioloader: Ray said ({type(exc).__name__}): {str(exc).strip()}")
             raise crashed from None
 
@@ -326,9 +303,9 @@ class RayPool:
 
         Cancellation: waiting for the actors can be cancelled; the ones taken go back.
         """
-        taken: list[_Actor] = []
+        taken: list[Actor] = []
         try:
-            for _ in range(self.concurrency * DEPTH):
+            for _ in range(self.concurrency):
                 taken.append(await self._idle_recv.receive())
 
             async def run_on(
@@ -348,7 +325,7 @@ class RayPool:
 
     async def _exchange(
         self,
-        actor: _Actor,
+        actor: Actor,
         fn: Callable[..., R],
         args: tuple[Any, ...],
         seed: int | None,
@@ -357,9 +334,10 @@ class RayPool:
     ) -> R:
         if not actor.alive:
             if not replace:
-                raise self._dead(actor)
+                raise actor.dead()
+            await actor.settle(CANCEL_GRACE)
             actor = await self._replace(actor)
-        payload = _dumps((fn, args, seed))
+        payload = dumps_job((fn, args, seed))
         self._stats.bytes_sent += len(payload)
         self._stats.jobs += 1
         ref = actor.handle.run.remote(payload)
@@ -369,20 +347,20 @@ class RayPool:
         try:
             ok, value = await self._reply(actor, ref, count=False)
         except WorkerCrashed:
-            # The actor died: the call that ran fails, as a worker process's job does; a call
+            # The actor died: the call it ran fails, as a worker process's job does; a call
             # still waiting behind it never started, and goes to its replacement.
-            if actor.ran is None:  # the first of its calls to learn of its death
-                actor.ran = actor.calls[0]
-            waited = actor.ran is not ticket
-            if waited and replace:
+            ran = actor.died(self._stats)
+            actor.let_go(ticket)
+            if ran is not ticket and replace:
                 return await self._exchange(self._actors[actor.id], fn, args, seed)
-            self._stats.crashes += 1
             raise
         except anyio.get_cancelled_exc_class():
-            await self._drain_cancelled(actor, ref)
+            await self._drain_cancelled(actor, ref, ticket)
             raise
-        finally:
-            actor.calls.remove(ticket)
+        except BaseException:
+            actor.let_go(ticket)
+            raise
+        actor.let_go(ticket)
         if not ok:
             try:
                 raise value
@@ -391,24 +369,30 @@ class RayPool:
         self._stats.bytes_received += wire_bytes(value)
         return from_wire(from_shm(value))  # type: ignore[no-any-return]
 
-    def _dead(self, actor: _Actor) -> WorkerCrashed:
-        node = actor.node or "not known (it was not ready yet)"
-        return WorkerCrashed(actor.id, actor.pid, actor=actor.name, node=node)
+    async def _drain_cancelled(self, actor: Actor, ref: Any, ticket: object) -> None:
+        """A cancelled call: one waiting behind another in the actor is withdrawn; a running
+        one is awaited (shielded, up to ``CANCEL_GRACE``) and its reply dropped, then its actor
+        killed if it is still busy."""
+        import ray
 
-    async def _drain_cancelled(self, actor: _Actor, ref: Any) -> None:
-        if not actor.alive:
-            return
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(CANCEL_GRACE), contextlib.suppress(WorkerCrashed):
-                ok, value = await self._reply(actor, ref)
-                if ok:
-                    discard(value)  # its blocks of shared memory, which nobody will map
+        try:
+            if not actor.alive:
                 return
-            await self._kill(actor)  # still busy: don't let it run on unseen
-
-
-def _dumps(job: tuple[Any, ...]) -> bytes:
-    from ray import cloudpickle
-
-    data: bytes = cloudpickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
-    return data
+            if actor.calls[0] is not ticket:  # waiting behind another: it never started
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(CANCEL_GRACE):
+                    try:
+                        ok, value = await self._reply(actor, ref, count=False)
+                    except WorkerCrashed:
+                        actor.died(self._stats)
+                    except Exception:  # withdrawn (Ray's TaskCancelledError), or lost with it
+                        pass
+                    else:
+                        if ok:
+                            discard(value)  # its blocks of shared memory, which nobody maps
+                    return
+                await self._kill(actor)  # still busy: don't let it run on unseen
+        finally:
+            actor.let_go(ticket)

@@ -26,7 +26,7 @@ import torch
 
 from .._base.tree import map_instances, map_tensors, plain_cpu_tensor
 
-__all__ = ["SHM_DIR", "ShmTensor", "discard", "from_shm", "sweep", "to_shm"]
+__all__ = ["SHM_DIR", "ShmTensor", "discard", "from_shm", "probe", "sees", "sweep", "to_shm"]
 
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64  # bytes: every tensor starts on a cache line
@@ -77,7 +77,8 @@ def to_shm(result: Any, prefix: str) -> Any:
     result as it is). In the actor.
 
     Raises:
-        OSError: The block could not be made (``/dev/shm`` full).
+        OSError: The block could not be made (``/dev/shm`` full or missing): nothing is left
+            behind, and the caller sends the result another way.
     """
     found: list[torch.Tensor] = []
 
@@ -97,24 +98,35 @@ def to_shm(result: Any, prefix: str) -> Any:
         dense, order = _dense(t.detach().resolve_conj().resolve_neg())
         laid[id(t)] = (dense, order, size)
         size += -(-dense.nbytes // _ALIGN) * _ALIGN
+    size = max(size, 1)
     name = f"{prefix}-{os.getpid()}-{next(_serial)}"
     path = SHM_DIR / name
-    block = torch.from_file(str(path), shared=True, size=max(size, 1), dtype=torch.uint8)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        # Its pages reserved now: a tmpfs without room says so here (ENOSPC), not with a
+        # SIGBUS as the copy touches a page it cannot have.
+        os.posix_fallocate(fd, 0, size)
+        block = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         for dense, _, offset in laid.values():
             part = block[offset : offset + dense.nbytes]
             part.view(dense.dtype).view(dense.shape).copy_(dense)
+        del block
+
+        def place(t: torch.Tensor) -> Any:
+            if id(t) not in laid:
+                return t
+            dense, order, offset = laid[id(t)]
+            return ShmTensor(name, size, offset, t, order, tuple(dense.shape))
+
+        return map_tensors(place, result)
+    except RuntimeError as exc:  # torch's own errors mapping it
+        path.unlink(missing_ok=True)
+        raise OSError(f"could not map {path}: {exc}") from exc
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-
-    def place(t: torch.Tensor) -> Any:
-        if id(t) not in laid:
-            return t
-        dense, order, offset = laid[id(t)]
-        return ShmTensor(name, max(size, 1), offset, t, order, tuple(dense.shape))
-
-    return map_tensors(place, result)
+    finally:
+        os.close(fd)
 
 
 def from_shm(result: Any) -> Any:
@@ -155,6 +167,23 @@ def discard(result: Any) -> None:
         return placed
 
     map_instances(drop, result, ShmTensor)
+
+
+def probe(prefix: str) -> str | None:
+    """Make an empty file named for the pool in :data:`SHM_DIR` and return its name (None
+    without a ``/dev/shm``): an actor that sees it shares this machine's shared memory (a node
+    id alone does not say so: a Ray Client's loader runs elsewhere)."""
+    name = f"{prefix}-probe"
+    try:
+        (SHM_DIR / name).touch(mode=0o600, exist_ok=False)
+    except OSError:
+        return None
+    return name
+
+
+def sees(name: str | None) -> bool:
+    """Whether the pool's probe file is visible here (in the actor)."""
+    return name is not None and (SHM_DIR / name).exists()
 
 
 def sweep(prefix: str) -> int:

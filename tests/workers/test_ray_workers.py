@@ -280,6 +280,30 @@ def test_a_killed_actor_is_named_with_its_node_and_replaced() -> None:
         assert stats is not None and stats.restarts == 1
 
 
+def test_a_dead_actor_fails_only_the_batch_it_ran_and_the_epoch_goes_on_in_order() -> None:
+    """A dataset in the workers, in order: each actor has a second call waiting behind the one
+    it runs (RayPool.depth). Killed mid-batch, it fails that batch only; the one waiting behind
+    it goes to its replacement, in the epoch's order."""
+    dl = ray_loader(list(range(32)), batch_size=4, transform=worker_fns.kill_on_7)
+    got: list[int] = []
+    crashes: list[aioloader.WorkerCrashed] = []
+    it = iter(dl)
+    for _ in range(20):  # bounded: the epoch must end
+        try:
+            got.extend(next(it).tolist())
+        except StopIteration:
+            break
+        except aioloader.WorkerCrashed as exc:  # raised in its batch's turn; the epoch goes on
+            crashes.append(exc)
+    else:
+        pytest.fail("the epoch did not end")
+    dl.close()
+    assert len(crashes) == 1 and "batch 1" in notes(crashes[0])
+    assert got == [i for i in range(32) if i // 4 != 1]  # every other batch, in order
+    stats = dl.statistics().workers
+    assert stats is not None and stats.crashes == 1 and stats.restarts == 1
+
+
 def _actors(dl: aioloader.DataLoader[Any]) -> list[Any]:
     pool = dl._state.scope.work  # type: ignore[union-attr]
     return list(pool._actors)
