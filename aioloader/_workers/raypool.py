@@ -153,7 +153,7 @@ class RayPool:
         import ray
 
         started = time.perf_counter()
-        self._probe = probe(self._shm_prefix)
+        self._probe = probe(self._shm_prefix) if self._spec.shared_memory else None
         self._actor_class = ray.remote(RayWorkerActor).options(**self._spec.actor_options())
         if self._dataset is not None:
             self._dataset_ref = await anyio.to_thread.run_sync(self._put_dataset)

@@ -47,6 +47,9 @@ class RayWorkers:
         start_timeout: Seconds to wait for an actor to be placed and to finish
             ``worker_init_fn`` (a cluster without room for it never places it): past it, the
             start fails with :class:`~aioloader.LoaderTimeout` naming the resources asked for.
+        shared_memory: Whether an actor on the loader's machine hands its batches over in
+            ``/dev/shm`` (no copy; the default) rather than through Ray's object store (where a
+            container's ``/dev/shm`` is small, say). Actors elsewhere use the object store.
 
     Raises:
         TypeError, ValueError: An attribute of the wrong type or out of range (named).
@@ -58,6 +61,7 @@ class RayWorkers:
     resources: Mapping[str, float] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
     start_timeout: float = 120.0
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -88,6 +92,8 @@ class RayWorkers:
         timeout = self.start_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"RayWorkers start_timeout must be > 0 seconds, got {timeout!r}")
+        if not isinstance(self.shared_memory, bool):
+            raise TypeError(f"RayWorkers shared_memory must be a bool, got {self.shared_memory!r}")
         # A frozen dataclass: keep private copies, so a caller's later change cannot reach us.
         object.__setattr__(self, "resources", dict(self.resources))
         object.__setattr__(self, "options", dict(self.options))

@@ -27,6 +27,7 @@ from tests.support import worker_datasets as wd
         ({"options": {"max_restarts": 3}}, ValueError, "options may not set max_restarts"),
         ({"start_timeout": 0}, ValueError, "start_timeout must be > 0 seconds, got 0"),
         ({"address": 6379}, TypeError, "address must be a str or None, got 6379"),
+        ({"shared_memory": 1}, TypeError, "shared_memory must be a bool, got 1"),
     ],
 )
 def test_a_wrong_ray_workers_argument_is_named(
