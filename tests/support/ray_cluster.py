@@ -100,6 +100,12 @@ class RayCluster:
         probe = ray.remote(num_cpus=0, resources={SECOND: 0.001})(_node_id)
         self.second_node = str(ray.get(probe.remote(), timeout=_START_TIMEOUT))
 
+    def ensure_second(self) -> None:
+        """The second node up (a test that stopped it leaves it stopped: the next test that
+        needs it starts it, and the last one to stop it pays for no restart)."""
+        if self.second is None:
+            self.start_second()
+
     def stop_second(self) -> None:
         """Stop the second node as an operator or a lost machine would: its processes go."""
         if self.second is not None:

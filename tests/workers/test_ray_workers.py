@@ -367,6 +367,7 @@ def test_an_actor_no_node_can_place_times_out_naming_what_it_asked_for() -> None
 
 
 def test_actors_are_placed_on_the_node_with_their_resource(ray_cluster: RayCluster) -> None:
+    ray_cluster.ensure_second()
     spec = aioloader.RayWorkers(resources={SECOND: 1})
     nodes = {n for b in ray_loader(wd.WhereRead(8), batch_size=4, worker_mode=spec) for n in b[2]}
     assert nodes == {ray_cluster.second_node}
@@ -377,6 +378,7 @@ def test_losing_a_node_mid_epoch_fails_its_batches_and_the_epoch_goes_on(
 ) -> None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    ray_cluster.ensure_second()
     lost = ray_cluster.second_node
     second = NodeAffinitySchedulingStrategy(lost, soft=True)
     # Half a CPU each: the second node has room for both actors even while an earlier test's
@@ -402,8 +404,6 @@ def test_losing_a_node_mid_epoch_fails_its_batches_and_the_epoch_goes_on(
     finally:
         it.close()
         dl.close()
-        if ray_cluster.second is None:
-            ray_cluster.start_second()
     nodes = [node for _, _, node in got]
     assert set(nodes[:before]) == {lost}  # placed there first
     assert nodes[-4:] == [ray_cluster.head_node()] * 4  # replaced on the head when it went
@@ -419,7 +419,8 @@ def test_a_cluster_that_goes_away_ends_the_epoch_with_a_clear_error(
 ) -> None:
     """Every node that could hold the actors is lost: their replacements cannot be placed, and
     the epoch ends with an error that says so, not a hang."""
-    spec = aioloader.RayWorkers(resources={SECOND: 1}, start_timeout=15.0)
+    ray_cluster.ensure_second()
+    spec = aioloader.RayWorkers(resources={SECOND: 1}, start_timeout=8.0)
     dl = ray_loader(wd.WhereRead(48, delay=0.02), batch_size=4, worker_mode=spec, collate_fn=list)
     errors: list[BaseException] = []
     it = iter(dl)
@@ -440,6 +441,5 @@ def test_a_cluster_that_goes_away_ends_the_epoch_with_a_clear_error(
     finally:
         it.close()
         dl.close()
-        ray_cluster.start_second()
     assert isinstance(errors[-1], aioloader.LoaderTimeout), errors
     assert f"resources={{'{SECOND}': 1}}" in str(errors[-1])
