@@ -39,7 +39,7 @@ from .._base.recorders import WorkerRecorder
 from .processes import CANCEL_GRACE
 from .rayactor import RayWorkerActor, dumps_job, from_wire, wire_bytes
 from .raycluster import lost_errors
-from .rayshm import discard, from_shm, probe, sweep
+from .rayshm import discard, from_shm, probe, sweep, sweep_orphans
 from .rayslot import Actor
 from .rayspec import RayWorkers
 
@@ -153,7 +153,9 @@ class RayPool:
         import ray
 
         started = time.perf_counter()
-        self._probe = probe(self._shm_prefix) if self._spec.shared_memory else None
+        if self._spec.shared_memory:
+            sweep_orphans()  # what pools of a killed loader left in /dev/shm
+            self._probe = probe(self._shm_prefix)
         self._actor_class = ray.remote(RayWorkerActor).options(**self._spec.actor_options())
         if self._dataset is not None:
             self._dataset_ref = await anyio.to_thread.run_sync(self._put_dataset)

@@ -10,7 +10,8 @@ An actor on another node sends its tensors through the object store (``rayactor.
 
 Owns: writing a result's tensors into a block (:func:`to_shm`), taking them back
 (:func:`from_shm`), letting go of a block nobody will read (:func:`discard`), and the block
-names' prefix per pool, so a pool can remove what its killed actors left (:func:`sweep`).
+names' prefix per pool, so a pool can remove what its killed actors left (:func:`sweep`), and
+what pools of a loader process that was killed left (:func:`sweep_orphans`).
 Never: touches Ray or an event loop.
 """
 
@@ -26,7 +27,17 @@ import torch
 
 from .._base.tree import map_instances, map_tensors, plain_cpu_tensor
 
-__all__ = ["SHM_DIR", "ShmTensor", "discard", "from_shm", "probe", "sees", "sweep", "to_shm"]
+__all__ = [
+    "SHM_DIR",
+    "ShmTensor",
+    "discard",
+    "from_shm",
+    "probe",
+    "sees",
+    "sweep",
+    "sweep_orphans",
+    "to_shm",
+]
 
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64  # bytes: every tensor starts on a cache line
@@ -184,6 +195,31 @@ def probe(prefix: str) -> str | None:
 def sees(name: str | None) -> bool:
     """Whether the pool's probe file is visible here (in the actor)."""
     return name is not None and (SHM_DIR / name).exists()
+
+
+def sweep_orphans() -> int:
+    """Unlink the blocks and probes of pools whose loader process is gone (killed before it
+    could close them: they would hold their memory until the machine restarts); how many.
+    A pool's names carry its loader's pid (``aioloader-ray-<pid>-...``)."""
+    gone = 0
+    for path in SHM_DIR.glob("aioloader-ray-*-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            gone += 1
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def sweep(prefix: str) -> int:

@@ -74,3 +74,22 @@ def test_the_probe_tells_an_actor_whether_it_shares_this_machines_memory(shm_dir
     assert name is not None and rayshm.sees(name)
     assert not rayshm.sees("aioloader-ray-elsewhere-probe") and not rayshm.sees(None)
     assert rayshm.sweep("aioloader-ray-t") == 1  # the probe goes with the pool's blocks
+
+
+def test_blocks_of_a_loader_process_that_is_gone_are_swept(shm_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = f"aioloader-ray-{int(gone.stdout)}-abcd"
+    rayshm.to_shm(JobResult(batch=torch.ones(3)), dead)  # left by a loader killed mid-epoch
+    (shm_dir / f"{dead}-probe").touch()
+    mine = rayshm.to_shm(JobResult(batch=torch.ones(3)), f"aioloader-ray-{os.getpid()}-ef01")
+    (shm_dir / "unrelated").touch()
+    assert rayshm.sweep_orphans() == 2
+    assert sorted(p.name for p in shm_dir.iterdir()) == sorted([mine.batch.block, "unrelated"])
