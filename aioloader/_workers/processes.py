@@ -36,6 +36,7 @@ import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory re
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
 from .serverstart import note_server, prepare_forkserver
+from .slots import Slots
 from .worker import worker_main
 
 __all__ = [
@@ -99,8 +100,7 @@ class ProcessWorkers:
         self._derive = derive
         self._init_fn = worker_init_fn
         self._stats = stats
-        self._workers: list[_Worker] = []
-        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[_Worker](workers)
+        self._slots: Slots[_Worker] = Slots(workers)  # the worker in each slot, the idle ones
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -149,10 +149,10 @@ class ProcessWorkers:
             Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
         """
         started = time.perf_counter()
-        self._workers = [self._spawn(i) for i in range(self.concurrency)]
+        self._slots.now = [self._spawn(i) for i in range(self.concurrency)]
         try:
             async with anyio.create_task_group() as tg:
-                for worker in self._workers:
+                for worker in self._slots.now:
                     tg.start_soon(self._ready, worker)
         except Exception as group:
             error = first_leaf(group)
@@ -163,8 +163,7 @@ class ProcessWorkers:
                     "the loader at import time must guard it with `if __name__ == '__main__':`"
                 )
             raise error from None
-        for worker in self._workers:
-            self._idle_send.send_nowait(worker)
+        self._slots.all_idle()
         self._stats.startup_s = time.perf_counter() - started
         self._stats.processes = self.concurrency
         if self._ctx.get_start_method() == "forkserver":
@@ -184,7 +183,7 @@ class ProcessWorkers:
             with anyio.CancelScope(shield=True):
                 await self._stop(fresh, grace=0.0)
             raise
-        self._workers[worker.id] = fresh
+        self._slots.now[worker.id] = fresh
         self._stats.restarts += 1
         return fresh
 
@@ -216,11 +215,10 @@ class ProcessWorkers:
         """
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
-                for worker in self._workers:
+                for worker in self._slots.now:
                     if not worker.stopped:
                         tg.start_soon(lambda w: self._stop(w, grace=_STOP_GRACE), worker)
-        self._idle_send.close()
-        self._idle_recv.close()
+        self._slots.close()
 
     # -- jobs ------------------------------------------------------------------------------------
 
@@ -270,11 +268,7 @@ class ProcessWorkers:
 
         Cancellation: see the module's policy; the worker goes back to the pool either way.
         """
-        worker = await self._idle_recv.receive()
-        try:
-            return await self._exchange(worker, fn, args, seed)
-        finally:
-            self._idle_send.send_nowait(self._workers[worker.id])
+        return await self._slots.run(self._exchange, fn, args, seed)
 
     @contextlib.asynccontextmanager
     async def reserved(self) -> AsyncIterator[Callable[..., Any]]:
@@ -286,25 +280,8 @@ class ProcessWorkers:
 
         Cancellation: waiting for the workers can be cancelled; the ones taken go back.
         """
-        taken: list[_Worker] = []
-        try:
-            for _ in range(self.concurrency):
-                taken.append(await self._idle_recv.receive())
-
-            async def run_on(
-                worker_id: int,
-                fn: Callable[..., R],
-                *args: Any,
-                seed: int | None = None,
-                replace: bool = True,
-            ) -> R:
-                worker = self._workers[worker_id]
-                return await self._exchange(worker, fn, args, seed, replace=replace)
-
+        async with self._slots.reserved(self._exchange) as run_on:
             yield run_on
-        finally:
-            for worker in taken:
-                self._idle_send.send_nowait(self._workers[worker.id])
 
     async def _exchange(
         self,

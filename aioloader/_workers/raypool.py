@@ -42,6 +42,7 @@ from .raycluster import lost_errors
 from .rayshm import discard, from_shm, probe, sweep, sweep_orphans
 from .rayslot import Actor
 from .rayspec import RayWorkers
+from .slots import Slots
 
 __all__ = ["RayPool"]
 
@@ -94,8 +95,7 @@ class RayPool:
         self._probe: str | None = None  # its file in /dev/shm, made as the pool starts
         # Blocks of shared memory the actors on this node write results into (rayshm.py).
         self._shm_prefix = f"aioloader-ray-{os.getpid()}-{secrets.token_hex(4)}"
-        self._actors: list[Actor] = []
-        self._idle_send, self._idle_recv = anyio.create_memory_object_stream[Actor](workers)
+        self._slots: Slots[Actor] = Slots(workers)  # the actor in each slot, the idle ones
         self._replacing = [anyio.Lock() for _ in range(workers)]  # a slot's replacement
 
     # -- life ------------------------------------------------------------------------------------
@@ -161,9 +161,9 @@ class RayPool:
             self._dataset_ref = await anyio.to_thread.run_sync(self._put_dataset)
         try:
             for i in range(self.concurrency):  # one at a time: a failure kills those made
-                self._actors.append(self._make(i))
+                self._slots.now.append(self._make(i))
             async with anyio.create_task_group() as tg:
-                for actor in self._actors:
+                for actor in self._slots.now:
                     tg.start_soon(self._ready, actor)
         except BaseException as group:
             with anyio.CancelScope(shield=True):
@@ -179,12 +179,11 @@ class RayPool:
                     "{'working_dir': '.'}}) ships this folder)"
                 )
             raise error from None
-        for actor in self._actors:
-            self._idle_send.send_nowait(actor)
+        self._slots.all_idle()
         self._stats.startup_s = time.perf_counter() - started
         self._stats.processes = self.concurrency
         self._stats.server = "ray"
-        nodes = sorted({a.node for a in self._actors})
+        nodes = sorted({a.node for a in self._slots.now})
         self._stats.server_why = f"{len(nodes)} node(s): {', '.join(nodes)}"
 
     def _put_dataset(self) -> Any:
@@ -207,8 +206,8 @@ class RayPool:
         replaced on next use.
         """
         async with self._replacing[actor.id]:
-            if self._actors[actor.id] is not actor:
-                return self._actors[actor.id]  # replaced by the other call
+            if self._slots.now[actor.id] is not actor:
+                return self._slots.now[actor.id]  # replaced by the other call
             return await self._replace_now(actor)
 
     async def _replace_now(self, actor: Actor) -> Actor:
@@ -220,7 +219,7 @@ class RayPool:
             with anyio.CancelScope(shield=True):
                 await self._kill(fresh)
             raise
-        self._actors[actor.id] = fresh
+        self._slots.now[actor.id] = fresh
         self._stats.restarts += 1
         return fresh
 
@@ -248,7 +247,7 @@ class RayPool:
 
     async def _kill_all(self) -> None:
         async with anyio.create_task_group() as tg:
-            for actor in self._actors:
+            for actor in self._slots.now:
                 tg.start_soon(self._kill, actor)
 
     async def aclose(self) -> None:
@@ -259,8 +258,7 @@ class RayPool:
         with anyio.CancelScope(shield=True):
             await self._kill_all()
         sweep(self._shm_prefix)  # what actors killed mid-job left
-        self._idle_send.close()
-        self._idle_recv.close()
+        self._slots.close()
 
     # -- jobs ------------------------------------------------------------------------------------
 
@@ -292,11 +290,7 @@ class RayPool:
 
         Cancellation: see the module's policy; the actor goes back to the pool either way.
         """
-        actor = await self._idle_recv.receive()
-        try:
-            return await self._exchange(actor, fn, args, seed)
-        finally:
-            self._idle_send.send_nowait(self._actors[actor.id])
+        return await self._slots.run(self._exchange, fn, args, seed)
 
     @contextlib.asynccontextmanager
     async def reserved(self) -> AsyncIterator[Callable[..., Any]]:
@@ -305,25 +299,8 @@ class RayPool:
 
         Cancellation: waiting for the actors can be cancelled; the ones taken go back.
         """
-        taken: list[Actor] = []
-        try:
-            for _ in range(self.concurrency):
-                taken.append(await self._idle_recv.receive())
-
-            async def run_on(
-                worker_id: int,
-                fn: Callable[..., R],
-                *args: Any,
-                seed: int | None = None,
-                replace: bool = True,
-            ) -> R:
-                actor = self._actors[worker_id]
-                return await self._exchange(actor, fn, args, seed, replace=replace)
-
+        async with self._slots.reserved(self._exchange) as run_on:
             yield run_on
-        finally:
-            for actor in taken:
-                self._idle_send.send_nowait(self._actors[actor.id])
 
     async def _exchange(
         self,
@@ -354,7 +331,7 @@ class RayPool:
             ran = actor.died(self._stats)
             actor.let_go(ticket)
             if ran is not ticket and replace:
-                return await self._exchange(self._actors[actor.id], fn, args, seed)
+                return await self._exchange(self._slots.now[actor.id], fn, args, seed)
             raise
         except anyio.get_cancelled_exc_class():
             await self._drain_cancelled(actor, ref, ticket)

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import select
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -64,6 +65,36 @@ def ray_loader(dataset: Any, **kw: Any) -> aioloader.DataLoader[Any]:
     kw.setdefault("num_workers", 2)
     kw.setdefault("worker_mode", "ray")
     return aioloader.DataLoader(dataset, **kw)
+
+
+def through_failures(
+    dl: aioloader.DataLoader[Any],
+    *,
+    after: Callable[[int, list[Any]], object] = lambda step, got: None,
+    ends: tuple[type[BaseException], ...] = (),
+) -> tuple[list[Any], list[BaseException]]:
+    """One epoch of a plain ``for``, going on past the failures raised in their batches' turn:
+    every sample of the batches it gave, and the failures (``WorkerCrashed``, and ``ends``, the
+    first of which ends it). ``after(step, got)`` runs after each step. Bounded: the epoch must
+    end within 40 steps. The loader is closed after."""
+    got: list[Any] = []
+    errors: list[BaseException] = []
+    it = iter(dl)
+    try:
+        for step in range(40):
+            try:
+                got.extend(next(it))
+            except StopIteration:
+                return got, errors
+            except (aioloader.WorkerCrashed, *ends) as exc:
+                errors.append(exc)
+                if isinstance(exc, ends):
+                    return got, errors
+            after(step, got)
+        pytest.fail("the epoch did not end")
+    finally:
+        it.close()
+        dl.close()
 
 
 # -- who the workers are, and what they give -----------------------------------------------------
@@ -291,28 +322,16 @@ def test_a_dead_actor_fails_only_the_batch_it_ran_and_the_epoch_goes_on_in_order
     it runs (RayPool.depth). Killed mid-batch, it fails that batch only; the one waiting behind
     it goes to its replacement, in the epoch's order."""
     dl = ray_loader(list(range(32)), batch_size=4, transform=worker_fns.kill_on_7)
-    got: list[int] = []
-    crashes: list[aioloader.WorkerCrashed] = []
-    it = iter(dl)
-    for _ in range(20):  # bounded: the epoch must end
-        try:
-            got.extend(next(it).tolist())
-        except StopIteration:
-            break
-        except aioloader.WorkerCrashed as exc:  # raised in its batch's turn; the epoch goes on
-            crashes.append(exc)
-    else:
-        pytest.fail("the epoch did not end")
-    dl.close()
+    got, crashes = through_failures(dl)
     assert len(crashes) == 1 and "batch 1" in notes(crashes[0])
-    assert got == [i for i in range(32) if i // 4 != 1]  # every other batch, in order
+    assert [int(i) for i in got] == [i for i in range(32) if i // 4 != 1]  # the others, in order
     stats = dl.statistics().workers
     assert stats is not None and stats.crashes == 1 and stats.restarts == 1
 
 
 def _actors(dl: aioloader.DataLoader[Any]) -> list[Any]:
     pool = dl._state.scope.work  # type: ignore[union-attr]
-    return list(pool._actors)
+    return list(pool._slots.now)
 
 
 def dead_now(actors: list[Any]) -> bool:
@@ -385,29 +404,19 @@ def test_losing_a_node_mid_epoch_fails_its_batches_and_the_epoch_goes_on(
     # last actors release theirs, and so does the head for their replacements.
     spec = aioloader.RayWorkers(num_cpus=0.5, options={"scheduling_strategy": second})
     dl = ray_loader(wd.WhereRead(48, delay=0.02), batch_size=4, worker_mode=spec, collate_fn=list)
-    got: list[tuple[int, int, str]] = []
-    crashes: list[aioloader.WorkerCrashed] = []
-    it = iter(dl)
-    try:
-        for _ in range(40):  # bounded: the epoch must end
-            try:
-                got.extend(next(it))
-            except StopIteration:
-                break
-            except aioloader.WorkerCrashed as exc:  # raised in its batch's turn; the epoch goes on
-                crashes.append(exc)
-            if len(got) == 8 and ray_cluster.second is not None:
-                before = len(got)
-                ray_cluster.stop_second()
-        else:
-            pytest.fail("the epoch did not end")
-    finally:
-        it.close()
-        dl.close()
+    before: list[int] = []
+
+    def lose_it(step: int, got: list[Any]) -> None:
+        if len(got) == 8 and not before:  # two batches from it: the node goes
+            before.append(len(got))
+            ray_cluster.stop_second()
+
+    got, crashes = through_failures(dl, after=lose_it)
     nodes = [node for _, _, node in got]
-    assert set(nodes[:before]) == {lost}  # placed there first
+    assert set(nodes[: before[0]]) == {lost}  # placed there first
     assert nodes[-4:] == [ray_cluster.head_node()] * 4  # replaced on the head when it went
-    assert crashes and all(c.node and c.actor for c in crashes)
+    assert crashes
+    assert all(isinstance(c, aioloader.WorkerCrashed) and c.node and c.actor for c in crashes)
     stats = dl.statistics().workers
     assert stats is not None and stats.crashes >= len(crashes) and stats.restarts >= 1
     indices = [i for i, _, _ in got]
@@ -422,24 +431,11 @@ def test_a_cluster_that_goes_away_ends_the_epoch_with_a_clear_error(
     ray_cluster.ensure_second()
     spec = aioloader.RayWorkers(resources={SECOND: 1}, start_timeout=8.0)
     dl = ray_loader(wd.WhereRead(48, delay=0.02), batch_size=4, worker_mode=spec, collate_fn=list)
-    errors: list[BaseException] = []
-    it = iter(dl)
-    try:
-        for n in range(40):  # bounded: the epoch must end
-            try:
-                next(it)
-            except StopIteration:
-                break
-            except (aioloader.WorkerCrashed, aioloader.LoaderTimeout) as exc:
-                errors.append(exc)
-                if isinstance(exc, aioloader.LoaderTimeout):
-                    break
-            if n == 1:
-                ray_cluster.stop_second()
-        else:
-            pytest.fail("the epoch did not end")
-    finally:
-        it.close()
-        dl.close()
+
+    def lose_it(step: int, got: list[Any]) -> None:
+        if step == 1:  # two batches in: every node that can hold the actors goes
+            ray_cluster.stop_second()
+
+    _, errors = through_failures(dl, after=lose_it, ends=(aioloader.LoaderTimeout,))
     assert isinstance(errors[-1], aioloader.LoaderTimeout), errors
     assert f"resources={{'{SECOND}': 1}}" in str(errors[-1])
