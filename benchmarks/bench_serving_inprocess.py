@@ -8,6 +8,11 @@ Two models:
 * ``mlp``: a small torch MLP (64 -> 256 -> 64, tens of microseconds a batch) at a high rate:
   the tail latency where the per-batch overhead (thread hand-off, collation, split) shows.
 
+Each server first takes ``--warmup`` seconds of the same load in the same scope (its model's
+first calls, a fresh thread's first torch calls: 6-8 ms of CPU each for the MLP, measured):
+what a long-running server's tail is made of is measured after it. ``start p99`` is the
+warm-up's own p99, where a fresh scope pays for that.
+
 Servers: ``batcher`` (a plain ``model_fn``), ``ray-thread`` (``@serve.batch``, the model on one
 thread, as the batcher's thread runs it), ``ray-inline`` (``@serve.batch`` calling the model in
 its async function, as Ray Serve deployments usually do). Ray is never a dependency: install
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import math
 import random
 import sys
 import time
@@ -83,42 +89,58 @@ def ray_server(model: Model, inline: bool, sizes: Counter[int]) -> Callable[[Any
     return submit
 
 
-async def level(server: str, model: Model, features: int, rate: float, seconds: float) -> None:
+async def level(
+    server: str, model: Model, features: int, rate: float, seconds: float, warmup: float
+) -> None:
     sizes: Counter[int] = Counter()
+    measuring = False
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        if measuring:
+            sizes[x.shape[0]] += 1
+        return model(x)
+
     batcher = None
     if server == "batcher":
         batcher = aioloader.DynamicBatcher(
-            model, max_batch_size=32, max_delay=0.005, max_queue=1 << 16
+            counted, max_batch_size=32, max_delay=0.005, max_queue=1 << 16
         )
         submit: Callable[[Any], Awaitable[Any]] = batcher.submit
     else:
-        submit = ray_server(model, server == "ray-inline", sizes)
+        submit = ray_server(counted, server == "ray-inline", Counter())
     rng = random.Random(int(rate))
     x = torch.randn(features)
+    start: list[float] = []  # the warm-up's latencies
     latencies: list[float] = []
 
-    async def one(at: float) -> None:
+    async def one(at: float, into: list[float]) -> None:
         await submit(x)
-        latencies.append(time.perf_counter() - at)
+        into.append(time.perf_counter() - at)
 
-    async def drive() -> None:
+    async def drive(n: int, into: list[float]) -> None:
         async with asyncio.TaskGroup() as tg:
             at = time.perf_counter()
-            for _ in range(int(rate * seconds)):
+            for _ in range(n):
                 at += rng.expovariate(rate)
                 if (delay := at - time.perf_counter()) > 0:
                     await asyncio.sleep(delay)
-                tg.create_task(one(at))
+                tg.create_task(one(at, into))
 
-    cpu = time.process_time()
+    async def load() -> float:
+        nonlocal measuring
+        await drive(int(rate * warmup), start)
+        measuring = True
+        cpu = time.process_time()
+        await drive(int(rate * seconds), latencies)
+        return time.process_time() - cpu
+
     if batcher is not None:
         async with batcher:
-            await drive()
-        sizes = Counter(dict(batcher.statistics().batch_sizes))
+            cpu = await load()
     else:
-        await drive()
-    cpu = time.process_time() - cpu
+        cpu = await load()
     latencies.sort()
+    start.sort()
     calls = sum(sizes.values())
     mean = sum(k * v for k, v in sizes.items()) / calls
     shares = "".join(
@@ -128,7 +150,7 @@ async def level(server: str, model: Model, features: int, rate: float, seconds: 
     print(
         f"{rate:>9.0f}  {server:<11}{calls:>7}{mean:>7.2f}{shares}"
         f"{latencies[n // 2] * 1e3:>8.1f}{latencies[int(0.99 * n)] * 1e3:>8.1f}"
-        f"{cpu / n * 1e6:>8.0f}",
+        f"{cpu / n * 1e6:>8.0f}{start[int(0.99 * len(start))] * 1e3 if start else math.nan:>11.1f}",
         flush=True,
     )
 
@@ -139,11 +161,11 @@ async def main(args: argparse.Namespace) -> None:
     print(f"model {args.model}; batch sizes as shares of model calls")
     print(
         f"{'offered/s':>9}  {'server':<11}{'calls':>7}{'mean':>7}{bins}{'p50 ms':>8}{'p99 ms':>8}"
-        f"{'cpu us':>8}"
+        f"{'cpu us':>8}{'start p99':>11}"
     )
     for rate in args.rates:
         for server in args.servers:
-            await level(server, model, features, rate, args.seconds)
+            await level(server, model, features, rate, args.seconds, args.warmup)
 
 
 if __name__ == "__main__":
@@ -151,6 +173,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", choices=("gpu", "mlp"), default="gpu")
     parser.add_argument("--rates", type=float, nargs="+", default=[200, 500, 1000])
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load first")
     ray = importlib.util.find_spec("ray") is not None
     parser.add_argument(
         "--servers",

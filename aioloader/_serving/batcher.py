@@ -59,8 +59,10 @@ class DynamicBatcher:
 
     A batch is cut as soon as ``max_batch_size`` requests wait (or the next would pass
     ``max_batch_cost``), or once the oldest has waited ``max_delay``; then its size is the
-    largest of ``preferred_batch_sizes`` that fits, else everything that fits. Requests ready
-    in the loop turn the delay ends in still join (the cut waits one turn, no more). While
+    largest of ``preferred_batch_sizes`` that fits, else everything that fits. A batch cut by
+    the delay is never cut before it on ``clock`` (a loop whose timers count whole
+    milliseconds, uvloop's, may cut up to a millisecond after it), and requests that the loop
+    turn the delay ends in sets going still join (the cut waits two turns, no more). While
     ``max_concurrent_batches`` batches run, requests accumulate, so under load batches grow by
     themselves. A batch is collated (``collate_fn``), passed to ``model_fn``, and the output
     split back per request (``split_fn``).
@@ -100,7 +102,8 @@ class DynamicBatcher:
             ``async def`` function (or an object with an ``async def __call__``) is awaited
             on the loop.
         max_batch_size: The most requests in one batch.
-        max_delay: Seconds the oldest waiting request may wait for others to join its batch.
+        max_delay: Seconds the oldest waiting request waits for others to join its batch
+            (unless the batch fills first).
         max_queue: The most requests that may wait for a batch; a submission beyond it is
             refused at once with :class:`~aioloader.Overloaded`. At least ``max_batch_size``.
         preferred_batch_sizes: Batch sizes to prefer (those a compiled model or a CUDA graph

@@ -22,12 +22,20 @@ import anyio
 
 from .._base.exceptions import LoaderStateError, annotate
 from .pending import BatchLimits, PendingQueue
-from .policy import BatchPolicy
+from .policy import BatchPolicy, rearm_after_timer
 from .request import DONE, GONE, RUNNING, Request
 from .runner import BatchRunner
 from .stats import BatcherRecorder
 
-__all__ = ["Dispatcher"]
+__all__ = ["CUT_TURNS", "Dispatcher"]
+
+CUT_TURNS = 2
+"""Loop turns a batch cut by ``max_delay`` waits, so that the requests which the turn the delay
+ends in sets going are in it. Two: a request's caller woken in that turn (a socket read, a
+timer) submits on the next turn; a caller that turn's callback starts as a new task (a server
+that spawns a task per request) submits on the turn after. Measured in process on uvloop against
+Ray Serve's ``@serve.batch`` with the same arrivals (issue 29): one turn left 2-3% fewer requests
+in a batch than Ray's; two, as many or up to 4% more, at a median latency within 0.3 ms."""
 
 
 class Dispatcher:
@@ -88,12 +96,13 @@ class Dispatcher:
         """Wait until the policy cuts a batch and take it; None once closing with none left.
 
         A batch cut because its oldest request's ``max_delay`` is up (not because it is full)
-        is cut one loop turn later: requests whose ``submit`` is ready in the turn the delay
-        ends in (woken by the same poll as the timer) join it instead of starting the next,
-        smaller batch. One turn, once per batch: the wait is not extended further."""
+        is cut :data:`CUT_TURNS` loop turns later: requests that the turn the delay ends in
+        sets going (woken by the same poll as the timer) join it instead of starting the next,
+        smaller batch. Once per batch: the wait is not extended further."""
         queue, policy = self._queue, self._policy
         fired = -math.inf  # the last deadline whose timer fired: it is due, whatever the clock
-        turned = False  # this batch's one extra loop turn is taken
+        turned = False  # this batch's extra loop turns are taken
+        rearms, again = 0, 0.0  # an early timer's waits again (policy.rearm_after_timer)
         while True:
             now = max(self._clock(), fired)
             closing = not self._is_open()
@@ -101,7 +110,8 @@ class Dispatcher:
             if decision.size:
                 if not (turned or closing or queue.next_batch(decision.bucket)[1]):
                     turned = True
-                    await asyncio.sleep(0)  # what is ready this turn runs before the cut
+                    for _ in range(CUT_TURNS):  # what this turn set going runs before the cut
+                        await asyncio.sleep(0)
                     continue
                 requests, expired = queue.take(decision.size, now, decision.bucket)
                 for request in expired:  # its caller's own deadline is about to fire too
@@ -116,14 +126,19 @@ class Dispatcher:
             # The delay timer is a deadline on this wait, not a poll: submit() sets the event
             # when the queue's first request arrives or it reaches max_batch_size.
             self._arrived = arrived = anyio.Event()
-            delay = None if decision.wake_at is None else decision.wake_at - now
+            delay = None if decision.wake_at is None else max(decision.wake_at - now, again)
             with anyio.move_on_after(delay) as timer:
                 await arrived.wait()
             if timer.cancelled_caught and decision.wake_at is not None:
-                # The loop's timer and the batcher's clock need not agree to the microsecond
-                # (uvloop's is millisecond-grained; a test's clock may not move at all):
-                # trusting the timer keeps a near miss from turning into a spin.
-                fired = decision.wake_at
+                # The loop's timer and the batcher's clock need not agree to the microsecond:
+                # uvloop's fires up to 1.5 ms early, and a test's clock may not move at all. A
+                # near miss waits again (never less than a millisecond: no spin); further
+                # off, or re-armed MAX_REARMS times, the timer is trusted.
+                rearm = rearm_after_timer(decision.wake_at - self._clock(), rearms)
+                if rearm is None:
+                    fired = decision.wake_at
+                else:
+                    rearms, again = rearms + 1, rearm
 
     async def _run(self, requests: list[Request]) -> None:
         """Collate, run and split one batch, and give each caller its outcome.

@@ -294,8 +294,9 @@ async def test_max_delay_cuts_every_bucket_not_only_the_oldest() -> None:
 
 async def test_requests_ready_in_the_turn_the_delay_ends_join_the_batch() -> None:
     """With ``max_delay=0`` every batch is cut by the delay. Request 1 wakes the runner; 2
-    becomes ready in the same loop turn, after the runner's wake-up; 3 one turn later. 2 joins
-    1's batch, 3 does not: the cut waits one turn, no more."""
+    becomes ready in the same loop turn, after the runner's wake-up; 3 one turn later (a task
+    that turn's callback starts); 4 two turns later. 2 and 3 join 1's batch, 4 does not: the
+    cut waits ``CUT_TURNS`` turns, no more."""
     model = Gated(open_=True)
     batcher = lists(model, max_batch_size=8)
     loop = asyncio.get_running_loop()
@@ -312,10 +313,11 @@ async def test_requests_ready_in_the_turn_the_delay_ends_join_the_batch() -> Non
         tasks.append(loop.create_task(batcher.submit(1)))
         loop.call_soon(later, 2, 0)
         loop.call_soon(later, 3, 1)
+        loop.call_soon(later, 4, 2)
         await asyncio.gather(*tasks[:1])
         await settle()
         await asyncio.gather(*tasks)
-    assert model.batches == [[1, 2], [3]]
+    assert model.batches == [[1, 2, 3], [4]]
 
 
 async def test_a_full_batch_is_cut_at_once_without_the_extra_turn() -> None:
