@@ -69,7 +69,7 @@ def build(kind: str) -> tuple[Model, int]:
     return run, 64
 
 
-def ray_server(model: Model, inline: bool, sizes: Counter[int]) -> Callable[[Any], Awaitable[Any]]:
+def ray_server(model: Model, inline: bool) -> Callable[[Any], Awaitable[Any]]:
     from ray.serve import batch, batching
 
     # Outside a deployment the queue asks for the replica's context only to warn.
@@ -77,7 +77,6 @@ def ray_server(model: Model, inline: bool, sizes: Counter[int]) -> Callable[[Any
     pool = ThreadPoolExecutor(1)
 
     async def run(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        sizes[len(xs)] += 1
         if inline:
             return list(model(torch.stack(xs)).unbind(0))
         out = await asyncio.get_running_loop().run_in_executor(pool, model, torch.stack(xs))
@@ -107,7 +106,7 @@ async def level(
         )
         submit: Callable[[Any], Awaitable[Any]] = batcher.submit
     else:
-        submit = ray_server(counted, server == "ray-inline", Counter())
+        submit = ray_server(counted, server == "ray-inline")
     rng = random.Random(int(rate))
     x = torch.randn(features)
     start: list[float] = []  # the warm-up's latencies
