@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioloader
+from aioloader._serving.dispatch import Dispatcher
 from aioloader._serving.pending import PendingQueue
 from aioloader._serving.policy import MAX_REARMS, NEAR_MISS_S, TIMER_GRAIN_S, rearm_after_timer
 
@@ -88,6 +89,14 @@ async def test_a_batch_cut_by_the_delay_is_never_cut_before_it_by_the_batchers_c
         return take(queue, n, now, key)
 
     monkeypatch.setattr(PendingQueue, "take", observed)
+    waits: list[float | None] = []  # every wait the runner arms (None: for a request)
+    wait = Dispatcher._wait
+
+    async def recorded(dispatcher: Dispatcher, delay: float | None) -> bool:
+        waits.append(delay)
+        return await wait(dispatcher, delay)
+
+    monkeypatch.setattr(Dispatcher, "_wait", recorded)
     batcher = aioloader.DynamicBatcher(
         lambda b: b, collate_fn=list, max_delay=max_delay, clock=clock
     )
@@ -96,3 +105,5 @@ async def test_a_batch_cut_by_the_delay_is_never_cut_before_it_by_the_batchers_c
             assert await batcher.submit(i) == i
     assert batcher.statistics().batch_sizes == ((1, 20),)
     assert len(waited) == 20 and min(waited) >= max_delay, sorted(waited)[:3]
+    rearmed = [d for d in waits if d is not None and d < max_delay / 2]
+    assert rearmed and min(rearmed) >= TIMER_GRAIN_S  # a re-armed wait: never under the grain
