@@ -4,6 +4,7 @@ leaks, and the package ships its type information."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.resources
 import inspect
 import subprocess
@@ -24,16 +25,24 @@ def test_all_matches_the_public_names() -> None:
     assert aioloader.__all__ == sorted(aioloader.__all__)
 
 
-def defining_files(name: str) -> list[Path]:
-    """The package's files that define ``name`` at their top level (a class or a function;
-    a function's ``@overload`` signatures are in its own file)."""
-    found = []
+@functools.cache
+def top_level_definitions() -> dict[str, list[Path]]:
+    """Each class or function name defined at the top level of one of the package's files, and
+    those files (a function's ``@overload`` signatures are in its own file). Parsed once: once
+    per public name it took 10 s of the suite."""
+    found: dict[str, list[Path]] = {}
     for path in Path(aioloader.__file__).parent.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
-            defines = isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            if defines and node.name == name and path not in found:
-                found.append(path)
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                files = found.setdefault(node.name, [])
+                if path not in files:
+                    files.append(path)
     return found
+
+
+def defining_files(name: str) -> list[Path]:
+    """The package's files that define ``name`` at their top level."""
+    return top_level_definitions().get(name, [])
 
 
 def test_public_names_come_from_private_modules_and_say_aioloader() -> None:
