@@ -35,9 +35,9 @@ ends in sets going are in it. Two: a caller woken in that turn (by a socket read
 started as a task by that turn's callback, submits on the next turn; a task woken in that turn
 that starts the task which submits (a connection's task spawning a handler task per request;
 the benchmark's load, a sleeping driver creating a task per request) submits on the turn after.
-Measured in process on uvloop against
-Ray Serve's ``@serve.batch`` with the same arrivals (issue 29): one turn left 2-3% fewer requests
-in a batch than Ray's; two, as many or up to 4% more, at a median latency within 0.3 ms."""
+Measured in process on uvloop against Ray Serve's ``@serve.batch`` with the same arrivals
+(issue 29): one turn left 2-3% fewer requests in a batch than Ray's; two, as many or up to 4%
+more, at a median latency within 0.3 ms."""
 
 
 class Dispatcher:
