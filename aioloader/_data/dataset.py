@@ -71,6 +71,23 @@ class AsyncDataset(ABC, Generic[T_Sample]):
         Raises: nothing (a hint that cannot be taken is dropped; the read reports the error).
         """
 
+    def for_workers(self) -> object | None:
+        """A blocking map-style dataset with the same items, that a worker process can read on
+        its own (picklable, ``__len__`` and ``__getitem__``, optionally ``__getitems__``), or
+        None (the default): the items are then fetched in this process and sent to the workers.
+
+        With local worker processes (``num_workers > 0``, ``worker_mode="process"``) and none
+        of this process's fetch options given (``max_inflight``, ``max_inflight_bytes``,
+        ``sample_timeout``), the loader sends each worker a copy of what this
+        returns and then only indices: each worker reads its batch's items itself, as torch's
+        workers read a torch dataset, and no item's bytes cross into this process. Worth it
+        where reading is CPU work best kept off the training process (``sources.files``: local
+        files); not for network reads, which the event loop overlaps best.
+
+        Raises: nothing; called once, when the loader is built.
+        """
+        return None
+
 
 class AsyncIterableDataset(ABC, Generic[T_co]):
     """A stream of samples (records, keys, decoded shard members) iterated with ``async for``.

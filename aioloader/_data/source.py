@@ -172,11 +172,15 @@ class InWorkers:
     Attributes:
         dataset: The dataset (each worker was sent a copy when it started).
         is_map: Map-style (indices) rather than iterable.
+        dealt: Batch ``k`` goes to worker ``k % n`` (with ``in_order``), as torch deals a
+            user's dataset (whose copies may keep state); else to whichever worker is free
+            (an async dataset's reader for the workers: ``AsyncDataset.for_workers``).
     """
 
-    def __init__(self, dataset: object, kind: Kind) -> None:
+    def __init__(self, dataset: object, kind: Kind, *, dealt: bool = True) -> None:
         self.dataset = dataset
         self.is_map = kind.is_map
+        self.dealt = dealt
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]  # map-style: it has a length
@@ -360,6 +364,7 @@ def open_source(
     offload: Callable[[], ThreadOffload],
     *,
     in_workers: bool,
+    reads_in_workers: bool = False,
     per_batch: int = 1,
 ) -> MapSource | StreamSource | InWorkers:
     """Wrap ``dataset`` (already classified as ``kind``) once, for the loader's whole life.
@@ -371,11 +376,17 @@ def open_source(
             read in this process (called at each blocking call, never at construction).
         in_workers: A blocking dataset lives in the worker processes (``num_workers > 0``
             with process workers); ignored for async datasets, which run in the event loop.
+        reads_in_workers: An async map-style dataset with a reader for the workers
+            (``AsyncDataset.for_workers``) is read by them: the workers are local processes
+            and none of this process's fetch options was given.
         per_batch: Samples per batch (a resumable blocking stream is pulled a batch at a time).
     """
     if kind.is_blocking and in_workers:
         return InWorkers(dataset, kind)
     if kind is Kind.ASYNC_MAP:
+        reader = dataset.for_workers() if reads_in_workers else None  # type: ignore[attr-defined]
+        if reader is not None:
+            return InWorkers(reader, Kind.BLOCKING_MAP, dealt=False)
         return _AsyncMap(dataset)  # type: ignore[arg-type]  # classify() checked the type
     if kind is Kind.BLOCKING_MAP:
         return _BlockingMap(dataset, offload)

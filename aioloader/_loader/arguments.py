@@ -25,7 +25,15 @@ from .._device.accelerator import resolve_device
 from .._workers.processes import start_method_of
 from .._workers.rayspec import RayWorkers, ray_spec_of
 
-__all__ = ["Arguments", "Checked", "check_arguments", "non_negative_int", "positive_int"]
+__all__ = [
+    "ASYNC_FETCH_OPTIONS",
+    "Arguments",
+    "Checked",
+    "check_arguments",
+    "fetch_options_given",
+    "non_negative_int",
+    "positive_int",
+]
 
 _DEFAULT_PREFETCH = 2
 
@@ -290,20 +298,27 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
 _FETCH_OPTIONS = ("max_inflight", "max_inflight_bytes", "sample_timeout", "io_threads")
 
 
+# Those of them that an async dataset's fetches follow (io_threads is a blocking dataset's).
+ASYNC_FETCH_OPTIONS = _FETCH_OPTIONS[:3]
+
+
+def fetch_options_given(a: Arguments, names: tuple[str, ...] = _FETCH_OPTIONS) -> dict[str, object]:
+    """The fetch options among ``names`` given other than their defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Arguments)}
+    return {n: getattr(a, n) for n in names if getattr(a, n) != defaults[n]}
+
+
 def _warn_of_options_without_effect(a: Arguments, kind: Kind, stacklevel: int, ray: bool) -> None:
     where = "Ray workers" if ray else "worker processes"
-    defaults = {f.name: f.default for f in dataclasses.fields(Arguments)}
-    for name in _FETCH_OPTIONS:
-        value = getattr(a, name)
-        if value != defaults[name]:
-            warnings.warn(
-                f"{name}={value!r} has no effect here: a blocking {kind.value} dataset with "
-                f"num_workers={a.num_workers} is read in the {where}, each reading its "
-                f"batch itself (it applies to async datasets and sources, and to "
-                "worker_mode='thread')",
-                UserWarning,
-                stacklevel=stacklevel,
-            )
+    for name, value in fetch_options_given(a).items():
+        warnings.warn(
+            f"{name}={value!r} has no effect here: a blocking {kind.value} dataset with "
+            f"num_workers={a.num_workers} is read in the {where}, each reading its "
+            f"batch itself (it applies to async datasets and sources, and to "
+            "worker_mode='thread')",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
 
 
 def _cloudpickle_dumps() -> Callable[[object], bytes]:

@@ -68,8 +68,10 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
         num_workers: Worker processes, one batch per job, tensors returned through shared
             memory. They read a blocking dataset (its copy lives in each worker) and run
             ``transform`` and ``collate_fn``; an async dataset's samples are read in the event
-            loop and sent to them. 0 reads in this process and transforms on one thread off the
-            event loop.
+            loop and sent to them, unless it gives the workers a reader of their own
+            (``AsyncDataset.for_workers``: ``sources.files`` does) and no ``max_inflight``,
+            ``max_inflight_bytes`` or ``sample_timeout`` was given. 0 reads in this process and
+            transforms on one thread off the event loop.
         collate_fn: Turns a list of samples into a batch (default: :func:`default_collate`).
         pin_memory: Copy batches into page-locked memory (only with an accelerator; warns once
             and goes on unpinned without one). With a CUDA ``device``, batches go through a

@@ -30,7 +30,7 @@ from .._workers.offload import ThreadOffload
 from .._workers.raycluster import join_cluster
 from .._workers.rayspec import RayWorkers
 from .._workers.serverstart import prepare_forkserver
-from .arguments import Arguments, check_arguments
+from .arguments import ASYNC_FETCH_OPTIONS, Arguments, check_arguments, fetch_options_given
 
 __all__ = ["EPOCH_DEFINING", "LoaderPlan", "plan_loader"]
 
@@ -298,7 +298,16 @@ def plan_loader(
         arguments=a,
         kind=kind,
         source=open_source(
-            a.dataset, kind, offload, in_workers=in_workers, per_batch=config.per_batch
+            a.dataset,
+            kind,
+            offload,
+            in_workers=in_workers,
+            # Local processes read what they can themselves, unless a fetch option asks for
+            # this process's fetches (Ray's actors may run where the files are not).
+            reads_in_workers=in_workers
+            and ray is None
+            and not fetch_options_given(a, ASYNC_FETCH_OPTIONS),
+            per_batch=config.per_batch,
         ),
         sampler=sampler,
         batch_sampler=batch_sampler,

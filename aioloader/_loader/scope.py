@@ -81,7 +81,7 @@ class Scope:
         # Without `seed=`, each scope draws anew, as each torch iterator does (a plain `for`
         # without `with` is a scope per epoch: new augmentations each), whatever the workers.
         worker_seed = plan.scope_seed()
-        dataset = plan.dataset if isinstance(plan.source, InWorkers) else None
+        dataset = plan.source.dataset if isinstance(plan.source, InWorkers) else None
         if plan.ray is not None and plan.num_workers > 0:
             self.work = RayPool(
                 plan.ray,

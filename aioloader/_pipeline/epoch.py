@@ -135,7 +135,8 @@ class Epoch(TransformStage, OutputStage):
         self._pace = pace if pace is not None else Pace()
         self._fetch_workers = config.fetch_workers(batched)
         in_workers = isinstance(source, InWorkers)
-        lanes = in_workers and work.per_worker and config.in_order  # see _round_robin
+        dealt = isinstance(source, InWorkers) and source.dealt
+        lanes = dealt and work.per_worker and config.in_order  # see _round_robin
         depth = work.depth if lanes else 1
         self.window = config.window(work.concurrency, in_workers=in_workers, depth=depth)
         self._slots = anyio.Semaphore(self.window)
@@ -229,10 +230,11 @@ class Epoch(TransformStage, OutputStage):
                 tg.start_soon(self._schedule_stream, self.source, ready_send.clone())
             ready_send.close()
             work = self.work
-            in_workers = isinstance(self.source, InWorkers)
-            if in_workers and work.per_worker and self.config.in_order:
+            dealt = isinstance(self.source, InWorkers) and self.source.dealt
+            if dealt and work.per_worker and self.config.in_order:
                 # torch's rule for a dataset in workers: batch i goes to worker i % n (with
-                # in_order=False, as torch, to whichever worker is free).
+                # in_order=False, as torch, to whichever worker is free; an async dataset's
+                # reader, which keeps no state, too).
                 tg.start_soon(self._round_robin, work, ready_recv, done_send)
             else:
                 for _ in range(work.concurrency):

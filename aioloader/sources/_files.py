@@ -29,14 +29,17 @@ there too. Slices that have been taking under a millisecond (cached files) are r
 calling thread instead, where a hop and the threads' contention for the GIL cost more than the
 reads (``_workers/placed.py``). Leaving the context joins the threads. Outside
 it, :meth:`FileDataset.get_many` reads item by item with aiofiles on the loop's executor.
+
+Worker processes: a loader with local worker processes (and no ``max_inflight``,
+``max_inflight_bytes`` or ``sample_timeout`` given) does not read here at all. Each worker gets
+a :class:`~._filereader.FileReader` (the listing, no threads) and reads its own batches' files,
+as torch's workers read an ``ImageFolder``; only indices go to the workers (see
+:meth:`FileDataset.for_workers`).
 """
 
 from __future__ import annotations
 
-import errno
-import logging
 import os
-import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,16 +52,15 @@ from .._base.checks import check_int
 from .._base.inline import FILES_SLOW_BELOW_S, INLINE_BELOW_S, Placement
 from .._data.dataset import AsyncDataset
 from .._workers.placed import PlacedCalls
+from ._filereader import FileReader, note
 from ._keyed import Keyed, keyed
+from ._listing import list_folder
 from ._patterns import check_pattern, check_suffix
 from ._read import ReadAhead, can_hint, read_file
 
 __all__ = ["FileDataset", "files"]
 
-logger = logging.getLogger("aioloader")
-
 _THREAD_NAME = "aioloader-files"
-_NAMED_SKIPS = 5  # escaping links named in the warning
 # Reading threads by default. Where the kernel takes read-ahead hints it reads the files of the
 # slices scheduled ahead (see FileDataset.will_need), and threads beyond two only wait for the
 # GIL at each other's system calls: 20,000 cold 16 KiB files, batch 32, 2 cores, one run each:
@@ -185,7 +187,9 @@ class FileDataset(AsyncDataset[bytes]):
         self._suffixes = check_suffix(suffix)
         self._include_hidden = include_hidden
         self._threads = threads
-        self._keys, self._paths = self._list()
+        self._keys, self._paths = list_folder(
+            self._root, self._pattern, self._suffixes, self._include_hidden
+        )
         self._pool: ThreadPoolExecutor | None = None
         self._entered = 0
         # Inline while slices read fast, else on the threads (see PlacedCalls).
@@ -193,72 +197,6 @@ class FileDataset(AsyncDataset[bytes]):
         self._ahead = ReadAhead()  # files of scheduled slices, read ahead while reads are slow
 
     # -- listing ---------------------------------------------------------------------------------
-
-    def _list(self) -> tuple[list[str], list[str]]:
-        root = self._root
-        try:
-            st = os.stat(root)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(
-                errno.ENOENT, "files(): root folder does not exist", os.fspath(root)
-            ) from exc
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(
-                errno.ENOTDIR, "files(): root is not a folder", os.fspath(root)
-            )
-        real_root = os.path.realpath(root)
-        real_dirs: dict[Path, str] = {}  # a folder's real path, resolved once per folder
-        found: list[tuple[tuple[str, ...], str, str]] = []
-        escaping: list[str] = []
-        for path in root.glob(self._pattern):
-            rel = path.relative_to(root)
-            parts = rel.parts
-            if not self._include_hidden and any(p.startswith(".") for p in parts):
-                continue
-            if self._suffixes and not path.name.lower().endswith(self._suffixes):
-                continue
-            try:
-                lst = os.lstat(path)
-            except OSError:  # vanished while listing
-                continue
-            if stat.S_ISLNK(lst.st_mode):
-                real = os.path.realpath(path)
-                try:
-                    if not stat.S_ISREG(os.stat(real).st_mode):
-                        continue
-                except OSError:  # a dangling link
-                    continue
-            elif stat.S_ISREG(lst.st_mode):
-                parent = path.parent
-                real_parent = real_dirs.get(parent)
-                if real_parent is None:  # under a linked folder, the folder is a link
-                    real_parent = real_dirs[parent] = os.path.realpath(parent)
-                real = os.path.join(real_parent, path.name)
-            else:
-                continue
-            if not _is_within(real, real_root):
-                escaping.append(rel.as_posix())
-                continue
-            found.append((parts, rel.as_posix(), real))
-        if escaping:
-            named = ", ".join(repr(k) for k in sorted(escaping)[:_NAMED_SKIPS])
-            more = (
-                f" and {len(escaping) - _NAMED_SKIPS} more" if len(escaping) > _NAMED_SKIPS else ""
-            )
-            logger.warning(
-                "aioloader.sources.files: skipped %d symbolic link(s) leading outside %s: %s%s",
-                len(escaping),
-                os.fspath(root),
-                named,
-                more,
-            )
-        if not found:
-            what = f"pattern {self._pattern!r}"
-            if self._suffixes:
-                what += f" and suffix {list(self._suffixes)!r}"
-            raise ValueError(f"files(): no file under {os.fspath(root)!r} matches {what}")
-        found.sort(key=lambda item: item[0])
-        return [key for _, key, _ in found], [real for _, _, real in found]
 
     # -- the dataset -------------------------------------------------------------------------------
 
@@ -307,7 +245,7 @@ class FileDataset(AsyncDataset[bytes]):
             async with aiofiles.open(path, "rb", executor=self._pool) as f:
                 return await f.read()
         except OSError as exc:
-            _note(exc, key, self._root)
+            note(exc, key, self._root)
             raise
 
     async def get_many(self, indices: Sequence[int]) -> list[bytes]:
@@ -352,9 +290,23 @@ class FileDataset(AsyncDataset[bytes]):
             try:
                 out.append(read_file(path))
             except OSError as exc:
-                _note(exc, key, self._root)
+                note(exc, key, self._root)
                 raise
         return out
+
+    def for_workers(self) -> FileReader | None:
+        """The listing as a blocking dataset that worker processes read themselves (picklable:
+        the keys and paths, no threads): a loader with local worker processes sends each
+        worker a copy and then only indices, so no file's bytes pass through this process.
+        None for a subclass that overrides :meth:`get` or :meth:`get_many` (its reads are its
+        own: they run here).
+
+        Raises: nothing.
+        """
+        cls = type(self)
+        if cls.get is not FileDataset.get or cls.get_many is not FileDataset.get_many:
+            return None
+        return FileReader(os.fspath(self._root), self._keys, self._paths)
 
     # -- the context -----------------------------------------------------------------------------
 
@@ -387,11 +339,3 @@ class FileDataset(AsyncDataset[bytes]):
         if self._entered == 0 and self._pool is not None:
             pool, self._pool = self._pool, None
             pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _note(exc: OSError, key: str, root: Path) -> None:
-    exc.add_note(f"aioloader.sources.files: reading {key!r} under {os.fspath(root)!r}")
-
-
-def _is_within(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)

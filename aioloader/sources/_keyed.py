@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .._data.dataset import AsyncDataset
 
-__all__ = ["Keyed", "keyed"]
+__all__ = ["Keyed", "KeyedReader", "keyed"]
 
 T = TypeVar("T")
 
@@ -49,6 +49,15 @@ class Keyed(AsyncDataset[tuple[str, T]], Generic[T]):
 
     def will_need(self, indices: Sequence[int]) -> None:
         self.source.will_need(indices)  # read ahead as the source reads ahead
+
+    def for_workers(self) -> KeyedReader | None:
+        """The source's own reader for worker processes, its items named by the reader's
+        ``key`` (a :class:`KeyedReader`); None where the source has none, or its reader
+        cannot name its items."""
+        reader = self.source.for_workers()
+        if reader is None or not callable(getattr(reader, "key", None)):
+            return None
+        return KeyedReader(reader)
 
     async def get(self, index: int) -> tuple[str, T]:
         """``(key, item)`` of item ``index``.
@@ -85,6 +94,31 @@ class _KeyedBatches(Keyed[T]):
     async def get_many(self, indices: Sequence[int]) -> list[tuple[str, T]]:
         keys = [self._key(i) for i in indices]
         return list(zip(keys, await self.source.get_many(indices), strict=True))
+
+
+class KeyedReader:
+    """``(key, item)`` for each item of a blocking ``reader`` that names its items
+    (``reader.key(i)``): the worker processes' side of :class:`Keyed`. Reads as ``reader``
+    reads (its ``__getitems__``, a batch in one call, where it has one)."""
+
+    __slots__ = ("reader",)
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __repr__(self) -> str:
+        return f"{self.reader!r}.with_keys"
+
+    def __getitem__(self, index: int) -> tuple[str, Any]:
+        return self.reader.key(index), self.reader[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[str, Any]]:
+        getitems = getattr(self.reader, "__getitems__", None)
+        items = getitems(indices) if getitems is not None else [self.reader[i] for i in indices]
+        return list(zip([self.reader.key(i) for i in indices], items, strict=True))
 
 
 def keyed(source: AsyncDataset[T], key: Callable[[int], str]) -> Keyed[T]:
