@@ -76,15 +76,21 @@ class AsyncDataset(ABC, Generic[T_Sample]):
         its own (picklable, ``__len__`` and ``__getitem__``, optionally ``__getitems__``), or
         None (the default): the items are then fetched in this process and sent to the workers.
 
-        With local worker processes (``num_workers > 0``, ``worker_mode="process"``) and none
-        of this process's fetch options given (``max_inflight``, ``max_inflight_bytes``,
-        ``sample_timeout``), the loader sends each worker a copy of what this
-        returns and then only indices: each worker reads its batch's items itself, as torch's
+        With local worker processes (``num_workers > 0``, ``worker_mode="process"``) and this
+        process's fetch options at their defaults (``max_inflight``, ``max_inflight_bytes``,
+        ``sample_timeout``), the loader sends each worker a copy of what this returns and
+        then only indices: each worker reads its batch's items itself, as torch's
         workers read a torch dataset, and no item's bytes cross into this process. Worth it
         where reading is CPU work best kept off the training process (``sources.files``: local
         files); not for network reads, which the event loop overlaps best.
 
-        Raises: nothing; called once, when the loader is built.
+        The workers' ``get_worker_info().dataset`` is their copy of it. A batch goes to
+        whichever worker is free (no state ties batch ``k`` to worker ``k % n``), and the
+        statistics' ``fetch`` stage counts none of the reads: each is part of its batch's job
+        in the ``transform`` stage.
+
+        Raises: nothing; called when a loader is built, and again when one of its settings is
+        changed.
         """
         return None
 

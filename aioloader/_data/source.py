@@ -378,7 +378,7 @@ def open_source(
             with process workers); ignored for async datasets, which run in the event loop.
         reads_in_workers: An async map-style dataset with a reader for the workers
             (``AsyncDataset.for_workers``) is read by them: the workers are local processes
-            and none of this process's fetch options was given.
+            and this process's fetch options are at their defaults.
         per_batch: Samples per batch (a resumable blocking stream is pulled a batch at a time).
     """
     if kind.is_blocking and in_workers:

@@ -69,9 +69,9 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
             memory. They read a blocking dataset (its copy lives in each worker) and run
             ``transform`` and ``collate_fn``; an async dataset's samples are read in the event
             loop and sent to them, unless it gives the workers a reader of their own
-            (``AsyncDataset.for_workers``: ``sources.files`` does) and no ``max_inflight``,
-            ``max_inflight_bytes`` or ``sample_timeout`` was given. 0 reads in this process and
-            transforms on one thread off the event loop.
+            (``AsyncDataset.for_workers``: ``sources.files`` does) and ``max_inflight``,
+            ``max_inflight_bytes`` and ``sample_timeout`` are at their defaults. 0 reads in
+            this process and transforms on one thread off the event loop.
         collate_fn: Turns a list of samples into a batch (default: :func:`default_collate`).
         pin_memory: Copy batches into page-locked memory (only with an accelerator; warns once
             and goes on unpinned without one). With a CUDA ``device``, batches go through a
@@ -101,7 +101,9 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
             millisecond a batch, when it runs on the loop's thread as torch runs it in the
             caller's.
         max_inflight: Most sample fetches running at once (a batched source counts its whole
-            batch).
+            batch). Like ``max_inflight_bytes`` and ``sample_timeout``, set to other than its
+            default it keeps an async dataset's reads in this process (where worker processes
+            would read it themselves: see ``num_workers``).
         prefetch: Most finished batches waiting for the consumer (default 2). With
             ``num_workers=0`` and a dataset whose reads and transforms are fast, a batch is
             made in the call that asks for it, as torch's ``num_workers=0`` loop makes it,

@@ -58,8 +58,10 @@ class WorkerInfo:
         seed: This worker's seed (``random``, NumPy and torch were seeded with it at start;
             each batch's work is then seeded from the loader's seed, epoch and batch index).
         dataset: The worker's own copy of the loader's dataset when it is a blocking (torch)
-            dataset that runs in the workers, else None (as torch's ``WorkerInfo.dataset``:
-            ``worker_init_fn`` may configure it, e.g. give each worker its share of a stream).
+            dataset that runs in the workers, or of an async dataset's reader for the workers
+            (``AsyncDataset.for_workers``: a ``FileReader`` for ``sources.files``), else None
+            (as torch's ``WorkerInfo.dataset``: ``worker_init_fn`` may configure it, e.g. give
+            each worker its share of a stream).
     """
 
     id: int

@@ -30,8 +30,9 @@ calling thread instead, where a hop and the threads' contention for the GIL cost
 reads (``_workers/placed.py``). Leaving the context joins the threads. Outside
 it, :meth:`FileDataset.get_many` reads item by item with aiofiles on the loop's executor.
 
-Worker processes: a loader with local worker processes (and no ``max_inflight``,
-``max_inflight_bytes`` or ``sample_timeout`` given) does not read here at all. Each worker gets
+Worker processes: a loader with local worker processes (``threads`` not given, and no
+``max_inflight``, ``max_inflight_bytes`` or ``sample_timeout`` other than its default) does not
+read here at all. Each worker gets
 a :class:`~._filereader.FileReader` (the listing, no threads) and reads its own batches' files,
 as torch's workers read an ``ImageFolder``; only indices go to the workers (see
 :meth:`FileDataset.for_workers`).
@@ -118,7 +119,10 @@ def files(
         threads: Threads for reading, while the dataset's context is open. None (the
             default): 2 where the kernel takes read-ahead hints (``posix_fadvise``: it reads
             the files of the slices scheduled ahead, so more threads only contend for the
-            GIL), else 8.
+            GIL), else 8; and a loader's worker processes read the files themselves (see
+            :meth:`FileDataset.for_workers`). Given, the files are always read in the loader's
+            process, on that many threads (a slow or networked file system, where many reads
+            in flight and the read-ahead of a window of batches pay).
         with_keys: Items are ``(key, bytes)``, the key being the file's path relative to
             ``root`` with ``/`` separators (``"cat/0001.jpg"``: an ImageFolder label is its
             first part).
@@ -160,7 +164,8 @@ class FileDataset(AsyncDataset[bytes]):
         suffix: Keep only names ending with this suffix, or one of these (case-insensitive).
         include_hidden: Also list hidden files and files in hidden folders.
         threads: Threads for reading, while the context is open (None: 2 where the kernel
-            takes read-ahead hints, else 8; see :func:`files`).
+            takes read-ahead hints, else 8, and worker processes read for themselves; given:
+            always read in this process; see :func:`files`).
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
@@ -179,6 +184,7 @@ class FileDataset(AsyncDataset[bytes]):
         include_hidden: bool = False,
         threads: int | None = None,
     ) -> None:
+        self._threads_given = threads is not None
         if threads is None:
             threads = _THREADS_HINTED if can_hint else _THREADS
         check_int("threads", threads, minimum=1)
@@ -298,13 +304,17 @@ class FileDataset(AsyncDataset[bytes]):
         """The listing as a blocking dataset that worker processes read themselves (picklable:
         the keys and paths, no threads): a loader with local worker processes sends each
         worker a copy and then only indices, so no file's bytes pass through this process.
-        None for a subclass that overrides :meth:`get` or :meth:`get_many` (its reads are its
-        own: they run here).
+        None (read here, on the dataset's threads) where ``threads`` was given (reads in this
+        process asked for), or for a subclass that overrides :meth:`get`, :meth:`get_many` or
+        :meth:`key` (its reads and keys are its own).
 
         Raises: nothing.
         """
         cls = type(self)
-        if cls.get is not FileDataset.get or cls.get_many is not FileDataset.get_many:
+        if self._threads_given or any(
+            getattr(cls, name) is not getattr(FileDataset, name)
+            for name in ("get", "get_many", "key")
+        ):
             return None
         return FileReader(os.fspath(self._root), self._keys, self._paths)
 

@@ -52,8 +52,13 @@ class Keyed(AsyncDataset[tuple[str, T]], Generic[T]):
 
     def for_workers(self) -> KeyedReader | None:
         """The source's own reader for worker processes, its items named by the reader's
-        ``key`` (a :class:`KeyedReader`); None where the source has none, or its reader
-        cannot name its items."""
+        ``key`` (a :class:`KeyedReader`); None (read here) where the source has none, its
+        reader cannot name its items, the keys are not the source's own ``key`` (another
+        ``key`` function was given), or a subclass reads in its own way."""
+        if type(self) not in (Keyed, _KeyedBatches):
+            return None
+        if self._key != getattr(self.source, "key", None):  # (bound: same function and self)
+            return None
         reader = self.source.for_workers()
         if reader is None or not callable(getattr(reader, "key", None)):
             return None
