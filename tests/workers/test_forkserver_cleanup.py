@@ -6,6 +6,7 @@ case runs in a fresh interpreter, killed with SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -82,7 +83,5 @@ def test_a_killed_applications_server_removes_its_socket_and_temporary_folder(
         if process.stdout is not None:
             process.stdout.close()
         # Whatever is left of the session (nothing, if the servers and workers exited).
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
