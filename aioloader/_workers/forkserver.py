@@ -34,16 +34,13 @@ import gc
 import inspect
 import multiprocessing.forkserver as stdlib_forkserver
 import os
-import select
-import shutil
 import socket
 import stat
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from multiprocessing import process, resource_tracker
+from multiprocessing import connection, resource_tracker, util
 from typing import Any
 
 import torch
@@ -123,19 +120,10 @@ class ForkedServer:
 
 
 def _serve_in_child(
-    address: str, listener_fd: int, alive_r: int, alive_w: int, name: str,
-    keep: tuple[int, ...], before_serving: Callable[[], None] | None,
+    listener_fd: int, alive_r: int, alive_w: int, name: str, keep: tuple[int, ...],
+    before_serving: Callable[[], None] | None,
 ) -> None:  # fmt: skip
     """In the forked child: let go of the application's pipes and sockets, then serve.
-
-    The listening socket's folder is this server's own; once installed it is also the
-    application's multiprocessing temporary folder where it had none (:func:`install`), so
-    the workers' too (a worker's ``resource_sharer`` listens there when it hands a descriptor
-    over: they leave with ``os._exit``, and a folder of their own would never be removed). On
-    the way out (the alive pipe's EOF: the application closed it, exited or was killed; or a
-    standby retired before serving), the socket goes; then, after serving, the whole folder
-    once the application has exited (:func:`_gone`), else the folder if that left it empty. A
-    killed application's exit handlers never run; this is what removes the folder then.
 
     Regular files stay open, as with torch's fork workers: a module that opened a file at import
     reads it in a worker. Pipes and sockets must not (``keep`` excepted): the server lives as
@@ -145,9 +133,6 @@ def _serve_in_child(
     their descriptors, and one collected later would close whatever reused the number (a
     worker's pipe).
     """
-    application = _watch(os.getppid())
-    folder = os.path.dirname(address)
-    served = False
     try:
         # Every object inherited from the application goes to the collector's permanent
         # generation: a collection here or in a worker forked from here would otherwise write
@@ -170,43 +155,9 @@ def _serve_in_child(
         os.close(devnull)
         if before_serving is not None:
             before_serving()
-        served = True
-        stdlib_forkserver.main(listener_fd, alive_r, [])  # until the alive pipe's EOF
+        stdlib_forkserver.main(listener_fd, alive_r, [])
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(address)
-        # A standby let go before serving was retired by a live application (or, killed, it
-        # left nothing in the folder): no wait for it, which waits for this process to exit.
-        if served and _gone(application):
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):  # not empty: the application's, it lives on
-                os.rmdir(folder)
         os._exit(0)
-
-
-# How long a server that saw its alive pipe's EOF waits for the application to be gone: its
-# descriptors close (the EOF) before it has exited; one that lives on retired the server.
-_EXIT_WAIT_S = 2.0
-
-
-def _watch(pid: int) -> tuple[int, int | None]:
-    """The application: its pid, and a descriptor that becomes readable once it has exited
-    (Linux's pidfd; None where there is none)."""
-    try:
-        return pid, os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return pid, None
-
-
-def _gone(application: tuple[int, int | None]) -> bool:
-    """Whether the application has exited, waiting up to ``_EXIT_WAIT_S`` for it (without a
-    pidfd: whether this process was handed to another parent already)."""
-    pid, pidfd = application
-    if pidfd is None:
-        return os.getppid() != pid
-    readable, _, _ = select.select([pidfd], [], [], _EXIT_WAIT_S)
-    return bool(readable)
 
 
 def fork_server(
@@ -221,16 +172,11 @@ def fork_server(
     Raises:
         OSError: The fork (or the listening socket) failed; nothing is left open.
     """
-    # The socket in a folder of its own (0700), which the server removes once the application
-    # has gone, also when it was killed (see _serve_in_child). Not the application's
-    # multiprocessing folder (pymp-*): its exit handlers, which remove that one, never run
-    # when it is killed, and its forks share it, so no server can know when it may go.
-    folder = tempfile.mkdtemp(prefix="aioloader-fs-")
-    address = os.path.join(folder, "listener")
-    with contextlib.ExitStack() as failed, socket.socket(socket.AF_UNIX) as listener:
-        failed.callback(shutil.rmtree, folder, True)
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(address)
-        os.chmod(address, 0o600)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
         for stream in (sys.stdout, sys.stderr):  # else the children print it again
@@ -243,11 +189,8 @@ def fork_server(
             os.close(alive_w)
             raise
         if pid == 0:  # pragma: no cover - the child never returns
-            _serve_in_child(
-                address, listener.fileno(), alive_r, alive_w, name, keep, before_serving
-            )
+            _serve_in_child(listener.fileno(), alive_r, alive_w, name, keep, before_serving)
         os.close(alive_r)
-        failed.pop_all()  # the server's now: it removes the folder
     return ForkedServer(address, alive_w, pid)
 
 
@@ -276,16 +219,8 @@ def server_lock() -> Iterator[int | None]:
 
 
 def install(forked: ForkedServer) -> None:
-    """Make ``forked`` the stdlib's fork server, which every forkserver context then uses.
-
-    Where this process has no multiprocessing temporary folder yet, the server's folder becomes
-    it: the workers take this process's folder (their ``Process`` objects carry its settings),
-    and the server, which outlives this process, removes the folder once it has exited, also
-    when it was killed (a ``pymp-*`` folder, removed by the exit handlers, stays then)."""
+    """Make ``forked`` the stdlib's fork server, which every forkserver context then uses."""
     resource_tracker.ensure_running()  # its descriptor goes to the server with each request
-    config: dict[str, Any] = process.current_process()._config  # type: ignore[attr-defined]
-    if config.get("tempdir") is None:
-        config["tempdir"] = os.path.dirname(forked.address)
     server: Any = stdlib_forkserver._forkserver
     server._forkserver_address = forked.address
     server._forkserver_alive_fd = forked.alive_w
