@@ -3,9 +3,10 @@
 The script writes a small tree to a temporary folder (``<class>/<n>.jpg``: three classes, each
 image a noisy picture whose dominant colour is its class), then trains a small model on it.
 ``aioloader.sources.files(root, suffix=".jpg", with_keys=True)`` lists the tree once and gives
-each file as ``(relative path, bytes)``; the JPEG decode (Pillow) and a random flip (NumPy) run in
-two worker processes, seeded per batch from ``seed``, so a rerun sees the same augmentations; the
-label is the path's first part, as torchvision's ``ImageFolder`` reads it.
+each file as ``(relative path, bytes)``; two worker processes read the files (they are sent
+indices, as torch's workers are) and run the JPEG decode (Pillow) and a random flip (NumPy),
+seeded per batch from ``seed``, so a rerun sees the same augmentations; the label is the path's
+first part, as torchvision's ``ImageFolder`` reads it.
 
 Run: python examples/image_folder.py
 """
