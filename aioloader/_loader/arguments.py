@@ -294,12 +294,10 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
 
 
 # aioloader's options for the fetches in this process: a blocking dataset read in worker
-# processes has none (each worker reads its batch's samples itself).
-_FETCH_OPTIONS = ("max_inflight", "max_inflight_bytes", "sample_timeout", "io_threads")
-
-
-# Those of them that an async dataset's fetches follow (io_threads is a blocking dataset's).
-ASYNC_FETCH_OPTIONS = _FETCH_OPTIONS[:3]
+# processes has none (each worker reads its batch's samples itself). An async dataset's fetches
+# follow the first three; io_threads is a blocking dataset's.
+ASYNC_FETCH_OPTIONS = ("max_inflight", "max_inflight_bytes", "sample_timeout")
+_FETCH_OPTIONS = (*ASYNC_FETCH_OPTIONS, "io_threads")
 
 
 def fetch_options_given(a: Arguments, names: tuple[str, ...] = _FETCH_OPTIONS) -> dict[str, object]:

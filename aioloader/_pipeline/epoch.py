@@ -136,8 +136,8 @@ class Epoch(TransformStage, OutputStage):
         self._fetch_workers = config.fetch_workers(batched)
         in_workers = isinstance(source, InWorkers)
         dealt = isinstance(source, InWorkers) and source.dealt
-        lanes = dealt and work.per_worker and config.in_order  # see _round_robin
-        depth = work.depth if lanes else 1
+        self._lanes = dealt and work.per_worker and config.in_order  # see _round_robin
+        depth = work.depth if self._lanes else 1
         self.window = config.window(work.concurrency, in_workers=in_workers, depth=depth)
         self._slots = anyio.Semaphore(self.window)
         self._bytes = ByteBudget(config.max_inflight_bytes)
@@ -230,8 +230,7 @@ class Epoch(TransformStage, OutputStage):
                 tg.start_soon(self._schedule_stream, self.source, ready_send.clone())
             ready_send.close()
             work = self.work
-            dealt = isinstance(self.source, InWorkers) and self.source.dealt
-            if dealt and work.per_worker and self.config.in_order:
+            if self._lanes:
                 # torch's rule for a dataset in workers: batch i goes to worker i % n (with
                 # in_order=False, as torch, to whichever worker is free; an async dataset's
                 # reader, which keeps no state, too).

@@ -197,6 +197,7 @@ class FileDataset(AsyncDataset[bytes]):
             self._root, self._pattern, self._suffixes, self._include_hidden
         )
         self._pool: ThreadPoolExecutor | None = None
+        self._reader: FileReader | None = None  # for worker processes (see for_workers)
         self._entered = 0
         # Inline while slices read fast, else on the threads (see PlacedCalls).
         self._placed = PlacedCalls(Placement(INLINE_BELOW_S, slow_below=FILES_SLOW_BELOW_S))
@@ -316,7 +317,9 @@ class FileDataset(AsyncDataset[bytes]):
             for name in ("get", "get_many", "key")
         ):
             return None
-        return FileReader(os.fspath(self._root), self._keys, self._paths)
+        if self._reader is None:  # packed once: a loader asks again as its settings change
+            self._reader = FileReader(os.fspath(self._root), self._keys, self._paths)
+        return self._reader
 
     # -- the context -----------------------------------------------------------------------------
 

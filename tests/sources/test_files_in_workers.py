@@ -208,6 +208,7 @@ def test_the_reader_pickles_names_failures_and_hints_a_cold_batch(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ds = files(root)
+    assert ds.for_workers() is ds.for_workers()  # packed once per dataset
     reader = pickle.loads(pickle.dumps(ds.for_workers()))
     assert len(reader) == FILES and reader.key(3) == ds.key(3)
 
