@@ -23,8 +23,11 @@ Run on a machine with a CUDA GPU (about a minute on an H100; ``--quick`` for les
    against a plain pinned ``copy_`` measured here, with large tensors copied chunk by chunk
    (the default: each chunk's H2D copy overlaps the next chunk's host copy) and whole
    (``aioloader._device.stage._CHUNK_BYTES = 0``), for 64 MiB batches and image batches
-   (256x3x224x224 uint8, 36.8 MiB); and the host copy rate into pinned memory with torch's
-   thread count and with one thread.
+   (256x3x224x224 uint8, 36.8 MiB); the host copy rate into pinned memory with torch's
+   thread count and with one thread; then what bounds the stage: the stage's own host copy
+   (``HostCopy``) at 1 to 16 threads, and the stage's rate on image batches with its copy
+   threads (``_COPY_THREADS``) at 1, the default, 8 and 16, with its statistics; and the H2D
+   rate from shared memory registered with CUDA in place, the ceiling without a host copy.
 
 Exit status: 0 when every correctness check that ran passed, 1 when one failed, 2 without CUDA.
 A run the time budget left no room for is reported as skipped, not failed. The overlap goal is
@@ -48,6 +51,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import aioloader
 from aioloader._device import stage as stage_module
+from aioloader._device.hostcopy import HostCopy
 
 MB = 1 << 20
 
@@ -481,10 +485,10 @@ def timed_copies(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
     return repeats * src.numel() * src.element_size() / (start.elapsed_time(end) / 1e3)
 
 
-def stage_rate(tensor: torch.Tensor, count: int) -> tuple[float, int, Any, Any]:
+def stage_rate(tensor: torch.Tensor, count: int) -> tuple[float, int, Any, Any, str]:
     """Bytes per second through the device stage (``pin_memory=True, device="cuda"``) of
-    ``count`` batches, each ``tensor``; with the batches counted and the pool's allocations
-    and capacity."""
+    ``count`` batches, each ``tensor``; with the batches counted, the pool's allocations and
+    capacity, and the stage's figures from the loader's statistics."""
     size = tensor.numel() * tensor.element_size()
     prefetch = 2  # staged batches ahead of the consumer, at most
 
@@ -513,7 +517,14 @@ def stage_rate(tensor: torch.Tensor, count: int) -> tuple[float, int, Any, Any]:
         rate = n * size / (time.perf_counter() - t0)
         scope = getattr(loader, "_scope", None)
         pool = getattr(getattr(scope, "device", None), "pool", None)
-    return rate, n, getattr(pool, "allocations", "?"), getattr(pool, "capacity", "?")
+        stats = loader.statistics()
+    device = stats.stage("device")
+    figures = (
+        f"stage p50 {device.latency.p50 * 1e3:.2f} ms a batch, busy "
+        f"{device.utilisation(stats.elapsed_s) or 0:.0%}; consumer waited "
+        f"{stats.consumer.wait_fraction:.0%}"
+    )
+    return rate, n, getattr(pool, "allocations", "?"), getattr(pool, "capacity", "?"), figures
 
 
 def host_rate(dst: torch.Tensor, src: torch.Tensor, threads: int) -> float:
@@ -528,6 +539,69 @@ def host_rate(dst: torch.Tensor, src: torch.Tensor, threads: int) -> float:
         return 5 * src.numel() * src.element_size() / (time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
+
+
+def hostcopy_rate(dst: torch.Tensor, src: torch.Tensor, threads: int) -> float:
+    """Bytes per second of the device stage's own host copy (``HostCopy``) on ``threads``."""
+    host = HostCopy(threads)
+    try:
+        host.copy(dst, src)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            host.copy(dst, src)
+        return 5 * src.numel() * src.element_size() / (time.perf_counter() - t0)
+    finally:
+        host.close()
+
+
+def registered_rate(dev: torch.device, nbytes: int) -> tuple[float, float, float]:
+    """H2D bytes per second from shared memory (a worker's result is a ``/dev/shm``
+    segment) registered with CUDA in place (``cudaHostRegister``), no host copy: with the
+    register and unregister calls' seconds. The ceiling of a pool of registered segments that
+    workers write into, reused across batches (not built)."""
+    shared = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    shared.fill_(7)
+    cudart = torch.cuda.cudart()
+    t0 = time.perf_counter()
+    error = cudart.cudaHostRegister(shared.data_ptr(), nbytes, 0)
+    registered = time.perf_counter() - t0
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {error}")
+    try:
+        rate = timed_copies(torch.empty(nbytes, dtype=torch.uint8, device=dev), shared, 20)
+    finally:
+        t0 = time.perf_counter()
+        cudart.cudaHostUnregister(shared.data_ptr())
+        unregistered = time.perf_counter() - t0
+    return rate, registered, unregistered
+
+
+def check_copy_threads(images: torch.Tensor, count: int, budget: Budget, peak: float) -> None:
+    """What bounds the device stage: its host copy into the pool, at each thread count
+    (``HostCopy``), and the stage's rate on an image batch with ``_COPY_THREADS`` at each."""
+    pinned = torch.empty(images.numel(), dtype=torch.uint8, pin_memory=True)
+    flat = images.view(-1)
+    rates = {n: hostcopy_rate(pinned, flat, n) for n in (1, 2, 4, 8, 16)}
+    del pinned
+    print(
+        "    HostCopy into pinned memory (36.8 MiB): "
+        + ", ".join(f"{n} threads {r / 1e9:.1f} GB/s" for n, r in rates.items())
+    )
+    default = stage_module._COPY_THREADS
+    for threads in (1, default, 8, 16) if default not in (1, 8, 16) else (1, 4, 8, 16):
+        if budget.left() < 5:
+            print(f"      stage, {threads:>2} copy threads: skipped (time budget)")
+            continue
+        stage_module._COPY_THREADS = threads
+        try:
+            rate, n, _, _, figures = stage_rate(images, count)
+        finally:
+            stage_module._COPY_THREADS = default
+        mark = " (the default here)" if threads == default else ""
+        print(
+            f"      stage, {threads:>2} copy threads: {rate / 1e9:6.1f} GB/s = {rate / peak:4.0%} "
+            f"of peak over {n} image batches{mark}; {figures}"
+        )
 
 
 def check_bandwidth(dev: torch.device, count: int, budget: Budget) -> None:
@@ -568,7 +642,7 @@ def check_bandwidth(dev: torch.device, count: int, budget: Budget) -> None:
             continue
         stage_module._CHUNK_BYTES = chunk_bytes
         try:
-            rate, n, allocations, capacity = stage_rate(tensor, count)
+            rate, n, allocations, capacity, _ = stage_rate(tensor, count)
         finally:
             stage_module._CHUNK_BYTES = chunk
         nbytes = tensor.numel() * tensor.element_size()
@@ -577,6 +651,17 @@ def check_bandwidth(dev: torch.device, count: int, budget: Budget) -> None:
             f"{n} batches of {nbytes / MB:.1f} MiB; pinned buffers allocated: {allocations} "
             f"(pool capacity {capacity})"
         )
+    label = "    H2D from shared memory registered in place (36.8 MiB, no host copy):"
+    try:
+        rate, registered, unregistered = registered_rate(dev, images.numel())
+    except (RuntimeError, AttributeError) as exc:  # a torch without cudart's bindings
+        print(f"{label} not measured ({type(exc).__name__}: {exc})")
+    else:
+        print(
+            f"{label} {rate / gb:.1f} GB/s = {rate / peak:.0%} of peak; cudaHostRegister "
+            f"{registered * 1e3:.2f} ms, cudaHostUnregister {unregistered * 1e3:.2f} ms"
+        )
+    check_copy_threads(images, count, budget, peak)
 
 
 # -- main -----------------------------------------------------------------------------------------

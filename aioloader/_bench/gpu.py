@@ -258,7 +258,8 @@ def extra(result: GpuResult) -> dict[str, Any]:
     keys = (
         "mode", "persistent", "images", "batch_size", "workers", "device", "dataset",
         "model", "epoch_s", "samples", "first_epoch_s", "first_batch_s", "startup_s", "server",
-        "server_s", "server_why", "pss_by_process", "step_ms", "threads_cpu_ms", "batch_shape",
+        "server_s", "server_why", "pss_by_process", "step_ms", "threads_cpu_ms", "children_cpu_ms",
+        "statistics", "batch_shape",
         "batch_dtype", "batch_device",
     )  # fmt: skip
     payload = result.payload or {}

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from aioloader._bench.harness_processes import process_tree, pss_kib
+from aioloader._bench.harness_processes import cpu_ticks, process_tree, pss_kib
 
 
 def role(pid: int, main: int) -> tuple[str, str]:
@@ -66,4 +66,17 @@ def threads_cpu_s() -> dict[str, float]:
         name = names.get(int(tid)) or comm
         name = "main" if int(tid) == os.getpid() else re.sub(r"_\d+$", "", name)
         found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return found
+
+
+def children_cpu_s() -> dict[str, float]:
+    """CPU time (user + system, seconds) of each process below this one, by identity
+    (``pid:start``, as pids are reused): the workers, the fork server, torch's or the stdlib's
+    helpers."""
+    tick = os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
+    found: dict[str, float] = {}
+    for pid in process_tree(me):
+        if pid != me and (ticks := cpu_ticks(pid)) is not None:
+            found[f"{pid}:{ticks[0]}"] = ticks[1] / tick
     return found

@@ -94,8 +94,15 @@ def format_run(table: str, result: GpuResult) -> str:
         f"  {name:<22} {kind} {result.rate:>7,.0f}/s  first epoch {first:5.2f} s  "
         f"first batch {payload.get('first_batch_s', 0.0):5.2f} s  peak PSS "
         f"{result.peak_pss_mib:,.0f} MiB  workers up {_startup(payload)}  "
-        f"PSS {_pss(payload)}  {result.status}"
+        f"PSS {_pss(payload)}  CPU ms/batch: main {_main_cpu(payload)}, children "
+        f"{payload.get('children_cpu_ms', '-')}  {result.status}"
     )
+
+
+def _main_cpu(payload: Mapping[str, Any]) -> str:
+    """The main process's CPU ms per steady batch, its threads summed (``-`` unmeasured)."""
+    threads = payload.get("threads_cpu_ms")
+    return f"{sum(threads.values()):.1f}" if threads else "-"
 
 
 def format_issue_table(

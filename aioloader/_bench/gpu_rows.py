@@ -36,7 +36,7 @@ from PIL import Image
 import aioloader
 from aioloader._bench.cpu_data import random_resized_crop_box
 from aioloader._bench.gpu import CONFIGS, CROP, ROW_PREFIX
-from aioloader._bench.gpu_memory import pss_by_process, threads_cpu_s
+from aioloader._bench.gpu_memory import children_cpu_s, pss_by_process, threads_cpu_s
 from aioloader._bench.harness import error_text
 from aioloader.sources import files
 
@@ -285,6 +285,7 @@ def epochs(
     row["server_why"] = ""
     step = make_step(model, device)
     cpu_by_thread = ThreadsCpu()
+    cpu_of_children = ThreadsCpu()  # the same sums, by child process
     clock = StepClock()  # the steady epochs' steps
     batches = -(-len(loader.dataset) // args.batch_size)
     for epoch in range(args.epochs):
@@ -307,6 +308,7 @@ def epochs(
                 step(images, labels)
             if epoch > 0 and index in (0, batches - 1):  # CPU by thread, while they run
                 cpu_by_thread(threads_cpu_s(), first=index == 0)
+                cpu_of_children(children_cpu_s(), first=index == 0)
             if epoch == args.epochs - 1 and index == batches // 2:
                 row["pss_by_process"] = pss_by_process()
         if device.type == "cuda":
@@ -327,6 +329,9 @@ def epochs(
         row["threads_cpu_ms"] = {
             name: round(seconds * 1e3 / steady, 2) for name, seconds in cpu_by_thread.sums.items()
         }
+        row["children_cpu_ms"] = round(sum(cpu_of_children.sums.values()) * 1e3 / steady, 2)
+    if isinstance(loader, aioloader.DataLoader):
+        row["statistics"] = repr(loader.statistics())
     if model is not None:
         row["step_ms"] = {"loop": clock.summary()}
     return row
