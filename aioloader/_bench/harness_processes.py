@@ -17,6 +17,7 @@ import contextlib
 import functools
 import gc
 import os
+import select
 import signal
 import threading
 import time
@@ -215,16 +216,37 @@ class MemorySampler:
         return self.start_pss_kib / 1024
 
 
+def _wait_for_an_exit(pids: Iterable[int], seconds: float) -> bool:
+    """Block until one of ``pids`` exits (its pidfd turns readable) or ``seconds`` pass; True
+    when one did or was already gone. A zombie counts as exited."""
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                return True
+        ready, _, _ = select.select(fds, [], [], max(0.0, seconds))
+        return bool(ready)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def wait_until_gone(processes: Callable[[], Collection[int]], seconds: float) -> Collection[int]:
-    """Poll ``processes()`` (collecting garbage first: a dropped loader's finalizer stops its
-    workers) until it is empty or ``seconds`` have passed; return what it last listed."""
+    """Wait until ``processes()`` lists none (collecting garbage first: a dropped loader's
+    finalizer stops its workers) or ``seconds`` have passed; return what it last listed. Each
+    wait is on the listed processes' pidfds, so it wakes as one exits (no polling); the list is
+    read again after each exit, and processes started meanwhile are waited for too."""
     deadline = time.monotonic() + seconds
     while True:
         gc.collect()
         left = processes()
-        if not left or time.monotonic() > deadline:
+        remaining = deadline - time.monotonic()
+        if not left or remaining <= 0:
             return left
-        time.sleep(0.05)
+        if not _wait_for_an_exit(left, remaining):
+            return processes()  # the deadline passed with every one of them running
 
 
 def wait_for_children(before: Collection[int], seconds: float = EXIT_WAIT_S) -> set[int]:

@@ -382,3 +382,30 @@ def test_a_forked_row_s_memory_is_what_a_process_of_its_own_holds() -> None:
     assert pss_probe.MIB * 0.9 < held < pss_probe.MIB * 1.2
     # Within a fifth (the spawned one also holds what its start-up left: not collected yet).
     assert abs(forked.memory.peak_pss_mib - alone.peak_pss_mib) < 0.2 * alone.peak_pss_mib
+
+
+def test_waiting_for_a_group_to_exit_wakes_as_it_exits_and_gives_up_at_the_deadline() -> None:
+    """``wait_until_gone`` waits on the processes' pidfds: it returns once the group's processes
+    have exited, one started meanwhile (by the group's leader) included, and returns what is
+    left when the deadline passes first."""
+    script = "import subprocess, time; subprocess.Popen(['sleep', '0.6']); time.sleep(0.2)"
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        left = harness_processes.wait_until_gone(
+            lambda: harness_processes.process_group(leader.pid), 30
+        )
+        assert list(left) == []  # the leader, then the sleep it started, both gone
+        assert leader.wait(timeout=5) == 0
+    finally:
+        harness_processes.kill_group(leader.pid)
+    stays = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        begun = time.monotonic()
+        left = harness_processes.wait_until_gone(
+            lambda: harness_processes.process_group(stays.pid), 0.3
+        )
+        assert list(left) == [stays.pid]
+        assert time.monotonic() - begun < 10  # the deadline ended the wait, not the process
+    finally:
+        harness_processes.kill_group(stays.pid)
+        stays.wait()
