@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# Issue 25's GPU benchmark in one command, on a machine with a CUDA GPU and torch (torchvision
+# Issue 25's GPU checks in one command, on a machine with a CUDA GPU and torch (torchvision
 # too, for the pipeline as users write it: without it a Pillow equivalent runs and each row says
 # so). Made for the device tool's boxes (one H100/H200, 16 cores): a copy of the working tree,
-# aioloader not installed, nothing fetched. About 3 minutes (see aioloader/_bench/gpu.py).
+# aioloader not installed, nothing fetched. About 5 minutes:
+#
+#   1. `aioloader bench --only gpu` (about 4 minutes, see aioloader/_bench/gpu.py): the
+#      ImageFolder pipeline through torch's DataLoader and aioloader's, the issue's table;
+#   2. the CUDA tests (tests/device/test_device_cuda.py, about 30 s), where pytest-asyncio is
+#      installed (the device boxes have none: carry its wheel); else a line says they did not run;
+#   3. `benchmarks/gpu_check.py --quick --sections 1 3` (about a minute): the device stage's
+#      correctness under a lagging consumer and its bandwidth, with what bounds it.
 #
 #   bash benchmarks/gpu_box.sh [OUT_DIR]     # default: $OUT/bench where $OUT is set, else ./gpu-bench
 #
 # OUT_DIR gets aioloader-bench.json (every row: per-epoch times, startup_s, server, server_why,
-# PSS by process), aioloader-bench.log (the workload's output, ending with the issue's table in
-# Markdown) and aioloader-bench.png. Exit status: aioloader bench's (1 when a row failed).
+# PSS by process, CPU per batch, the loader's statistics), aioloader-bench.log (the workload's
+# output, ending with the issue's table in Markdown), aioloader-bench.png, cuda-tests.log and
+# gpu-check.log. Exit status: 1 when a step failed (a bench row, a test, a correctness check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:+$OUT/bench}}
 out=${out:-gpu-bench}
+mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -31,4 +40,17 @@ status=0
 # The workload's own output (its lines and the issue's table) is in the log, not on stdout.
 echo; echo "== the gpu workload's table ($out/aioloader-bench.log) =="
 sed -n '/^| |/,$p' "$out/aioloader-bench.log" || true
+echo; echo "== the CUDA tests ($out/cuda-tests.log) =="
+if "$python" -c "import pytest_asyncio" 2>/dev/null; then
+    "$python" -m pytest tests/device/test_device_cuda.py -q -p no:cacheprovider \
+        >"$out/cuda-tests.log" 2>&1 || status=1
+    tail -n 4 "$out/cuda-tests.log"
+else
+    echo "not run: pytest-asyncio is not installed here (carry its wheel, >= 1.5)" \
+        | tee "$out/cuda-tests.log"
+fi
+echo; echo "== gpu_check.py --quick --sections 1 3 ($out/gpu-check.log) =="
+"$python" benchmarks/gpu_check.py --quick --sections 1 3 --budget 60 >"$out/gpu-check.log" 2>&1 \
+    || status=1
+cat "$out/gpu-check.log"
 exit "$status"
