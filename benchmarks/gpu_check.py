@@ -26,8 +26,10 @@ Run on a machine with a CUDA GPU (about a minute on an H100; ``--quick`` for les
    (256x3x224x224 uint8, 36.8 MiB); the host copy rate into pinned memory with torch's
    thread count and with one thread; then what bounds the stage: the stage's own host copy
    (``HostCopy``) at 1 to 16 threads, and the stage's rate on image batches with its copy
-   threads (``_COPY_THREADS``) at 1, the default, 8 and 16, with its statistics; and the H2D
-   rate from shared memory registered with CUDA in place, the ceiling without a host copy.
+   threads (``_COPY_THREADS``) at 1, the default, 8 and 16, with its statistics; the stage fed
+   by worker processes, whose batches arrive in blocks the stage registered once and copies
+   straight out of (``_workers/blocks.py``: no host copy); and the H2D rate from shared
+   memory registered with CUDA in place, the ceiling without a host copy.
 
 Exit status: 0 when every correctness check that ran passed, 1 when one failed, 2 without CUDA.
 A run the time budget left no room for is reported as skipped, not failed. The overlap goal is
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import itertools
+import os
 import random
 import sys
 import time
@@ -485,26 +488,39 @@ def timed_copies(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
     return repeats * src.numel() * src.element_size() / (start.elapsed_time(end) / 1e3)
 
 
-def stage_rate(tensor: torch.Tensor, count: int) -> tuple[float, int, Any, Any, str]:
+class Same(torch.utils.data.Dataset[torch.Tensor]):
+    """``length`` samples, each ``tensor`` (picklable: worker processes get a copy)."""
+
+    def __init__(self, tensor: torch.Tensor, length: int) -> None:
+        self.tensor, self.length = tensor, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.tensor
+
+
+def stage_rate(
+    tensor: torch.Tensor, count: int, workers: int = 0
+) -> tuple[float, int, Any, Any, str]:
     """Bytes per second through the device stage (``pin_memory=True, device="cuda"``) of
     ``count`` batches, each ``tensor``; with the batches counted, the pool's allocations and
-    capacity, and the stage's figures from the loader's statistics."""
+    capacity, and the stage's figures from the loader's statistics. With ``workers``, worker
+    processes make the batches: they arrive in the workers' blocks (``_workers/blocks.py``)."""
     size = tensor.numel() * tensor.element_size()
     prefetch = 2  # staged batches ahead of the consumer, at most
-
-    class Same(torch.utils.data.Dataset[torch.Tensor]):
-        def __len__(self) -> int:
-            return 3 + prefetch + count
-
-        def __getitem__(self, index: int) -> torch.Tensor:
-            return tensor
-
-    loader = aioloader.DataLoader(
-        Same(), batch_size=None, pin_memory=True, device="cuda", prefetch=prefetch
+    warm = 3 * max(1, workers)  # the pool's buffers, or the workers' blocks, are made here
+    ahead: dict[str, Any] = (
+        {"num_workers": workers, "persistent_workers": True} if workers else {"prefetch": prefetch}
     )
+    loader = aioloader.DataLoader(
+        Same(tensor, warm + prefetch + count), batch_size=None, pin_memory=True, device="cuda",
+        **ahead,
+    )  # fmt: skip
     with loader:
         it = iter(loader)
-        for _ in range(3):  # the pool's buffers are allocated here
+        for _ in range(warm):
             next(it)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -651,6 +667,16 @@ def check_bandwidth(dev: torch.device, count: int, budget: Budget) -> None:
             f"{n} batches of {nbytes / MB:.1f} MiB; pinned buffers allocated: {allocations} "
             f"(pool capacity {capacity})"
         )
+    workers = min(8, max(2, (os.cpu_count() or 2) // 2))
+    if budget.left() > 10:
+        rate, n, allocations, _, figures = stage_rate(images, count, workers=workers)
+        print(
+            f"    device stage out of worker blocks ({workers} workers, image batches): "
+            f"{rate / gb:.1f} GB/s = {rate / peak:.0%} of peak over {n} batches; pinned "
+            f"buffers allocated: {allocations} (0: no host copy); {figures}"
+        )
+    else:
+        print("    device stage out of worker blocks: skipped (time budget)")
     label = "    H2D from shared memory registered in place (36.8 MiB, no host copy):"
     try:
         rate, registered, unregistered = registered_rate(dev, images.numel())

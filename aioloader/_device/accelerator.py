@@ -123,6 +123,11 @@ class Accelerator(Protocol):
     def pinned(self, nbytes: int) -> torch.Tensor:
         """A new page-locked ``uint8`` host buffer of ``nbytes``."""
 
+    def register(self, address: int, nbytes: int) -> Callable[[], object] | None:
+        """Page-lock ``nbytes`` of host memory at ``address`` in place, for copies to the
+        device at a pinned buffer's speed: the call that undoes it, or None where the device
+        refuses (the caller copies through a pinned buffer instead)."""
+
     def record(self) -> Event:
         """An event at the current end of the side stream."""
 
@@ -158,6 +163,17 @@ class CudaAccelerator:
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def register(self, address: int, nbytes: int) -> Callable[[], object] | None:
+        # cudaHostRegisterPortable (1), as torch's own pinning of shared memory: page-locked
+        # for every context. A refusal (a memlock limit, a sandbox) is a status, not a raise.
+        try:
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            if int(cudart.cudaHostRegister(address, nbytes, 1)) != 0:
+                return None
+        except (AttributeError, RuntimeError):  # a torch without the runtime's bindings
+            return None
+        return lambda: cudart.cudaHostUnregister(address)
 
     def record(self) -> Event:
         # blocking: a host wait on it sleeps rather than spins (torch's constructor is unannotated)

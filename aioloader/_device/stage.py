@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +28,7 @@ import anyio
 import torch
 
 from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
+from .._workers.blocks import find_block
 from .._workers.offload import ThreadOffload
 from .accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
 from .hostcopy import HostCopy, as_bytes
@@ -216,6 +218,9 @@ class DeviceStage:
         self._transform = plan.transform
         self._thread = ThreadOffload(1, "device")
         self._host = HostCopy(_COPY_THREADS)
+        # Tensors copied straight out of a worker's block, until their copies' event completes.
+        self._holding: deque[tuple[Event, list[torch.Tensor]]] = deque()
+        self._held_to_close: list[torch.Tensor] = []
 
     async def open(self) -> None:
         """Initialise the device on the stage's thread (the first CUDA call can take seconds).
@@ -265,8 +270,16 @@ class DeviceStage:
     def _close(self) -> None:
         if self.accelerator is not None:
             self.accelerator.close()
+        self._holding.clear()  # the side stream is done: nothing reads them any more
+        self._held_to_close.clear()
         if self.pool is not None:
             self.pool.clear()
+
+    def _let_go(self) -> None:
+        """Drop the block tensors whose copies have completed: their blocks go back to the
+        workers once nothing else holds them."""
+        while self._holding and self._holding[0][0].query():
+            self._holding.popleft()
 
     def _stage(self, batch: Any, release: Callable[[], None] | None) -> Staged:
         acc = self.accelerator
@@ -301,10 +314,21 @@ class DeviceStage:
     ) -> tuple[dict[int, torch.Tensor], Event]:
         moved: dict[int, torch.Tensor] = {}
         packed: list[tuple[torch.Tensor, tuple[int, ...], int, int]] = []
+        direct: list[torch.Tensor] = []  # in a worker's block registered with the device
         total = 0
+        self._let_go()
         for tensor in leaves:
             if not plain_cpu_tensor(tensor):
                 moved[id(tensor)] = tensor.to(acc.device)
+                continue
+            block = find_block(tensor) if self.pool is not None else None
+            if block is not None and block.registered(acc.register):
+                target = torch.empty_strided(
+                    tensor.shape, _dense_strides(tensor), dtype=tensor.dtype, device=acc.device
+                )
+                target.copy_(tensor, non_blocking=True)
+                moved[id(tensor)] = target
+                direct.append(tensor)
                 continue
             nbytes = tensor.numel() * tensor.element_size()
             packed.append((tensor, _dense_strides(tensor), total, nbytes))
@@ -326,17 +350,29 @@ class DeviceStage:
                     target.copy_(staging, non_blocking=True)
                 moved[id(tensor)] = target
         except BaseException:
-            self._give_back(acc, buffer)
+            self._hold(direct, self._give_back(acc, buffer, direct))
             raise
-        return moved, self._give_back(acc, buffer)
+        event = self._give_back(acc, buffer, direct)
+        self._hold(direct, event)
+        return moved, event
 
-    def _give_back(self, acc: Accelerator, buffer: torch.Tensor | None) -> Event:
-        """An event after the copies issued so far; ``buffer`` is reused once it completes."""
+    def _hold(self, direct: list[torch.Tensor], event: Event) -> None:
+        if direct:
+            self._holding.append((event, direct))
+
+    def _give_back(
+        self, acc: Accelerator, buffer: torch.Tensor | None, direct: list[torch.Tensor]
+    ) -> Event:
+        """An event after the copies issued so far; ``buffer`` is reused once it completes.
+        Without one (recording failed), neither ``buffer`` nor the blocks of ``direct`` are
+        known to be idle: the buffer is never reused, and ``direct`` is held until the stage
+        closes, after the side stream is done."""
         try:
             event = acc.record()
         except BaseException:
             if buffer is not None and self.pool is not None:
                 self.pool.discard(buffer)
+            self._held_to_close.extend(direct)
             raise
         if buffer is not None and self.pool is not None:
             self.pool.give_back(buffer, event)

@@ -82,6 +82,9 @@ class Scope:
         # without `with` is a scope per epoch: new augmentations each), whatever the workers.
         worker_seed = plan.scope_seed()
         dataset = plan.source.dataset if isinstance(plan.source, InWorkers) else None
+        device = plan.device_plan
+        # A device stage that pins copies batches straight out of blocks the workers reuse.
+        blocks = device is not None and device.accelerator is not None and device.pin
         if plan.ray is not None and plan.num_workers > 0:
             self.work = RayPool(
                 plan.ray,
@@ -101,6 +104,7 @@ class Scope:
                 worker_init_fn=worker_init_fn,
                 stats=state.stats.workers,
                 dataset=dataset,
+                blocks=blocks,
             )
         else:
             self.work = ThreadOffload(
@@ -110,7 +114,6 @@ class Scope:
                 inline_below=plan.work_inline_below,
             )
         self.io: ThreadOffload | None = None
-        device = plan.device_plan
         self.device = DeviceStage(device, depth=plan.device_depth) if device else None
         self.current: Running | None = None
         self.pace = Pace()  # how long the dataset's awaited reads take, epoch after epoch

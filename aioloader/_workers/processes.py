@@ -35,6 +35,7 @@ import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory re
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
+from .blocks import LEDGER
 from .serverstart import note_server, prepare_forkserver
 from .slots import Slots
 from .worker import worker_main
@@ -78,6 +79,8 @@ class ProcessWorkers:
         stats: Where start-up time, restarts and pipe bytes are counted.
         dataset: A blocking dataset each worker keeps its own copy of (sent once, as each
             worker starts), or None.
+        blocks: Results come back in blocks each worker reuses (``blocks.py``: for a device
+            stage that copies out of them), not in a new shared-memory segment each.
     """
 
     def __init__(
@@ -90,8 +93,10 @@ class ProcessWorkers:
         worker_init_fn: Callable[[int], object] | None,
         stats: WorkerRecorder,
         dataset: object = None,
+        blocks: bool = False,
     ) -> None:
         self.concurrency = workers
+        self.blocks = blocks
         self.per_worker = True  # each worker a process with its own copy (``_pool.WorkerPool``)
         self.inlines, self.depth = False, 1  # a round trip to a worker process, one at a time
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
@@ -207,6 +212,7 @@ class ProcessWorkers:
         process.join()
         process.close()
         worker.stopped = True
+        LEDGER.forget(worker.pid)  # its blocks: mappings here live on only in their views
 
     async def aclose(self) -> None:
         """Stop every worker: close its pipe, wait for it to exit, terminate it if it does not.
@@ -296,7 +302,8 @@ class ProcessWorkers:
             if not replace:
                 raise self._crashed(worker)
             worker = await self._replace(worker)
-        payload = ForkingPickler.dumps((fn, args, seed))
+        freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
+        payload = ForkingPickler.dumps((fn, args, seed, freed))
         _blocking(worker.conn)
         with payload:  # a view of a BytesIO: let go now, not when a traceback is collected
             try:

@@ -33,6 +33,7 @@ import torch.multiprocessing  # registers torch's shared-memory reductions
 import torch.utils.data
 
 from .._base.exceptions import RemoteError
+from .blocks import OutputBlocks
 from .pack import pack_tensors
 
 __all__ = [
@@ -72,6 +73,7 @@ class WorkerInfo:
 
 _info: WorkerInfo | None = None
 _where: str | None = None  # this worker, as the notes of its exceptions name it
+_blocks = OutputBlocks()  # the blocks this worker writes results into, when the loader asks
 
 
 def get_worker_info() -> WorkerInfo | None:
@@ -287,12 +289,24 @@ def call_job(
         return False, with_worker_note(exc)
 
 
+def _into_blocks(result: Any) -> Any:
+    """The result's tensors written into one of this worker's blocks, the rest packed."""
+    return pack_tensors(_blocks.write(result))
+
+
 def _run_job(job: bytes) -> memoryview:
-    """One job, ``(fn, args, batch_seed)`` pickled: the reply, ``(ok, value)`` pickled."""
-    fn, args, batch_seed = pickle.loads(job)
-    reply = call_job(fn, args, batch_seed, pack_tensors)
+    """One job, ``(fn, args, batch_seed, freed)`` pickled: the reply, ``(ok, value)`` pickled.
+    ``freed`` is None, or the keys of this worker's blocks the main process is done with: the
+    result then goes into a block where it can (``blocks.py``)."""
+    fn, args, batch_seed, freed = pickle.loads(job)
+    if freed is not None:
+        _blocks.free(freed)
+    reply = call_job(fn, args, batch_seed, pack_tensors if freed is None else _into_blocks)
     del fn, args
     try:
-        return ForkingPickler.dumps(reply)
+        payload = ForkingPickler.dumps(reply)
     except BaseException as exc:  # the result does not pickle
+        _blocks.unsent()
         return ForkingPickler.dumps((False, with_worker_note(exc)))
+    _blocks.sent()
+    return payload

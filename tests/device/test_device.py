@@ -12,7 +12,7 @@ import pickle
 import threading
 import weakref
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 from unittest import mock
@@ -362,8 +362,11 @@ class FakeAccelerator:
 
     device = torch.device("cpu")
 
-    def __init__(self, *, complete: bool = True) -> None:
+    def __init__(self, *, complete: bool = True, refuse: bool = False) -> None:
         self.complete = complete
+        self.refuse = refuse  # register() refuses, as a device under a memlock limit does
+        self.registered: list[tuple[int, int]] = []  # (address, nbytes) of each registration
+        self.unregistered: list[int] = []
         self.calls: list[tuple[str, str]] = []
         self.pinned_sizes: list[int] = []
         self.synced_on: list[str] = []
@@ -393,6 +396,13 @@ class FakeAccelerator:
         self._log("pinned")
         self.pinned_sizes.append(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def register(self, address: int, nbytes: int) -> Callable[[], None] | None:
+        self._log("register")
+        if self.refuse:
+            return None
+        self.registered.append((address, nbytes))
+        return lambda: self.unregistered.append(address)
 
     def record(self) -> FakeEvent:
         assert self.on_side(), "events are recorded on the side stream"

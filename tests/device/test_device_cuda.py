@@ -285,3 +285,30 @@ async def test_the_stage_thread_allocates_on_the_chosen_device() -> None:
         got = [b async for b in dl]
         assert await stage._thread.run(where) == ("aioloader-device_0", last)
     assert [b.device for b in got] == [torch.device("cuda", last)] * 2
+
+
+def _slow_side_stream(batch: Any) -> Any:
+    torch.cuda._sleep(SLEEP_CYCLES)  # the next batch's copy waits behind this on the side stream
+    return batch
+
+
+def test_batches_copied_out_of_worker_blocks_are_right_while_the_side_stream_lags() -> None:
+    """Worker blocks (``_workers/blocks.py``): each registered once, the batches copied to the
+    device straight out of them (no pinned buffer taken), and a block goes back to its worker
+    only after the copy out of it is done: with the side stream held up by
+    ``device_transform``, a block handed back early would be overwritten under its copy."""
+    from aioloader._workers.blocks import LEDGER
+    from tests.workers.test_blocks import Frames, check_epoch
+
+    dl = aioloader.DataLoader(
+        Frames(), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
+        pin_memory=True, device="cuda", device_transform=_slow_side_stream,
+    )  # fmt: skip
+    with dl:
+        for _ in range(3):
+            assert sorted(check_epoch(dl)) == list(range(96))
+        stage = dl._scope.device if dl._scope else None
+        assert stage is not None and stage.pool is not None
+        assert stage.pool.allocations == 0  # every batch came out of a registered block
+        blocks = list(LEDGER._blocks.values())
+        assert blocks and all(b._unregister is not None for b in blocks)
