@@ -8,6 +8,8 @@ implementation, and :class:`PinnedPool`. Never: walks batches or decides when to
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -165,15 +167,19 @@ class CudaAccelerator:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def register(self, address: int, nbytes: int) -> Callable[[], object] | None:
-        # cudaHostRegisterPortable (1), as torch's own pinning of shared memory: page-locked
-        # for every context. A refusal (a memlock limit, a sandbox) is a status, not a raise.
-        try:
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            if int(cudart.cudaHostRegister(address, nbytes, 1)) != 0:
-                return None
-        except (AttributeError, RuntimeError):  # a torch without the runtime's bindings
+        # The driver's call, not the runtime's cudaHostRegister (torch.cuda.cudart()): a
+        # refusal there stays pending on the thread, and torch's next kernel-launch check
+        # reports it as its own error. Called on the stage's thread, which made the side
+        # stream: the device's primary context is current there; without one, it refuses.
+        driver = _driver()
+        if driver is None:
             return None
-        return lambda: cudart.cudaHostUnregister(address)
+        context = ctypes.c_void_p()
+        if driver.cuCtxGetCurrent(ctypes.byref(context)) != 0 or not context.value:
+            return None
+        if driver.cuMemHostRegister_v2(address, nbytes, _REGISTER_PORTABLE) != 0:
+            return None
+        return lambda: driver.cuMemHostUnregister(address)
 
     def record(self) -> Event:
         # blocking: a host wait on it sleeps rather than spins (torch's constructor is unannotated)
@@ -192,6 +198,27 @@ class CudaAccelerator:
     def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+_REGISTER_PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: page-locked for every context
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL | None:
+    """The CUDA driver's library, with the calls :meth:`CudaAccelerator.register` makes typed;
+    None where it cannot be loaded."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        register = driver.cuMemHostRegister_v2
+        unregister = driver.cuMemHostUnregister
+        current = driver.cuCtxGetCurrent
+    except (OSError, AttributeError):
+        return None
+    register.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+    unregister.argtypes = (ctypes.c_void_p,)
+    current.argtypes = (ctypes.POINTER(ctypes.c_void_p),)
+    register.restype = unregister.restype = current.restype = ctypes.c_int
+    return driver
 
 
 # -- pinned buffers ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import anyio
 import torch
 
 from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
-from .._workers.blocks import find_block
+from .._workers.ledger import Registrations, find_block
 from .._workers.offload import ThreadOffload
 from .accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
 from .hostcopy import HostCopy, as_bytes
@@ -221,6 +221,8 @@ class DeviceStage:
         # Tensors copied straight out of a worker's block, until their copies' event completes.
         self._holding: deque[tuple[Event, list[torch.Tensor]]] = deque()
         self._held_to_close: list[torch.Tensor] = []
+        acc = self.accelerator
+        self.registrations = Registrations(acc.register) if acc is not None and plan.pin else None
 
     async def open(self) -> None:
         """Initialise the device on the stage's thread (the first CUDA call can take seconds).
@@ -272,14 +274,18 @@ class DeviceStage:
             self.accelerator.close()
         self._holding.clear()  # the side stream is done: nothing reads them any more
         self._held_to_close.clear()
+        if self.registrations is not None:
+            self.registrations.close()
         if self.pool is not None:
             self.pool.clear()
 
     def _let_go(self) -> None:
-        """Drop the block tensors whose copies have completed: their blocks go back to the
-        workers once nothing else holds them."""
+        """Drop the block tensors whose copies have completed (their blocks go back to the
+        workers once nothing else holds them), and undo the registrations of blocks gone."""
         while self._holding and self._holding[0][0].query():
             self._holding.popleft()
+        if self.registrations is not None:
+            self.registrations.let_go()
 
     def _stage(self, batch: Any, release: Callable[[], None] | None) -> Staged:
         acc = self.accelerator
@@ -316,25 +322,25 @@ class DeviceStage:
         packed: list[tuple[torch.Tensor, tuple[int, ...], int, int]] = []
         direct: list[torch.Tensor] = []  # in a worker's block registered with the device
         total = 0
+        buffer = None
         self._let_go()
-        for tensor in leaves:
-            if not plain_cpu_tensor(tensor):
-                moved[id(tensor)] = tensor.to(acc.device)
-                continue
-            block = find_block(tensor) if self.pool is not None else None
-            if block is not None and block.registered(acc.register):
-                target = torch.empty_strided(
-                    tensor.shape, _dense_strides(tensor), dtype=tensor.dtype, device=acc.device
-                )
-                target.copy_(tensor, non_blocking=True)
-                moved[id(tensor)] = target
-                direct.append(tensor)
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            packed.append((tensor, _dense_strides(tensor), total, nbytes))
-            total += -(-nbytes // _ALIGN) * _ALIGN
-        buffer = self.pool.take(total) if self.pool is not None and total else None
         try:
+            for tensor in leaves:
+                if not plain_cpu_tensor(tensor):
+                    moved[id(tensor)] = tensor.to(acc.device)
+                    continue
+                if self._registered_block(tensor):
+                    target = torch.empty_strided(
+                        tensor.shape, _dense_strides(tensor), dtype=tensor.dtype, device=acc.device
+                    )
+                    direct.append(tensor)  # held from before its copy is issued
+                    target.copy_(tensor, non_blocking=True)
+                    moved[id(tensor)] = target
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                packed.append((tensor, _dense_strides(tensor), total, nbytes))
+                total += -(-nbytes // _ALIGN) * _ALIGN
+            buffer = self.pool.take(total) if self.pool is not None and total else None
             for tensor, strides, offset, nbytes in packed:
                 target = torch.empty_strided(
                     tensor.shape, strides, dtype=tensor.dtype, device=acc.device
@@ -355,6 +361,14 @@ class DeviceStage:
         event = self._give_back(acc, buffer, direct)
         self._hold(direct, event)
         return moved, event
+
+    def _registered_block(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in a worker's block registered with the device (registering
+        the block on first sight): then it is copied straight out of it."""
+        if self.registrations is None:
+            return False
+        block = find_block(tensor)
+        return block is not None and self.registrations.ready(block)
 
     def _hold(self, direct: list[torch.Tensor], event: Event) -> None:
         if direct:

@@ -13,32 +13,34 @@ and a CUDA device stage that pins):
 
 * Each job carries the keys of the worker's blocks that the main process is done with since
   its last job (a list; None turns blocks off for the job).
-* The worker (:class:`OutputBlocks`) copies its result's plain contiguous CPU tensors into one
-  free block of its own, at most :data:`PER_WORKER` blocks, and pickles each as a
-  :class:`BlockView`: the block's key, an offset, a dtype and a shape, and on the block's first
-  trip the block itself (torch shares its storage: one descriptor, once).
+* The worker (:class:`OutputBlocks`) copies its batch's plain dense CPU tensors into one free
+  block of its own, at most :data:`PER_WORKER` blocks, and pickles each as a
+  :class:`BlockView`: the block's key, an offset, a dtype, a shape (and the order of a
+  permuted layout), and on the block's first trip the block itself (torch shares its
+  storage: one descriptor, once).
 * Unpickled in the main process, a view is a tensor over the main process's mapping of the
-  block (:class:`BlockLedger`). The block is free again once every tensor of that result is
-  gone (garbage: whoever dropped it, the device stage, a cancelled epoch, the user); its key
-  rides with the next job to that worker.
-* The device stage asks :func:`find_block` for a tensor's block, registers it once
-  (``Accelerator.register``) and copies from it directly (``_device/stage.py``).
+  block (``ledger.py``). The block is free again once every tensor of that result is gone
+  (garbage: whoever dropped it, the device stage, a cancelled epoch, the user); its key rides
+  with the next job to that worker.
+* The device stage asks ``ledger.find_block`` for a tensor's block, registers it once
+  (``ledger.Registrations``, on the stage's thread, undone there once the block is gone or the
+  stage closes) and copies from it directly (``_device/stage.py``).
 
-A result under :data:`MIN_BYTES`, or one that finds no free block that fits once the worker
-has :data:`PER_WORKER`, goes the usual way (``pack.py`` and torch's sharing). A block is never
-resized: a larger batch later takes a new one while there is room, or goes the usual way.
+Only a job's batch (``JobResult.batch``) goes into a block, not what else a result carries (a
+stream's checkpoint mark, samples left uncollated after a failure), which may be kept long
+after the batch. A batch under :data:`MIN_BYTES`, or one that finds no free block that fits
+once the worker has :data:`PER_WORKER`, goes the usual way (``pack.py`` and torch's sharing);
+a free block too small for the batch is replaced by a larger one under the same key (its
+next trip carries the new block).
 
-Owns: the worker's blocks, the placeholders, the main process's ledger of mapped blocks and
-their registrations. Never: sends anything (the pipe is ``processes.py``'s), or decides whether
+Owns: the protocol, the worker's blocks and the placeholders (the main process's side is
+``ledger.py``). Never: sends anything (the pipe is ``processes.py``'s), or decides whether
 blocks are used (the loader's scope does).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -47,25 +49,14 @@ import numpy as np
 import torch
 
 from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
+from .ledger import LEDGER, Key
 
-__all__ = [
-    "LEDGER",
-    "MIN_BYTES",
-    "PER_WORKER",
-    "Block",
-    "BlockLedger",
-    "BlockView",
-    "Key",
-    "OutputBlocks",
-    "find_block",
-]
+__all__ = ["MIN_BYTES", "PER_WORKER", "BlockView", "OutputBlocks"]
 
 MIN_BYTES = 1 << 20  # a result's tensors under this go the usual way: registering pays off above
 PER_WORKER = 4  # blocks a worker may own: two jobs queued to it, one being staged, one spare
 _ALIGN = 64  # bytes: each tensor's offset in a block (a cache line, aligned for any dtype)
 _ROUND = 1 << 20  # bytes: block sizes are whole MiB, so batches a little larger still fit
-
-Key = tuple[int, int]  # (the worker's pid, the block's number in that worker)
 
 
 # -- in the worker ------------------------------------------------------------------------------
@@ -80,9 +71,11 @@ class _Own:
 
 class BlockView:
     """A tensor of a worker's result, written into one of its blocks: pickled in the worker,
-    unpickled in the main process as a tensor over that process's mapping of the block."""
+    unpickled in the main process as a tensor over that process's mapping of the block. A
+    dense tensor that is not contiguous (channels-last, any permutation) is written in its
+    memory's order, ``order`` the permutation that makes it contiguous (None: contiguous)."""
 
-    __slots__ = ("block", "dtype", "key", "offset", "shape")
+    __slots__ = ("block", "dtype", "key", "offset", "order", "shape")
 
     def __init__(
         self,
@@ -91,17 +84,35 @@ class BlockView:
         offset: int,
         dtype: torch.dtype,
         shape: tuple[int, ...],
+        order: tuple[int, ...] | None = None,
     ) -> None:
-        self.key, self.block, self.offset, self.dtype, self.shape = key, block, offset, dtype, shape
+        self.key, self.block, self.offset = key, block, offset
+        self.dtype, self.shape, self.order = dtype, shape, order
 
     def __reduce__(self) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
-        return _rebuild, (self.key, self.block, self.offset, self.dtype, self.shape)
+        return _rebuild, (self.key, self.block, self.offset, self.dtype, self.shape, self.order)
 
 
 def _rebuild(
-    key: Key, block: torch.Tensor | None, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+    key: Key,
+    block: torch.Tensor | None,
+    offset: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    order: tuple[int, ...] | None,
 ) -> torch.Tensor:
-    return LEDGER.view(key, block, offset, dtype, shape)
+    return LEDGER.view(key, block, offset, dtype, shape, order)
+
+
+def _memory_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of ``tensor``'s dimensions whose ``permute`` is contiguous (the
+    identity for a contiguous tensor); None when it has none (overlapping or gapped)."""
+    identity = tuple(range(tensor.dim()))
+    if tensor.is_contiguous():
+        return identity
+    strides = tensor.stride()
+    order = tuple(sorted(identity, key=lambda d: (-strides[d], d)))
+    return order if tensor.permute(order).is_contiguous() else None
 
 
 def _eligible(tensor: torch.Tensor) -> bool:
@@ -110,7 +121,7 @@ def _eligible(tensor: torch.Tensor) -> bool:
         and not tensor.requires_grad
         and not tensor.is_conj()
         and not tensor.is_neg()
-        and tensor.is_contiguous()
+        and _memory_order(tensor) is not None
     )
 
 
@@ -135,18 +146,16 @@ class OutputBlocks:
                 self._blocks[number].busy = False
 
     def write(self, data: Any) -> Any:
-        """``data`` with its eligible tensors (plain, contiguous, CPU, no autograd; not two
-        sharing a storage) copied into one free block and replaced by :class:`BlockView`s; as
-        it is when they are under :data:`MIN_BYTES` or no block fits. Call :meth:`sent` or
-        :meth:`unsent` once the reply is pickled (or failed to)."""
-        found = tensors_in(data)
-        owners: dict[int, int] = {}
-        for t in found:
-            key = t.untyped_storage().data_ptr()
-            owners[key] = owners.get(key, 0) + 1
-        chosen = {
-            id(t): t for t in found if _eligible(t) and owners[t.untyped_storage().data_ptr()] == 1
-        }
+        """``data`` with its eligible tensors (plain, dense, CPU, no autograd; not two sharing
+        a storage) copied into one free block and replaced by :class:`BlockView`s (one per
+        tensor: a tensor that appears twice arrives as one); as it is when they are under
+        :data:`MIN_BYTES` or no block fits. Call :meth:`sent` or :meth:`unsent` once the reply
+        is pickled (or failed to)."""
+        plain = [t for t in tensors_in(data) if _eligible(t)]
+        owners: dict[int, set[int]] = {}
+        for t in plain:
+            owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
+        chosen = {id(t): t for t in plain if len(owners[t.untyped_storage().data_ptr()]) == 1}
         offsets: dict[int, int] = {}
         size = 0
         for key, t in chosen.items():
@@ -161,13 +170,22 @@ class OutputBlocks:
         into = own.tensor.numpy()
         block_key = (os.getpid(), number)
         first = None if own.sent else own.tensor
+        made: dict[int, BlockView] = {}
 
         def place(t: torch.Tensor) -> Any:
             start = offsets.get(id(t))
             if start is None or chosen.get(id(t)) is not t:
                 return t
-            np.copyto(into[start : start + t.nbytes], t.view(-1).view(torch.uint8).numpy())
-            return BlockView(block_key, first, start, t.dtype, tuple(t.shape))
+            if id(t) not in made:
+                order = _memory_order(t)
+                assert order is not None  # _eligible
+                flat = t.permute(order).reshape(-1).view(torch.uint8)
+                np.copyto(into[start : start + t.nbytes], flat.numpy())
+                identity = order == tuple(range(t.dim()))
+                made[id(t)] = BlockView(
+                    block_key, first, start, t.dtype, tuple(t.shape), None if identity else order
+                )
+            return made[id(t)]
 
         try:
             written = map_tensors(place, data)
@@ -190,141 +208,26 @@ class OutputBlocks:
             self._pending = None
 
     def _take(self, nbytes: int) -> int | None:
-        fits = [i for i, b in enumerate(self._blocks) if not b.busy and b.tensor.numel() >= nbytes]
+        """A free block of at least ``nbytes``, made busy: the smallest that fits; else a new
+        one while there is room; else a free one too small, replaced by a larger one under the
+        same number (unsent: its next trip carries it). None when every block is busy."""
+        free = [i for i, b in enumerate(self._blocks) if not b.busy]
+        fits = [i for i in free if self._blocks[i].tensor.numel() >= nbytes]
         if fits:
             number = min(fits, key=lambda i: self._blocks[i].tensor.numel())
-        elif len(self._blocks) < self.limit:
-            size = -(-nbytes // _ROUND) * _ROUND
+        elif len(self._blocks) < self.limit or free:
             try:
-                tensor = torch.empty(size, dtype=torch.uint8)
+                tensor = torch.empty(-(-nbytes // _ROUND) * _ROUND, dtype=torch.uint8)
                 tensor.untyped_storage().share_memory_()
             except (RuntimeError, OSError):  # no room in /dev/shm: torch's sharing will say so
                 return None
-            self._blocks.append(_Own(tensor))
-            number = len(self._blocks) - 1
+            if len(self._blocks) < self.limit:
+                self._blocks.append(_Own(tensor))
+                number = len(self._blocks) - 1
+            else:
+                number = min(free, key=lambda i: self._blocks[i].tensor.numel())
+                self._blocks[number] = _Own(tensor)
         else:
             return None
         self._blocks[number].busy = True
         return number
-
-
-# -- in the main process ------------------------------------------------------------------------
-
-
-class Block:
-    """The main process's mapping of one worker block: views of it, how many are alive, and its
-    registration with the device (undone when the block is dropped)."""
-
-    def __init__(self, key: Key, tensor: torch.Tensor, ledger: BlockLedger) -> None:
-        self.key = key
-        self.tensor = tensor
-        self.address = tensor.data_ptr()
-        self.nbytes = tensor.numel()
-        self._array = tensor.numpy()
-        self._ledger = ledger
-        self._live = 0  # views of the current result still alive
-        self._unregister: Callable[[], object] | None = None
-        self._refused = False  # registering failed once: not tried again
-
-    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        region = self._array[offset : offset + nbytes]
-        with self._ledger.lock:
-            self._live += 1
-        weakref.finalize(region, self._gone).atexit = False
-        return torch.from_numpy(region).view(dtype).view(shape)
-
-    def _gone(self) -> None:
-        with self._ledger.lock:
-            self._live -= 1
-            if self._live == 0:
-                self._ledger.freed_now(self.key)
-
-    def registered(self, register: Callable[[int, int], Callable[[], object] | None]) -> bool:
-        """Whether the block is registered with the device, registering it on the first call
-        (``register(address, nbytes)`` returns the call that undoes it, or None when the device
-        refuses); a refusal is not retried."""
-        if self._unregister is None and not self._refused:
-            self._unregister = register(self.address, self.nbytes)
-            self._refused = self._unregister is None
-        return self._unregister is not None
-
-    def __del__(self) -> None:
-        unregister, self._unregister = self._unregister, None
-        if unregister is not None:
-            with contextlib.suppress(Exception):  # the interpreter is exiting, say
-                unregister()
-
-
-class BlockLedger:
-    """The main process's worker blocks, by key (one ledger per process: unpickling a
-    :class:`BlockView` has no other way to reach it). Thread-safe: views are built on the
-    loop's thread and die on any."""
-
-    def __init__(self) -> None:
-        # Reentrant: a collection inside a locked section may run a view's finalizer (_gone).
-        self.lock = threading.RLock()
-        self._blocks: dict[Key, Block] = {}
-        self._freed: dict[int, list[Key]] = {}
-
-    def view(
-        self,
-        key: Key,
-        block: torch.Tensor | None,
-        offset: int,
-        dtype: torch.dtype,
-        shape: tuple[int, ...],
-    ) -> torch.Tensor:
-        """A view of block ``key`` (mapped from ``block`` on its first trip).
-
-        Raises:
-            RuntimeError: ``key`` is unknown and no block came with it.
-        """
-        with self.lock:
-            known = self._blocks.get(key)
-            if known is None:
-                if block is None:
-                    raise RuntimeError(
-                        f"aioloader: worker {key[0]}'s block {key[1]} came without its "
-                        "memory and was never mapped here"
-                    )
-                known = self._blocks[key] = Block(key, block, self)
-        return known.view(offset, dtype, shape)
-
-    def freed_now(self, key: Key) -> None:
-        """Block ``key``'s result is gone (called under :attr:`lock`): its worker is told
-        with its next job, unless the worker is gone."""
-        if key in self._blocks:
-            self._freed.setdefault(key[0], []).append(key)
-
-    def freed(self, pid: int) -> list[Key]:
-        """The blocks of worker ``pid`` freed since the last call (for its next job)."""
-        with self.lock:
-            return self._freed.pop(pid, [])
-
-    def forget(self, pid: int) -> None:
-        """Worker ``pid`` is gone: drop its blocks (views still alive keep their memory, and a
-        block's registration is undone when its last reference goes)."""
-        with self.lock:
-            for key in [k for k in self._blocks if k[0] == pid]:
-                del self._blocks[key]
-            self._freed.pop(pid, None)
-
-    def find(self, tensor: torch.Tensor) -> Block | None:
-        """The block ``tensor``'s memory lies in, or None."""
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        with self.lock:
-            for block in self._blocks.values():
-                if block.address <= start and end <= block.address + block.nbytes:
-                    return block
-        return None
-
-
-LEDGER = BlockLedger()
-
-
-def find_block(tensor: torch.Tensor) -> Block | None:
-    """The worker block ``tensor``'s memory lies in (see :meth:`BlockLedger.find`), or None."""
-    return LEDGER.find(tensor)

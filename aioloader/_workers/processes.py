@@ -35,7 +35,7 @@ import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory re
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
-from .blocks import LEDGER
+from .ledger import LEDGER
 from .serverstart import note_server, prepare_forkserver
 from .slots import Slots
 from .worker import worker_main
@@ -303,7 +303,11 @@ class ProcessWorkers:
                 raise self._crashed(worker)
             worker = await self._replace(worker)
         freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
-        payload = ForkingPickler.dumps((fn, args, seed, freed))
+        try:
+            payload = ForkingPickler.dumps((fn, args, seed, freed))
+        except BaseException:
+            LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
+            raise
         _blocking(worker.conn)
         with payload:  # a view of a BytesIO: let go now, not when a traceback is collected
             try:

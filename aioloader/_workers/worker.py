@@ -35,6 +35,7 @@ import torch.utils.data
 from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
 from .pack import pack_tensors
+from .result import JobResult
 
 __all__ = [
     "WorkerInfo",
@@ -290,8 +291,16 @@ def call_job(
 
 
 def _into_blocks(result: Any) -> Any:
-    """The result's tensors written into one of this worker's blocks, the rest packed."""
-    return pack_tensors(_blocks.write(result))
+    """A job's batch written into one of this worker's blocks (``blocks.py``; nothing else of
+    the result: a checkpoint mark or uncollated samples may be kept long after the batch),
+    then what is left packed as usual."""
+    if isinstance(result, JobResult) and result.batch is not None:
+        result.batch = _blocks.write(result.batch)
+    try:
+        return pack_tensors(result)
+    except BaseException:
+        _blocks.unsent()  # the reply will say what failed: the block holds nothing sent
+        raise
 
 
 def _run_job(job: bytes) -> memoryview:

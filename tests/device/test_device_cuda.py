@@ -297,7 +297,7 @@ def test_batches_copied_out_of_worker_blocks_are_right_while_the_side_stream_lag
     device straight out of them (no pinned buffer taken), and a block goes back to its worker
     only after the copy out of it is done: with the side stream held up by
     ``device_transform``, a block handed back early would be overwritten under its copy."""
-    from aioloader._workers.blocks import LEDGER
+    from aioloader._workers.ledger import LEDGER
     from tests.workers.test_blocks import Frames, check_epoch
 
     dl = aioloader.DataLoader(
@@ -308,7 +308,37 @@ def test_batches_copied_out_of_worker_blocks_are_right_while_the_side_stream_lag
         for _ in range(3):
             assert sorted(check_epoch(dl)) == list(range(96))
         stage = dl._scope.device if dl._scope else None
-        assert stage is not None and stage.pool is not None
+        assert stage is not None and stage.pool is not None and stage.registrations is not None
         assert stage.pool.allocations == 0  # every batch came out of a registered block
         blocks = list(LEDGER._blocks.values())
-        assert blocks and all(b._unregister is not None for b in blocks)
+        assert blocks and all(stage.registrations.ready(b) for b in blocks)
+    assert stage.registrations.undone >= len(blocks)  # all undone as the scope closed
+
+
+def test_registering_in_place_copies_at_pinned_speed_and_a_refusal_leaves_no_error() -> None:
+    """``CudaAccelerator.register`` (the driver's call) on the thread that opened it: shared
+    memory registered copies right with ``non_blocking``; a refusal (address 0) returns None
+    and leaves no error pending for torch's next kernel launch on that thread."""
+    from aioloader._device.accelerator import CudaAccelerator
+
+    found: list[Any] = []
+
+    def on_a_thread() -> None:
+        acc = CudaAccelerator(cuda())
+        acc.open()
+        shared = torch.arange(1 << 22, dtype=torch.int64).share_memory_()
+        undo = acc.register(shared.data_ptr(), shared.numel() * shared.element_size())
+        assert undo is not None
+        with acc.side():
+            out = shared.to(cuda(), non_blocking=True)
+            acc.record().synchronize()
+        found.append(torch.equal(out.cpu(), shared))
+        undo()
+        assert acc.register(0, 4096) is None
+        found.append(int((torch.ones(4, device=cuda()) + 1).sum()))  # a kernel launch
+        acc.close()
+
+    thread = threading.Thread(target=on_a_thread)
+    thread.start()
+    thread.join(30)
+    assert found == [True, 8]

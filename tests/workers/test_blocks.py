@@ -8,6 +8,8 @@ import gc
 import os
 import pickle
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -17,7 +19,9 @@ import torch
 
 import aioloader
 from aioloader._workers import blocks as blocks_module
-from aioloader._workers.blocks import LEDGER, MIN_BYTES, BlockView, OutputBlocks, find_block
+from aioloader._workers import ledger as ledger_module
+from aioloader._workers.blocks import MIN_BYTES, BlockView, OutputBlocks
+from aioloader._workers.ledger import LEDGER, Registrations, find_block
 from tests.device.test_device import CopyingAccelerator, FakeAccelerator, on_fake_device
 
 PID = os.getpid()
@@ -121,30 +125,84 @@ def test_a_reply_that_does_not_pickle_gives_its_block_back() -> None:
     assert isinstance(blocks.write(big(2))["images"], BlockView)  # the same block, free again
 
 
-def test_a_block_registers_once_a_refusal_is_not_retried_and_dropping_it_undoes_it() -> None:
+def test_a_block_registers_once_a_refusal_is_not_retried_and_a_gone_one_is_undone() -> None:
     calls: list[tuple[str, int]] = []
 
     def register(address: int, nbytes: int) -> Callable[[], object]:
-        calls.append(("register", nbytes))
+        calls.append(("register", address))
         return lambda: calls.append(("unregister", address))
 
+    registrations = Registrations(register)
     got = crossed(OutputBlocks(), big(1))
     block = find_block(got["images"])
-    assert block is not None
-    assert block.registered(register) and block.registered(register)
-    assert calls == [("register", block.nbytes)] and block.nbytes % (1 << 20) == 0
-    other = blocks_module.Block((PID, 7), torch.empty(1 << 20, dtype=torch.uint8), LEDGER)
-    refusals: list[int] = []
-    assert not other.registered(lambda a, n: refusals.append(n))  # returns None: refused
-    assert not other.registered(lambda a, n: refusals.append(n)) and refusals == [1 << 20]
+    assert block is not None and block.nbytes % (1 << 20) == 0
+    assert registrations.ready(block) and registrations.ready(block)
     address = block.address
+    assert calls == [("register", address)]
+    refusing = Registrations(lambda address, nbytes: calls.append(("refused", address)))
+    assert not refusing.ready(block) and not refusing.ready(block)
+    assert calls[1:] == [("refused", address)]  # not retried
     LEDGER.forget(PID)  # the worker is gone; the views still map the block
     del block
     gc.collect()
-    assert ("unregister", address) not in calls
+    registrations.let_go()
+    assert ("unregister", address) not in calls  # its views are alive
     del got
     gc.collect()
-    assert calls[-1] == ("unregister", address)
+    assert ("unregister", address) not in calls  # undone only on the stage's own call...
+    registrations.let_go()
+    assert calls[-1] == ("unregister", address) and registrations.undone == 1  # ...here
+    registrations.close()
+    assert registrations.undone == 1  # nothing left to undo
+
+
+def test_closing_undoes_every_registration_even_of_blocks_still_mapped() -> None:
+    undone: list[int] = []
+    registrations = Registrations(lambda address, nbytes: lambda: undone.append(address))
+    got = crossed(OutputBlocks(), big(1))
+    block = find_block(got["images"])
+    assert block is not None and registrations.ready(block)
+    registrations.close()
+    assert undone == [block.address]
+    del block, got
+    gc.collect()
+    registrations.let_go()
+    assert undone == [undone[0]]  # not twice
+
+
+def test_a_tensor_twice_arrives_once_and_dense_layouts_keep_their_strides() -> None:
+    image = torch.randn(16, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    permuted = torch.randn(64, 32, 128).permute(2, 0, 1)
+    data = {"a": image, "b": image, "p": permuted, "gapped": torch.randn(64, 64)[:, ::2]}
+    got = crossed(OutputBlocks(), data)
+    assert got["a"] is got["b"]
+    for key in ("a", "p"):
+        want = data[key]
+        assert torch.equal(got[key], want) and got[key].stride() == want.stride(), key
+        assert find_block(got[key]) is not None, key
+    assert torch.equal(got["gapped"], data["gapped"])
+    assert find_block(got["gapped"]) is None  # not dense: the usual way
+
+
+def test_a_larger_batch_replaces_a_free_block_too_small_under_the_same_key() -> None:
+    blocks = OutputBlocks(limit=1)
+    small = crossed(blocks, {"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})
+    del small
+    gc.collect()
+    blocks.free(LEDGER.freed(PID))
+    large = torch.arange(3 * MIN_BYTES, dtype=torch.int64) % 7
+    written = blocks.write({"x": large})
+    assert written["x"].block is not None  # the new block travels, under the old key
+    got = pickle.loads(ForkingPickler.dumps(written))
+    blocks.sent()
+    block = find_block(got["x"])
+    assert block is not None and block.key == (PID, 0) and block.nbytes >= large.nbytes
+    assert torch.equal(got["x"], large)
+
+
+def test_a_result_with_a_sparse_tensor_alone_goes_the_usual_way() -> None:
+    sparse = torch.eye(2048).to_sparse()
+    assert OutputBlocks().write([sparse])[0] is sparse
 
 
 def test_a_view_of_a_block_never_mapped_here_is_an_error_naming_it() -> None:
@@ -227,11 +285,12 @@ def test_an_epoch_left_early_gives_its_blocks_back() -> None:
 
 
 def test_without_a_pinning_device_stage_the_workers_use_no_blocks() -> None:
-    """Pinned on the host only, or unpinned to a device: the usual sharing."""
-    loader = aioloader.DataLoader(Frames(), batch_size=16, num_workers=2)
+    """Unpinned to a device: the usual sharing (no block mapped here while the epochs run)."""
+    loader = aioloader.DataLoader(Frames(), batch_size=16, num_workers=2, persistent_workers=True)
     fake = on_fake_device(loader, FakeAccelerator(), pin=False)
-    assert check_epoch(loader) == list(range(96))
-    assert fake.registered == [] and not [k for k in LEDGER._blocks if k[0] != PID]
+    with loader:
+        assert check_epoch(loader) == list(range(96))
+        assert fake.registered == [] and not [k for k in LEDGER._blocks if k[0] != PID]
 
 
 def test_blocks_leave_no_descriptor_behind() -> None:
@@ -271,3 +330,179 @@ def test_a_killed_worker_s_blocks_are_forgotten_and_its_replacement_gets_its_own
         assert not any(key[0] == dead for key in LEDGER._blocks)
     gc.collect()
     assert sorted(fake.unregistered) == sorted(a for a, _ in fake.registered)
+
+
+# -- a side stream that lags: no block goes back while a copy out of it may still run ----------
+
+
+class LaggingAccelerator(CopyingAccelerator):
+    """Each event completes ``lag`` seconds after the one before it (a side stream behind the
+    host); remembers, for each block, until when copies out of it may still run, and records
+    every block handed back to its worker before that (``early``) and each thread that
+    registered or undid a registration."""
+
+    def __init__(self, lag: float = 0.02) -> None:
+        super().__init__()
+        self.lag = lag
+        self.last = 0.0
+        self.pending: list[Any] = []  # blocks copied from since the last event
+        self.busy_until: dict[int, float] = {}  # block token -> when its copies are done
+        self.early: list[Any] = []
+        self.threads: set[str] = set()
+
+    def copied(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        super().copied(dst, src, non_blocking)
+        if (block := find_block(src)) is not None:
+            self.pending.append(block)
+
+    def record(self) -> Any:
+        super().record()
+        self.last = max(self.last, time.monotonic()) + self.lag
+        for block in self.pending:
+            self.busy_until[block.token] = self.last
+        self.pending.clear()
+        return TimedEvent(self.last)
+
+    def hand_over(self, event: Any, tensors: Any) -> None:
+        event.synchronize()  # the consumer's stream waits for the copies
+
+    def register(self, address: int, nbytes: int) -> Callable[[], None] | None:
+        self.threads.add(threading.current_thread().name)
+        undo = super().register(address, nbytes)
+        assert undo is not None
+
+        def unregister() -> None:
+            self.threads.add(threading.current_thread().name)
+            undo()
+
+        return unregister
+
+    def close(self) -> None:
+        super().close()
+        TimedEvent(self.last).synchronize()
+
+
+class TimedEvent:
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.monotonic()))
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> LaggingAccelerator:
+    """A lagging accelerator whose blocks, as each is handed back, must have no copy running."""
+    fake = LaggingAccelerator()
+    handed_back = ledger_module.BlockLedger.freed_now
+
+    def freed_now(ledger: ledger_module.BlockLedger, block: ledger_module.Block) -> None:
+        if block in fake.pending or fake.busy_until.get(block.token, 0.0) > time.monotonic():
+            fake.early.append(block.key)
+        handed_back(ledger, block)
+
+    monkeypatch.setattr(ledger_module.BlockLedger, "freed_now", freed_now)
+    return fake
+
+
+def test_no_block_goes_back_while_a_copy_out_of_it_may_run(watched: LaggingAccelerator) -> None:
+    loader = aioloader.DataLoader(
+        Frames(), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True
+    )
+    on_fake_device(loader, watched)
+    with loader:
+        assert len(check_epoch(loader, stop_after=2)) == 32  # left early: batches dropped
+        for _ in range(3):
+            assert sorted(check_epoch(loader)) == list(range(96))
+    assert len(watched.busy_until) >= 2 and watched.early == []
+    assert {name.rsplit("_", 1)[0] for name in watched.threads} == {"aioloader-device"}
+
+
+class Boom(torch.Tensor):
+    """A tensor whose move to the device fails, as a full device does."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.to:
+            raise torch.OutOfMemoryError("pretend the device is full")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+async def test_a_batch_that_fails_on_its_way_holds_its_blocks_until_its_copies_are_done() -> None:
+    """A later tensor of the batch fails after a copy out of a block was issued: the block is
+    held until the copies issued are done (an event recorded after them), not handed back."""
+    from aioloader._device.stage import DevicePlan, DeviceStage
+
+    fake = FakeAccelerator(complete=False)  # the copies stay "in flight"
+    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
+    await stage.open()
+    try:
+        got = crossed(OutputBlocks(), {"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})
+        batch = {"x": got["x"], "y": torch.zeros(3).as_subclass(Boom)}
+        del got
+        with pytest.raises(torch.OutOfMemoryError):
+            await stage.stage(batch)
+        del batch
+        gc.collect()
+        assert len(fake.events) == 1 and LEDGER.freed(PID) == []  # held: the copy may run
+    finally:
+        await stage.aclose()  # synchronizes: the copies are done, the block goes back
+    gc.collect()
+    assert LEDGER.freed(PID) == [(PID, 0)]
+
+
+class SomeUnpicklable(aioloader.AsyncDataset[tuple[Any, ...]]):
+    """Frames read in this process; every other batch's first sample carries a lambda, so that
+    batch's job cannot be pickled for the worker."""
+
+    def __len__(self) -> int:
+        return 16 * 12
+
+    async def get(self, index: int) -> tuple[Any, ...]:
+        frame = torch.full((3, 224, 224), index % 251, dtype=torch.uint8)
+        return (frame, index, lambda: None) if index % 32 == 16 else (frame, index)
+
+
+def stack(samples: list[tuple[Any, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
+
+
+async def test_blocks_freed_for_a_job_that_could_not_be_sent_go_with_the_next_one() -> None:
+    loader = aioloader.DataLoader(SomeUnpicklable(), batch_size=16, num_workers=1, collate_fn=stack)
+    fake = on_fake_device(loader, CopyingAccelerator())
+    assert isinstance(fake, CopyingAccelerator)
+    good, failed = 0, 0
+    async with loader:
+        batches = loader.__aiter__()
+        for _ in range(24):  # bounded: 12 batches, each given or failed in its turn
+            try:
+                frames, indices = await batches.__anext__()
+            except StopAsyncIteration:
+                break
+            except AttributeError as exc:  # the lambda does not pickle: the batch fails
+                failed += "pickle" in str(exc)
+                continue
+            assert torch.equal(frames[:, 0, 0, 0].long(), indices % 251)
+            good += 1
+    assert (good, failed) == (6, 6)
+    assert host_copies(fake) == 0  # no block was lost: none of the good ones fell back
+
+
+def test_a_reply_whose_packing_fails_gives_its_block_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioloader._workers import worker as worker_module
+    from aioloader._workers.result import JobResult
+
+    blocks = OutputBlocks(limit=1)
+    monkeypatch.setattr(worker_module, "_blocks", blocks)
+
+    def full(data: Any) -> Any:
+        raise RuntimeError("no room in /dev/shm")
+
+    monkeypatch.setattr(worker_module, "pack_tensors", full)
+    result = JobResult(batch={"x": torch.ones(MIN_BYTES, dtype=torch.uint8)}, size=1)
+    with pytest.raises(RuntimeError, match="no room"):
+        worker_module._into_blocks(result)
+    assert isinstance(blocks.write({"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})["x"], BlockView)
