@@ -159,6 +159,10 @@ class CudaAccelerator:
         torch.cuda.set_device(self.device)
         # torch's constructor is unannotated
         self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        # A runtime call on this thread: the device's primary context is current here from
+        # now on (register() calls the driver, which needs one; a stream from torch's pool may
+        # have been made on another thread).
+        self._stream.synchronize()
 
     def side(self) -> AbstractContextManager[Any]:
         return torch.cuda.stream(self._side_stream())

@@ -255,6 +255,13 @@ class DeviceStage:
         """
         return await self._thread.run(self._stage, batch, release)
 
+    async def let_go(self) -> None:
+        """Drop the tensors of worker blocks whose copies are done, on the stage's thread (as
+        an epoch starts: the last one's blocks go back with its first jobs). Cancellation: as
+        :meth:`open`."""
+        if self.registrations is not None:
+            await self._thread.run(self._let_go)
+
     async def aclose(self) -> None:
         """Wait for the copies still running, drop the pinned buffers, join the threads.
 

@@ -176,6 +176,8 @@ class EpochIterator(Generic[T_Batch]):
             self._demand = None
         config = plan.config
         buffer = config.prefetch - self._held_elsewhere  # the rest waits beyond the stream
+        if scope.device is not None:
+            await scope.device.let_go()  # the last epoch's blocks go back with the first jobs
         send, recv = anyio.create_memory_object_stream[Any](buffer)
         epoch = Epoch(
             self._number,

@@ -151,11 +151,15 @@ class OutputBlocks:
         tensor: a tensor that appears twice arrives as one); as it is when they are under
         :data:`MIN_BYTES` or no block fits. Call :meth:`sent` or :meth:`unsent` once the reply
         is pickled (or failed to)."""
-        plain = [t for t in tensors_in(data) if _eligible(t)]
+        strided = [t for t in tensors_in(data) if t.layout == torch.strided]  # have a storage
         owners: dict[int, set[int]] = {}
-        for t in plain:
+        for t in strided:
             owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
-        chosen = {id(t): t for t in plain if len(owners[t.untyped_storage().data_ptr()]) == 1}
+        chosen = {
+            id(t): t
+            for t in strided
+            if _eligible(t) and len(owners[t.untyped_storage().data_ptr()]) == 1
+        }
         offsets: dict[int, int] = {}
         size = 0
         for key, t in chosen.items():

@@ -65,12 +65,13 @@ def pack_tensors(data: Any) -> Any:
     if len(found) < 2:
         return data
     owners: dict[int, int] = {}
-    for t in found:
+    strided = [t for t in found if t.layout == torch.strided]  # a sparse tensor has no storage
+    for t in strided:
         key = t.untyped_storage().data_ptr()
         owners[key] = owners.get(key, 0) + 1
     chosen = {
         id(t): t
-        for t in found
+        for t in strided
         if _packable(t)
         and owners[t.untyped_storage().data_ptr()] == 1
         and not t.untyped_storage().is_shared()

@@ -10,6 +10,7 @@ import pickle
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -22,6 +23,7 @@ from aioloader._workers import blocks as blocks_module
 from aioloader._workers import ledger as ledger_module
 from aioloader._workers.blocks import MIN_BYTES, BlockView, OutputBlocks
 from aioloader._workers.ledger import LEDGER, Registrations, find_block
+from aioloader._workers.result import JobResult
 from tests.device.test_device import CopyingAccelerator, FakeAccelerator, on_fake_device
 
 PID = os.getpid()
@@ -271,16 +273,21 @@ def test_a_device_that_refuses_registration_gets_its_batches_through_the_pinned_
 
 
 def test_an_epoch_left_early_gives_its_blocks_back() -> None:
-    """Batches dropped by a break (in flight, ready, staged) free their blocks: the epochs
-    after it still find free blocks, so none of their batches goes the usual way."""
+    """Batches dropped by a break (in flight, ready, staged) free their blocks: after the
+    epoch that follows (whose first batches may find some not yet back, and go the usual
+    way), no batch goes the usual way, epoch after epoch."""
     loader = aioloader.DataLoader(Frames(), batch_size=16, num_workers=2, persistent_workers=True)
     fake = on_fake_device(loader, CopyingAccelerator())
     assert isinstance(fake, CopyingAccelerator)
     with loader:
         assert check_epoch(loader, stop_after=1) == list(range(16))
+        assert check_epoch(loader) == list(range(96))
+        settled = host_copies(fake)
+        assert settled <= 2 * 2  # at most two batches of two tensors
         for _ in range(4):
+            assert check_epoch(loader, stop_after=3) == list(range(48))  # left early too
             assert check_epoch(loader) == list(range(96))
-    assert host_copies(fake) == 0
+    assert host_copies(fake) <= settled + 2 * 2 * 4  # none leaked: at most the epochs' starts
     assert len(fake.registered) <= 2 * blocks_module.PER_WORKER
 
 
@@ -443,9 +450,10 @@ async def test_a_batch_that_fails_on_its_way_holds_its_blocks_until_its_copies_a
         got = crossed(OutputBlocks(), {"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})
         batch = {"x": got["x"], "y": torch.zeros(3).as_subclass(Boom)}
         del got
-        with pytest.raises(torch.OutOfMemoryError):
+        with pytest.raises(torch.OutOfMemoryError) as raised:
             await stage.stage(batch)
-        del batch
+        traceback.clear_frames(raised.tb)  # the failed call's frames held the batch too
+        del batch, raised
         gc.collect()
         assert len(fake.events) == 1 and LEDGER.freed(PID) == []  # held: the copy may run
     finally:
@@ -506,3 +514,83 @@ def test_a_reply_whose_packing_fails_gives_its_block_back(monkeypatch: pytest.Mo
     with pytest.raises(RuntimeError, match="no room"):
         worker_module._into_blocks(result)
     assert isinstance(blocks.write({"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})["x"], BlockView)
+
+
+def test_a_forgotten_worker_s_result_never_frees_the_block_of_a_new_worker_with_its_pid() -> None:
+    got = crossed(OutputBlocks(), big(1))
+    LEDGER.forget(PID)  # the worker died; a new worker got its pid
+    fresh = crossed(OutputBlocks(), big(2))  # the new worker's block 0: the same key
+    del got
+    gc.collect()
+    assert LEDGER.freed(PID) == []  # else the new worker would write over `fresh`
+    assert torch.equal(fresh["features"], big(2)["features"])
+
+
+def _unpicklable_reply() -> JobResult:
+    return JobResult(batch={"x": torch.ones(MIN_BYTES, dtype=torch.uint8)}, state=lambda: None)
+
+
+def test_a_job_whose_reply_does_not_pickle_gives_its_block_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioloader._workers import worker as worker_module
+
+    blocks = OutputBlocks(limit=1)
+    monkeypatch.setattr(worker_module, "_blocks", blocks)
+    job = pickle.dumps((_unpicklable_reply, (), None, []))
+    ok, _ = pickle.loads(worker_module._run_job(job))
+    assert not ok  # the reply says why it could not be sent
+    assert isinstance(blocks.write({"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})["x"], BlockView)
+
+
+async def test_a_gone_block_is_unregistered_at_the_stage_s_next_batch() -> None:
+    from aioloader._device.stage import DevicePlan, DeviceStage
+
+    fake = CopyingAccelerator()
+    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
+    await stage.open()
+    try:
+        got = crossed(OutputBlocks(), {"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})
+        await stage.stage({"x": got["x"]})
+        assert len(fake.registered) == 1
+        LEDGER.forget(PID)  # its worker is gone
+        del got
+        await stage.stage({"y": torch.zeros(4)})  # the copy is done: its tensor let go
+        gc.collect()
+        await stage.stage({"y": torch.zeros(4)})  # the block gone: its registration undone
+        assert fake.unregistered == [fake.registered[0][0]]  # before the stage closes
+    finally:
+        await stage.aclose()
+
+
+def mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            if low <= address < high:
+                return True
+    return False
+
+
+def test_a_registered_block_stays_mapped_until_its_registration_is_undone() -> None:
+    undone: list[bool] = []
+    registrations = Registrations(lambda address, nbytes: lambda: undone.append(mapped(address)))
+    got = crossed(OutputBlocks(), big(1))
+    block = find_block(got["images"])
+    assert block is not None and registrations.ready(block)
+    address = block.address
+    LEDGER.forget(PID)
+    del block, got
+    gc.collect()
+    assert mapped(address)  # gone, not yet undone: still mapped
+    registrations.let_go()
+    assert undone == [True]  # mapped while it was undone
+    gc.collect()
+    assert not mapped(address)  # unmapped after
+
+
+def test_an_eligible_tensor_viewed_by_an_ineligible_one_keeps_its_aliasing() -> None:
+    x = torch.arange(MIN_BYTES // 4, dtype=torch.float32).reshape(512, -1)
+    data = {"x": x, "gapped": x[:, ::2], "s": torch.eye(4).to_sparse()}
+    written = OutputBlocks().write(data)
+    assert written["x"] is x and written["gapped"] is data["gapped"]  # torch's sharing keeps it

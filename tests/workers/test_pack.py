@@ -71,3 +71,9 @@ def test_strides_of_size_one_dimensions_and_large_tensors_are_kept() -> None:
     assert packed[1].stride() == (1, 7) and packed[1] is column
     assert packed[2] is large
     assert len(storages(packed[3:])) == 1
+
+
+def test_a_sparse_tensor_beside_others_is_left_to_torch() -> None:
+    sparse = torch.eye(4).to_sparse()
+    packed = pack_tensors([sparse, torch.ones(2), torch.zeros(3)])
+    assert packed[0] is sparse and len(storages(packed[1:])) == 1
