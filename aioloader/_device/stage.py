@@ -5,10 +5,10 @@ batch at a time, in order; what a loader's stage does (:class:`DevicePlan`); and
 a staged batch to the consumer (:class:`Staged`). The tree walk is ``_base/tree.py``'s; the device
 calls, ``device=`` resolution and the pinned pool are ``_device/accelerator.py``'s.
 
-Every blocking call (copying into pinned memory, issuing the copies and ``device_transform``,
-waiting on an event before a pinned buffer is reused) runs on the stage's one thread, never on
-the event loop. The only CUDA calls made elsewhere are :meth:`Staged.ready`'s, in the consumer's
-thread (the current stream is per thread), and they never block the host.
+Every blocking call (copying into pinned memory, registering a worker block, issuing the
+copies and ``device_transform``, waiting on an event before a pinned buffer is reused) runs on
+the stage's one thread, never on the event loop. The only CUDA calls made elsewhere are
+:meth:`Staged.ready`'s, in the consumer's thread (the current stream is per thread): no waits.
 
 Never: decides order or how far the stage runs ahead (the epoch does), or synchronises the
 consumer's stream with the host.
@@ -187,11 +187,12 @@ class DeviceStage:
     batches the consumer has not taken yet (``depth``).
 
     With a device, each tensor of a batch is copied into a buffer of the :class:`PinnedPool`
-    (when pinning), then copied to the device with ``non_blocking=True`` on the side stream;
-    ``device_transform`` runs on the side stream after that; an event marks the end. A pinned
-    buffer is reused only once the copies out of it have completed. Tensors that cannot go
-    through a pinned buffer (tensor subclasses, sparse, quantized, nested or empty tensors,
-    tensors already on a device) are moved with ``tensor.to(device)`` on the side stream.
+    (when pinning; straight from a worker's block registered with the device where it lies in
+    one: ``_workers/blocks.py``), then copied to the device with ``non_blocking=True`` on the
+    side stream; ``device_transform`` runs on the side stream after that; an event marks the
+    end. A pinned buffer (a block) is reused only once the copies out of it have completed.
+    Tensors that cannot go through a pinned buffer (subclasses, sparse, quantized, nested or
+    empty tensors, tensors on a device) are moved with ``tensor.to(device)`` on the side stream.
 
     A contiguous tensor larger than ``_CHUNKED_OVER`` chunks of ``_CHUNK_BYTES`` goes through
     its buffer chunk by chunk: each chunk's device copy is issued as soon as that chunk is in
@@ -370,8 +371,7 @@ class DeviceStage:
         return moved, event
 
     def _registered_block(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lies in a worker's block registered with the device (registering
-        the block on first sight): then it is copied straight out of it."""
+        """Whether ``tensor`` lies in a worker block registered with the device (now, if new)."""
         if self.registrations is None:
             return False
         block = find_block(tensor)
