@@ -594,3 +594,44 @@ def test_an_eligible_tensor_viewed_by_an_ineligible_one_keeps_its_aliasing() -> 
     data = {"x": x, "gapped": x[:, ::2], "s": torch.eye(4).to_sparse()}
     written = OutputBlocks().write(data)
     assert written["x"] is x and written["gapped"] is data["gapped"]  # torch's sharing keeps it
+
+
+def test_a_block_whose_write_fails_is_free_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = OutputBlocks(limit=1)
+    real = blocks_module.np.copyto
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        raise MemoryError("pretend the copy failed")
+
+    monkeypatch.setattr(blocks_module.np, "copyto", failing)
+    with pytest.raises(MemoryError):
+        blocks.write(big(1))
+    monkeypatch.setattr(blocks_module.np, "copyto", real)
+    assert isinstance(blocks.write(big(2))["images"], BlockView)  # the one block, free again
+
+
+class NoEvents(FakeAccelerator):
+    """Recording an event fails (a broken device): nothing is known to be done."""
+
+    def record(self) -> Any:
+        raise RuntimeError("pretend the device broke")
+
+
+async def test_without_an_event_a_block_is_held_until_the_stage_closes() -> None:
+    from aioloader._device.stage import DevicePlan, DeviceStage
+
+    fake = NoEvents()
+    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
+    await stage.open()
+    try:
+        got = crossed(OutputBlocks(), {"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})
+        with pytest.raises(RuntimeError, match="device broke") as raised:
+            await stage.stage({"x": got["x"]})
+        traceback.clear_frames(raised.tb)
+        del got, raised
+        gc.collect()
+        assert LEDGER.freed(PID) == []  # its copy may still run: held
+    finally:
+        await stage.aclose()  # the side stream is done: let go
+    gc.collect()
+    assert LEDGER.freed(PID) == [(PID, 0)]
