@@ -48,6 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -608,11 +609,8 @@ def check_copy_threads(images: torch.Tensor, count: int, budget: Budget, peak: f
         if budget.left() < 5:
             print(f"      stage, {threads:>2} copy threads: skipped (time budget)")
             continue
-        stage_module._COPY_THREADS = threads
-        try:
+        with mock.patch.object(stage_module, "_COPY_THREADS", threads):
             rate, n, _, _, figures = stage_rate(images, count)
-        finally:
-            stage_module._COPY_THREADS = default
         mark = " (the default here)" if threads == default else ""
         print(
             f"      stage, {threads:>2} copy threads: {rate / 1e9:6.1f} GB/s = {rate / peak:4.0%} "
@@ -656,11 +654,8 @@ def check_bandwidth(dev: torch.device, count: int, budget: Budget) -> None:
         if budget.left() < 5:
             print(f"      {label:<20} {mode:<16} skipped (time budget)")
             continue
-        stage_module._CHUNK_BYTES = chunk_bytes
-        try:
+        with mock.patch.object(stage_module, "_CHUNK_BYTES", chunk_bytes):
             rate, n, allocations, capacity, _ = stage_rate(tensor, count)
-        finally:
-            stage_module._CHUNK_BYTES = chunk
         nbytes = tensor.numel() * tensor.element_size()
         print(
             f"      {label:<20} {mode:<16} {rate / gb:6.1f} GB/s = {rate / peak:4.0%} of peak; "

@@ -48,8 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
+from .._base.tree import map_tensors, tensors_in
 from .ledger import LEDGER, Key
+from .pack import alone_in_storage, plain_values
 
 __all__ = ["MIN_BYTES", "PER_WORKER", "BlockView", "OutputBlocks"]
 
@@ -115,16 +116,6 @@ def _memory_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
     return order if tensor.permute(order).is_contiguous() else None
 
 
-def _eligible(tensor: torch.Tensor) -> bool:
-    return (
-        plain_cpu_tensor(tensor)
-        and not tensor.requires_grad
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-        and _memory_order(tensor) is not None
-    )
-
-
 class OutputBlocks:
     """A worker's blocks (one per worker process; see the module).
 
@@ -151,18 +142,13 @@ class OutputBlocks:
         tensor: a tensor that appears twice arrives as one); as it is when they are under
         :data:`MIN_BYTES` or no block fits. Call :meth:`sent` or :meth:`unsent` once the reply
         is pickled (or failed to)."""
-        strided = [t for t in tensors_in(data) if t.layout == torch.strided]  # have a storage
-        owners: dict[int, set[int]] = {}
-        for t in strided:
-            owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
-        chosen = {
-            id(t): t
-            for t in strided
-            if _eligible(t) and len(owners[t.untyped_storage().data_ptr()]) == 1
-        }
+        chosen: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}  # id -> (tensor, order)
+        for t in alone_in_storage(tensors_in(data)):
+            if plain_values(t) and (order := _memory_order(t)) is not None:
+                chosen[id(t)] = (t, order)
         offsets: dict[int, int] = {}
         size = 0
-        for key, t in chosen.items():
+        for key, (t, _) in chosen.items():
             offsets[key] = size
             size += -(-t.nbytes // _ALIGN) * _ALIGN
         if size < MIN_BYTES:
@@ -177,18 +163,18 @@ class OutputBlocks:
         made: dict[int, BlockView] = {}
 
         def place(t: torch.Tensor) -> Any:
-            start = offsets.get(id(t))
-            if start is None or chosen.get(id(t)) is not t:
+            if id(t) in made:
+                return made[id(t)]
+            entry = chosen.get(id(t))
+            if entry is None or entry[0] is not t:
                 return t
-            if id(t) not in made:
-                order = _memory_order(t)
-                assert order is not None  # _eligible
-                flat = t.permute(order).reshape(-1).view(torch.uint8)
-                np.copyto(into[start : start + t.nbytes], flat.numpy())
-                identity = order == tuple(range(t.dim()))
-                made[id(t)] = BlockView(
-                    block_key, first, start, t.dtype, tuple(t.shape), None if identity else order
-                )
+            order, start = entry[1], offsets[id(t)]
+            flat = t.permute(order).reshape(-1).view(torch.uint8)
+            np.copyto(into[start : start + t.nbytes], flat.numpy())
+            identity = order == tuple(range(t.dim()))
+            made[id(t)] = BlockView(
+                block_key, first, start, t.dtype, tuple(t.shape), None if identity else order
+            )
             return made[id(t)]
 
         try:

@@ -48,8 +48,7 @@ class Block:
     ) -> torch.Tensor:
         """The tensor a :class:`BlockView` stands for, over this block's memory."""
         stored = shape if order is None else tuple(shape[d] for d in order)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = int(np.prod(stored, dtype=np.int64)) * itemsize
+        nbytes = int(np.prod(stored, dtype=np.int64)) * dtype.itemsize
         region = self._array[offset : offset + nbytes]
         with self._ledger.lock:
             self._live += 1

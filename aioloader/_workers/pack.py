@@ -19,7 +19,7 @@ import torch
 
 from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
 
-__all__ = ["pack_tensors"]
+__all__ = ["alone_in_storage", "pack_tensors", "plain_values"]
 
 _ALIGN = 64  # bytes: every view starts on a cache line, aligned for any dtype
 
@@ -36,12 +36,27 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def plain_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are its values and may be copied elsewhere: a plain CPU tensor
+    (``plain_cpu_tensor``), no autograd, not a conjugate or negative view."""
+    return plain_cpu_tensor(t) and not t.requires_grad and not t.is_conj() and not t.is_neg()
+
+
+def alone_in_storage(found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The strided tensors of ``found`` (distinct objects) whose storage no other of them
+    shares: moving one elsewhere keeps every aliasing (the others are left to torch's own
+    sharing, which keeps it). Sparse tensors, which have no storage, are left out."""
+    strided = [t for t in found if t.layout == torch.strided]
+    owners: dict[int, int] = {}
+    for t in strided:
+        key = t.untyped_storage().data_ptr()
+        owners[key] = owners.get(key, 0) + 1
+    return [t for t in strided if owners[t.untyped_storage().data_ptr()] == 1]
+
+
 def _packable(t: torch.Tensor) -> bool:
     return (
-        plain_cpu_tensor(t)
-        and not t.requires_grad
-        and not t.is_conj()
-        and not t.is_neg()
+        plain_values(t)
         and t.nbytes <= _MAX_PACKED
         and t.stride() == _contiguous_strides(t.shape)  # exactly, size-1 dimensions too
     )
@@ -64,17 +79,10 @@ def pack_tensors(data: Any) -> Any:
     found = tensors_in(data)
     if len(found) < 2:
         return data
-    owners: dict[int, int] = {}
-    strided = [t for t in found if t.layout == torch.strided]  # a sparse tensor has no storage
-    for t in strided:
-        key = t.untyped_storage().data_ptr()
-        owners[key] = owners.get(key, 0) + 1
     chosen = {
         id(t): t
-        for t in strided
-        if _packable(t)
-        and owners[t.untyped_storage().data_ptr()] == 1
-        and not t.untyped_storage().is_shared()
+        for t in alone_in_storage(found)
+        if _packable(t) and not t.untyped_storage().is_shared()
     }
     if len(chosen) < 2:
         return data

@@ -4,6 +4,7 @@ straight out of it; a block goes back to its worker once nothing of its result i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
@@ -11,7 +12,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import aioloader
+from aioloader._device.stage import DevicePlan, DeviceStage
 from aioloader._workers import blocks as blocks_module
 from aioloader._workers import ledger as ledger_module
 from aioloader._workers.blocks import MIN_BYTES, BlockView, OutputBlocks
@@ -428,6 +430,17 @@ def test_no_block_goes_back_while_a_copy_out_of_it_may_run(watched: LaggingAccel
     assert {name.rsplit("_", 1)[0] for name in watched.threads} == {"aioloader-device"}
 
 
+@contextlib.asynccontextmanager
+async def opened_stage(fake: FakeAccelerator) -> AsyncIterator[DeviceStage]:
+    """A device stage on ``fake`` that pins, open; closed (its copies done) on the way out."""
+    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
+    await stage.open()
+    try:
+        yield stage
+    finally:
+        await stage.aclose()
+
+
 class Boom(torch.Tensor):
     """A tensor whose move to the device fails, as a full device does."""
 
@@ -441,12 +454,8 @@ class Boom(torch.Tensor):
 async def test_a_batch_that_fails_on_its_way_holds_its_blocks_until_its_copies_are_done() -> None:
     """A later tensor of the batch fails after a copy out of a block was issued: the block is
     held until the copies issued are done (an event recorded after them), not handed back."""
-    from aioloader._device.stage import DevicePlan, DeviceStage
-
     fake = FakeAccelerator(complete=False)  # the copies stay "in flight"
-    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
-    await stage.open()
-    try:
+    async with opened_stage(fake) as stage:
         got = crossed(OutputBlocks(), {"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})
         batch = {"x": got["x"], "y": torch.zeros(3).as_subclass(Boom)}
         del got
@@ -456,9 +465,7 @@ async def test_a_batch_that_fails_on_its_way_holds_its_blocks_until_its_copies_a
         del batch, raised
         gc.collect()
         assert len(fake.events) == 1 and LEDGER.freed(PID) == []  # held: the copy may run
-    finally:
-        await stage.aclose()  # synchronizes: the copies are done, the block goes back
-    gc.collect()
+    gc.collect()  # closed: the side stream synchronized, the block goes back
     assert LEDGER.freed(PID) == [(PID, 0)]
 
 
@@ -544,12 +551,8 @@ def test_a_job_whose_reply_does_not_pickle_gives_its_block_back(
 
 
 async def test_a_gone_block_is_unregistered_at_the_stage_s_next_batch() -> None:
-    from aioloader._device.stage import DevicePlan, DeviceStage
-
     fake = CopyingAccelerator()
-    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
-    await stage.open()
-    try:
+    async with opened_stage(fake) as stage:
         got = crossed(OutputBlocks(), {"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})
         await stage.stage({"x": got["x"]})
         assert len(fake.registered) == 1
@@ -559,8 +562,6 @@ async def test_a_gone_block_is_unregistered_at_the_stage_s_next_batch() -> None:
         gc.collect()
         await stage.stage({"y": torch.zeros(4)})  # the block gone: its registration undone
         assert fake.unregistered == [fake.registered[0][0]]  # before the stage closes
-    finally:
-        await stage.aclose()
 
 
 def mapped(address: int) -> bool:
@@ -618,12 +619,8 @@ class NoEvents(FakeAccelerator):
 
 
 async def test_without_an_event_a_block_is_held_until_the_stage_closes() -> None:
-    from aioloader._device.stage import DevicePlan, DeviceStage
-
     fake = NoEvents()
-    stage = DeviceStage(DevicePlan(lambda: fake, True), depth=1)
-    await stage.open()
-    try:
+    async with opened_stage(fake) as stage:
         got = crossed(OutputBlocks(), {"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})
         with pytest.raises(RuntimeError, match="device broke") as raised:
             await stage.stage({"x": got["x"]})
@@ -631,7 +628,5 @@ async def test_without_an_event_a_block_is_held_until_the_stage_closes() -> None
         del got, raised
         gc.collect()
         assert LEDGER.freed(PID) == []  # its copy may still run: held
-    finally:
-        await stage.aclose()  # the side stream is done: let go
     gc.collect()
     assert LEDGER.freed(PID) == [(PID, 0)]
