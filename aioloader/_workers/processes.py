@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -111,6 +112,10 @@ class ProcessWorkers:
 
     def _spawn(self, worker_id: int) -> _Worker:
         prepare_forkserver(self._ctx)
+        # The worker shares this process's temporary folder (a ``Process`` takes it from here
+        # as it is made): the sockets torch's reductions listen on to hand over a batch's
+        # descriptor go there, and this process removes it at exit, a killed worker's too.
+        multiprocessing.util.get_temp_dir()
         ours, theirs = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has Process
             target=worker_main,

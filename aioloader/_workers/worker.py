@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing.util
 import os
 import pickle
 import random
@@ -197,8 +198,12 @@ def fix_mmap_threshold() -> None:
 
 
 def _exit_now() -> None:
-    """Leave at once once the main process has hung up: nothing of the worker's needs tearing
-    down, and an interpreter shutdown with torch loaded costs most of a second per worker."""
+    """Leave at once once the main process has hung up: an interpreter shutdown with torch
+    loaded costs most of a second per worker. What the stdlib's own process would still do at
+    its end is done: multiprocessing's finalizers, which remove the socket that handed batches'
+    descriptors to the main process (and a temporary folder made here, if any)."""
+    with contextlib.suppress(Exception):
+        multiprocessing.util._run_finalizers()  # type: ignore[attr-defined]  # as Process does
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -54,7 +54,7 @@ async def run_job(tmp: Path, log: Path, state: Path, *args: str) -> tuple[int, i
         str(state),
         *args,
         cwd=ROOT,
-        env=ENV,
+        env={**ENV, "TMPDIR": str(tmp)},  # a SIGKILLed process leaves its pymp-* folder
         start_new_session=True,  # the job and its workers: one session, checked after
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -127,13 +127,13 @@ def test_two_ranks_stop_and_three_go_on_with_the_remainder(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(200)
-def test_the_resume_example_runs() -> None:
+def test_the_resume_example_runs(tmp_path: Path) -> None:
     """``examples/resume.py``: killed at step 12, resumed from step 10's checkpoint."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "resume.py")],
         capture_output=True,
         text=True,
-        env=ENV,
+        env={**ENV, "TMPDIR": str(tmp_path)},  # the killed run leaves its pymp-* folder
         timeout=150,
         check=False,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import resource_tracker
 from typing import Any
 
 import anyio
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import aioloader
+from aioloader._workers.serverstart import prepare_forkserver
 from tests.support import worker_fns
 from tests.support.helpers import Counting, flat, open_fds
 
@@ -199,7 +200,9 @@ async def test_worker_init_failure_surfaces_from_the_scope() -> None:
 @pytest.mark.parametrize("how", ["break", "exception", "cancel"])
 async def test_leaving_the_scope_leaves_no_process_fd_or_shared_memory(how: str) -> None:
     resource_tracker.ensure_running()  # multiprocessing's helper: started once, it lives on
-    forkserver.ensure_running()  # the default start method's server: likewise, once a process
+    # The default start method's server: likewise, once a process (and the standby forked as
+    # aioloader was imported, with its pipes, is gone once it is started).
+    prepare_forkserver("forkserver")
     gc.collect()
     fds, segments = open_fds(), shm()
     dl = aioloader.DataLoader(Counting(400), batch_size=4, num_workers=2, transform=worker_fns.slow)
