@@ -32,22 +32,14 @@ __all__ = [
     "check_arguments",
     "fetch_options_given",
     "non_negative_int",
-    "positive_int",
 ]
 
 _DEFAULT_PREFETCH = 2
 
 
-def positive_int(name: str, value: object) -> int:
-    """torch's check of its own integer arguments: ``ValueError`` for a wrong type too, as
-    torch raises it (ours follow ``_base/checks.py``'s rule)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def non_negative_int(name: str, value: object) -> int:
-    """As :func:`positive_int`, 0 allowed (torch's ``num_workers``, ``epoch``)."""
+    """torch's check of its own integer arguments (``epoch``): ``ValueError`` for a wrong type
+    too, as torch raises it (ours follow ``_base/checks.py``'s rule)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     return value
@@ -79,6 +71,66 @@ def _let_the_dataset_check(
     check = getattr(dataset, "check_loader_options", None)
     if callable(check):
         check(batch_size=batch_size, in_order=in_order, distributed=distributed)
+
+
+def _check_workers_options(a: Arguments, num_workers: int) -> None:
+    """torch's rules for the options of worker processes, in its order and words.
+
+    Raises:
+        ValueError: An option needs ``num_workers > 0``, or ``prefetch_factor`` is not a
+            positive int (torch raises ``ValueError`` for its wrong type too).
+    """
+    factor = a.prefetch_factor
+    if num_workers == 0:
+        if factor is not None:
+            raise ValueError(
+                # torch's words as they are (its missing space too): they are matched
+                "prefetch_factor option could only be specified in multiprocessing.let "
+                "num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to "
+                f"None. (got prefetch_factor={factor!r}; prefetch= bounds the ready batches "
+                "with num_workers=0)"
+            )
+        if a.persistent_workers:
+            raise ValueError("persistent_workers option needs num_workers > 0")
+        if a.multiprocessing_context is not None:
+            raise ValueError(
+                "multiprocessing_context can only be used with multi-process loading "
+                f"(num_workers > 0), but got num_workers={num_workers}"
+            )
+    elif factor is not None:
+        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 0:
+            raise ValueError(f"prefetch_factor option should be non-negative, got {factor!r}")
+        if factor == 0:  # torch's iterator fails an assert on it; refused here, up front
+            raise ValueError("prefetch_factor must be greater than 0 with worker processes, got 0")
+
+
+def _check_batching(a: Arguments, kind: Kind) -> None:
+    """What torch's ``RandomSampler`` and ``BatchSampler`` check as torch's ``DataLoader``
+    makes them, in its words: a shuffled dataset is not empty, ``batch_size`` is a positive
+    int, ``drop_last`` a bool.
+
+    Raises:
+        ValueError: One of them is not (torch raises ``ValueError`` for a wrong type too).
+        TypeError: ``drop_last`` is not a bool where torch does not look at it (ours: no
+            batch size or a batch sampler given).
+    """
+    own_order = kind.is_map and a.sampler is None and a.batch_sampler is None
+    if own_order and a.shuffle and not a.distributed and len(a.dataset) == 0:
+        raise ValueError(
+            "num_samples should be a positive integer value, but got num_samples=0 (the "
+            f"dataset, {type(a.dataset).__qualname__}, is empty: nothing to shuffle)"
+        )
+    if a.batch_size is not None and a.batch_sampler is None:
+        size = a.batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(
+                f"batch_size should be a positive integer value, but got batch_size={size}"
+            )
+        if not isinstance(a.drop_last, bool):
+            raise ValueError(
+                f"drop_last should be a boolean value, but got drop_last={a.drop_last}"
+            )
+    check_bool("drop_last", a.drop_last)
 
 
 def _check_combinations(
@@ -187,9 +239,7 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
         ValueError: An argument is out of range or conflicts with another; the message names it.
     """
     kind = classify(a.dataset)
-    # -- torch's arguments, with torch's errors -----------------------------------------------
-    if a.batch_size is not None:
-        positive_int("batch_size", a.batch_size)
+    # -- torch's arguments, with torch's errors, in torch's order -----------------------------
     num_workers = a.num_workers
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(  # torch's words (its tests match them), and the value given
@@ -199,6 +249,8 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
     timeout = a.timeout
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
         raise ValueError(f"timeout option should be non-negative, got timeout={timeout!r}")
+    _check_workers_options(a, num_workers)
+    start_method = start_method_of(a.multiprocessing_context)
     for name in ("collate_fn", "worker_init_fn", "transform", "device_transform"):
         callable_or_none(name, getattr(a, name))
     _check_combinations(
@@ -206,29 +258,13 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
     )
     if a.shuffle not in (None, True, False):
         raise TypeError(f"shuffle must be a bool or None, got {a.shuffle!r}")
-    check_bool("drop_last", a.drop_last)
+    _check_batching(a, kind)
     check_bool("in_order", a.in_order)
     check_bool("progress", a.progress)
-    if num_workers == 0:
-        if a.prefetch_factor is not None:
-            raise ValueError(
-                "prefetch_factor needs num_workers > 0 (torch's rule); use prefetch= to "
-                "bound ready batches with num_workers=0"
-            )
-        if a.persistent_workers:
-            raise ValueError("persistent_workers option needs num_workers > 0")
-        if a.multiprocessing_context is not None:
-            raise ValueError(
-                "multiprocessing_context can only be used with multi-process loading "
-                f"(num_workers > 0), but got num_workers={num_workers}"
-            )
-    if a.prefetch_factor is not None:
-        positive_int("prefetch_factor", a.prefetch_factor)
     if a.generator is not None and not isinstance(a.generator, torch.Generator):
         raise TypeError(
             f"generator must be a torch.Generator, got {type(a.generator).__qualname__}"
         )
-    start_method = start_method_of(a.multiprocessing_context)
 
     # -- aioloader's own: _base/checks.py's rule ---------------------------------------------
     check_int("max_inflight", a.max_inflight, minimum=1)

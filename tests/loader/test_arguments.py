@@ -114,7 +114,7 @@ _BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("seed=1.0", {"seed": 1.0}, TypeError, "seed"),
     ("generator='g'", {"generator": "g"}, TypeError, "generator"),
     ("shuffle='yes'", {"shuffle": "yes"}, TypeError, "shuffle"),
-    ("drop_last=None", {"drop_last": None}, TypeError, "drop_last"),
+    ("drop_last=None", {"drop_last": None}, ValueError, "drop_last"),  # torch's type
     ("in_order='no'", {"in_order": "no"}, TypeError, "in_order"),
     ("sampler+distributed", {"sampler": [0], "distributed": True}, ValueError, "sampler"),
     ("rank>=world_size", {"distributed": True, "rank": 2, "world_size": 2}, ValueError, "rank"),

@@ -53,6 +53,16 @@ BAD = [
     (Iterable(5), {"batch_sampler": BATCHES}, UNSPECIFIED + " batch_sampler"),
     (MAP, {"num_workers": -1}, "num_workers option should be non-negative"),
     (MAP, {"timeout": -1}, "timeout option should be non-negative"),
+    # Found by test_torch_differential.py: torch's sampler and batch sampler check these.
+    ([], {"shuffle": True}, "^num_samples should be a positive integer value, but got num_samp"),
+    (MAP, {"batch_size": 0}, "^batch_size should be a positive integer value, but got batch_si"),
+    (MAP, {"batch_size": "4"}, "^batch_size should be a positive integer value, but got batch_s"),
+    (MAP, {"drop_last": 3}, "^drop_last should be a boolean value, but got drop_last=3"),
+    (MAP, {"prefetch_factor": 2}, r"^prefetch_factor option could only be specified in multipr"),
+    (MAP, {"num_workers": 1, "prefetch_factor": -1}, "^prefetch_factor option should be non-n"),
+    # torch's order: the workers' options before the dataset's (both wrong here)
+    (Iterable(5), {"shuffle": True, "persistent_workers": True}, "^persistent_workers option"),
+    (MAP, {"batch_size": 0, "timeout": -1}, "^timeout option should be non-negative"),
 ]  # fmt: skip
 
 
@@ -85,7 +95,7 @@ def test_a_setting_changed_between_epochs_is_checked_and_runs_the_next_epoch() -
     checked as at construction (a bad value changes nothing), in force from the next epoch."""
     dl = aioloader.DataLoader(wd.WhoReads(8), batch_size=4)
     assert {row for batch in dl for row in batch["torch_id"].tolist()} == {-1}
-    with pytest.raises(ValueError, match="prefetch_factor needs num_workers > 0"):
+    with pytest.raises(ValueError, match="prefetch_factor option could only be specified in"):
         dl.prefetch_factor = 2
     assert dl.prefetch_factor is None
     dl.num_workers = 2  # the dataset now lives in two worker processes
