@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.utils.data as tud
 from hypothesis import HealthCheck, event, given, settings
@@ -63,6 +64,17 @@ class StreamData(tud.IterableDataset[Any]):
         return (make_sample(self.kind, i) for i in range(self.n))
 
 
+class SplitStreamData(StreamData):
+    """Each worker takes every ``num_workers``-th sample, from its id (torch's documented
+    recipe): the workers' shares differ in length, so the order in which the loader takes
+    batches from them shows (round robin, an exhausted worker skipped)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        info = tud.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return (make_sample(self.kind, i) for i in range(start, self.n, step))
+
+
 class SizedStreamData(StreamData):
     def __len__(self) -> int:
         return self.n
@@ -91,11 +103,12 @@ def arguments(
     (generators, samplers) are made anew for each loader, from the same seeds."""
     n = draw(st.integers(0, 13))
     kind = draw(st.sampled_from(KINDS))
-    style = draw(st.sampled_from(["map", "map", "stream", "sized-stream"]))
+    style = draw(st.sampled_from(["map", "map", "stream", "sized-stream", "split-stream"]))
     dataset: Callable[[], Any] = {
         "map": lambda: MapData(n, kind),
         "stream": lambda: StreamData(n, kind),
         "sized-stream": lambda: SizedStreamData(n, kind),
+        "split-stream": lambda: SplitStreamData(n, kind),
     }[style]
     kwargs: dict[str, Any] = {}
     if draw(st.booleans()):
@@ -232,3 +245,15 @@ def test_every_combination_of_arguments_behaves_as_torchs(
             assert_same_outcome(
                 outcome(lambda: list(ours)), outcome(lambda: list(theirs)), f"epoch {epoch}"
             )
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 2 CPUs
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_a_stream_split_by_worker_comes_in_torchs_order(num_workers: int, drop_last: bool) -> None:
+    """Workers with shares of 4, 3 (and 3) samples in batches of 2: each worker's last batch
+    is short (or dropped), and the exhausted ones are skipped in the round robin."""
+    kwargs: dict[str, Any] = {"batch_size": 2, "num_workers": num_workers, "drop_last": drop_last}
+    theirs = list(tud.DataLoader(SplitStreamData(7 + num_workers - 2, "int"), **kwargs))
+    with aioloader.DataLoader(SplitStreamData(7 + num_workers - 2, "int"), **kwargs) as ours:
+        assert_same(list(ours), theirs)
