@@ -32,10 +32,11 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 import anyio
-import torch.multiprocessing  # noqa: F401  # registers torch's shared-memory reductions
+import torch.multiprocessing  # registers torch's shared-memory reductions
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
+from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .serverstart import note_server, prepare_forkserver
 from .slots import Slots
@@ -126,6 +127,7 @@ class ProcessWorkers:
                 self._derive(self._seed, worker_id),
                 self._init_fn,
                 self._dataset,
+                torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
             ),
             name=f"aioloader-worker-{worker_id}",
             daemon=True,  # a last resort only: aclose() stops every worker deterministically
@@ -243,7 +245,12 @@ class ProcessWorkers:
             await self._mark_dead(worker)
             raise self._crashed(worker) from None
         self._stats.bytes_received += len(data)
-        reply: tuple[bool, Any] = pickle.loads(data)
+        try:
+            reply: tuple[bool, Any] = pickle.loads(data)
+        except Exception as exc:
+            if out_of_descriptors():
+                raise too_many_open_files() from exc
+            raise
         return reply
 
     async def _mark_dead(self, worker: _Worker) -> None:

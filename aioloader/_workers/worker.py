@@ -225,6 +225,7 @@ def worker_main(
     seed: int,
     worker_init_fn: Callable[[int], object] | None,
     dataset: Any = None,
+    sharing_strategy: str | None = None,
 ) -> None:
     """Run in a worker process: set up, then serve jobs until the main process closes the pipe.
 
@@ -234,11 +235,16 @@ def worker_main(
 
     ``dataset`` is this worker's copy of a blocking dataset (None when the dataset runs in the
     main process); ``worker_init_fn`` sees it in :func:`get_worker_info` and may change it.
+    ``sharing_strategy`` is the main process's ``torch.multiprocessing`` sharing strategy as the
+    worker started: the worker shares its tensors that way (a fork server started before the
+    script set it would not know it).
     Ctrl-C is the main process's to handle: the worker ignores SIGINT (the main process stops
     it by closing the pipe), so an interrupted script prints one traceback, not one per worker.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_this_process(f"aioloader-w{worker_id}")
+    if sharing_strategy is not None:
+        torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
     become_worker(worker_id, num_workers, seed, dataset)
     try:
         if worker_init_fn is not None:
