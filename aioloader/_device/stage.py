@@ -141,7 +141,9 @@ def device_plan(
     pin = bool(pin_memory)
     if pin and not torch.cuda.is_available():
         warnings.warn(
-            "pin_memory=True but no accelerator is available: batches stay unpinned",
+            # torch's words (scripts filter the warning by them), then ours
+            "'pin_memory' argument is set as true but no accelerator is found, then device "
+            "pinned memory won't be used. (batches stay unpinned)",
             UserWarning,
             stacklevel=stacklevel + 1,
         )

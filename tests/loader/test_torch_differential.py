@@ -9,6 +9,7 @@ checks them in combination, where a rule of one argument meets another's."""
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -118,6 +119,8 @@ def arguments(
     if draw(st.booleans()):
         kwargs["drop_last"] = draw(st.sampled_from([True, False] * 4 + [3]))
     kwargs["collate_fn"] = COLLATES[draw(st.sampled_from(sorted(COLLATES)))]
+    if draw(st.booleans()):
+        kwargs["pin_memory"] = draw(st.booleans())  # no accelerator here: a warning, as torch's
     if draw(st.booleans()):  # torch's options of worker processes, mostly right
         kwargs["num_workers"] = draw(st.sampled_from([0, 1, 1, 2, 2, 2, -1]))
         kwargs["prefetch_factor"] = draw(st.sampled_from([None, None, None, 1, 3, -1]))
@@ -168,12 +171,18 @@ class Replay(tud.Sampler[int]):
         return self.n
 
 
-def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
-    """``("ok", value)`` or ``("raised", exception)``."""
-    try:
-        return "ok", call()
-    except Exception as exc:  # compared with torch's below
-        return "raised", exc
+def outcome(call: Callable[[], Any], warned: list[str] | None = None) -> tuple[str, Any]:
+    """``("ok", value)`` or ``("raised", exception)``; the warnings given on the way are added
+    to ``warned`` (their category and first words: each library words its own detail)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return "ok", call()
+        except Exception as exc:  # compared with torch's below
+            return "raised", exc
+        finally:
+            if warned is not None:
+                warned.extend(f"{w.category.__name__}: {str(w.message)[:24]}" for w in caught)
 
 
 def assert_same_outcome(ours: tuple[str, Any], torchs: tuple[str, Any], what: str) -> None:
@@ -217,10 +226,14 @@ def test_every_combination_of_arguments_behaves_as_torchs(
     args: tuple[Callable[[], Any], dict[str, Any], Callable[[], dict[str, Any]]],
 ) -> None:
     dataset, kwargs, stateful = args
-    made_torch = outcome(lambda: tud.DataLoader(dataset(), **kwargs, **stateful()))
+    warned_torch: list[str] = []
+    warned_ours: list[str] = []
+    made_torch = outcome(lambda: tud.DataLoader(dataset(), **kwargs, **stateful()), warned_torch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)  # a base seed drawn from torch's default generator, as torch's
-        made_ours = outcome(lambda: aioloader.DataLoader(dataset(), **kwargs, **stateful()))
+        made_ours = outcome(
+            lambda: aioloader.DataLoader(dataset(), **kwargs, **stateful()), warned_ours
+        )
     if made_ours[0] == "ok" and made_torch[0] == "ok" and own_shuffle(made_ours[1]):
         # Our shuffled order is ours (a seed per epoch, so that it resumes), not torch's:
         # torch's loader replays it, read from a loader built as ours was.
@@ -240,11 +253,19 @@ def test_every_combination_of_arguments_behaves_as_torchs(
     event(f"iterated, num_workers={kwargs.get('num_workers', 0)}")
     theirs, ours = made_torch[1], made_ours[1]
     with ours:
-        assert_same_outcome(outcome(lambda: len(ours)), outcome(lambda: len(theirs)), "len()")
+        assert_same_outcome(
+            outcome(lambda: len(ours), warned_ours),
+            outcome(lambda: len(theirs), warned_torch),
+            "len()",
+        )
         for epoch in range(2):
             assert_same_outcome(
-                outcome(lambda: list(ours)), outcome(lambda: list(theirs)), f"epoch {epoch}"
+                outcome(lambda: list(ours), warned_ours),
+                outcome(lambda: list(theirs), warned_torch),
+                f"epoch {epoch}",
             )
+    # The same warnings, once each (torch gives some at each epoch, ours once a loader).
+    assert set(warned_ours) == set(warned_torch)
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 2 CPUs

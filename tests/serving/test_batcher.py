@@ -678,7 +678,7 @@ def test_device_arguments_are_checked() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda' needs CUDA"):
             aioloader.DynamicBatcher(lambda b: b, device="cuda")
-        with pytest.warns(UserWarning, match="pin_memory=True but no accelerator"):
+        with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accel"):
             aioloader.DynamicBatcher(lambda b: b, pin_memory=True)
     with pytest.raises(TypeError, match="device_transform"):
         aioloader.DynamicBatcher(lambda b: b, device_transform=3)  # type: ignore[arg-type]
