@@ -324,20 +324,30 @@ class _BlockingStream(StreamSource):
     def state(self) -> Any:
         return self._state
 
-    def _pull(self, iterator: Iterator[Any]) -> list[Any]:
-        chunk = []
-        for item in iterator:
-            chunk.append(item)
-            if len(chunk) == self._chunk:
-                break
+    def _pull(self, iterator: Iterator[Any]) -> tuple[list[Any], Exception | None]:
+        """The next chunk, and the exception that cut it short (if one did): the items
+        before a failure are the epoch's too, as torch delivers them."""
+        chunk: list[Any] = []
+        try:
+            for item in iterator:
+                chunk.append(item)
+                if len(chunk) == self._chunk:
+                    break
+        except Exception as exc:
+            return chunk, exc
         if self.resumable:
             self._state = _snapshot(self._dataset)
-        return chunk
+        return chunk, None
 
     async def _chunks(self, iterator: Iterator[Any]) -> AsyncGenerator[Any, None]:
-        while chunk := await self._offload().run(self._pull, iterator):
+        while True:
+            chunk, failed = await self._offload().run(self._pull, iterator)
             for item in chunk:
                 yield item
+            if failed is not None:
+                raise failed
+            if not chunk:
+                return
 
     def _start(self, state: Any) -> Iterator[Any]:
         if state is not None:

@@ -8,9 +8,10 @@ checks them in combination, where a rule of one argument meets another's."""
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,8 +26,13 @@ from tests.loader.test_torch_compat import assert_same
 
 
 def make_sample(kind: str, i: int) -> Any:
-    """Sample ``i`` of a dataset of ``kind``: each exercises another branch of collation."""
+    """Sample ``i`` of a dataset of ``kind``: each exercises another branch of collation (or,
+    ``"failing"``, a dataset whose sample 5 raises)."""
     if kind == "int":
+        return i
+    if kind == "failing":
+        if i == 5:
+            raise KeyError(f"sample {i} is missing")
         return i
     if kind == "float":
         return i / 4
@@ -41,7 +47,7 @@ def make_sample(kind: str, i: int) -> Any:
     return {"x": torch.full((2, 2), i), "meta": {"i": i, "tags": [i, i + 1]}}  # "nested"
 
 
-KINDS = ["int", "float", "str", "tensor", "numpy", "tuple", "nested"]
+KINDS = ["int", "float", "str", "tensor", "numpy", "tuple", "nested", "failing"]
 
 
 class MapData(tud.Dataset[Any]):
@@ -158,6 +164,17 @@ def arguments(
     return dataset, kwargs, stateful
 
 
+def drain(loader: Iterable[Any]) -> tuple[list[Any], Exception | None]:
+    """An epoch's batches, up to the exception that ended it (if one did)."""
+    batches: list[Any] = []
+    try:
+        for batch in loader:
+            batches.append(batch)
+    except Exception as exc:  # compared with torch's
+        return batches, exc
+    return batches, None
+
+
 class Replay(tud.Sampler[int]):
     """Yields the given orders, one per epoch: torch's loader replays ours."""
 
@@ -186,6 +203,7 @@ def outcome(call: Callable[[], Any], warned: list[str] | None = None) -> tuple[s
 
 
 def assert_same_outcome(ours: tuple[str, Any], torchs: tuple[str, Any], what: str) -> None:
+    """The same value, or the same exception type with torch's words first."""
     if torchs[0] == "raised":
         assert ours[0] == "raised", f"{what}: torch raised {torchs[1]!r}, ours gave {ours[1]!r}"
         assert type(ours[1]) is type(torchs[1]), f"{what}: {ours[1]!r} != torch's {torchs[1]!r}"
@@ -201,19 +219,6 @@ def assert_same_outcome(ours: tuple[str, Any], torchs: tuple[str, Any], what: st
 
 def own_shuffle(loader: aioloader.DataLoader[Any]) -> bool:
     return isinstance(loader.sampler, aioloader.RandomSampler)
-
-
-class Indexed(tud.Dataset[int]):
-    """Sample ``i`` is ``i``: what our shuffled order for ``dataset``'s length is."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 @settings(
@@ -236,14 +241,14 @@ def test_every_combination_of_arguments_behaves_as_torchs(
         )
     if made_ours[0] == "ok" and made_torch[0] == "ok" and own_shuffle(made_ours[1]):
         # Our shuffled order is ours (a seed per epoch, so that it resumes), not torch's:
-        # torch's loader replays it, read from a loader built as ours was.
-        dataset_ = made_ours[1].dataset
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(7)
-            probe = aioloader.DataLoader(
-                Indexed(dataset_), batch_size=None, shuffle=True, **stateful()
+        # torch's loader replays it, as our sampler gives it for each epoch.
+        orders = []
+        for epoch in range(2):
+            sampler = aioloader.RandomSampler(
+                len(made_ours[1].dataset), seed=made_ours[1].sampler.seed
             )
-        orders = [list(probe) for _ in range(2)]
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
         plain = {k: v for k, v in kwargs.items() if k != "shuffle"}
         made_torch = outcome(lambda: tud.DataLoader(dataset(), sampler=Replay(orders), **plain))
     if made_torch[0] == "raised" or made_ours[0] == "raised":
@@ -259,11 +264,10 @@ def test_every_combination_of_arguments_behaves_as_torchs(
             "len()",
         )
         for epoch in range(2):
-            assert_same_outcome(
-                outcome(lambda: list(ours), warned_ours),
-                outcome(lambda: list(theirs), warned_torch),
-                f"epoch {epoch}",
-            )
+            got, ours_failed = outcome(functools.partial(drain, ours), warned_ours)[1]
+            want, torch_failed = outcome(functools.partial(drain, theirs), warned_torch)[1]
+            assert_same(got, want, f"epoch {epoch}")  # every batch before a failure too
+            assert type(ours_failed) is type(torch_failed), (ours_failed, torch_failed)
     # The same warnings, once each (torch gives some at each epoch, ours once a loader).
     assert set(warned_ours) == set(warned_torch)
 
@@ -278,3 +282,19 @@ def test_a_stream_split_by_worker_comes_in_torchs_order(num_workers: int, drop_l
     theirs = list(tud.DataLoader(SplitStreamData(7 + num_workers - 2, "int"), **kwargs))
     with aioloader.DataLoader(SplitStreamData(7 + num_workers - 2, "int"), **kwargs) as ours:
         assert_same(list(ours), theirs)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("batch_size", [None, 1, 2])
+def test_every_batch_before_a_streams_failure_is_delivered_as_torchs(
+    batch_size: int | None, num_workers: int
+) -> None:
+    """Found by the test above: a blocking stream read in this process is pulled in chunks
+    on a thread, and a failure mid-chunk lost the chunk's samples before it."""
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": num_workers}
+    want, torch_failed = drain(tud.DataLoader(StreamData(9, "failing"), **kwargs))
+    with aioloader.DataLoader(StreamData(9, "failing"), **kwargs) as loader:
+        got, failed = drain(loader)
+    assert len(want) == (2 if batch_size == 2 else 5)  # a batch cut short is not delivered
+    assert_same(got, want)
+    assert type(failed) is type(torch_failed) is KeyError
