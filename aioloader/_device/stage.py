@@ -1,9 +1,8 @@
 """The device stage: finished batches pinned, then copied to a CUDA device on a side stream.
 
-Owns: :class:`DeviceStage`, which the loader's scope owns and the epoch's emitter calls, one
-batch at a time, in order; what a loader's stage does (:class:`DevicePlan`); and the hand-over of
-a staged batch to the consumer (:class:`Staged`). The tree walk is ``_base/tree.py``'s; the device
-calls, ``device=`` resolution and the pinned pool are ``_device/accelerator.py``'s.
+Owns: :class:`DeviceStage` (owned by the loader's scope, called by the epoch's emitter a batch
+at a time, in order), what a loader's stage does (:class:`DevicePlan`), the hand-over of a staged
+batch to the consumer (:class:`Staged`). The device calls and the pinned pool: ``accelerator.py``.
 
 Every blocking call (copying into pinned memory, registering a worker block, issuing the
 copies and ``device_transform``, waiting on an event before a pinned buffer is reused) runs on
@@ -136,14 +135,13 @@ def device_plan(
     stacklevel: int,
 ) -> DevicePlan | None:
     """The one device decision, for the loader and the batcher alike: :func:`plan_for`, after
-    ``pin_memory=True`` without an accelerator is warned about (a ``UserWarning``, as torch's,
-    at ``stacklevel`` above the caller) and dropped."""
+    ``pin_memory=True`` without an accelerator is warned about (a ``UserWarning`` in torch's
+    words, which scripts filter it by, at ``stacklevel`` above the caller) and dropped."""
     pin = bool(pin_memory)
     if pin and not torch.cuda.is_available():
         warnings.warn(
-            # torch's words (scripts filter the warning by them), then ours
             "'pin_memory' argument is set as true but no accelerator is found, then device "
-            "pinned memory won't be used. (batches stay unpinned)",
+            "pinned memory won't be used.",
             UserWarning,
             stacklevel=stacklevel + 1,
         )

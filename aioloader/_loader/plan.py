@@ -23,7 +23,8 @@ from .._data.convert import default_convert
 from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, map_order
 from .._data.seeds import draw_seed
 from .._data.sharding import resolve_rank
-from .._data.source import InWorkers, Kind, MapSource, StreamSource, open_source
+from .._data.source import InWorkers, Kind, MapSource, open_source
+from .._data.streams import StreamSource
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
 from .._workers.offload import ThreadOffload

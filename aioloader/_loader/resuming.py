@@ -20,7 +20,8 @@ import torch.utils.data
 from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
 from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 from .._data.seeds import epoch_permutation
-from .._data.source import InWorkers, StreamSource, dataset_length, is_resumable
+from .._data.source import InWorkers, dataset_length
+from .._data.streams import StreamSource, is_resumable
 from .checkpoint import EpochState
 from .plan import LoaderPlan
 

@@ -48,7 +48,8 @@ from .._base.exceptions import annotate, first_leaf
 from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
 from .._data.sharding import StreamShare
-from .._data.source import InWorkers, MapSource, StreamSource, is_resumable
+from .._data.source import InWorkers, MapSource
+from .._data.streams import StreamSource, is_resumable
 from .._device.stage import DeviceStage
 from .._workers.pool import WorkerPool
 from .config import PipelineConfig

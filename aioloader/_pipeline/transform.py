@@ -21,7 +21,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._base.exceptions import LoaderTimeout, WorkerCrashed, annotate
 from .._base.recorders import Recorders
 from .._data.seeds import derive_seed
-from .._data.source import InWorkers, MapSource, StreamSource
+from .._data.source import InWorkers, MapSource
+from .._data.streams import StreamSource
 from .._workers.job import JobResult, collate_only, run_batch, run_indices
 from .._workers.pool import WorkerPool
 from .config import PipelineConfig

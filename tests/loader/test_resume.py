@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import aioloader
@@ -99,6 +99,7 @@ async def stop_and_resume(
 def test_the_epoch_is_yielded_exactly_once_across_a_stop(
     n: int, worlds: tuple[int, int], stops: list[int], kw: dict[str, Any]
 ) -> None:
+    assume(n or not kw["shuffle"])  # torch's RandomSampler refuses an empty dataset; so do we
     before, after = worlds
     merge = before != after or stops[0] % 2 == 1  # the same world resumes either way
     full, first, rest = asyncio.run(stop_and_resume(n, before, after, stops, kw, merge))

@@ -1,0 +1,178 @@
+"""Stream sources: an iterable dataset read once per epoch, in the order it yields.
+
+Owns: :class:`StreamSource` (the shape the pipeline reads a stream in), an async iterable's
+(:class:`AsyncStream`: an async generator function, an :class:`~aioloader.AsyncIterableDataset`,
+one that opens its own epochs) and a blocking one's (:class:`BlockingStream`: a torch
+``IterableDataset`` advanced on one thread, in chunks), and what makes a stream resumable.
+Never: classifies a dataset (``source.py`` does) or batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from typing import Any
+
+import anyio
+
+from .._base.exceptions import LoaderStateError
+from .._workers.offload import ThreadOffload
+from .epochs import OpensEpochs, open_owned
+
+__all__ = ["AsyncStream", "BlockingStream", "StreamSource", "is_resumable"]
+
+_STREAM_CHUNK = 64  # items pulled from a blocking iterator per thread call
+
+
+def is_resumable(dataset: object) -> bool:
+    """Whether a stream dataset takes part in ``state_dict()``: it defines both ``state_dict()``
+    (its state after the items its current epoch's iterator has given) and
+    ``load_state_dict(state)`` (the next epoch's iterator starts there), as torchdata's
+    ``Stateful`` does."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
+
+
+def _snapshot(dataset: Any) -> Any:
+    """``dataset.state_dict()`` as it is now: copied, unless the dataset says it gives a new
+    object each call (``state_dict_is_a_copy = True``), for a state kept by reference would
+    move on with the dataset's read-ahead."""
+    state = dataset.state_dict()
+    return state if getattr(dataset, "state_dict_is_a_copy", False) else copy.deepcopy(state)
+
+
+class StreamSource(ABC):
+    """Samples in the order the dataset yields them, read once per epoch.
+
+    A :attr:`resumable` source gives its :meth:`state` after the items its open iterator has
+    given, and :meth:`open` takes such a state to start from.
+    """
+
+    resumable = False
+
+    @abstractmethod
+    def open(
+        self, epoch: int, state: Any = None
+    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Any]]:
+        """An iterator for epoch ``epoch``, closed (``aclose``) when the context exits; with
+        ``state`` (from :meth:`state`), one that starts where that state stood. (A dataset
+        that opens its own epochs is given ``epoch`` here; another stream's ``set_epoch`` is
+        the consumer's to call.)"""
+
+    def state(self) -> Any:
+        """The dataset's state after the items the open iterator has given (resumable only)."""
+        raise TypeError(f"{type(self).__qualname__} cannot resume")
+
+
+class AsyncStream(StreamSource):
+    """An async iterable dataset's stream (see the module's docstring)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self._dataset = dataset
+        self._consumed = False
+        self.resumable = is_resumable(dataset)
+
+    def state(self) -> Any:
+        return _snapshot(self._dataset)
+
+    def _iterator(self) -> AsyncIterator[Any]:
+        if inspect.isasyncgenfunction(self._dataset):
+            return self._dataset()  # type: ignore[no-any-return]
+        iterator: AsyncIterator[Any] = self._dataset.__aiter__()
+        if iterator is self._dataset:  # a one-shot iterator, e.g. an async generator object
+            if self._consumed:
+                raise LoaderStateError(
+                    f"the dataset is a one-shot async iterator ({type(self._dataset).__qualname__})"
+                    " and was consumed by an earlier epoch; pass an async generator function or "
+                    "an aioloader.AsyncIterableDataset to iterate it again"
+                )
+            self._consumed = True
+        return iterator
+
+    @contextlib.asynccontextmanager
+    async def open(self, epoch: int, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
+        dataset = self._dataset
+        if isinstance(dataset, OpensEpochs):  # the loader owns its epochs: passed, not set
+            if type(dataset).__aiter__ is OpensEpochs.__aiter__:  # its task group lives here
+                async with dataset.open_epoch(epoch, state) as items:
+                    yield items
+                return
+            iterator = open_owned(dataset, epoch, state)  # a subclass iterating its own way
+        else:
+            if state is not None:
+                dataset.load_state_dict(state)
+            iterator = self._iterator()
+        try:
+            yield iterator
+        finally:
+            aclose: Callable[[], Any] | None = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class BlockingStream(StreamSource):
+    """A torch IterableDataset (or any iterable) advanced on one dedicated thread, in chunks.
+
+    A resumable one (``state_dict``/``load_state_dict``) is pulled a batch (``per_batch``
+    items) per chunk, and its state taken after each chunk, on the same thread: the state after
+    a batch's last item, whenever the loader asks between batches.
+    """
+
+    def __init__(
+        self, dataset: Iterable[Any], offload: Callable[[], ThreadOffload], per_batch: int
+    ) -> None:
+        self._dataset = dataset
+        self._offload = offload
+        self.resumable = is_resumable(dataset)
+        self._chunk = per_batch if self.resumable else _STREAM_CHUNK
+        self._state: Any = None
+
+    def state(self) -> Any:
+        return self._state
+
+    def _pull(self, iterator: Iterator[Any]) -> tuple[list[Any], Exception | None]:
+        """The next chunk, and the exception that cut it short (if one did): the items
+        before a failure are the epoch's too, as torch delivers them."""
+        chunk: list[Any] = []
+        try:
+            for item in iterator:
+                chunk.append(item)
+                if len(chunk) == self._chunk:
+                    break
+        except Exception as exc:
+            return chunk, exc
+        if self.resumable:
+            self._state = _snapshot(self._dataset)
+        return chunk, None
+
+    async def _chunks(self, iterator: Iterator[Any]) -> AsyncGenerator[Any, None]:
+        while True:
+            chunk, failed = await self._offload().run(self._pull, iterator)
+            for item in chunk:
+                yield item
+            if failed is not None:
+                raise failed
+            if not chunk:
+                return
+
+    def _start(self, state: Any) -> Iterator[Any]:
+        if state is not None:
+            self._dataset.load_state_dict(state)  # type: ignore[attr-defined]
+        return iter(self._dataset)
+
+    @contextlib.asynccontextmanager
+    async def open(self, epoch: int, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
+        iterator = await self._offload().run(self._start, state)
+        chunks = self._chunks(iterator)
+        try:
+            yield chunks
+        finally:
+            await chunks.aclose()
+            close = getattr(iterator, "close", None)
+            if close is not None:  # a generator: run its finally blocks on our thread, now
+                with anyio.CancelScope(shield=True):
+                    await self._offload().run(close, inline=False)
