@@ -369,9 +369,16 @@ class DynamicBatcher:
             raise
 
     def _expire(self, request: Request, limit: float) -> None:
-        """The request's deadline passed (a timer callback on the loop)."""
+        """The request's deadline passed (a timer callback on the loop). uvloop's timers count
+        whole milliseconds and may fire up to one early: then the timer is set again for the
+        rest (a millisecond at least), so that no request gives up before its deadline."""
         was = request.state
         if was in (DONE, GONE):
+            return
+        left = request.deadline - self._clock()
+        if left > 0:
+            loop = asyncio.get_running_loop()
+            request.timer = loop.call_later(max(left, 1e-3), self._expire, request, limit)
             return
         self._leave(request, expired=True)
         where = "its batch was running: the result is dropped" if was == RUNNING else "queued"

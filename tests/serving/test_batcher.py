@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections import namedtuple
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -446,6 +447,30 @@ async def test_a_deadline_in_the_queue_withdraws_the_request() -> None:
     assert model.batches == [[1]]
     assert batcher.statistics().expired == 1
     check_accounts(batcher)
+
+
+async def test_no_request_gives_up_before_its_deadline() -> None:
+    """uvloop's timers count whole milliseconds and fired up to 1.5 ms early."""
+    model = Gated()
+    batcher = lists(model, max_batch_size=1)
+    early: list[float] = []
+
+    async def wait_out(limit: float) -> None:
+        start = time.monotonic()  # the batcher's clock
+        with pytest.raises(TimeoutError):
+            await batcher.submit(2, timeout=limit)
+        if time.monotonic() - start < limit:
+            early.append(limit)
+
+    async with batcher, anyio.create_task_group() as tg:
+        tg.start_soon(batcher.submit, 1)  # the model holds it: the others wait in the queue
+        await model.entered.wait()
+        async with anyio.create_task_group() as waiting:
+            for k in range(40):
+                waiting.start_soon(wait_out, 0.0005 + k * 0.00037)
+        model.gate.set()
+    assert early == []
+    assert batcher.statistics().expired == 40
 
 
 async def test_a_deadline_while_running_drops_the_result() -> None:
