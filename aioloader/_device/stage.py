@@ -141,7 +141,7 @@ def device_plan(
     if pin and not torch.cuda.is_available():
         warnings.warn(
             "'pin_memory' argument is set as true but no accelerator is found, then device "
-            "pinned memory won't be used.",
+            "pinned memory won't be used. (aioloader pins for CUDA devices only)",
             UserWarning,
             stacklevel=stacklevel + 1,
         )

@@ -77,8 +77,10 @@ def _check_workers_options(a: Arguments, num_workers: int) -> None:
     """torch's rules for the options of worker processes, in its order and words.
 
     Raises:
-        ValueError: An option needs ``num_workers > 0``, or ``prefetch_factor`` is not a
-            positive int (torch raises ``ValueError`` for its wrong type too).
+        ValueError: An option needs ``num_workers > 0``, or ``prefetch_factor`` is not
+            positive.
+        TypeError: ``prefetch_factor`` is not an int (torch's comparison fails so for a
+            string; a float fails its iterator).
     """
     factor = a.prefetch_factor
     if num_workers == 0:
@@ -98,7 +100,9 @@ def _check_workers_options(a: Arguments, num_workers: int) -> None:
                 f"(num_workers > 0), but got num_workers={num_workers}"
             )
     elif factor is not None:
-        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 0:
+        if isinstance(factor, bool) or not isinstance(factor, int):
+            raise TypeError(f"prefetch_factor must be an int, got {factor!r}")
+        if factor < 0:
             raise ValueError(f"prefetch_factor option should be non-negative, got {factor!r}")
         if factor == 0:  # torch's iterator fails an assert on it; refused here, up front
             raise ValueError("prefetch_factor must be greater than 0 with worker processes, got 0")
@@ -251,11 +255,11 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
         raise ValueError(f"timeout option should be non-negative, got timeout={timeout!r}")
     _check_workers_options(a, num_workers)
     start_method = start_method_of(a.multiprocessing_context)
-    for name in ("collate_fn", "worker_init_fn", "transform", "device_transform"):
-        callable_or_none(name, getattr(a, name))
     _check_combinations(
         kind, a.dataset, a.batch_size, a.shuffle, a.sampler, a.batch_sampler, a.drop_last
     )
+    for name in ("collate_fn", "worker_init_fn", "transform", "device_transform"):
+        callable_or_none(name, getattr(a, name))  # torch finds out as it calls them
     if a.shuffle not in (None, True, False):
         raise TypeError(f"shuffle must be a bool or None, got {a.shuffle!r}")
     _check_batching(a, kind)

@@ -6,9 +6,8 @@ cancellation). Never: decides when to cut a batch or how big (:mod:`aioloader._s
 collects and runs batches (the runner tasks, :mod:`aioloader._serving.dispatch`), runs
 collate/model/split itself (:mod:`aioloader._serving.runner`), or polls.
 
-A request's life (:mod:`aioloader._serving.request`): ``WAITING`` in the queue → ``RUNNING`` in a
-batch → ``DONE`` (outcome set), or ``GONE`` (withdrawn, expired, cancelled or abandoned: counted
-once, by whoever moved it there).
+A request's life (``request.py``): ``WAITING`` in the queue → ``RUNNING`` in a batch → ``DONE``,
+or ``GONE`` (withdrawn, expired, cancelled or abandoned: counted once, by whoever moved it there).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from .._data.collate import default_collate
 from .._workers.processes import start_method_of
 from .dispatch import Dispatcher
 from .pending import BatchLimits, PendingQueue, bucket_of, cost_of
-from .policy import BatchPolicy, check_arguments, check_timeout, default_split
+from .policy import BatchPolicy, check_arguments, check_timeout, default_split, rearm_after_timer
 from .request import DONE, GONE, RUNNING, WAITING, Request
 from .runner import BatchRunner, device_plan_of
 from .stats import BatcherRecorder, BatcherStatistics
@@ -368,17 +367,15 @@ class DynamicBatcher:
                 future.exception()  # an outcome that came too late: mark it seen, not leaked
             raise
 
-    def _expire(self, request: Request, limit: float) -> None:
-        """The request's deadline passed (a timer callback on the loop). uvloop's timers count
-        whole milliseconds and may fire up to one early: then the timer is set again for the
-        rest (a millisecond at least), so that no request gives up before its deadline."""
+    def _expire(self, request: Request, limit: float, rearms: int = 0) -> None:
+        """The request's deadline passed (a timer callback on the loop); a near miss by the
+        batcher's clock waits again, as the delay timer does (``policy.rearm_after_timer``)."""
         was = request.state
         if was in (DONE, GONE):
             return
-        left = request.deadline - self._clock()
-        if left > 0:
-            loop = asyncio.get_running_loop()
-            request.timer = loop.call_later(max(left, 1e-3), self._expire, request, limit)
+        if (again := rearm_after_timer(request.deadline - self._clock(), rearms)) is not None:
+            args = (request, limit, rearms + 1)
+            request.timer = asyncio.get_running_loop().call_later(again, self._expire, *args)
             return
         self._leave(request, expired=True)
         where = "its batch was running: the result is dropped" if was == RUNNING else "queued"

@@ -92,6 +92,7 @@ _BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("batch_size=None+drop_last", {"batch_size": None, "drop_last": True}, ValueError, "drop_last"),
     ("prefetch_factor+num_workers=0", {"prefetch_factor": 2}, ValueError, "prefetch_factor"),
     ("prefetch_factor=0", {"prefetch_factor": 0, "num_workers": 2}, ValueError, "prefetch_factor"),
+    ("prefetch_factor=2.0", {"prefetch_factor": 2.0, "num_workers": 2}, TypeError, "an int"),
     (
         "persistent_workers+num_workers=0",
         {"persistent_workers": True},

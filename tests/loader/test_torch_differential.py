@@ -213,7 +213,11 @@ def outcome(call: Callable[[], Any], warned: list[str] | None = None) -> tuple[s
             return "raised", exc
         finally:
             if warned is not None:
-                warned.extend(f"{w.category.__name__}: {str(w.message)[:24]}" for w in caught)
+                warned.extend(  # the loaders' own (not, say, Python's about fork and threads)
+                    f"{w.category.__name__}: {str(w.message)[:24]}"
+                    for w in caught
+                    if issubclass(w.category, UserWarning)
+                )
 
 
 def assert_same_outcome(ours: tuple[str, Any], torchs: tuple[str, Any], what: str) -> None:

@@ -473,6 +473,17 @@ async def test_no_request_gives_up_before_its_deadline() -> None:
     assert batcher.statistics().expired == 40
 
 
+async def test_a_deadline_fires_even_if_the_clock_disagrees() -> None:
+    """A clock that never moves (a test's): the timer is the judge, as for the delay."""
+    model = Gated()
+    batcher = lists(model, max_batch_size=1, clock=FakeClock())
+    async with batcher:
+        with pytest.raises(TimeoutError, match="its batch was running"):
+            await batcher.submit(1, timeout=0.02)
+        model.gate.set()
+    assert batcher.statistics().expired == 1
+
+
 async def test_a_deadline_while_running_drops_the_result() -> None:
     model = Gated()
     batcher = lists(model, max_batch_size=1, timeout=0.01)  # the batcher-wide default

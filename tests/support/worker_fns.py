@@ -88,3 +88,25 @@ def sample_key(sample: dict[str, Any]) -> str:
     info = aioloader.get_worker_info()
     assert info is not None, "not in a worker"
     return str(sample["__key__"])
+
+
+def _refuse_to_load(message: str) -> None:
+    raise ValueError(message)
+
+
+class _LoadsBadly:
+    """Pickles in the worker; unpickling it (in the main process) raises ValueError."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_refuse_to_load, ("this value does not load here",))
+
+
+class Unloadable(torch.utils.data.Dataset[_LoadsBadly]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> _LoadsBadly:
+        return _LoadsBadly()

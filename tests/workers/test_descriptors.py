@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,9 @@ from typing import Any
 
 import pytest
 
+import aioloader
 from aioloader._workers.descriptors import out_of_descriptors
+from tests.support import worker_fns
 
 SCRIPT = """
 import json, resource, sys, threading
@@ -69,14 +72,30 @@ def test_out_of_descriptors_the_error_says_so_in_torchs_words(tmp_path: Path) ->
     assert error["cause"] != "NoneType"  # multiprocessing's own failure stays chained
 
 
-@pytest.mark.parametrize("mode", ["alone", "thread"])
 def test_the_file_system_strategy_set_after_the_import_reaches_the_workers(
-    tmp_path: Path, mode: str
+    tmp_path: Path,
 ) -> None:
-    got = run(tmp_path, "file_system", mode)
-    assert got["server"] == ("forked" if mode == "alone" else "standby")
+    """The standby was forked as aioloader was imported, before the strategy was set (a fork
+    server forked later would inherit it anyway)."""
+    got = run(tmp_path, "file_system", "thread")
+    assert got["server"] == "standby"
     assert (got["kept"], got["error"]) == (200, None)
 
 
-def test_with_descriptors_to_spare_a_failed_reply_is_not_called_a_descriptor_limit() -> None:
+def test_with_descriptors_to_spare_a_failed_reply_keeps_its_own_error() -> None:
+    assert not out_of_descriptors()
+    loader = aioloader.DataLoader(worker_fns.Unloadable(4), batch_size=None, num_workers=1)
+    with pytest.raises(ValueError, match="this value does not load here"):
+        list(loader)
+
+
+def test_out_of_descriptors_is_told_by_trying_to_open_some() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    opened = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (opened + 5, hard))
+    try:
+        assert out_of_descriptors()  # 10 more cannot be opened
+        assert len(os.listdir("/proc/self/fd")) == opened  # and none of them stays open
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert not out_of_descriptors()
