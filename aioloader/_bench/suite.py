@@ -18,8 +18,10 @@ import importlib.util
 import json
 import os
 import select
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -203,10 +205,14 @@ async def run_workload(
     args = workload.quick if quick else workload.full
     module = workload.module if "." in workload.module else f"aioloader._bench.{workload.module}"
     code = f"import sys; from {module} import main; sys.exit(main())"
-    env = {**os.environ, ROWS_ENV: str(rows_file), "PYTHONUNBUFFERED": "1"}
+    # A temporary folder of its own, removed after it: what a killed workload's processes
+    # leave there (multiprocessing's pymp-* folders, say) goes too.
+    temp = Path(tempfile.mkdtemp(prefix=f"aioloader-bench-{workload.name}-"))
+    env = {**os.environ, ROWS_ENV: str(rows_file), "PYTHONUNBUFFERED": "1", "TMPDIR": str(temp)}
     limit = workload.limit_s[0 if quick else 1]
     error: str | None = None
-    with log.open("ab") as out:
+    with log.open("ab") as out, contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, temp, ignore_errors=True)
         out.write(f"\n===== {workload.name}: {' '.join(args)}\n".encode())
         out.flush()
         process = await asyncio.create_subprocess_exec(
