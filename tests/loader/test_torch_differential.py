@@ -8,6 +8,7 @@ checks them in combination, where a rule of one argument meets another's."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import warnings
@@ -180,6 +181,34 @@ def drain(loader: Iterable[Any]) -> tuple[list[Any], Exception | None]:
     return batches, None
 
 
+async def drain_async(loader: aioloader.DataLoader[Any]) -> tuple[list[Any], Exception | None]:
+    """:func:`drain` with ``async for``, in the loader's scope."""
+    batches: list[Any] = []
+    try:
+        async with loader:
+            async for batch in loader:
+                batches.append(batch)
+    except Exception as exc:  # compared with torch's
+        return batches, exc
+    return batches, None
+
+
+def assert_same_epoch(
+    got: tuple[list[Any], Exception | None],
+    want: tuple[list[Any], Exception | None],
+    kwargs: dict[str, Any],
+    what: str,
+) -> None:
+    """The same batches before the same type of failure (if any); with ``in_order=False``,
+    the same batches in any order (when no failure makes which ones came first a race)."""
+    (batches, failed), (wanted, torch_failed) = got, want
+    assert type(failed) is type(torch_failed), (what, failed, torch_failed)
+    if kwargs.get("in_order", True):
+        assert_same(batches, wanted, what)
+    elif torch_failed is None:
+        assert_same(sorted(batches, key=repr), sorted(wanted, key=repr), what)
+
+
 def stop_torchs_workers(iterator: object) -> None:
     """Stop the workers of torch's iterator (a private call, in a test only): an iterator an
     exception ended is left to the garbage collector, and its ``__del__``, when that runs on
@@ -281,15 +310,21 @@ def test_every_combination_of_arguments_behaves_as_torchs(
             outcome(lambda: len(theirs), warned_torch),
             "len()",
         )
+        epochs = []
         for epoch in range(2):
-            got, ours_failed = outcome(functools.partial(drain, ours), warned_ours)[1]
-            want, torch_failed = outcome(functools.partial(drain, theirs), warned_torch)[1]
-            assert type(ours_failed) is type(torch_failed), (ours_failed, torch_failed)
-            if kwargs.get("in_order", True):
-                assert_same(got, want, f"epoch {epoch}")  # every batch before a failure too
-            elif torch_failed is None:  # the same batches, in the order they were ready
-                assert_same(sorted(got, key=repr), sorted(want, key=repr), f"epoch {epoch}")
+            got = outcome(functools.partial(drain, ours), warned_ours)[1]
+            epochs.append(want := outcome(functools.partial(drain, theirs), warned_torch)[1])
+            assert_same_epoch(got, want, kwargs, f"epoch {epoch}")
     stop_torchs_workers(getattr(theirs, "_iterator", None))  # persistent workers'
+    # ``async for`` (its own path: a batch made in ``__anext__``, or by the stages) gives the
+    # first epoch again, from a loader made as ours was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        again = outcome(
+            lambda: aioloader.DataLoader(dataset(), **kwargs, **stateful()), warned_ours
+        )
+    got = outcome(lambda: asyncio.run(drain_async(again[1])), warned_ours)[1]
+    assert_same_epoch(got, epochs[0], kwargs, "async for, epoch 0")
     # The same warnings, once each (torch gives some at each epoch, ours once a loader).
     assert set(warned_ours) == set(warned_torch)
 
