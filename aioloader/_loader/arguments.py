@@ -22,8 +22,8 @@ from .._base.checks import check_bool, check_int, check_picklable, check_seconds
 from .._base.retry import RetryPolicy
 from .._data.source import Kind, classify
 from .._device.accelerator import resolve_device
-from .._workers.processes import start_method_of
 from .._workers.rayspec import RayWorkers, ray_spec_of
+from .._workers.serverstart import start_method_of
 
 __all__ = [
     "ASYNC_FETCH_OPTIONS",

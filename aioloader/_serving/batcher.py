@@ -28,7 +28,7 @@ import torch
 
 from .._base.exceptions import LoaderStateError, Overloaded
 from .._data.collate import default_collate
-from .._workers.processes import start_method_of
+from .._workers.serverstart import start_method_of
 from .dispatch import Dispatcher
 from .pending import BatchLimits, PendingQueue, bucket_of, cost_of
 from .policy import BatchPolicy, check_arguments, check_timeout, default_split, rearm_after_timer

@@ -24,6 +24,7 @@ import multiprocessing.util
 import os
 import pickle
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -44,16 +45,11 @@ from .worker import worker_main
 
 __all__ = [
     "CANCEL_GRACE",
-    "DEFAULT_START_METHOD",
-    "START_METHODS",
     "ProcessWorkers",
-    "start_method_of",
 ]
 
 R = TypeVar("R")
 
-START_METHODS = ("spawn", "forkserver")
-DEFAULT_START_METHOD = "forkserver"
 CANCEL_GRACE = 5.0  # seconds a cancelled job may still run before its worker is terminated
 _STOP_GRACE = 5.0  # seconds a worker may take to exit after its pipe closes
 
@@ -203,7 +199,7 @@ class ProcessWorkers:
         if worker.stopped:
             return
         worker.alive = False
-        worker.conn.close()  # EOF: the worker's loop ends
+        _hang_up(worker.conn)  # EOF: the worker's loop ends
         process = worker.process
         if process.exitcode is None:
             with anyio.move_on_after(grace):
@@ -360,38 +356,13 @@ def _is_pickling_error(exc: BaseException) -> bool:
     return isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))
 
 
-def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
-    """The worker processes' start method: ``context`` (a name or a multiprocessing context)
-    when given, else forkserver.
-
-    Raises:
-        ValueError: The method is fork, or unknown.
-        TypeError: ``context`` is neither a string nor a multiprocessing context.
-    """
-    if context is None:
-        return DEFAULT_START_METHOD
-    if isinstance(context, str):
-        method = context
-    elif isinstance(context, multiprocessing.context.BaseContext):
-        method = context.get_start_method()
-    else:
-        raise TypeError(
-            "multiprocessing_context option should be a valid context object or a string "
-            f"specifying the start method, but got multiprocessing_context={context!r} "
-            f"(a {type(context).__qualname__})"
-        )
-    if method == "fork":
-        raise ValueError(
-            "multiprocessing_context='fork' is not supported: forking a process that runs an "
-            "event loop, threads, obstore/tokio or CUDA can hang or corrupt it; use "
-            "'forkserver' (the default: workers start as fast as forked ones) or 'spawn'"
-        )
-    if method not in START_METHODS:
-        raise ValueError(
-            f"multiprocessing_context option should specify a valid start method in "
-            f"{START_METHODS!r}, but got multiprocessing_context={method!r}"
-        )
-    return context if isinstance(context, multiprocessing.context.BaseContext) else method
+def _hang_up(conn: Connection) -> None:
+    """Close this end of a worker's pipe so that the worker sees EOF even where a process
+    forked from this one since holds a copy of it (torch's fork workers, a user's fork): the
+    socket is shut down first, which reaches every copy (a pipe that is no socket: closed)."""
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as end:
+        end.shutdown(socket.SHUT_RDWR)
+    conn.close()
 
 
 def _blocking(conn: Connection) -> None:

@@ -5,7 +5,8 @@ server starts, fastest first: forked from this process now, when that is safe (w
 share everything the application has imported); else the standby forked as aioloader was
 imported, caught up with the main module (``standby.py``); else the stdlib's own, a fresh
 interpreter asked to preload torch and the worker module besides the main module. And
-:func:`server_start`, what was decided and why, for the statistics and the verdict. Never:
+:func:`server_start`, what was decided and why, for the statistics and the verdict, and
+:func:`start_method_of`, the workers' start method (never fork). Never:
 forks anything itself (``forkserver.py`` does), or starts a second server once one runs.
 """
 
@@ -30,7 +31,18 @@ from .forkserver import (
     unsafe_to_fork,
 )
 
-__all__ = ["ServerStart", "note_server", "prepare_forkserver", "server_start"]
+__all__ = [
+    "DEFAULT_START_METHOD",
+    "START_METHODS",
+    "ServerStart",
+    "note_server",
+    "prepare_forkserver",
+    "server_start",
+    "start_method_of",
+]
+
+START_METHODS = ("spawn", "forkserver")
+DEFAULT_START_METHOD = "forkserver"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,3 +154,37 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
     wanted = current + [m for m in PRELOAD if m not in current]
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
+
+
+def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
+    """The worker processes' start method: ``context`` (a name or a multiprocessing context)
+    when given, else forkserver.
+
+    Raises:
+        ValueError: The method is fork, or unknown.
+        TypeError: ``context`` is neither a string nor a multiprocessing context.
+    """
+    if context is None:
+        return DEFAULT_START_METHOD
+    if isinstance(context, str):
+        method = context
+    elif isinstance(context, multiprocessing.context.BaseContext):
+        method = context.get_start_method()
+    else:
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context!r} "
+            f"(a {type(context).__qualname__})"
+        )
+    if method == "fork":
+        raise ValueError(
+            "multiprocessing_context='fork' is not supported: forking a process that runs an "
+            "event loop, threads, obstore/tokio or CUDA can hang or corrupt it; use "
+            "'forkserver' (the default: workers start as fast as forked ones) or 'spawn'"
+        )
+    if method not in START_METHODS:
+        raise ValueError(
+            f"multiprocessing_context option should specify a valid start method in "
+            f"{START_METHODS!r}, but got multiprocessing_context={method!r}"
+        )
+    return context if isinstance(context, multiprocessing.context.BaseContext) else method

@@ -3,6 +3,7 @@ can import them by name."""
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import random
 import signal
@@ -110,3 +111,14 @@ class Unloadable(torch.utils.data.Dataset[_LoadsBadly]):
 
     def __getitem__(self, index: int) -> _LoadsBadly:
         return _LoadsBadly()
+
+
+def _write_marker(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("left on EOF")
+
+
+def mark_a_clean_exit(folder: str, worker_id: int) -> None:
+    """A ``worker_init_fn`` (with ``functools.partial``): the worker writes a file as it leaves
+    of itself (multiprocessing's finalizers, which a terminated worker does not run)."""
+    multiprocessing.util.Finalize(None, _write_marker, (f"{folder}/w{worker_id}",), exitpriority=10)

@@ -3,10 +3,15 @@ failures with the worker's traceback, crashes named within the epoch, and nothin
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing
 import os
+import signal
+import time
+import warnings
 from multiprocessing import resource_tracker
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -277,3 +282,26 @@ async def test_a_batch_larger_than_the_pipe_s_buffer_comes_back_whole_in_async_f
     loader = aioloader.DataLoader(RawBytes(n, size), batch_size=32, num_workers=2, collate_fn=list)
     async with loader:
         _check_raw([batch async for batch in loader], n, size)
+
+
+def test_a_process_forked_since_keeps_no_worker_from_its_eof(tmp_path: Path) -> None:
+    """A process forked after the workers started (torch's fork workers, a user's fork) holds
+    a copy of each worker's pipe: closing ours alone left the worker waiting, terminated 5 s
+    later. The worker leaves of itself (its finalizers ran: the file is there)."""
+    init = functools.partial(worker_fns.mark_a_clean_exit, str(tmp_path))
+    loader = aioloader.DataLoader(
+        list(range(8)), batch_size=4, num_workers=2, persistent_workers=True, worker_init_fn=init
+    )
+    with loader:
+        assert flat(loader) == list(range(8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+            pid = os.fork()
+        if pid == 0:  # the child holds every descriptor, the workers' pipes too
+            time.sleep(60)
+            os._exit(0)
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["w0", "w1"]
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
