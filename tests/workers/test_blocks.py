@@ -289,7 +289,9 @@ def test_an_epoch_left_early_gives_its_blocks_back() -> None:
         for _ in range(4):
             assert check_epoch(loader, stop_after=3) == list(range(48))  # left early too
             assert check_epoch(loader) == list(range(96))
-    assert host_copies(fake) <= settled + 2 * 2 * 4  # none leaked: at most the epochs' starts
+    # None leaked: a leaked block would send every batch after it the usual way (12 tensors a
+    # full epoch); the epochs' starts may send some (on a busy machine, 22 against 20 seen).
+    assert host_copies(fake) <= settled + 4 * 3 * 2  # at most 3 of a round's 6 batches
     assert len(fake.registered) <= 2 * blocks_module.PER_WORKER
 
 
