@@ -4,10 +4,15 @@ no mocks of the loader itself."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -153,3 +158,18 @@ def open_fds() -> int:
 def other_tasks() -> set[asyncio.Task[Any]]:
     current = asyncio.current_task()
     return {t for t in asyncio.all_tasks() if t is not current and not t.done()}
+
+
+def run_json_script(folder: Path, script: str, *args: str, env: dict[str, str]) -> dict[str, Any]:
+    """Write ``script`` (dedented) to ``folder/script.py`` and run it in a fresh interpreter
+    with ``args`` and ``env`` added to this one's: it must exit 0, say nothing on stderr and
+    print one JSON object, returned."""
+    path = folder / "script.py"
+    path.write_text(textwrap.dedent(script))
+    done = subprocess.run(
+        [sys.executable, str(path), *args],
+        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, **env},
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result

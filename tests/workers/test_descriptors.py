@@ -5,12 +5,8 @@ strategy set after ``import aioloader`` (its standby fork server started before 
 
 from __future__ import annotations
 
-import json
 import os
 import resource
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +15,7 @@ import pytest
 import aioloader
 from aioloader._workers.descriptors import out_of_descriptors
 from tests.support import worker_fns
+from tests.support.helpers import run_json_script
 
 SCRIPT = """
 import json, resource, sys, threading
@@ -49,15 +46,8 @@ if __name__ == "__main__":
 
 
 def run(tmp_path: Path, *modes: str) -> dict[str, Any]:
-    (tmp_path / "script.py").write_text(textwrap.dedent(SCRIPT))
-    done = subprocess.run(
-        [sys.executable, str(tmp_path / "script.py"), *modes],
-        capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "TMPDIR": str(tmp_path)},  # file_system's segments' owner dies
-    )  # fmt: skip
-    assert (done.returncode, done.stderr) == (0, ""), done.stderr
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
+    # TMPDIR: file_system's segments outlive a process that dies holding them
+    return run_json_script(tmp_path, SCRIPT, *modes, env={"TMPDIR": str(tmp_path)})
 
 
 def test_out_of_descriptors_the_error_says_so_in_torchs_words(tmp_path: Path) -> None:

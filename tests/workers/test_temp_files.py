@@ -5,15 +5,13 @@ interpreter with ``TMPDIR`` a folder of the test's own, under each of the three 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.helpers import run_json_script
 
 SCRIPT = """
 import json, multiprocessing.util, os, signal, sys, threading
@@ -49,15 +47,8 @@ def run(tmp_path: Path, *modes: str, standby: bool = True) -> tuple[dict[str, An
     """Run the script; its result and what is left in its temporary folder once it exited."""
     temp = tmp_path / "tmp"
     temp.mkdir()
-    (tmp_path / "script.py").write_text(textwrap.dedent(SCRIPT))
-    env = {**os.environ, "TMPDIR": str(temp), "AIOLOADER_STANDBY": "1" if standby else "0"}
-    done = subprocess.run(
-        [sys.executable, str(tmp_path / "script.py"), *modes],
-        capture_output=True, text=True, timeout=120, check=False, env=env,
-    )  # fmt: skip
-    assert (done.returncode, done.stderr) == (0, "")
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result, sorted(os.listdir(temp))
+    env = {"TMPDIR": str(temp), "AIOLOADER_STANDBY": "1" if standby else "0"}
+    return run_json_script(tmp_path, SCRIPT, *modes, env=env), sorted(os.listdir(temp))
 
 
 @pytest.mark.parametrize(
