@@ -10,15 +10,15 @@ Never: classifies a dataset (``source.py`` does) or batches.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import Any
 
 import anyio
 
 from .._base.exceptions import LoaderStateError
+from .._base.stateful import StatefulPass, is_stateful, snapshot
 from .._workers.offload import ThreadOffload
 from .epochs import OpensEpochs, open_owned
 
@@ -28,21 +28,12 @@ _STREAM_CHUNK = 64  # items pulled from a blocking iterator per thread call
 
 
 def is_resumable(dataset: object) -> bool:
-    """Whether a stream dataset takes part in ``state_dict()``: it defines both ``state_dict()``
-    (its state after the items its current epoch's iterator has given) and
+    """Whether a stream dataset itself takes part in ``state_dict()``: it defines both
+    ``state_dict()`` (its state after the items its current epoch's iterator has given) and
     ``load_state_dict(state)`` (the next epoch's iterator starts there), as torchdata's
-    ``Stateful`` does."""
-    return callable(getattr(dataset, "state_dict", None)) and callable(
-        getattr(dataset, "load_state_dict", None)
-    )
-
-
-def _snapshot(dataset: Any) -> Any:
-    """``dataset.state_dict()`` as it is now: copied, unless the dataset says it gives a new
-    object each call (``state_dict_is_a_copy = True``), for a state kept by reference would
-    move on with the dataset's read-ahead."""
-    state = dataset.state_dict()
-    return state if getattr(dataset, "state_dict_is_a_copy", False) else copy.deepcopy(state)
+    ``Stateful`` does. (A blocking one may keep its state in the iterator ``iter()`` gives
+    instead: that is known once a pass starts, see ``_base/stateful.py``.)"""
+    return is_stateful(dataset)
 
 
 class StreamSource(ABC):
@@ -77,7 +68,7 @@ class AsyncStream(StreamSource):
         self.resumable = is_resumable(dataset)
 
     def state(self) -> Any:
-        return _snapshot(self._dataset)
+        return snapshot(self._dataset)
 
     def _iterator(self) -> AsyncIterator[Any]:
         if inspect.isasyncgenfunction(self._dataset):
@@ -117,9 +108,11 @@ class AsyncStream(StreamSource):
 class BlockingStream(StreamSource):
     """A torch IterableDataset (or any iterable) advanced on one dedicated thread, in chunks.
 
-    A resumable one (``state_dict``/``load_state_dict``) is pulled a batch (``per_batch``
-    items) per chunk, and its state taken after each chunk, on the same thread: the state after
-    a batch's last item, whenever the loader asks between batches.
+    A resumable pass (the dataset's ``state_dict``/``load_state_dict``, or its iterator's:
+    :class:`~aioloader._base.stateful.StatefulPass`) is pulled a batch (``per_batch`` items)
+    per chunk, and its state taken after each chunk, on the same thread: the state after a
+    batch's last item, whenever the loader asks between batches. Whether a pass is resumable
+    is known once it is open (:attr:`resumable` is the dataset's own until then).
     """
 
     def __init__(
@@ -127,31 +120,32 @@ class BlockingStream(StreamSource):
     ) -> None:
         self._dataset = dataset
         self._offload = offload
+        self._per_batch = per_batch
         self.resumable = is_resumable(dataset)
-        self._chunk = per_batch if self.resumable else _STREAM_CHUNK
         self._state: Any = None
 
     def state(self) -> Any:
         return self._state
 
-    def _pull(self, iterator: Iterator[Any]) -> tuple[list[Any], Exception | None]:
+    def _pull(self, run: StatefulPass) -> tuple[list[Any], Exception | None]:
         """The next chunk, and the exception that cut it short (if one did): the items
         before a failure are the epoch's too, as torch delivers them."""
         chunk: list[Any] = []
+        size = self._per_batch if run.resumable else _STREAM_CHUNK
         try:
-            for item in iterator:
+            for item in run.iterator:
                 chunk.append(item)
-                if len(chunk) == self._chunk:
+                if len(chunk) == size:
                     break
         except Exception as exc:
             return chunk, exc
-        if self.resumable:
-            self._state = _snapshot(self._dataset)
+        if run.resumable:
+            self._state = run.state()
         return chunk, None
 
-    async def _chunks(self, iterator: Iterator[Any]) -> AsyncGenerator[Any, None]:
+    async def _chunks(self, run: StatefulPass) -> AsyncGenerator[Any, None]:
         while True:
-            chunk, failed = await self._offload().run(self._pull, iterator)
+            chunk, failed = await self._offload().run(self._pull, run)
             for item in chunk:
                 yield item
             if failed is not None:
@@ -159,20 +153,17 @@ class BlockingStream(StreamSource):
             if not chunk:
                 return
 
-    def _start(self, state: Any) -> Iterator[Any]:
-        if state is not None:
-            self._dataset.load_state_dict(state)  # type: ignore[attr-defined]
-        return iter(self._dataset)
-
     @contextlib.asynccontextmanager
     async def open(self, epoch: int, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
-        iterator = await self._offload().run(self._start, state)
-        chunks = self._chunks(iterator)
+        run = await self._offload().run(StatefulPass, self._dataset, state)
+        self.resumable = run.resumable
+        self._state = None
+        chunks = self._chunks(run)
         try:
             yield chunks
         finally:
             await chunks.aclose()
-            close = getattr(iterator, "close", None)
+            close = getattr(run.iterator, "close", None)
             if close is not None:  # a generator: run its finally blocks on our thread, now
                 with anyio.CancelScope(shield=True):
                     await self._offload().run(close, inline=False)

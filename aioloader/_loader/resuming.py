@@ -21,11 +21,17 @@ from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
 from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 from .._data.seeds import epoch_permutation
 from .._data.source import InWorkers, dataset_length
-from .._data.streams import StreamSource, is_resumable
+from .._data.streams import BlockingStream, StreamSource, is_resumable
 from .checkpoint import EpochState
 from .plan import LoaderPlan
 
-__all__ = ["check_resumable", "not_replayable", "resolve", "resumed_batches"]
+__all__ = [
+    "check_resumable",
+    "check_stream_place",
+    "not_replayable",
+    "resolve",
+    "resumed_batches",
+]
 
 
 def not_replayable(order: object) -> object | None:
@@ -156,22 +162,14 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
 
 
 def check_resumable(plan: LoaderPlan) -> None:
-    """Raises: TypeError: the loader cannot resume, named (see ``DataLoader.state_dict``)."""
+    """What makes a loader unable to resume whatever its place (a stream whose place where
+    batches were taken is checked by :func:`check_stream_place`, once it is known).
+
+    Raises:
+        TypeError: The loader cannot resume, named (see ``DataLoader.state_dict``).
+    """
     name = type(plan.dataset).__qualname__
     if not plan.kind.is_map:
-        if isinstance(plan.source, InWorkers):
-            if not is_resumable(plan.dataset):
-                raise TypeError(
-                    f"the loader cannot resume: its iterable dataset {name} is read in worker "
-                    "processes without state_dict()/load_state_dict(); define both (each "
-                    "worker's copy gives its own place, see docs/design.md, 'Resuming')"
-                )
-        elif not isinstance(plan.source, StreamSource) or not plan.source.resumable:
-            raise TypeError(
-                f"the loader cannot resume: its dataset {name} is a stream without "
-                "state_dict()/load_state_dict() (an async generator cannot be resumed); "
-                "define both on the dataset (see docs/design.md, 'Resuming')"
-            )
         if plan.world_size > 1:
             raise TypeError(
                 f"the loader cannot resume: its stream {name} is split across ranks by "
@@ -187,3 +185,39 @@ def check_resumable(plan: LoaderPlan) -> None:
             "order when iterated again; use shuffle=True with seed=, or one of "
             "aioloader's samplers"
         )
+
+
+def check_stream_place(plan: LoaderPlan, state: EpochState) -> None:
+    """A stream's ``state`` can be gone on from: nothing of its epoch was taken yet (an epoch's
+    start is a state for any dataset), or its place was saved with the batches taken.
+
+    Raises:
+        TypeError: Batches were taken from a stream that keeps no state (neither the dataset
+            nor, for a blocking one, the iterator its ``__iter__`` gives defines
+            ``state_dict``/``load_state_dict``), named.
+    """
+    if plan.kind.is_map or state.stream is not None or not len(state.taken):
+        return
+    name = type(plan.dataset).__qualname__
+    if isinstance(plan.source, InWorkers):
+        if is_resumable(plan.dataset):
+            return  # its first batches failed: the workers read it again from its start
+        raise TypeError(
+            f"the loader cannot resume: its iterable dataset {name} is read in worker "
+            "processes, and neither it nor the iterator its __iter__() gives defines "
+            "state_dict()/load_state_dict(); define both on one of them (each worker's copy "
+            "gives its own place, see docs/design.md, 'Resuming')"
+        )
+    if isinstance(plan.source, StreamSource) and plan.source.resumable:
+        return  # its first batches failed: it is read again from its start
+    if isinstance(plan.source, BlockingStream):
+        raise TypeError(
+            f"the loader cannot resume: its dataset {name} is a stream, and neither it nor "
+            "the iterator its __iter__() gives defines state_dict()/load_state_dict(); "
+            "define both on one of them (see docs/design.md, 'Resuming')"
+        )
+    raise TypeError(
+        f"the loader cannot resume: its dataset {name} is a stream without "
+        "state_dict()/load_state_dict() (an async generator cannot be resumed); "
+        "define both on the dataset (see docs/design.md, 'Resuming')"
+    )

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from .checkpoint import EpochState, dumps_checked, fresh_state
 from .plan import LoaderPlan
-from .resuming import check_resumable, resolve
+from .resuming import check_resumable, check_stream_place, resolve
 from .scope import LoaderState, Scope
 from .session import PlainIterator, Session
 
@@ -66,12 +66,16 @@ class Resumable:
         from there: every sample of the epoch once, none twice, none lost. It does not depend on
         ``num_workers``, ``max_inflight``, ``prefetch`` or the order batches completed in.
 
+        A stream's state is its dataset's ``state_dict()``, or, for a blocking one whose
+        ``__iter__`` gives an iterator that keeps its own (torchdata's ``Stateful``), both.
+        At an epoch's start (nothing of it taken yet) any dataset has a state.
+
         Raises:
-            TypeError: The loader cannot resume, named: a stream dataset without
-                ``state_dict``/``load_state_dict`` (an async generator, say), an iterable
-                dataset read in worker processes, a stream split by ``distributed=True``, a
-                sampler whose order cannot be replayed; or a dataset's state that is not
-                JSON-serialisable.
+            TypeError: The loader cannot resume, named: batches were taken from a stream that
+                keeps no state (neither the dataset nor its iterator defines
+                ``state_dict``/``load_state_dict``: an async generator, say), a stream split
+                by ``distributed=True``, a sampler whose order cannot be replayed; or a
+                dataset's state that is not JSON-serialisable.
         """
         check_resumable(self._plan)
         if self._resume is not None:
@@ -82,6 +86,7 @@ class Resumable:
                 state = fresh_state(self._plan, self._next_epoch)
             else:
                 state = progress.state()
+        check_stream_place(self._plan, state)
         document = state.to_json()
         dumps_checked(document, self.dataset)
         return document

@@ -49,7 +49,7 @@ from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
 from .._data.sharding import StreamShare
 from .._data.source import InWorkers, MapSource
-from .._data.streams import StreamSource, is_resumable
+from .._data.streams import StreamSource
 from .._device.stage import DeviceStage
 from .._workers.pool import WorkerPool
 from .config import PipelineConfig
@@ -196,8 +196,7 @@ class Epoch(TransformStage, OutputStage):
                 # Each worker iterates its own copy: batches come ready-made from the workers.
                 ready_send.close()
                 ready_recv.close()
-                resumable = is_resumable(self.source.dataset)
-                tg.start_soon(WorkerStreams(self, resumable=resumable).run, done_send)
+                tg.start_soon(WorkerStreams(self).run, done_send)
                 tg.start_soon(self._emit, done_recv, out)
                 return
             if isinstance(self.source, InWorkers):
@@ -304,8 +303,7 @@ class Epoch(TransformStage, OutputStage):
         assembler: BatchAssembler[tuple[int, Any]] = BatchAssembler(per_batch)
         taken = self.taken
         seq, start, state = self.stream_from if self.stream_from is not None else (0, 0, None)
-        # A resumable stream's state after each batch travels with it to the consumer.
-        marked = source.resumable
+        marked = False
 
         async def ship(items: list[tuple[int, Any]]) -> None:
             nonlocal seq
@@ -321,6 +319,9 @@ class Epoch(TransformStage, OutputStage):
         if cfg.world_size > 1:
             share = StreamShare(cfg.rank, cfg.world_size)
         async with ready, source.open(self.number, state) as iterator:
+            # A resumable stream's state after each batch travels with it to the consumer
+            # (whether the pass keeps one is known once it is open).
+            marked = source.resumable
             position = start - 1
             while True:
                 position += 1

@@ -102,13 +102,12 @@ class WorkerStreams:
     """The batches of an epoch whose iterable dataset lives in the workers, handed to
     ``epoch`` one by one (:meth:`run`)."""
 
-    def __init__(self, epoch: Epoch, *, resumable: bool = False) -> None:
+    def __init__(self, epoch: Epoch) -> None:
         self.epoch = epoch
         self.config = epoch.config
         self.stats = epoch.stats
         self.number = epoch.number
         self.work = epoch.work
-        self.resumable = resumable
         start, _, saved = epoch.stream_from or (0, 0, None)
         self.start = start
         self._saved: dict[str, Any] = dict(saved["workers"]) if saved else {}
@@ -119,7 +118,7 @@ class WorkerStreams:
         """Give ``item`` (a batch going out as the epoch's ``seq``) the mark a resumed epoch
         starts from: every worker's state as of it, and the worker whose turn is next."""
         worker, state = item.batch.ids[0], item.batch.mark
-        if state is None:  # a failed batch: its worker's place is not known
+        if state is None:  # a failed batch (its worker's place is not known), or no state kept
             item.batch.mark = None
             return
         self._latest[str(worker)] = state
@@ -135,8 +134,7 @@ class WorkerStreams:
         if not work.per_worker:
             raise TypeError("an iterable dataset in workers needs process workers")
         n, in_order = work.concurrency, self.config.in_order
-        mark = self._marked if self.resumable else None
-        out = RankBatches(self.epoch, done, start=self.start, mark=mark)
+        out = RankBatches(self.epoch, done, start=self.start, mark=self._marked)
         # The lanes outlive the task group: no pull task ever sends into a closed lane.
         with one_item_lanes(Done, n if in_order else 0) as lanes:
             async with done, work.reserved() as run_on, anyio.create_task_group() as tg:
@@ -237,7 +235,6 @@ class WorkerStreams:
                 cfg.collate_fn,
                 cfg.finish,
                 self.epoch.budget.left > 0,
-                self.resumable,
                 replace=False,  # a fresh worker would have no pass: it would end silently
             )
         except WorkerCrashed:

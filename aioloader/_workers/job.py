@@ -17,16 +17,16 @@ Two shapes of job:
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._base.exceptions import annotate
 from .._base.retry import RetryPolicy
+from .._base.stateful import StatefulPass
 from .result import Failure, JobResult
 from .worker import worker_dataset
 
@@ -199,26 +199,25 @@ def run_indices(
 
 # -- a blocking iterable dataset iterated in the worker --------------------------------------
 
-_stream: Iterator[Any] | None = None  # this worker's iterator over its copy of the dataset
+_stream: StatefulPass | None = None  # this worker's pass over its copy of the dataset
 
 
 def open_stream(state: Any = None) -> None:
     """Start a new pass over the worker's copy of the dataset (``iter(dataset)``), as torch's
     worker does at each epoch; an unfinished earlier pass is closed first. With ``state`` (a
-    resumed epoch), the copy's ``load_state_dict(state)`` is called first."""
+    resumed epoch: what an earlier pass's batches carried), the pass starts where it stood
+    (the dataset's ``load_state_dict`` before ``iter()``, its iterator's after: see
+    ``_base/stateful.py``)."""
     global _stream
     close_stream()
-    dataset = worker_dataset()
-    if state is not None:
-        dataset.load_state_dict(state)
-    _stream = iter(dataset)
+    _stream = StatefulPass(worker_dataset(), state)
 
 
 def close_stream() -> None:
     """End the worker's current pass (a generator's ``finally`` blocks run here, now)."""
     global _stream
     stream, _stream = _stream, None
-    close = getattr(stream, "close", None)
+    close = getattr(stream.iterator, "close", None) if stream is not None else None
     if close is not None:
         close()
 
@@ -230,14 +229,14 @@ def next_stream_batch(
     collate: Callable[[Any], Any],
     finish: Callable[[Any], Any] | None,
     isolate: bool = False,
-    snapshot: bool = False,
 ) -> JobResult | None:
     """The next batch of the worker's own pass: up to ``batch_size`` samples (one, collated
     alone, when None), transformed and collated; None once the pass is over (a short last batch
     comes first unless ``drop_last``). With ``isolate`` (the loader may skip failed samples) a
     transform failure is reported in the result, its survivors left uncollated, as
-    :func:`run_batch` does. With ``snapshot``, the result carries a copy of the dataset's
-    ``state_dict()`` after the batch's samples were read.
+    :func:`run_batch` does. A resumable pass's result carries its state after the batch's
+    samples were read (``result.state``; None when neither the dataset nor its iterator keeps
+    one).
 
     Raises:
         Exception: The dataset's iterator, ``transform``, ``collate`` or ``finish`` raised (with
@@ -249,7 +248,7 @@ def next_stream_batch(
         return None
     want = 1 if batch_size is None else batch_size
     try:
-        samples = list(itertools.islice(_stream, want))
+        samples = list(itertools.islice(_stream.iterator, want))
     except Exception as exc:
         _stream = None
         annotate(exc, "source")
@@ -257,7 +256,7 @@ def next_stream_batch(
     if not samples or (drop_last and len(samples) < want):
         close_stream()
         return None
-    state = copy.deepcopy(worker_dataset().state_dict()) if snapshot else None
+    state = _stream.state() if _stream.resumable else None
     result = run_batch(transform, collate, samples, batch_size is None, finish)
     result.state = state
     if result.failures and not isolate:  # no budget to skip: the first one raises

@@ -257,9 +257,40 @@ class NotJSON(Counter):
         return {"at": {self.at}}  # a set
 
 
+class Plain(torch.utils.data.IterableDataset[int]):
+    """Neither it nor its iterator keeps a state."""
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(10))
+
+
+@pytest.mark.parametrize(
+    ("dataset", "words"),
+    [
+        (generator, "its dataset function is a stream without state_dict"),
+        (Plain(), "neither it nor the iterator its __iter__\\(\\) gives defines state_dict"),
+    ],
+)
+def test_a_stream_that_cannot_resume_is_named_once_batches_are_taken(
+    dataset: Any, words: str
+) -> None:
+    loader = DataLoader(dataset, batch_size=2)
+    start = loader.state_dict()  # an epoch's start needs no place in the stream
+    assert (start["epoch"], start["taken"], start["stream"]) == (
+        0,
+        {"through": 0, "beyond": []},
+        None,
+    )
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1]
+    with pytest.raises(TypeError, match=words):
+        loader.state_dict()
+    assert next(it).tolist() == [2, 3]  # the refusal lost nothing
+    it.close()
+    assert DataLoader(dataset, batch_size=2, seed=0).state_dict()["epoch"] == 0
+
+
 def test_a_stream_that_cannot_resume_is_named() -> None:
-    with pytest.raises(TypeError, match="its dataset function is a stream without state_dict"):
-        DataLoader(generator, batch_size=2).state_dict()
     with pytest.raises(TypeError, match="split across ranks by distributed=True"):
         DataLoader(Counter(9), batch_size=2, distributed=True, rank=0, world_size=2).state_dict()
     loader = DataLoader(NotJSON(9), batch_size=2, collate_fn=list)

@@ -231,6 +231,58 @@ class ResumableShards(torch.utils.data.IterableDataset[int]):
         self.start = state["at"]
 
 
+class Cursor:
+    """An iterator over ``items`` that keeps its own place (torchdata's ``Stateful`` on the
+    iterator rather than the dataset)."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+        self.i = 0
+
+    def __iter__(self) -> Cursor:
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= len(self.items):
+            raise StopIteration
+        self.i += 1
+        return self.items[self.i - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
+
+
+class CursorShards(torch.utils.data.IterableDataset[int]):
+    """Each worker's share of ``range(length)`` (strided), through a :class:`Cursor`: the
+    place is the iterator's. Its samples are offset by ``1000 * passes`` (the passes this copy
+    began)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.passes = 0
+
+    def __iter__(self) -> Cursor:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        self.passes += 1
+        return Cursor([1000 * self.passes + i for i in range(worker, self.length, workers)])
+
+
+class CountedCursorShards(CursorShards):
+    """:class:`CursorShards` whose dataset keeps a state too (the passes begun, the one a state
+    was saved in included): a resumed pass has it loaded before ``iter()``, or its samples'
+    offset is another."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.passes = state["passes"] - 1  # __iter__ counts the resumed pass again
+
+
 class RawBytes(torch.utils.data.Dataset[bytes]):
     """Sample ``i`` is ``size`` bytes that name ``i`` (its index, 4 bytes little-endian,
     repeated): a batch of them with ``collate_fn=list`` comes back from a worker as pickled

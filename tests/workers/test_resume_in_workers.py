@@ -39,6 +39,11 @@ def test_workers_resume_their_own_places(stop: int, kw: dict[str, Any]) -> None:
 
 
 def test_a_dataset_without_state_dict_in_workers_is_named() -> None:
-    loader = DataLoader(Ranges(0, 10), batch_size=2, num_workers=2)
-    with pytest.raises(TypeError, match="Ranges is read in worker processes"):
+    loader = DataLoader(Ranges(0, 10), batch_size=2, num_workers=2, collate_fn=list)
+    assert loader.state_dict()["taken"] == {"through": 0, "beyond": []}  # an epoch's start
+    it = iter(loader)
+    first = next(it)
+    with pytest.raises(TypeError, match="Ranges is read in worker processes, and neither it"):
         loader.state_dict()
+    rest = list(it)
+    assert sorted(i for b in [first, *rest] for i in b) == list(range(10))  # nothing lost
