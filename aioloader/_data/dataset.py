@@ -108,15 +108,17 @@ class AsyncIterableDataset(ABC, Generic[T_co]):
     ``slots``, in order, unsplit). Any dataset kind may define it.
 
     Resuming: a stream takes part in ``DataLoader.state_dict()`` by defining both
-    ``state_dict()``, its state after the samples its current epoch's iterator has given (a
-    JSON-serialisable dict: dicts, lists, str, numbers, bools, None), and
+    ``state_dict()``, its state after the samples its current epoch's iterator has given
+    (dicts, lists, tuples, str, numbers, bools, None, bytes, tensors, NumPy arrays: kept as
+    JSON, given back as they were), and
     ``load_state_dict(state)``, after which the next :meth:`__aiter__` starts where that state
     stood (torchdata's ``Stateful`` protocol). The loader calls ``state_dict()`` between
     samples, after each batch's last one, and gives the state it saved to ``load_state_dict``
     before the resumed epoch's :meth:`__aiter__`. The loader keeps a deep copy of each state
     (a state kept by reference would move on with the read-ahead), unless the class sets
-    ``state_dict_is_a_copy = True`` to say each call builds a new object. A torch
-    ``IterableDataset`` read in the loader's process takes part the same way.
+    ``state_dict_is_a_copy = True`` to say each call builds a new object of plain JSON
+    values. A torch ``IterableDataset`` takes part the same way, or through the iterator its
+    ``__iter__`` gives (see ``DataLoader.state_dict``).
     """
 
     @abstractmethod

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 from .._base.exceptions import LoaderStateError
-from .._base.stateful import StatefulPass, is_stateful, snapshot
+from .._base.stateful import StatefulPass, decode, is_stateful, snapshot
 from .._workers.offload import ThreadOffload
 from .epochs import OpensEpochs, open_owned
 
@@ -87,6 +87,7 @@ class AsyncStream(StreamSource):
     @contextlib.asynccontextmanager
     async def open(self, epoch: int, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
         dataset = self._dataset
+        state = decode(state)
         if isinstance(dataset, OpensEpochs):  # the loader owns its epochs: passed, not set
             if type(dataset).__aiter__ is OpensEpochs.__aiter__:  # its task group lives here
                 async with dataset.open_epoch(epoch, state) as items:
@@ -133,7 +134,7 @@ class BlockingStream(StreamSource):
         chunk: list[Any] = []
         size = self._per_batch if run.resumable else _STREAM_CHUNK
         try:
-            for item in run.iterator:
+            for item in run.items:
                 chunk.append(item)
                 if len(chunk) == size:
                     break
@@ -142,6 +143,12 @@ class BlockingStream(StreamSource):
         if run.resumable:
             self._state = run.state()
         return chunk, None
+
+    def _begin(self, state: Any) -> StatefulPass:
+        """A pass from ``state``, and its state before any item (on the stream's thread)."""
+        run = StatefulPass(self._dataset, state)
+        self._state = run.state() if run.resumable else None
+        return run
 
     async def _chunks(self, run: StatefulPass) -> AsyncGenerator[Any, None]:
         while True:
@@ -155,9 +162,8 @@ class BlockingStream(StreamSource):
 
     @contextlib.asynccontextmanager
     async def open(self, epoch: int, state: Any = None) -> AsyncIterator[AsyncIterator[Any]]:
-        run = await self._offload().run(StatefulPass, self._dataset, state)
+        run = await self._offload().run(self._begin, state)
         self.resumable = run.resumable
-        self._state = None
         chunks = self._chunks(run)
         try:
             yield chunks

@@ -199,6 +199,13 @@ class Progress:
             if passed is not None:
                 self.stream = passed
 
+    def started(self, mark: tuple[int, int, Any]) -> None:
+        """A stream's pass is open: ``mark`` is where it stands before its first batch, the
+        place a state goes on from until a batch taken in order has a mark of its own."""
+        with self._lock:
+            if self.stream is None:
+                self.stream = mark
+
     def state(self) -> EpochState:
         with self._lock:
             return self._state()
@@ -230,8 +237,8 @@ def dumps_checked(state: dict[str, Any], dataset: object) -> None:
     except (TypeError, ValueError) as exc:
         raise TypeError(
             f"the state of {type(dataset).__qualname__}.state_dict() is not JSON-serialisable "
-            f"({exc}); a dataset's state must be made of dicts, lists, str, int, float, bool "
-            "and None"
+            f"({exc}); a dataset's state must be made of dicts, lists, tuples, str, int, "
+            "float, bool, None, bytes, tensors and NumPy arrays and scalars"
         ) from None
 
 

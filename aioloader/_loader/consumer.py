@@ -189,6 +189,7 @@ class EpochIterator(Generic[T_Batch]):
             scope.device,
             taken=taken,
             stream_from=resume.stream if resume is not None else None,
+            on_stream_start=self.progress.started,
             pace=scope.pace,
             empty=empty,
             skips_left=skips_left,

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -85,6 +85,9 @@ class Epoch(TransformStage, OutputStage):
             again; a stream's batches are re-formed and dropped).
         stream_from: A resumed stream: the place of its next batch, the position and the
             dataset's state to start from.
+        on_stream_start: Called (on the loop) with a resumable stream's mark before its first
+            batch, once its pass is open: where it stands before anything was read (for
+            worker processes, once every worker's pass is open).
         pace: How long the source's awaited reads take: the scope's, which outlives the
             epoch (a new one when None).
         empty: Places of batches made on demand with nothing left in them: taken with the
@@ -112,6 +115,7 @@ class Epoch(TransformStage, OutputStage):
         *,
         taken: Taken | None = None,
         stream_from: tuple[int, int, Any] | None = None,
+        on_stream_start: Callable[[tuple[int, int, Any]], None] | None = None,
         pace: Pace | None = None,
         empty: Sequence[Mark] = (),
         skips_left: int | None = None,
@@ -125,6 +129,7 @@ class Epoch(TransformStage, OutputStage):
         self.device = device
         self.taken = taken
         self.stream_from = stream_from
+        self.on_stream_start = on_stream_start
         # Staged batches the consumer has not taken: on the device, ahead of it.
         self._on_device = anyio.Semaphore(device.depth if device is not None else 1)
         self.error: BaseException | None = None
@@ -322,6 +327,8 @@ class Epoch(TransformStage, OutputStage):
             # A resumable stream's state after each batch travels with it to the consumer
             # (whether the pass keeps one is known once it is open).
             marked = source.resumable
+            if marked and self.on_stream_start is not None:
+                self.on_stream_start((seq, start, source.state()))
             position = start - 1
             while True:
                 position += 1

@@ -43,6 +43,7 @@ class Epoch(Protocol):
     work: WorkerPool
     budget: FailureBudget
     stream_from: tuple[int, int, Any] | None
+    on_stream_start: Callable[[tuple[int, int, Any]], None] | None
 
     async def pass_on(self, item: Done, seq: int, done: MemoryObjectSendStream[Done]) -> None:
         """Hand a batch to the emitter as the epoch's batch ``seq``."""
@@ -113,6 +114,19 @@ class WorkerStreams:
         self._saved: dict[str, Any] = dict(saved["workers"]) if saved else {}
         self._next: int = saved["next"] if saved else 0
         self._latest: dict[str, Any] = dict(self._saved)  # each worker's state, in output order
+        self._open = 0  # workers whose pass is open and keeps a state
+
+    def _opened(self, worker: int, initial: Any) -> None:
+        """``worker``'s pass is open, at ``initial`` (its state before its first batch, or
+        None): that is its place until a batch of its own goes out; once every worker's pass
+        is open, the epoch's place before its first batch is told (``on_stream_start``)."""
+        if initial is None:
+            return
+        self._latest.setdefault(str(worker), initial)
+        self._open += 1
+        start = self.epoch.on_stream_start
+        if self._open == self.work.concurrency and start is not None:
+            start((self.start, 0, {"workers": dict(self._latest), "next": self._next}))
 
     def _marked(self, item: Done, seq: int) -> None:
         """Give ``item`` (a batch going out as the epoch's ``seq``) the mark a resumed epoch
@@ -174,7 +188,9 @@ class WorkerStreams:
         async with results:
             seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
             saved = self._saved.get(str(worker_id))
-            await run_on(worker_id, open_stream, saved, seed=seed)  # a dead one is replaced here
+            # A dead worker is replaced here.
+            initial = await run_on(worker_id, open_stream, saved, seed=seed)
+            self._opened(worker_id, initial)
             try:
                 await self._pull_batches(run_on, worker_id, results)
             finally:  # ended early (a break, a failure): the pass's `finally` blocks run now

@@ -202,15 +202,17 @@ def run_indices(
 _stream: StatefulPass | None = None  # this worker's pass over its copy of the dataset
 
 
-def open_stream(state: Any = None) -> None:
+def open_stream(state: Any = None) -> Any:
     """Start a new pass over the worker's copy of the dataset (``iter(dataset)``), as torch's
     worker does at each epoch; an unfinished earlier pass is closed first. With ``state`` (a
     resumed epoch: what an earlier pass's batches carried), the pass starts where it stood
     (the dataset's ``load_state_dict`` before ``iter()``, its iterator's after: see
-    ``_base/stateful.py``)."""
+    ``_base/stateful.py``). Returns the pass's state before its first item (None if it keeps
+    none)."""
     global _stream
     close_stream()
     _stream = StatefulPass(worker_dataset(), state)
+    return _stream.state() if _stream.resumable else None
 
 
 def close_stream() -> None:
@@ -248,7 +250,7 @@ def next_stream_batch(
         return None
     want = 1 if batch_size is None else batch_size
     try:
-        samples = list(itertools.islice(_stream.iterator, want))
+        samples = list(itertools.islice(_stream.items, want))
     except Exception as exc:
         _stream = None
         annotate(exc, "source")

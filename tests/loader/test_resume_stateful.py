@@ -8,12 +8,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch.utils.data
 
 from aioloader import DataLoader
 from aioloader._base.stateful import ITERATOR_STATE, StatefulPass
-from tests.support.worker_datasets import CountedCursorShards, Cursor, CursorShards
+from tests.support.worker_datasets import CountedCursorShards, Cursor, CursorShards, Draws
 
 
 class Calls(torch.utils.data.IterableDataset[int]):
@@ -43,21 +44,23 @@ class Calls(torch.utils.data.IterableDataset[int]):
 def test_a_pass_puts_the_states_back_in_torchdatas_order() -> None:
     dataset = Calls()
     run = StatefulPass(dataset)
-    assert run.resumable and next(run.iterator) == 5
+    assert run.resumable and next(run.items) == 5
     state = run.state()
     assert state == {ITERATOR_STATE: {"i": 1}, "dataset": {"d": 1}}
     again = StatefulPass(dataset, json.loads(json.dumps(state)))
     assert dataset.calls == ["iter", "dataset.load {'d': 1}", "iter", "iterator.load {'i': 1}"]
-    assert list(again.iterator) == [6, 7]
+    assert list(again.items) == [6, 7]
 
 
 class OwnIterator(torch.utils.data.IterableDataset[int]):
-    """Its own iterator (``__iter__`` returns self): one state, the dataset's."""
+    """Its own iterator, whose ``__iter__`` starts over (so its state must be loaded after
+    it, as torchdata does)."""
 
     def __init__(self) -> None:
         self.i = 0
 
     def __iter__(self) -> Iterator[int]:
+        self.i = 0
         return self
 
     def __next__(self) -> int:
@@ -73,17 +76,24 @@ class OwnIterator(torch.utils.data.IterableDataset[int]):
         self.i = state["i"]
 
 
-def test_a_dataset_that_is_its_own_iterator_keeps_one_state() -> None:
+def test_a_dataset_that_is_its_own_iterator_is_loaded_after_its_iter() -> None:
     run = StatefulPass(OwnIterator())
-    next(run.iterator)
-    assert run.state() == {"i": 1}  # the format a dataset's own state always had
+    next(run.items)
+    state = run.state()
+    assert state == {ITERATOR_STATE: {"i": 1}, "dataset": None}  # one state, not two
+    assert list(StatefulPass(OwnIterator(), state).items) == [2, 3]
+
+
+class Plain(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
 
 
 def test_a_pass_without_state_says_so_and_a_state_of_another_kind_is_named() -> None:
     plain = StatefulPass(range(3))
     assert not plain.resumable and plain.state() is None
-    with pytest.raises(TypeError, match=r"state of the iterator OwnIterator\.__iter__\(\)"):
-        StatefulPass(OwnIterator(), {ITERATOR_STATE: {"i": 1}, "dataset": None})
+    with pytest.raises(TypeError, match=r"state of the iterator Plain\.__iter__\(\) gave"):
+        StatefulPass(Plain(), {ITERATOR_STATE: {"i": 1}, "dataset": None})
     with pytest.raises(TypeError, match="range defines no state_dict"):
         StatefulPass(range(3), {"i": 1})
 
@@ -126,3 +136,30 @@ def test_a_stream_whose_iterator_keeps_the_state_resumes(
         for place in places:
             assert ITERATOR_STATE in place
             assert place["dataset"] == ({"passes": 1} if kind is CountedCursorShards else None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop", [1, 4])
+def test_an_rng_state_in_the_state_resumes_the_same_draws(workers: int, stop: int) -> None:
+    """The state holds a tensor, a tuple, an int-keyed dict and an array: it is JSON, and each
+    comes back as it was. With 2 workers and ``stop=1``, one worker gave nothing yet: its pass
+    resumes from where it began (its RNG then), not anew."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(Draws(12), batch_size=2, num_workers=workers, collate_fn=list)
+
+    loader = make()
+    it = iter(loader)
+    first = [next(it) for _ in range(stop)]
+    text = json.dumps(loader.state_dict())
+    rest_uninterrupted = list(it)
+    resumed = make()
+    resumed.load_state_dict(json.loads(text))
+    assert list(resumed) == rest_uninterrupted
+    assert len(first) + len(rest_uninterrupted) == 6 * max(workers, 1)
+
+
+def test_a_pass_gives_items_that_cannot_be_compared() -> None:
+    """Items are never compared with anything (a NumPy array's ``==`` is elementwise)."""
+    arrays = [np.zeros(2), np.ones(2)]
+    assert [a.tolist() for a in StatefulPass(arrays).items] == [[0.0, 0.0], [1.0, 1.0]]

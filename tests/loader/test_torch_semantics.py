@@ -210,3 +210,15 @@ def test_warnings_of_a_setting_point_at_the_users_line() -> None:
     with pytest.warns(UserWarning, match="excessive worker creation") as many:
         dl.num_workers = 1000
     assert at_init[0].filename == when_set[0].filename == many[0].filename == __file__
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_that_is_its_own_iterator_is_iterated_once_per_pass(workers: int) -> None:
+    """``__iter__`` once, then ``__next__``: a second ``iter()`` (as ``for`` or ``islice``
+    make) would start a self-resetting iterator over, and the epoch would never end."""
+    kw: dict[str, Any] = {"batch_size": 3, "num_workers": workers}
+    context = TORCH_CONTEXT if workers else {}
+    theirs = [b.tolist() for b in torch.utils.data.DataLoader(wd.Restarting(10), **kw, **context)]
+    with aioloader.DataLoader(wd.Restarting(10), **kw) as loader:
+        ours = [b.tolist() for _, b in zip(range(len(theirs) + 1), loader, strict=False)]
+    assert ours == theirs

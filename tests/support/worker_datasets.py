@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data
 
@@ -281,6 +282,70 @@ class CountedCursorShards(CursorShards):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.passes = state["passes"] - 1  # __iter__ counts the resumed pass again
+
+
+class Restarting(torch.utils.data.IterableDataset[int]):
+    """Its own iterator, which ``__iter__`` sets back to the start of this worker's share
+    (strided) of ``range(length)``: a pass must call ``__iter__`` once, then only
+    ``__next__``."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.at = self.step = 0
+
+    def __iter__(self) -> Restarting:
+        info = torch.utils.data.get_worker_info()
+        self.at, self.step = (0, 1) if info is None else (info.id, info.num_workers)
+        return self
+
+    def __next__(self) -> int:
+        if self.at >= self.length:
+            raise StopIteration
+        self.at += self.step
+        return self.at - self.step
+
+
+class DrawsIterator:
+    """Draws from the process's torch RNG (a worker's own, as the worker seeds it). Its state
+    is kept as torchdata's examples keep one: the RNG's state (a tensor), a tuple, a dict keyed
+    by int and a NumPy array; loading checks that each comes back as it was given."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.i = 0
+
+    def __iter__(self) -> DrawsIterator:
+        return self
+
+    def __next__(self) -> float:
+        if self.i >= self.count:
+            raise StopIteration
+        self.i += 1
+        return float(torch.rand(()))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rng": torch.get_rng_state(),
+            "at": (self.i,),
+            "by_int": {7: self.i},
+            "np": np.arange(2),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert isinstance(state["rng"], torch.Tensor) and isinstance(state["at"], tuple)
+        assert state["by_int"] == {7: state["at"][0]} and state["np"].tolist() == [0, 1]
+        torch.set_rng_state(state["rng"])
+        self.i = state["at"][0]
+
+
+class Draws(torch.utils.data.IterableDataset[float]):
+    """``count`` draws per pass (per worker), through a :class:`DrawsIterator`."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __iter__(self) -> DrawsIterator:
+        return DrawsIterator(self.count)
 
 
 class RawBytes(torch.utils.data.Dataset[bytes]):
