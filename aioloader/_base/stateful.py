@@ -82,30 +82,34 @@ def _raw(data: bytes) -> str:
 
 def encode(value: Any) -> Any:
     """A copy of ``value`` made of JSON values only, where it holds the kinds above (see
-    :func:`decode`); other values are deep-copied as they are."""
+    :func:`decode`); other values are deep-copied as they are. A dict or tuple of a subclass
+    (a ``Counter``, a named tuple, ``torch.Size``) comes back as a plain dict or tuple, its
+    keys and items as they were."""
     kind = type(value)
     if value is None or kind in (str, int, float, bool):
         return value
     if kind is list:
         return [encode(v) for v in value]
-    if kind is dict:
-        if TAG not in value and all(type(k) is str for k in value):
+    if isinstance(value, dict):
+        if kind is dict and TAG not in value and all(type(k) is str for k in value):
             return {k: encode(v) for k, v in value.items()}
         return _tagged("dict", items=[[encode(k), encode(v)] for k, v in value.items()])
-    if kind is tuple:
+    if isinstance(value, tuple):
         return _tagged("tuple", items=[encode(v) for v in value])
     if kind is bytes:
         return _tagged("bytes", data=_raw(value))
     if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-        flat = value.detach().cpu().contiguous().reshape(-1)
-        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        plain = value.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        data = plain.view(torch.uint8).numpy().tobytes() if plain.numel() else b""
         dtype = str(value.dtype).removeprefix("torch.")
         return _tagged("tensor", dtype=dtype, shape=list(value.shape), data=_raw(data))
-    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
-        data = np.ascontiguousarray(value).tobytes()
-        return _tagged("ndarray", dtype=value.dtype.str, shape=list(value.shape), data=_raw(data))
-    if isinstance(value, np.generic) and not isinstance(value, np.object_):
-        return _tagged("numpy", dtype=value.dtype.str, value=value.item())
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)
+        if not array.dtype.hasobject and array.dtype.fields is None:  # else: not as JSON
+            raw = _raw(np.ascontiguousarray(array).tobytes())
+            if isinstance(value, np.generic):
+                return _tagged("numpy", dtype=array.dtype.str, data=raw)
+            return _tagged("ndarray", dtype=array.dtype.str, shape=list(array.shape), data=raw)
     return copy.deepcopy(value)
 
 
@@ -142,7 +146,8 @@ def decode(value: Any) -> Any:
             array = np.frombuffer(base64.b64decode(value["data"]), dtype=np.dtype(value["dtype"]))
             return array.reshape(value["shape"]).copy()
         if kind == "numpy":
-            return np.dtype(value["dtype"]).type(value["value"])
+            scalar = np.frombuffer(base64.b64decode(value["data"]), dtype=np.dtype(value["dtype"]))
+            return scalar.reshape(())[()]
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
         raise ValueError(f"a saved state's {kind!r} value is malformed: {exc}") from None
     raise ValueError(f"a saved state holds a value of unknown kind {kind!r}")
@@ -178,7 +183,7 @@ class StatefulPass:
             ``load_state_dict`` raised.
     """
 
-    __slots__ = ("_dataset", "_own", "items", "iterator", "resumable")
+    __slots__ = ("_dataset", "_own", "items", "iterator", "opening", "resumable")
 
     def __init__(self, dataset: Iterable[Any], state: Any = None) -> None:
         name = type(dataset).__qualname__
@@ -209,6 +214,12 @@ class StatefulPass:
             iterator.load_state_dict(of_iterator)  # type: ignore[attr-defined]
         #: Whether :meth:`state` gives where this pass stands.
         self.resumable = self._own or is_stateful(dataset)
+        #: Where the pass stands before its first item, as :meth:`state` would give it: the
+        #: iterator's state now, when it keeps one; else the state it was started from (None
+        #: for a pass from the start). A dataset's own state is not read now: a generator
+        #: function's ``__iter__`` has not run yet, and that state still says where the
+        #: last pass stood.
+        self.opening: Any = self.state() if self._own else state
 
     def state(self) -> Any:
         """The pass's state after the items its iterator has given (see the module's

@@ -1,9 +1,10 @@
 """Index samplers: which dataset indices an epoch visits, in what order, in which batches.
 
 Owns: the sequential, random and distributed samplers, the batch sampler that groups their
-indices, and :func:`map_order` (the sampler and batch sampler a loader iterates, built as torch
-builds them). Never: derives seeds (``seeds``) or decides a rank's share (``sharding``); no
-event loop, no I/O, no threads.
+indices, :func:`map_order` (the sampler and batch sampler a loader iterates, built as torch
+builds them) and :func:`order_generator` (the generator a user's sampler draws from). Never:
+derives seeds (``seeds``) or decides a rank's share (``sharding``); no event loop, no I/O, no
+threads.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from .._base.checks import check_bool, check_int, check_seed
 from .seeds import draw_seed, epoch_permutation
 from .sharding import resolve_rank, shard, shard_length
 
-__all__ = ["map_order", "BatchSampler", "DistributedSampler", "RandomSampler", "SequentialSampler"]
+__all__ = [
+    "map_order",
+    "order_generator",
+    "BatchSampler",
+    "DistributedSampler",
+    "RandomSampler",
+    "SequentialSampler",
+]
 
 T_Part = TypeVar("T_Part")
 
@@ -329,3 +337,16 @@ def map_order(
     if batch_size is None:
         return sampler, None
     return sampler, BatchSampler(sampler, batch_size, drop_last)
+
+
+def order_generator(order: object) -> torch.Generator | None:
+    """The ``torch.Generator`` a user's sampler (or a batch sampler's sampler) was given to
+    draw its order from (torch's ``RandomSampler``, ``SubsetRandomSampler``,
+    ``WeightedRandomSampler``: ``generator=``), or None. Its state when an epoch begins
+    replays the epoch's order: the loader saves it, and sets it back on resuming."""
+    if isinstance(order, (BatchSampler, torch.utils.data.BatchSampler)):
+        order = order.sampler
+    if isinstance(order, (RandomSampler, DistributedSampler)):
+        return None  # ours: seeded per epoch
+    generator = getattr(order, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None

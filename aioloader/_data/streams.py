@@ -147,7 +147,7 @@ class BlockingStream(StreamSource):
     def _begin(self, state: Any) -> StatefulPass:
         """A pass from ``state``, and its state before any item (on the stream's thread)."""
         run = StatefulPass(self._dataset, state)
-        self._state = run.state() if run.resumable else None
+        self._state = run.opening
         return run
 
     async def _chunks(self, run: StatefulPass) -> AsyncGenerator[Any, None]:

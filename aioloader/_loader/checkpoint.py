@@ -31,14 +31,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._base.stateful import decode, encode
 from .._data.epochs import OpensEpochs
 from .._data.resume import Layer, Mark, Taken
+from .._data.sampler import order_generator
 from .._data.source import dataset_length
 
 if TYPE_CHECKING:
     from .plan import LoaderPlan
 
-__all__ = ["FORMAT", "EpochState", "Progress", "dumps_checked", "fresh_state"]
+__all__ = [
+    "FORMAT",
+    "EpochState",
+    "Progress",
+    "dumps_checked",
+    "fresh_state",
+    "restore_sampler",
+    "sampler_start",
+]
 
 FORMAT = "aioloader.state/1"
 
@@ -60,6 +70,7 @@ class EpochState:
     samples: int = 0
     layers: list[Layer] = field(default_factory=list)
     stream: tuple[int, int, Any] | None = None
+    sampler: dict[str, Any] | None = None
 
     @property
     def merged(self) -> bool:
@@ -83,6 +94,7 @@ class EpochState:
             "stream": None
             if self.stream is None
             else {"batch": self.stream[0], "position": self.stream[1], "dataset": self.stream[2]},
+            "sampler": self.sampler,
         }
 
     @classmethod
@@ -132,6 +144,9 @@ class EpochState:
                     raise ValueError(f"state['stream'][{key!r}] must be an int >= 0")
                 where.append(value)
             stream = (where[0], where[1], stream_json.get("dataset"))
+        sampler = state.get("sampler")  # absent from a state saved before it was kept
+        if sampler is not None and not isinstance(sampler, dict):
+            raise TypeError(f"state['sampler'] must be dict or None, got {sampler!r}")
         return cls(
             epoch=get("epoch", int),
             seed=get("seed", int),
@@ -146,6 +161,7 @@ class EpochState:
             samples=get("samples", int),
             layers=layers,
             stream=stream,
+            sampler=sampler,
         )
 
 
@@ -164,7 +180,7 @@ class Progress:
     apart, so a state is never half of one batch's change).
     """
 
-    __slots__ = ("_lock", "base", "finished", "marks", "samples", "stream", "taken")
+    __slots__ = ("_lock", "base", "finished", "marks", "resumable", "samples", "stream", "taken")
 
     def __init__(self, base: EpochState) -> None:
         self.base = base  # what the epoch started from (a loaded state, or a fresh one)
@@ -173,6 +189,8 @@ class Progress:
         self.stream = base.stream
         self.marks: dict[int, tuple[int, int, Any]] = {}  # marks of batches past `through`
         self.finished = False
+        #: The stream's passes keep a state (known once they are open).
+        self.resumable = False
         self._lock = threading.Lock()  # state() may be asked from a thread of the user's
 
     def took(self, marks: tuple[Mark, ...]) -> None:
@@ -199,10 +217,26 @@ class Progress:
             if passed is not None:
                 self.stream = passed
 
-    def started(self, mark: tuple[int, int, Any]) -> None:
-        """A stream's pass is open: ``mark`` is where it stands before its first batch, the
-        place a state goes on from until a batch taken in order has a mark of its own."""
+    def begin_order(self, plan: LoaderPlan, resume: EpochState | None) -> None:
+        """A map-style epoch is about to draw its order: a user's sampler's generator is set
+        back to where the saved epoch's began (``resume``, a loaded state), and where it
+        stands is kept (:func:`sampler_start`).
+
+        Raises:
+            ValueError: The saved generator state is malformed.
+        """
+        if resume is not None:
+            restore_sampler(plan, resume.sampler)
+        start = sampler_start(plan)
         with self._lock:
+            self.base = dataclasses.replace(self.base, sampler=start)
+
+    def started(self, mark: tuple[int, int, Any] | None) -> None:
+        """A stream's pass is open and keeps a state: ``mark`` is where it stands before its
+        first batch (None: its start), the place a state goes on from until a batch taken in
+        order has a mark of its own."""
+        with self._lock:
+            self.resumable = True
             if self.stream is None:
                 self.stream = mark
 
@@ -262,4 +296,33 @@ def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
         world_size=plan.world_size,
         rank=plan.rank,
         stream=stream,
+        sampler=sampler_start(plan),
     )
+
+
+def sampler_start(plan: LoaderPlan) -> dict[str, Any] | None:
+    """Where a user's sampler's ``generator`` stands now (an epoch beginning now draws its
+    order from there), or None when its order needs none (``order_generator``)."""
+    generator = order_generator(plan.order) if plan.kind.is_map else None
+    return None if generator is None else {"generator": encode(generator.get_state())}
+
+
+def restore_sampler(plan: LoaderPlan, saved: dict[str, Any] | None) -> None:
+    """Set a user's sampler's ``generator`` back to ``saved`` (:func:`sampler_start`), so that
+    the epoch beginning now draws the saved epoch's order.
+
+    Raises:
+        ValueError: ``saved`` is not such a state, or this loader's sampler has no generator.
+    """
+    if saved is None:
+        return
+    generator = order_generator(plan.order) if plan.kind.is_map else None
+    if generator is None:
+        raise ValueError(
+            "the state holds a sampler's generator state (state['sampler']); this loader's "
+            "sampler was given no generator"
+        )
+    try:
+        generator.set_state(decode(saved["generator"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"state['sampler'] is not a generator's state: {exc}") from None

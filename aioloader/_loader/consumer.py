@@ -110,6 +110,7 @@ class EpochIterator(Generic[T_Batch]):
                 set_epoch = getattr(obj, "set_epoch", None)
                 if callable(set_epoch):
                     set_epoch(self._number)
+            self.progress.begin_order(plan, resume)  # a user's sampler's generator: saved
             batches = resumed_batches(
                 plan.sampler, plan.batch_sampler, resume, rank=plan.rank, world_size=plan.world_size
             )

@@ -158,6 +158,11 @@ class LoaderPlan:
         return draw_seed(self.arguments.generator)
 
     @property
+    def order(self) -> object:
+        """What a map-style epoch's order is drawn from: the batch sampler, else the sampler."""
+        return self.batch_sampler if self.batch_sampler is not None else self.sampler
+
+    @property
     def ours(self) -> bool:
         """Whether the map-style order is the loader's own (no sampler or batch sampler given):
         its shuffle seed can be restored and its remainder re-divided (elastic resume)."""

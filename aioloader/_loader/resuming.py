@@ -18,7 +18,13 @@ import numpy as np
 import torch.utils.data
 
 from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
-from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+from .._data.sampler import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    order_generator,
+)
 from .._data.seeds import epoch_permutation
 from .._data.source import InWorkers, dataset_length
 from .._data.streams import BlockingStream, StreamSource, is_resumable
@@ -27,7 +33,7 @@ from .plan import LoaderPlan
 
 __all__ = [
     "check_resumable",
-    "check_stream_place",
+    "check_place",
     "not_replayable",
     "resolve",
     "resumed_batches",
@@ -37,9 +43,12 @@ __all__ = [
 def not_replayable(order: object) -> object | None:
     """What in ``order`` (a sampler or batch sampler) may give other batches when iterated
     again after ``set_epoch`` with the same epoch, or None: ours, torch's sequential and
-    distributed samplers, a sequence of indices and a batch sampler over one of those replay
-    their order."""
+    distributed samplers, a sequence of indices, a sampler given a ``generator`` (its state is
+    saved: :func:`order_generator`) and a batch sampler over one of those replay their
+    order."""
     if isinstance(order, (SequentialSampler, RandomSampler, DistributedSampler)):
+        return None
+    if order_generator(order) is not None:
         return None
     if isinstance(order, (torch.utils.data.SequentialSampler, torch.utils.data.DistributedSampler)):
         return None
@@ -131,6 +140,11 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
             f"the state was saved with shuffle={s.order_seed is not None}; this loader has "
             f"shuffle={plan.order_seed is not None}"
         )
+    if s.sampler is not None and order_generator(plan.order) is None:
+        raise ValueError(
+            "the state holds a sampler's generator state (state['sampler']); this loader's "
+            "sampler was given no generator"
+        )
     if plan.arguments.seed is not None and s.seed != plan.arguments.seed:
         raise ValueError(
             f"the state was saved with seed={s.seed}; this loader has {plan.arguments.seed}"
@@ -162,8 +176,8 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
 
 
 def check_resumable(plan: LoaderPlan) -> None:
-    """What makes a loader unable to resume whatever its place (a stream whose place where
-    batches were taken is checked by :func:`check_stream_place`, once it is known).
+    """What makes a loader unable to resume whatever its place (an order or a stream whose
+    place where batches were taken is checked by :func:`check_place`, once it is known).
 
     Raises:
         TypeError: The loader cannot resume, named (see ``DataLoader.state_dict``).
@@ -177,31 +191,41 @@ def check_resumable(plan: LoaderPlan) -> None:
                 "world_size=)), where each rank resumes its own part"
             )
         return
-    order = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
-    culprit = None if plan.ours else not_replayable(order)
-    if culprit is not None:
-        raise TypeError(
-            f"the loader cannot resume: its {type(culprit).__qualname__} may give another "
-            "order when iterated again; use shuffle=True with seed=, or one of "
-            "aioloader's samplers"
-        )
 
 
-def check_stream_place(plan: LoaderPlan, state: EpochState) -> None:
-    """A stream's ``state`` can be gone on from: nothing of its epoch was taken yet (an epoch's
-    start is a state for any dataset), or its place was saved with the batches taken.
+def check_place(plan: LoaderPlan, state: EpochState, *, resumable: bool | None = None) -> None:
+    """``state`` can be gone on from: nothing of its epoch was taken yet (an epoch's start is
+    a state for any dataset and order), or a map-style order replays, or a stream's place was
+    saved with the batches taken. ``resumable``: whether the stream's passes were seen to keep
+    a state (``Progress.resumable``); None for a state being loaded, whose stream was checked
+    when it was saved.
 
     Raises:
-        TypeError: Batches were taken from a stream that keeps no state (neither the dataset
-            nor, for a blocking one, the iterator its ``__iter__`` gives defines
-            ``state_dict``/``load_state_dict``), named.
+        TypeError: Batches were taken from an order that may be another when iterated again
+            (a user's sampler drawing from torch's global generator, say), or from a stream
+            that keeps no state (neither the dataset nor, for a blocking one, the iterator its
+            ``__iter__`` gives defines ``state_dict``/``load_state_dict``), named.
     """
-    if plan.kind.is_map or state.stream is not None or not len(state.taken):
+    if not len(state.taken):
+        return
+    if plan.kind.is_map:
+        culprit = None if plan.ours else not_replayable(plan.order)
+        if culprit is None:
+            return
+        hint = ""
+        if hasattr(culprit, "generator"):  # torch's random samplers, given no generator
+            hint = "give it a torch.Generator (generator=: its state is saved), or "
+        raise TypeError(
+            f"the loader cannot resume: its {type(culprit).__qualname__} may give another "
+            f"order when iterated again; {hint}use shuffle=True with seed=, or one of "
+            "aioloader's samplers"
+        )
+    if state.stream is not None or resumable is None or resumable:
+        return  # (resumable with no mark: its first batches failed; read again from its start)
+    if is_resumable(plan.dataset):
         return
     name = type(plan.dataset).__qualname__
     if isinstance(plan.source, InWorkers):
-        if is_resumable(plan.dataset):
-            return  # its first batches failed: the workers read it again from its start
         raise TypeError(
             f"the loader cannot resume: its iterable dataset {name} is read in worker "
             "processes, and neither it nor the iterator its __iter__() gives defines "
@@ -209,7 +233,7 @@ def check_stream_place(plan: LoaderPlan, state: EpochState) -> None:
             "gives its own place, see docs/design.md, 'Resuming')"
         )
     if isinstance(plan.source, StreamSource) and plan.source.resumable:
-        return  # its first batches failed: it is read again from its start
+        return
     if isinstance(plan.source, BlockingStream):
         raise TypeError(
             f"the loader cannot resume: its dataset {name} is a stream, and neither it nor "

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from .checkpoint import EpochState, dumps_checked, fresh_state
 from .plan import LoaderPlan
-from .resuming import check_resumable, check_stream_place, resolve
+from .resuming import check_place, check_resumable, resolve
 from .scope import LoaderState, Scope
 from .session import PlainIterator, Session
 
@@ -68,16 +68,20 @@ class Resumable:
 
         A stream's state is its dataset's ``state_dict()``, or, for a blocking one whose
         ``__iter__`` gives an iterator that keeps its own (torchdata's ``Stateful``), both.
-        At an epoch's start (nothing of it taken yet) any dataset has a state.
+        A user's sampler given a ``torch.Generator`` has the generator's state as the epoch
+        began kept (:meth:`load_state_dict` sets it back). At an epoch's start (nothing of it
+        taken yet) any dataset and any order have a state.
 
         Raises:
             TypeError: The loader cannot resume, named: batches were taken from a stream that
                 keeps no state (neither the dataset nor its iterator defines
-                ``state_dict``/``load_state_dict``: an async generator, say), a stream split
-                by ``distributed=True``, a sampler whose order cannot be replayed; or a
-                dataset's state that is not JSON-serialisable.
+                ``state_dict``/``load_state_dict``: an async generator, say) or from a sampler
+                whose order cannot be replayed (one drawing from torch's global generator); a
+                stream split by ``distributed=True``; or a dataset's state that is not
+                JSON-serialisable (tensors, arrays, tuples and int keys are kept).
         """
         check_resumable(self._plan)
+        resumable: bool | None = None  # a loaded state's stream was checked as it was saved
         if self._resume is not None:
             state = self._resume
         else:
@@ -85,8 +89,8 @@ class Resumable:
             if progress is None or progress.finished:
                 state = fresh_state(self._plan, self._next_epoch)
             else:
-                state = progress.state()
-        check_stream_place(self._plan, state)
+                state, resumable = progress.state(), progress.resumable
+        check_place(self._plan, state, resumable=resumable)
         document = state.to_json()
         dumps_checked(document, self.dataset)
         return document
@@ -116,6 +120,7 @@ class Resumable:
         """
         loaded = EpochState.from_json(state)
         check_resumable(self._plan)
+        check_place(self._plan, loaded)
         resume = resolve(self._plan, loaded)
         self._end_running_epoch()
         plan = self._plan

@@ -85,9 +85,9 @@ class Epoch(TransformStage, OutputStage):
             again; a stream's batches are re-formed and dropped).
         stream_from: A resumed stream: the place of its next batch, the position and the
             dataset's state to start from.
-        on_stream_start: Called (on the loop) with a resumable stream's mark before its first
-            batch, once its pass is open: where it stands before anything was read (for
-            worker processes, once every worker's pass is open).
+        on_stream_start: Called (on the loop) once a stream's pass is open and keeps a state
+            (for worker processes, once every worker's is): with its mark before its first
+            batch, where it stands before anything was read, or None for the stream's start.
         pace: How long the source's awaited reads take: the scope's, which outlives the
             epoch (a new one when None).
         empty: Places of batches made on demand with nothing left in them: taken with the
@@ -115,7 +115,7 @@ class Epoch(TransformStage, OutputStage):
         *,
         taken: Taken | None = None,
         stream_from: tuple[int, int, Any] | None = None,
-        on_stream_start: Callable[[tuple[int, int, Any]], None] | None = None,
+        on_stream_start: Callable[[tuple[int, int, Any] | None], None] | None = None,
         pace: Pace | None = None,
         empty: Sequence[Mark] = (),
         skips_left: int | None = None,
@@ -328,7 +328,8 @@ class Epoch(TransformStage, OutputStage):
             # (whether the pass keeps one is known once it is open).
             marked = source.resumable
             if marked and self.on_stream_start is not None:
-                self.on_stream_start((seq, start, source.state()))
+                opening = source.state()
+                self.on_stream_start(None if opening is None else (seq, start, opening))
             position = start - 1
             while True:
                 position += 1

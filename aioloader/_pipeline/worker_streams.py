@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from .._base.exceptions import WorkerCrashed
 from .._base.recorders import Operation, Recorders
+from .._data.resume import Taken
 from .._data.seeds import derive_seed
 from .._data.sharding import StreamShare
 from .._workers.job import JobResult, close_stream, next_stream_batch, open_stream
@@ -43,7 +44,8 @@ class Epoch(Protocol):
     work: WorkerPool
     budget: FailureBudget
     stream_from: tuple[int, int, Any] | None
-    on_stream_start: Callable[[tuple[int, int, Any]], None] | None
+    taken: Taken | None
+    on_stream_start: Callable[[tuple[int, int, Any] | None], None] | None
 
     async def pass_on(self, item: Done, seq: int, done: MemoryObjectSendStream[Done]) -> None:
         """Hand a batch to the emitter as the epoch's batch ``seq``."""
@@ -93,10 +95,14 @@ class RankBatches:
             await self._send(dataclasses.replace(item, batch=batch))
 
     async def _send(self, item: Done) -> None:
-        if self._mark is not None:
-            self._mark(item, self._seq)
-        await self._epoch.pass_on(item, self._seq, self._done)
+        seq = self._seq
         self._seq += 1
+        if self._mark is not None:
+            self._mark(item, seq)
+        taken = self._epoch.taken
+        if taken is not None and seq in taken and self._epoch.config.in_order:
+            return  # taken before the stop (a failed batch, re-formed in its turn): left out
+        await self._epoch.pass_on(item, seq, self._done)
 
 
 class WorkerStreams:
@@ -114,19 +120,28 @@ class WorkerStreams:
         self._saved: dict[str, Any] = dict(saved["workers"]) if saved else {}
         self._next: int = saved["next"] if saved else 0
         self._latest: dict[str, Any] = dict(self._saved)  # each worker's state, in output order
+        self._opening: dict[str, Any] = dict(self._saved)  # each worker's place at its start
         self._open = 0  # workers whose pass is open and keeps a state
 
-    def _opened(self, worker: int, initial: Any) -> None:
-        """``worker``'s pass is open, at ``initial`` (its state before its first batch, or
-        None): that is its place until a batch of its own goes out; once every worker's pass
-        is open, the epoch's place before its first batch is told (``on_stream_start``)."""
-        if initial is None:
+    def _opened(self, worker: int, resumable: bool, opening: Any) -> None:
+        """``worker``'s pass is open; if it keeps a state, ``opening`` is where it stands
+        before its first batch (None: its start). That is the worker's place until a batch of
+        its own goes out. Once every worker's pass is open and keeps a state, the epoch's
+        place before its first batch is told (``on_stream_start``): the states the epoch was
+        resumed from and those openings, never a state a batch not yet taken moved on."""
+        if not resumable:
             return
-        self._latest.setdefault(str(worker), initial)
+        if opening is not None:
+            self._latest.setdefault(str(worker), opening)
+            self._opening.setdefault(str(worker), opening)
         self._open += 1
         start = self.epoch.on_stream_start
-        if self._open == self.work.concurrency and start is not None:
-            start((self.start, 0, {"workers": dict(self._latest), "next": self._next}))
+        if start is None:
+            return
+        if self._open == 1:  # the stream keeps a state: known from the first worker
+            start(None)
+        if self._open == self.work.concurrency:
+            start((self.start, 0, {"workers": dict(self._opening), "next": self._next}))
 
     def _marked(self, item: Done, seq: int) -> None:
         """Give ``item`` (a batch going out as the epoch's ``seq``) the mark a resumed epoch
@@ -189,8 +204,8 @@ class WorkerStreams:
             seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
             saved = self._saved.get(str(worker_id))
             # A dead worker is replaced here.
-            initial = await run_on(worker_id, open_stream, saved, seed=seed)
-            self._opened(worker_id, initial)
+            resumable, opening = await run_on(worker_id, open_stream, saved, seed=seed)
+            self._opened(worker_id, resumable, opening)
             try:
                 await self._pull_batches(run_on, worker_id, results)
             finally:  # ended early (a break, a failure): the pass's `finally` blocks run now

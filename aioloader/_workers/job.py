@@ -202,17 +202,18 @@ def run_indices(
 _stream: StatefulPass | None = None  # this worker's pass over its copy of the dataset
 
 
-def open_stream(state: Any = None) -> Any:
+def open_stream(state: Any = None) -> tuple[bool, Any]:
     """Start a new pass over the worker's copy of the dataset (``iter(dataset)``), as torch's
     worker does at each epoch; an unfinished earlier pass is closed first. With ``state`` (a
     resumed epoch: what an earlier pass's batches carried), the pass starts where it stood
     (the dataset's ``load_state_dict`` before ``iter()``, its iterator's after: see
-    ``_base/stateful.py``). Returns the pass's state before its first item (None if it keeps
-    none)."""
+    ``_base/stateful.py``). Returns whether the pass keeps a state, and its state before its
+    first item (``StatefulPass.opening``: None for a pass from the start whose dataset keeps
+    the state)."""
     global _stream
     close_stream()
     _stream = StatefulPass(worker_dataset(), state)
-    return _stream.state() if _stream.resumable else None
+    return _stream.resumable, _stream.opening
 
 
 def close_stream() -> None:

@@ -381,8 +381,11 @@ def test_merge_states_refuses_what_is_not_one_runs_ranks() -> None:
 def test_a_sampler_that_cannot_replay_its_order_is_named() -> None:
     ds = list(range(10))
     loader = DataLoader(ds, sampler=torch.utils.data.RandomSampler(ds), batch_size=2)
+    it = iter(loader)
+    next(it)
     with pytest.raises(TypeError, match="RandomSampler may give another order"):
         loader.state_dict()
+    it.close()
     replayable = DataLoader(ds, sampler=torch.utils.data.SequentialSampler(ds), batch_size=2)
     assert replayable.state_dict()["taken"]["through"] == 0
 

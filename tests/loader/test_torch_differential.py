@@ -219,13 +219,16 @@ def stop_torchs_workers(iterator: object) -> None:
 
 
 class Replay(tud.Sampler[int]):
-    """Yields the given orders, one per epoch: torch's loader replays ours."""
+    """Yields the given orders, one per epoch: torch's loader replays ours. An order is
+    taken at the first index drawn, not at ``iter()``: torch's worker iterator calls
+    ``iter(sampler)`` twice as it starts (in ``__init__`` and ``_reset``), and uses the
+    second."""
 
     def __init__(self, orders: list[list[int]]) -> None:
         self.orders, self.n = iter(orders), len(orders[0])
 
     def __iter__(self) -> Iterator[int]:
-        return iter(next(self.orders))
+        yield from next(self.orders)
 
     def __len__(self) -> int:
         return self.n

@@ -348,6 +348,28 @@ class Draws(torch.utils.data.IterableDataset[float]):
         return DrawsIterator(self.count)
 
 
+class SlowCursorShards(CursorShards):
+    """:class:`CursorShards` whose worker 1 takes ``delay`` s to start its pass."""
+
+    def __init__(self, length: int, delay: float) -> None:
+        super().__init__(length)
+        self.delay = delay
+
+    def __iter__(self) -> Cursor:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 1:
+            time.sleep(self.delay)
+        return super().__iter__()
+
+
+def fails_on_zero(batch: list[int]) -> list[int]:
+    """A ``collate_fn`` that fails on the batch holding sample 0 (of any pass, whose samples
+    :class:`CursorShards` offsets by 1000)."""
+    if any(i % 1000 == 0 for i in batch):
+        raise ValueError("the batch holding sample 0")
+    return batch
+
+
 class RawBytes(torch.utils.data.Dataset[bytes]):
     """Sample ``i`` is ``size`` bytes that name ``i`` (its index, 4 bytes little-endian,
     repeated): a batch of them with ``collate_fn=list`` comes back from a worker as pickled

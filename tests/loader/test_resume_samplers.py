@@ -1,0 +1,146 @@
+"""A user's sampler resumes when its order can be drawn again: torch's random samplers given a
+``generator`` (its state when the epoch began is saved and set back), sequential ones, ours;
+one drawing from torch's global generator is named, once batches of it were taken."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+from aioloader import DataLoader
+
+N = 30
+
+
+def samplers(g: torch.Generator) -> dict[str, dict[str, Any]]:
+    """DataLoader arguments whose order ``g`` draws."""
+    data = list(range(N))
+    return {
+        "random": {"sampler": tud.RandomSampler(data, generator=g), "batch_size": 4},
+        "with replacement": {
+            "sampler": tud.RandomSampler(data, replacement=True, num_samples=25, generator=g),
+            "batch_size": 4,
+        },
+        "subset": {"sampler": tud.SubsetRandomSampler(range(5, 25), generator=g), "batch_size": 3},
+        "weighted": {
+            "sampler": tud.WeightedRandomSampler([1.0] * N, 22, generator=g),
+            "batch_size": 4,
+        },
+        "batch sampler": {
+            "batch_sampler": tud.BatchSampler(tud.RandomSampler(data, generator=g), 4, False)
+        },
+    }
+
+
+def make(kind: str, seed: int, **kw: Any) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(list(range(N)), collate_fn=list, **samplers(g)[kind], **kw)
+
+
+def epochs(loader: DataLoader[Any], count: int) -> list[list[list[int]]]:
+    return [list(loader) for _ in range(count)]
+
+
+@pytest.mark.parametrize("kind", list(samplers(torch.Generator())))
+@pytest.mark.parametrize("stop", [0, 1, 3])
+@pytest.mark.parametrize("kw", [{}, {"num_workers": 2}])
+def test_a_sampler_given_a_generator_resumes_its_epoch(
+    kind: str, stop: int, kw: dict[str, Any]
+) -> None:
+    """Epoch 1 stopped after ``stop`` batches goes on, in a loader whose generator was seeded
+    otherwise, with the uninterrupted run's batches; and epoch 2 follows as it would have."""
+    whole = epochs(make(kind, 1, **kw), 3)
+    assert whole[0] != whole[1]  # the generator moves on: each epoch draws another order
+
+    loader = make(kind, 1, **kw)
+    assert list(loader) == whole[0]
+    it = iter(loader)
+    first = [next(it) for _ in range(stop)]
+    text = json.dumps(loader.state_dict())
+    it.close()
+
+    resumed = make(kind, 999, **kw)
+    resumed.load_state_dict(json.loads(text))
+    assert first + list(resumed) == whole[1]
+    assert list(resumed) == whole[2]
+
+
+def test_a_state_between_epochs_holds_the_next_epochs_start() -> None:
+    whole = epochs(make("random", 1), 2)
+    loader = make("random", 1)
+    list(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["epoch"] == 1 and state["sampler"] is not None
+    resumed = make("random", 5)
+    resumed.load_state_dict(state)
+    assert list(resumed) == whole[1]
+
+
+def without_generator(**kw: Any) -> DataLoader[Any]:
+    data = list(range(N))
+    return DataLoader(data, sampler=tud.RandomSampler(data), batch_size=4, collate_fn=list, **kw)
+
+
+def test_a_sampler_on_the_global_generator_is_named_once_batches_were_taken() -> None:
+    loader = without_generator()
+    start = loader.state_dict()  # nothing taken: an epoch's start, any order will do
+    assert start["taken"] == {"through": 0, "beyond": []} and start["sampler"] is None
+    it = iter(loader)
+    got = [next(it)]
+    with pytest.raises(TypeError, match=r"RandomSampler may give another order.*generator="):
+        loader.state_dict()
+    got += list(it)  # the refusal lost nothing
+    assert sorted(i for b in got for i in b) == list(range(N))
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda s: s | {"sampler": [1]}, "state\\['sampler'\\] must be dict or None"),
+        (lambda s: s | {"sampler": {"generator": "x"}}, "not a generator's state"),
+    ],
+)
+def test_a_malformed_sampler_state_is_named(
+    change: Callable[[dict[str, Any]], dict[str, Any]], words: str
+) -> None:
+    loader = make("random", 1)
+    it = iter(loader)
+    next(it)
+    state = change(json.loads(json.dumps(loader.state_dict())))
+    it.close()
+    resumed = make("random", 1)
+    with pytest.raises((TypeError, ValueError), match=words):
+        resumed.load_state_dict(state)
+        list(resumed)
+
+
+def test_a_generator_state_for_a_loader_without_one_is_refused() -> None:
+    loader = make("random", 1)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="sampler was given no generator"):
+        without_generator().load_state_dict(state)
+
+
+def test_the_generator_is_saved_as_the_epoch_draws_its_order_not_as_iter_is_called() -> None:
+    g = torch.Generator().manual_seed(3)
+    data = list(range(N))
+    loader = DataLoader(data, sampler=tud.RandomSampler(data, generator=g), batch_size=4)
+    it = iter(loader)
+    torch.rand(5, generator=g)  # the generator moves between iter() and the first batch
+    first = next(it).tolist()
+    state = json.loads(json.dumps(loader.state_dict()))
+    rest = [b.tolist() for b in it]
+    h = torch.Generator().manual_seed(0)
+    again = DataLoader(data, sampler=tud.RandomSampler(data, generator=h), batch_size=4)
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == rest and first not in rest
+    t = torch.Generator().manual_seed(3)  # torch's loader draws from the generator as it is
+    theirs = tud.DataLoader(data, sampler=tud.RandomSampler(data, generator=t), batch_size=4)
+    torch_it = iter(theirs)
+    torch.rand(5, generator=t)
+    assert [b.tolist() for b in torch_it] == [first, *rest]
