@@ -122,13 +122,21 @@ class WorkerStreams:
         self._latest: dict[str, Any] = dict(self._saved)  # each worker's state, in output order
         self._opening: dict[str, Any] = dict(self._saved)  # each worker's place at its start
         self._open = 0  # workers whose pass is open and keeps a state
+        self._opens = 0  # workers whose pass is open
+        # No batch is pulled before every pass is open: the first batch's mark holds every
+        # worker's place at its start, however late one opened.
+        self._all_open = anyio.Event()
 
     def _opened(self, worker: int, resumable: bool, opening: Any) -> None:
         """``worker``'s pass is open; if it keeps a state, ``opening`` is where it stands
         before its first batch (None: its start). That is the worker's place until a batch of
-        its own goes out. Once every worker's pass is open and keeps a state, the epoch's
-        place before its first batch is told (``on_stream_start``): the states the epoch was
-        resumed from and those openings, never a state a batch not yet taken moved on."""
+        its own goes out (no batch is pulled before every pass is open, so every mark holds
+        it). Once every worker's pass is open and keeps a state, the epoch's place before its
+        first batch is told (``on_stream_start``): the states the epoch was resumed from and
+        those openings."""
+        self._opens += 1
+        if self._opens == self.work.concurrency:
+            self._all_open.set()
         if not resumable:
             return
         if opening is not None:
@@ -207,6 +215,7 @@ class WorkerStreams:
             resumable, opening = await run_on(worker_id, open_stream, saved, seed=seed)
             self._opened(worker_id, resumable, opening)
             try:
+                await self._all_open.wait()
                 await self._pull_batches(run_on, worker_id, results)
             finally:  # ended early (a break, a failure): the pass's `finally` blocks run now
                 with (
