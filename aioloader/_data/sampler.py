@@ -21,6 +21,7 @@ from .seeds import draw_seed, epoch_permutation
 from .sharding import resolve_rank, shard, shard_length
 
 __all__ = [
+    "GENERATOR_SAMPLERS",
     "map_order",
     "order_generator",
     "BatchSampler",
@@ -346,7 +347,16 @@ def order_generator(order: object) -> torch.Generator | None:
     replays the epoch's order: the loader saves it, and sets it back on resuming."""
     if isinstance(order, (BatchSampler, torch.utils.data.BatchSampler)):
         order = order.sampler
-    if isinstance(order, (RandomSampler, DistributedSampler)):
-        return None  # ours: seeded per epoch
+    if type(order) not in GENERATOR_SAMPLERS:  # another may draw from elsewhere too
+        return None
     generator = getattr(order, "generator", None)
     return generator if isinstance(generator, torch.Generator) else None
+
+
+#: torch's samplers whose order is drawn from their ``generator`` alone (by type: a subclass,
+#: or another sampler with a ``generator`` attribute, may draw from elsewhere too).
+GENERATOR_SAMPLERS = (
+    torch.utils.data.RandomSampler,
+    torch.utils.data.SubsetRandomSampler,
+    torch.utils.data.WeightedRandomSampler,
+)

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .._base.stateful import decode, encode
 from .._data.epochs import OpensEpochs
 from .._data.resume import Layer, Mark, Taken
@@ -226,8 +228,8 @@ class Progress:
             ValueError: The saved generator state is malformed.
         """
         if resume is not None:
-            restore_sampler(plan, resume.sampler)
-        start = sampler_start(plan)
+            restore_sampler(plan, resume.sampler, loading=False)
+        start = sampler_start(plan, drawn=True)
         with self._lock:
             self.base = dataclasses.replace(self.base, sampler=start)
 
@@ -296,20 +298,29 @@ def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
         world_size=plan.world_size,
         rank=plan.rank,
         stream=stream,
-        sampler=sampler_start(plan),
+        sampler=sampler_start(plan, drawn=False),
     )
 
 
-def sampler_start(plan: LoaderPlan) -> dict[str, Any] | None:
-    """Where a user's sampler's ``generator`` stands now (an epoch beginning now draws its
-    order from there), or None when its order needs none (``order_generator``)."""
+def sampler_start(plan: LoaderPlan, *, drawn: bool) -> dict[str, Any] | None:
+    """Where a user's sampler's ``generator`` stands now, or None when its order needs none
+    (``order_generator``). ``drawn``: the epoch draws its order from here now (kept as the
+    epoch begins); else this is a state between epochs, and what the next epoch does first
+    (a new scope's draw from the loader's ``generator``, which may be the same) is still to
+    come, so a resumed loader sets the generator back as the state is loaded."""
     generator = order_generator(plan.order) if plan.kind.is_map else None
-    return None if generator is None else {"generator": encode(generator.get_state())}
+    if generator is None:
+        return None
+    return {"generator": encode(generator.get_state()), "drawn": drawn}
 
 
-def restore_sampler(plan: LoaderPlan, saved: dict[str, Any] | None) -> None:
-    """Set a user's sampler's ``generator`` back to ``saved`` (:func:`sampler_start`), so that
-    the epoch beginning now draws the saved epoch's order.
+def restore_sampler(
+    plan: LoaderPlan, saved: dict[str, Any] | None, *, loading: bool, check: bool = False
+) -> None:
+    """Set a user's sampler's ``generator`` back to ``saved`` (:func:`sampler_start`): as the
+    state is loaded (``loading``) for a state kept between epochs, as the epoch draws its
+    order for one kept as it drew it. At the other time, or with ``check``, a copy of the
+    generator takes it: checked only.
 
     Raises:
         ValueError: ``saved`` is not such a state, or this loader's sampler has no generator.
@@ -322,7 +333,9 @@ def restore_sampler(plan: LoaderPlan, saved: dict[str, Any] | None) -> None:
             "the state holds a sampler's generator state (state['sampler']); this loader's "
             "sampler was given no generator"
         )
+    now = bool(saved.get("drawn", True)) != loading and not check
+    target = generator if now else torch.Generator(device=generator.device)
     try:
-        generator.set_state(decode(saved["generator"]))
+        target.set_state(decode(saved["generator"]))
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"state['sampler'] is not a generator's state: {exc}") from None

@@ -19,6 +19,7 @@ import torch.utils.data
 
 from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
 from .._data.sampler import (
+    GENERATOR_SAMPLERS,
     BatchSampler,
     DistributedSampler,
     RandomSampler,
@@ -213,7 +214,7 @@ def check_place(plan: LoaderPlan, state: EpochState, *, resumable: bool | None =
         if culprit is None:
             return
         hint = ""
-        if hasattr(culprit, "generator"):  # torch's random samplers, given no generator
+        if type(culprit) in GENERATOR_SAMPLERS:  # torch's random samplers, given no generator
             hint = "give it a torch.Generator (generator=: its state is saved), or "
         raise TypeError(
             f"the loader cannot resume: its {type(culprit).__qualname__} may give another "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Protocol
 
-from .checkpoint import EpochState, dumps_checked, fresh_state
+from .checkpoint import EpochState, dumps_checked, fresh_state, restore_sampler
 from .plan import LoaderPlan
 from .resuming import check_place, check_resumable, resolve
 from .scope import LoaderState, Scope
@@ -122,7 +122,9 @@ class Resumable:
         check_resumable(self._plan)
         check_place(self._plan, loaded)
         resume = resolve(self._plan, loaded)
+        restore_sampler(self._plan, resume.sampler, loading=True, check=True)
         self._end_running_epoch()
+        restore_sampler(self._plan, resume.sampler, loading=True)  # between epochs: now
         plan = self._plan
         if self.seed is None and (resume.seed, resume.order_seed) != (
             plan.base_seed,

@@ -5,6 +5,7 @@ one drawing from torch's global generator is named, once batches of it were take
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -114,9 +115,9 @@ def test_a_malformed_sampler_state_is_named(
     state = change(json.loads(json.dumps(loader.state_dict())))
     it.close()
     resumed = make("random", 1)
-    with pytest.raises((TypeError, ValueError), match=words):
+    with pytest.raises((TypeError, ValueError), match=words):  # as it is loaded, not later
         resumed.load_state_dict(state)
-        list(resumed)
+    assert resumed.state_dict()["epoch"] == 0  # nothing of it was taken in
 
 
 def test_a_generator_state_for_a_loader_without_one_is_refused() -> None:
@@ -144,3 +145,51 @@ def test_the_generator_is_saved_as_the_epoch_draws_its_order_not_as_iter_is_call
     torch_it = iter(theirs)
     torch.rand(5, generator=t)
     assert [b.tolist() for b in torch_it] == [first, *rest]
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_workers": 2}])
+def test_a_generator_shared_with_the_loader_resumes_between_epochs(kw: dict[str, Any]) -> None:
+    """The loader draws its workers' seed from its ``generator=`` as each plain ``for``
+    begins, before the sampler draws its order from the same generator: a state kept between
+    epochs sets the generator back as it is loaded, before that draw (found by review)."""
+
+    def make(seed: int) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(seed)
+        data = list(range(N))
+        sampler = tud.RandomSampler(data, generator=g)
+        return DataLoader(data, sampler=sampler, generator=g, batch_size=4, collate_fn=list, **kw)
+
+    whole = epochs(make(1), 2)
+    for before in (0, 1):  # before the first epoch, and between the two
+        loader = make(1)
+        epochs(loader, before)
+        state = json.loads(json.dumps(loader.state_dict()))
+        assert state["sampler"]["drawn"] is False
+        resumed = make(7)
+        resumed.load_state_dict(state)
+        assert list(resumed) == whole[before]
+
+
+class Rotated(tud.Sampler[int]):
+    """Has a ``generator``, and draws from Python's ``random`` too: not torch's."""
+
+    def __init__(self, n: int, generator: torch.Generator) -> None:
+        self.n, self.generator = n, generator
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        shift = random.randrange(self.n)
+        return iter(order[shift:] + order[:shift])
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_only_torchs_samplers_are_trusted_to_draw_from_their_generator_alone() -> None:
+    data = list(range(N))
+    loader = DataLoader(data, sampler=Rotated(N, torch.Generator()), batch_size=4)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(TypeError, match=r"Rotated may give another order when iterated again; use"):
+        loader.state_dict()
+    it.close()
