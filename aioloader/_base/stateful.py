@@ -183,7 +183,7 @@ class StatefulPass:
             ``load_state_dict`` raised.
     """
 
-    __slots__ = ("_dataset", "_own", "items", "iterator", "opening", "resumable")
+    __slots__ = ("_apart", "_dataset", "_own", "items", "iterator", "opening", "resumable")
 
     def __init__(self, dataset: Iterable[Any], state: Any = None) -> None:
         name = type(dataset).__qualname__
@@ -204,6 +204,8 @@ class StatefulPass:
         self.items: Iterator[Any] = _next_only(iterator)
         #: The iterator keeps a state (torchdata's first place for it).
         self._own = is_stateful(iterator)
+        #: The dataset keeps one of its own, beside its iterator.
+        self._apart = iterator is not dataset and is_stateful(dataset)
         if of_iterator is not None:
             if not self._own:
                 raise TypeError(
@@ -228,8 +230,7 @@ class StatefulPass:
         Raises:
             Exception: What ``state_dict()`` raised.
         """
-        apart = self.iterator is not self._dataset and is_stateful(self._dataset)
-        dataset = snapshot(self._dataset) if apart else None
+        dataset = snapshot(self._dataset) if self._apart else None
         if not self._own:
             return dataset
         return {ITERATOR_STATE: snapshot(self.iterator), "dataset": dataset}

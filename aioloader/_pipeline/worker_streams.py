@@ -121,7 +121,7 @@ class WorkerStreams:
         self._next: int = saved["next"] if saved else 0
         self._latest: dict[str, Any] = dict(self._saved)  # each worker's state, in output order
         self._opening: dict[str, Any] = dict(self._saved)  # each worker's place at its start
-        self._open = 0  # workers whose pass is open and keeps a state
+        self._keeps_state = False  # a worker's pass keeps a state (they all do, or none)
         self._opens = 0  # workers whose pass is open
         # No batch is pulled before every pass is open: the first batch's mark holds every
         # worker's place at its start, however late one opened.
@@ -134,21 +134,19 @@ class WorkerStreams:
         it). Once every worker's pass is open and keeps a state, the epoch's place before its
         first batch is told (``on_stream_start``): the states the epoch was resumed from and
         those openings."""
-        self._opens += 1
-        if self._opens == self.work.concurrency:
-            self._all_open.set()
-        if not resumable:
-            return
+        start = self.epoch.on_stream_start
+        if resumable and not self._keeps_state:  # known from the first worker to open
+            self._keeps_state = True
+            if start is not None:
+                start(None)
         if opening is not None:
             self._latest.setdefault(str(worker), opening)
             self._opening.setdefault(str(worker), opening)
-        self._open += 1
-        start = self.epoch.on_stream_start
-        if start is None:
+        self._opens += 1
+        if self._opens < self.work.concurrency:
             return
-        if self._open == 1:  # the stream keeps a state: known from the first worker
-            start(None)
-        if self._open == self.work.concurrency:
+        self._all_open.set()
+        if self._keeps_state and start is not None:
             start((self.start, 0, {"workers": dict(self._opening), "next": self._next}))
 
     def _marked(self, item: Done, seq: int) -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from aioloader import DataLoader
 from aioloader._base.stateful import ITERATOR_STATE, TAG, StatefulPass, decode, encode
+from tests.support.helpers import stop_and_resume
 from tests.support.worker_datasets import (
     CountedCursorShards,
     Cursor,
@@ -128,16 +129,7 @@ def make(kind: type, **kw: Any) -> DataLoader[Any]:
 def test_a_stream_whose_iterator_keeps_the_state_resumes(
     kind: type, kw: dict[str, Any], stop: int
 ) -> None:
-    with make(kind, **kw) as loader:
-        full = list(loader)
-    with make(kind, **kw) as loader:
-        it = iter(loader)
-        first = [next(it) for _ in range(stop)]
-        state = json.loads(json.dumps(loader.state_dict()))
-        it.close()
-    with make(kind, **kw) as resumed:
-        resumed.load_state_dict(state)
-        rest = list(resumed)
+    full, first, rest, state = stop_and_resume(lambda: make(kind, **kw), stop)
     if kw.get("in_order", True):
         assert first + rest == full
     else:
@@ -200,26 +192,18 @@ def test_a_later_epoch_of_persistent_workers_resumes_from_where_its_passes_began
         assert first + list(resumed) == uninterrupted
 
 
-class Gated(torch.utils.data.IterableDataset[int]):
-    """Its generator's first item waits for ``gate``; ``opened`` says the pass began."""
+class Gated(ResumableShards):
+    """``range(6)``, the dataset keeping the place in its generator ``__iter__``, whose first
+    item waits for ``gate``; ``opened`` says the pass began."""
 
     def __init__(self) -> None:
-        self.at = self.start = 0
+        super().__init__(6)
         self.opened, self.gate = threading.Event(), threading.Event()
 
     def __iter__(self) -> Iterator[int]:
-        self.at, self.start = self.start, 0
         self.opened.set()
         self.gate.wait(10)
-        while self.at < 6:
-            self.at += 1
-            yield self.at - 1
-
-    def state_dict(self) -> dict[str, int]:
-        return {"at": self.at}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.start = state["at"]
+        yield from super().__iter__()
 
 
 def test_a_state_saved_as_a_pass_opens_is_the_epochs_start() -> None:

@@ -10,7 +10,7 @@ rest of its own uninterrupted run, and ours gives torchdata's batches."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,38 +21,16 @@ from hypothesis import strategies as st
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from aioloader import DataLoader
-from tests.support.worker_datasets import Cursor, Draws
+from tests.support.worker_datasets import (
+    Cursor,
+    Draws,
+    Restarting,
+    ResumableShards,
+    strided_share,
+)
 
 # torchdata 0.11 calls a torch API that torch 2.13 deprecates, as it is built.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
-
-
-def share(length: int) -> range:
-    """This worker's share of ``range(length)``, strided, as torch's docs shard a stream."""
-    info = tud.get_worker_info()
-    worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-    return range(worker, length, workers)
-
-
-class DatasetKeeps(tud.IterableDataset[int]):
-    """The dataset keeps the place; ``__iter__`` is a generator function that reads it."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-        self.at = self.start = 0
-
-    def __iter__(self) -> Iterator[int]:
-        items = share(self.length)
-        self.at, self.start = self.start, 0
-        while self.at < len(items):
-            self.at += 1
-            yield items[self.at - 1]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"at": self.at}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.start = state["at"]
 
 
 class IteratorKeeps(tud.IterableDataset[int]):
@@ -62,32 +40,7 @@ class IteratorKeeps(tud.IterableDataset[int]):
         self.length = length
 
     def __iter__(self) -> Cursor:
-        return Cursor(list(share(self.length)))
-
-
-class OwnIterator(tud.IterableDataset[int]):
-    """Its own iterator, started over by ``__iter__``; it keeps the place."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-        self.items: range = range(0)
-        self.i = 0
-
-    def __iter__(self) -> OwnIterator:
-        self.items, self.i = share(self.length), 0
-        return self
-
-    def __next__(self) -> int:
-        if self.i >= len(self.items):
-            raise StopIteration
-        self.i += 1
-        return self.items[self.i - 1]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"i": self.i}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.i = state["i"]
+        return Cursor(list(strided_share(self.length)))
 
 
 def as_list(batch: list[Any]) -> list[Any]:
@@ -117,9 +70,9 @@ def runs(draw: st.DrawFn) -> tuple[str, Callable[[], dict[str, Any]], int, int, 
             made["sampler"] = tud.RandomSampler(made["dataset"], generator=generator)
         else:
             made["dataset"] = {
-                "dataset": DatasetKeeps,
+                "dataset": ResumableShards,  # the dataset keeps it; a generator __iter__
                 "iterator": IteratorKeeps,
-                "own": OwnIterator,
+                "own": Restarting,  # its own iterator, started over by __iter__
                 "rng": Draws,
             }[kind](length)
         return made

@@ -27,6 +27,7 @@ from tests.sources.test_objects import bucket
 from tests.sources.test_remote_tar import serve_shards
 from tests.sources.test_tar import make_shard, make_shards
 from tests.support import http_server
+from tests.support.helpers import stop_and_resume
 from tests.support.http_server import FaultServer
 
 fault_server = http_server.fault_server
@@ -48,18 +49,6 @@ def tar_loader(paths: list[Path], **kw: Any) -> DataLoader[Any]:
     return DataLoader(
         tar_shards([str(p) for p in paths], **options), batch_size=4, collate_fn=keys, **kw
     )
-
-
-def stop_and_resume(make: Any, stop: int) -> tuple[list[Any], list[Any], list[Any], dict[str, Any]]:
-    full = list(make())
-    loader = make()
-    it = iter(loader)
-    first = [next(it) for _ in range(stop)]
-    state = json.loads(json.dumps(loader.state_dict()))
-    it.close()
-    resumed = make()
-    resumed.load_state_dict(state)
-    return full, first, list(resumed), state
 
 
 @pytest.mark.parametrize("stop", [0, 1, 6, 17, 22, 23])

@@ -4,6 +4,7 @@ no mocks of the loader itself."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -173,3 +174,20 @@ def run_json_script(folder: Path, script: str, *args: str, env: dict[str, str]) 
     assert (done.returncode, done.stderr) == (0, ""), done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
     return result
+
+
+def stop_and_resume(make: Any, stop: int) -> tuple[list[Any], list[Any], list[Any], dict[str, Any]]:
+    """``(full, first, rest, state)``: one loader's whole epoch; another's first ``stop``
+    batches (fewer if the epoch has fewer) and its state then, through JSON; the batches a
+    third loader gives from that state. ``make`` builds each loader; each is closed after."""
+    with make() as whole:
+        full = list(whole)
+    with make() as loader:
+        it = iter(loader)
+        first = list(itertools.islice(it, stop))
+        state = json.loads(json.dumps(loader.state_dict()))
+        it.close()
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+    return full, first, rest, state

@@ -18,6 +18,14 @@ import torch.utils.data
 import aioloader
 
 
+def strided_share(length: int) -> range:
+    """This worker's share of ``range(length)``, strided, as torch's docs shard a stream (the
+    whole of it outside workers)."""
+    info = torch.utils.data.get_worker_info()
+    worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+    return range(worker, length, workers)
+
+
 class WhoReads(torch.utils.data.Dataset[dict[str, Any]]):
     """Sample ``i`` says where it was read: the pid, torch's and aioloader's worker info."""
 
@@ -266,10 +274,8 @@ class CursorShards(torch.utils.data.IterableDataset[int]):
         self.passes = 0
 
     def __iter__(self) -> Cursor:
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         self.passes += 1
-        return Cursor([1000 * self.passes + i for i in range(worker, self.length, workers)])
+        return Cursor([1000 * self.passes + i for i in strided_share(self.length)])
 
 
 class CountedCursorShards(CursorShards):
@@ -287,22 +293,28 @@ class CountedCursorShards(CursorShards):
 class Restarting(torch.utils.data.IterableDataset[int]):
     """Its own iterator, which ``__iter__`` sets back to the start of this worker's share
     (strided) of ``range(length)``: a pass must call ``__iter__`` once, then only
-    ``__next__``."""
+    ``__next__``. It keeps its place (torchdata loads it after ``__iter__``)."""
 
     def __init__(self, length: int) -> None:
         self.length = length
-        self.at = self.step = 0
+        self.share = range(0)
+        self.i = 0
 
     def __iter__(self) -> Restarting:
-        info = torch.utils.data.get_worker_info()
-        self.at, self.step = (0, 1) if info is None else (info.id, info.num_workers)
+        self.share, self.i = strided_share(self.length), 0
         return self
 
     def __next__(self) -> int:
-        if self.at >= self.length:
+        if self.i >= len(self.share):
             raise StopIteration
-        self.at += self.step
-        return self.at - self.step
+        self.i += 1
+        return self.share[self.i - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
 
 
 class DrawsIterator:

@@ -4,12 +4,12 @@ round-robin over the workers goes on where it stood."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
 from aioloader import DataLoader
+from tests.support.helpers import stop_and_resume
 from tests.support.worker_datasets import Ranges, ResumableShards
 
 
@@ -23,15 +23,7 @@ def make(length: int, **kw: Any) -> DataLoader[Any]:
 @pytest.mark.parametrize("stop", [0, 1, 5, 11, 14])
 @pytest.mark.parametrize("kw", [{}, {"uneven": True}, {"in_order": False}])
 def test_workers_resume_their_own_places(stop: int, kw: dict[str, Any]) -> None:
-    full = list(make(60, **kw))
-    loader = make(60, **kw)
-    it = iter(loader)
-    first = [next(it) for _ in range(min(stop, len(full)))]
-    state = json.loads(json.dumps(loader.state_dict()))
-    it.close()
-    resumed = make(60, **kw)
-    resumed.load_state_dict(state)
-    rest = list(resumed)
+    full, first, rest, _ = stop_and_resume(lambda: make(60, **kw), stop)
     if kw.get("in_order", True):
         assert first + rest == full
     else:
