@@ -229,12 +229,19 @@ class WorkerStreams:
         worker_id: int,
         results: MemoryObjectSendStream[Done],
     ) -> None:
+        """A worker's batches, in its order, until its pass is over. A failed batch goes on
+        with its error and, where the worker read its samples, its place after them: a resumed
+        epoch starts past it (as past a batch that went out), not at it."""
         rec = self.stats.transform
         seq = 0  # this worker's batches; the epoch's order is given when they go out
         while True:
+            place = None  # the worker's state after this batch's samples, once it has read them
             try:
                 with rec.operation() as op:
-                    result = await self._next_worker_batch(run_on, worker_id, seq, op)
+                    result = await self._next_worker_batch(run_on, worker_id, op)
+                    if result is not None:
+                        place = result.state
+                        result = await self._settled(run_on, worker_id, seq, result)
             except WorkerCrashed:  # its copy of the stream is gone with it
                 raise
             except Exception as exc:
@@ -242,26 +249,21 @@ class WorkerStreams:
                     f"aioloader: in worker {worker_id}'s pass over its copy of the dataset, "
                     f"its batch {seq}, epoch {self.number}"
                 )
-                await results.send(Done(Batch(seq, [worker_id], []), None, 0, exc))
+                await results.send(Done(Batch(seq, [worker_id], [], mark=place), None, 0, exc))
                 seq += 1
                 continue
             if result is None:
                 return
             if result.size:  # else every sample of it was skipped
-                batch = Batch(seq, [worker_id], [], mark=result.state)
-                done = Done(batch, result.batch, result.size)
-                await results.send(done)
+                batch = Batch(seq, [worker_id], [], mark=place)
+                await results.send(Done(batch, result.batch, result.size))
             seq += 1
 
     async def _next_worker_batch(
-        self,
-        run_on: Callable[..., Awaitable[Any]],
-        worker_id: int,
-        seq: int,
-        op: Operation,
+        self, run_on: Callable[..., Awaitable[Any]], worker_id: int, op: Operation
     ) -> JobResult | None:
-        """One batch of a worker's pass (None at its end); failed samples skipped as the
-        failure budget allows."""
+        """A worker's next batch as it made it (None at its pass's end): its failures
+        reported, not raised, unless its pass's iterator failed."""
         cfg = self.config
         try:
             result: JobResult | None = await run_on(
@@ -278,12 +280,24 @@ class WorkerStreams:
         except WorkerCrashed:
             op.not_a_failure()  # counted with the worker's crash
             raise
-        if result is not None and result.failures:
-            keys = [
-                f"worker {worker_id}, its batch {seq}, position {position}"
-                for position, _, _ in result.failures
-            ]
-            run = functools.partial(run_on, worker_id, replace=False)
-            batch = Batch(seq, [worker_id], [])
-            result = await self.epoch.skip_then_collate(batch, result, keys, run)
         return result
+
+    async def _settled(
+        self, run_on: Callable[..., Awaitable[Any]], worker_id: int, seq: int, result: JobResult
+    ) -> JobResult:
+        """``result`` with its failed samples skipped as the failure budget allows.
+
+        Raises:
+            Exception: The batch failed as a whole, or a failure past the budget.
+        """
+        if result.error is not None:
+            error, result.error = result.error, None
+            raise error
+        if not result.failures:
+            return result
+        keys = [
+            f"worker {worker_id}, its batch {seq}, position {position}"
+            for position, _, _ in result.failures
+        ]
+        run = functools.partial(run_on, worker_id, replace=False)
+        return await self.epoch.skip_then_collate(Batch(seq, [worker_id], []), result, keys, run)

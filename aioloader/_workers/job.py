@@ -239,12 +239,15 @@ def next_stream_batch(
     transform failure is reported in the result, its survivors left uncollated, as
     :func:`run_batch` does. A resumable pass's result carries its state after the batch's
     samples were read (``result.state``; None when neither the dataset nor its iterator keeps
-    one).
+    one), a failed batch's too: its samples are read, and a resumed pass starts past them.
+
+    A batch that failed as a whole (``collate`` or ``finish`` raised, or a transform did
+    without ``isolate``) does not raise: its result carries the exception (``result.error``,
+    with a note naming the stage), for the caller to raise in the batch's turn.
 
     Raises:
-        Exception: The dataset's iterator, ``transform``, ``collate`` or ``finish`` raised (with
-            a note naming the stage); the pass is over after an iterator's failure.
-        RuntimeError: No pass is open (:func:`open_stream` was not called).
+        Exception: The dataset's iterator raised (with a note naming the stage); the pass is
+            over.
     """
     global _stream
     if _stream is None:
@@ -260,9 +263,14 @@ def next_stream_batch(
         close_stream()
         return None
     state = _stream.state() if _stream.resumable else None
-    result = run_batch(transform, collate, samples, batch_size is None, finish)
-    result.state = state
-    if result.failures and not isolate:  # no budget to skip: the first one raises
+    try:
+        result = run_batch(transform, collate, samples, batch_size is None, finish)
+    except Exception as exc:
+        annotate(exc, "collate")
+        result = JobResult(error=exc)
+    if result.failures and not isolate:  # no budget to skip: the first one fails the batch
         _position, stage, error = result.failures[0]
-        raise annotate(error, stage)
+        annotate(error, stage)
+        result = JobResult(error=error)
+    result.state = state
     return result

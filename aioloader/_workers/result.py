@@ -29,6 +29,8 @@ class JobResult:
         size: Samples in the batch (for a stream's batch, which the worker sized).
         state: The worker's dataset's ``state_dict()`` after the batch's samples were read (a
             copy), when asked for (a resumable stream's batch).
+        error: Why the batch failed as a whole, where the job reports it rather than raising
+            it (a stream's batch, whose ``state`` must reach the caller all the same).
     """
 
     batch: Any = None
@@ -37,3 +39,4 @@ class JobResult:
     retries: int = 0
     size: int = 0
     state: Any = None
+    error: Exception | None = None

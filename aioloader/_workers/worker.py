@@ -116,7 +116,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _picklable(exc: BaseException) -> BaseException:
+def _picklable(exc: Exception) -> Exception:
     try:
         pickle.loads(ForkingPickler.dumps(exc))
     except Exception:
@@ -127,7 +127,7 @@ def _picklable(exc: BaseException) -> BaseException:
     return exc
 
 
-def with_worker_note(exc: BaseException) -> BaseException:
+def with_worker_note(exc: BaseException) -> Exception:
     """``exc`` (or a stand-in, for a non-Exception or one that does not pickle) with a note
     naming this worker and carrying its traceback."""
     if not isinstance(exc, Exception):
@@ -161,10 +161,14 @@ def _attach_traceback(stand_in: Exception, original: BaseException) -> Exception
 
 
 def _prepare_failures(result: Any) -> Any:
-    """Exceptions inside a job's result (per-sample failures) must survive pickling."""
-    failures = getattr(result, "failures", None)
-    if failures:
-        result.failures = [(pos, stage, with_worker_note(exc)) for pos, stage, exc in failures]
+    """Exceptions inside a job's result (per-sample failures, a failed batch's error) must
+    survive pickling. Any other result (a user's batch, say) is left as it is."""
+    if not isinstance(result, JobResult):
+        return result
+    if result.failures:
+        result.failures = [(pos, stage, with_worker_note(exc)) for pos, stage, exc in result.failures]
+    if result.error is not None:
+        result.error = with_worker_note(result.error)
     return result
 
 

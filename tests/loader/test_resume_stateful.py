@@ -26,7 +26,9 @@ from tests.support.worker_datasets import (
     Draws,
     ResumableShards,
     SlowCursorShards,
+    fails_on_four,
     fails_on_zero,
+    four_fails,
 )
 
 
@@ -338,3 +340,56 @@ def test_what_json_cannot_keep_exactly_is_named_or_made_plain() -> None:
         json.dumps(encode(np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")])))  # fields: not kept
     with pytest.raises(ValueError, match="'tensor' value is malformed"):
         decode({TAG: "tensor", "dtype": "nope", "shape": [1], "data": ""})
+
+
+def _take_through_errors(loader: DataLoader[Any], count: int) -> tuple[list[Any], list[str]]:
+    """The first ``count`` items of an epoch: batches, and the messages of the errors raised
+    in their turns (the iterator goes on after one, as torch's does)."""
+    it = iter(loader)
+    items: list[Any] = []
+    errors: list[str] = []
+    while len(items) + len(errors) < count:
+        try:
+            items.append(next(it))
+        except ValueError as exc:
+            errors.append(str(exc))
+    return items, errors
+
+
+def test_a_worker_batch_that_failed_is_not_read_again_on_resuming() -> None:
+    """Worker 0's second batch ([4, 6]) fails in collate; the state after the batch that
+    follows it is past it: the resumed epoch neither raises it again nor shifts the turns."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(
+            ResumableShards(16), batch_size=2, num_workers=2, collate_fn=fails_on_four
+        )
+
+    with make() as loader:
+        first, errors = _take_through_errors(loader, 4)
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert first == [[0, 2], [1, 3], [5, 7]] and errors == ["the batch holding sample 4"]
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert list(resumed) == [[8, 10], [9, 11], [12, 14], [13, 15]]
+
+
+@pytest.mark.parametrize("stop", [3, 4])
+def test_a_worker_batch_with_a_skipped_sample_keeps_its_place(stop: int) -> None:
+    """Sample 4 fails in the transform and is skipped (``max_failures``): worker 0's second
+    batch is [6], and a state taken after it (or after the batch that follows) is past it:
+    the resumed epoch gives every other sample once, and skips nothing again."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(
+            ResumableShards(16),
+            batch_size=2,
+            num_workers=2,
+            transform=four_fails,
+            max_failures=1,
+            collate_fn=list,
+        )
+
+    full, first, rest, _ = stop_and_resume(make, stop)
+    assert full == [[0, 2], [1, 3], [6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert first + rest == full

@@ -412,3 +412,17 @@ class WhereRead(torch.utils.data.Dataset[tuple[int, int, str]]):
 
         time.sleep(self.delay)
         return index, os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+def fails_on_four(batch: list[int]) -> list[int]:
+    """A ``collate_fn`` that fails on the batch holding sample 4."""
+    if 4 in batch:
+        raise ValueError("the batch holding sample 4")
+    return batch
+
+
+def four_fails(sample: int) -> int:
+    """A ``transform`` that fails on sample 4 alone."""
+    if sample == 4:
+        raise ValueError("sample 4")
+    return sample
