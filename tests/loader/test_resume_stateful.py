@@ -235,8 +235,8 @@ def test_a_state_saved_as_a_pass_opens_is_the_epochs_start() -> None:
 @pytest.mark.parametrize("in_order", [True, False])
 def test_workers_whose_first_batch_failed_resume_without_losing_a_sample(in_order: bool) -> None:
     """Only the iterators keep the state; worker 1 opens late. The failed batch was taken (as
-    its error), no batch had a mark: the state is the epoch's start, and the failed batch is
-    left out on resuming in order (as it comes, it may come again: never a sample lost)."""
+    its error, with worker 0's place after it): resumed, the epoch goes on past it, and never
+    loses a sample of another batch."""
 
     def make() -> DataLoader[Any]:
         return DataLoader(
