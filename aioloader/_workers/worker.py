@@ -166,7 +166,9 @@ def _prepare_failures(result: Any) -> Any:
     if not isinstance(result, JobResult):
         return result
     if result.failures:
-        result.failures = [(pos, stage, with_worker_note(exc)) for pos, stage, exc in result.failures]
+        result.failures = [
+            (pos, stage, with_worker_note(exc)) for pos, stage, exc in result.failures
+        ]
     if result.error is not None:
         result.error = with_worker_note(result.error)
     return result
