@@ -86,7 +86,8 @@ class RankBatches:
             self._share = StreamShare(cfg.rank, cfg.world_size)
 
     async def offer(self, item: Done) -> None:
-        if self._share is None or self._share.mine(item):
+        empty = not item.size and item.error is None  # its samples skipped: no rank's batch
+        if self._share is None or (not empty and self._share.mine(item)):
             await self._send(item)
 
     async def finish(self) -> None:
@@ -231,7 +232,8 @@ class WorkerStreams:
     ) -> None:
         """A worker's batches, in its order, until its pass is over. A failed batch goes on
         with its error and, where the worker read its samples, its place after them: a resumed
-        epoch starts past it (as past a batch that went out), not at it."""
+        epoch starts past it (as past a batch that went out), not at it. So does a batch whose
+        samples were all skipped, empty."""
         rec = self.stats.transform
         seq = 0  # this worker's batches; the epoch's order is given when they go out
         while True:
@@ -254,9 +256,10 @@ class WorkerStreams:
                 continue
             if result is None:
                 return
-            if result.size:  # else every sample of it was skipped
-                batch = Batch(seq, [worker_id], [], mark=place)
-                await results.send(Done(batch, result.batch, result.size))
+            # One whose samples were all skipped goes on empty: its place is taken with the
+            # next item (a resumed epoch does not read and skip them again).
+            batch = Batch(seq, [worker_id], [], mark=place)
+            await results.send(Done(batch, result.batch, result.size))
             seq += 1
 
     async def _next_worker_batch(

@@ -5,6 +5,7 @@ torchdata's order (the dataset's, ``iter()``, the iterator's), in the process an
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from tests.support.worker_datasets import (
     Draws,
     ResumableShards,
     SlowCursorShards,
+    eight_and_ten_fail,
     fails_on_four,
     fails_on_zero,
     four_fails,
@@ -393,3 +395,30 @@ def test_a_worker_batch_with_a_skipped_sample_keeps_its_place(stop: int) -> None
     full, first, rest, _ = stop_and_resume(make, stop)
     assert full == [[0, 2], [1, 3], [6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
     assert first + rest == full
+
+
+def test_a_worker_batch_whose_samples_were_all_skipped_keeps_its_place() -> None:
+    """Worker 0's third batch ([8, 10]) loses both samples under ``max_failures`` (found by
+    review): a state taken after the batch that follows it is past it, so the resumed epoch
+    neither reads nor skips them again."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(
+            ResumableShards(12),
+            batch_size=2,
+            num_workers=2,
+            transform=eight_and_ten_fail,
+            max_failures=2,
+            collate_fn=list,
+        )
+
+    with make() as loader:
+        it = iter(loader)
+        first = list(itertools.islice(it, 5))
+        state = json.loads(json.dumps(loader.state_dict()))
+        it.close()
+    assert first == [[0, 2], [1, 3], [4, 6], [5, 7], [9, 11]]
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert list(resumed) == []
+        assert resumed.statistics().stage("transform").skipped == 0

@@ -426,3 +426,11 @@ def four_fails(sample: int) -> int:
     if sample == 4:
         raise ValueError("sample 4")
     return sample
+
+
+def eight_and_ten_fail(sample: int) -> int:
+    """A ``transform`` that fails on samples 8 and 10 (a whole batch of worker 0's, in
+    :class:`ResumableShards` with 2 workers and batches of 2)."""
+    if sample in (8, 10):
+        raise ValueError(f"sample {sample}")
+    return sample
