@@ -56,6 +56,7 @@ __all__ = [
     "server_lock",
     "server_preload",
     "server_protocol_known",
+    "uninstall",
     "unsafe_to_fork",
 ]
 
@@ -225,3 +226,15 @@ def install(forked: ForkedServer) -> None:
     server._forkserver_address = forked.address
     server._forkserver_alive_fd = forked.alive_w
     server._forkserver_pid = forked.pid
+
+
+def uninstall(forked: ForkedServer) -> bool:
+    """Empty the stdlib's fork-server slot if ``forked`` holds it (a later forkserver context
+    would start the stdlib's own); whether it did."""
+    server: Any = stdlib_forkserver._forkserver
+    if running_server_pid() != forked.pid:
+        return False
+    server._forkserver_address = None
+    server._forkserver_alive_fd = None
+    server._forkserver_pid = None
+    return True

@@ -12,8 +12,10 @@ forks anything itself (``forkserver.py`` does), or starts a second server once o
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.context
+import os
 import time
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ from .forkserver import (
     server_lock,
     server_preload,
     server_protocol_known,
+    uninstall,
     unsafe_to_fork,
 )
 
@@ -76,6 +79,33 @@ class ServerStart:
 
 _started: ServerStart | None = None
 _unclaimed_s = 0.0  # what getting the server ready cost, not yet in a pool's statistics
+_ours: ForkedServer | None = None  # the server we forked (or woke) and installed, if any
+
+
+def _stop_servers_at_exit() -> None:
+    """At the interpreter's exit (after the loaders' own hook closed their workers): stop and
+    reap the servers forked from this process, the standby too, before the interpreter tears
+    its modules down. They share this process's heap copy-on-write, and the teardown writes
+    to most of it: with a server still alive, every page it touches is copied (measured on 2
+    cores: the process tree's PSS rose from 273 to 361 MiB as a script ended). A forkserver
+    context used after this starts the stdlib's own server."""
+    global _ours
+    standby.retire()
+    ours, _ours = _ours, None
+    if ours is not None:
+        with server_lock():
+            uninstall(ours)
+        ours.retire()
+
+
+def _forget_in_child() -> None:
+    """In a child forked from this process: the server is its parent's to stop."""
+    global _ours
+    _ours = None
+
+
+atexit.register(_stop_servers_at_exit)  # before the application's own: it runs after theirs
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def server_start() -> ServerStart | None:
@@ -94,6 +124,12 @@ def note_server(stats: WorkerRecorder) -> None:
         _unclaimed_s = 0.0
 
 
+def _install(forked: ForkedServer) -> None:
+    global _ours
+    install(forked)
+    _ours = forked
+
+
 def _start() -> ServerStart:
     """Start the fork server the fastest safe way, once (see the module's docstring)."""
     if not server_protocol_known():
@@ -110,11 +146,11 @@ def _start() -> ServerStart:
         if why is None:
             standby.retire()  # forked now, the server has everything the application imported
             forked = fork_server()
-            install(forked)
+            _install(forked)
             return ServerStart("forked", "", time.perf_counter() - began, forked.pid)
         woken = standby.wake()
         if isinstance(woken, ForkedServer):
-            install(woken)
+            _install(woken)
             return ServerStart("standby", why, time.perf_counter() - began, woken.pid)
         return ServerStart("interpreter", f"{why}; {woken}")
 

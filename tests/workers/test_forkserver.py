@@ -257,6 +257,65 @@ def test_imported_after_a_thread_started_the_fallback_says_so(tmp_path: Path) ->
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
 
 
+AT_EXIT = """
+import atexit, json, os, sys, threading
+
+servers = {}
+
+
+def report():  # registered before aioloader's hook: runs after it, before the teardown
+    alive = {name: os.path.exists(f"/proc/{pid}") for name, pid in servers.items()}
+    print(json.dumps({"servers": sorted(servers), "alive": alive}), flush=True)
+
+
+atexit.register(report)
+
+import torch.utils.data
+import aioloader
+import multiprocessing.forkserver
+from aioloader._workers import standby
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return i
+
+if __name__ == "__main__":
+    if standby._standby is not None:
+        servers["standby"] = standby._standby.server.pid
+    if "thread" in sys.argv:  # forking is not safe: the standby serves
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    if "loader" in sys.argv:
+        loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1, persistent_workers=True)
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+        servers["server"] = multiprocessing.forkserver._forkserver._forkserver_pid
+"""
+
+
+@pytest.mark.parametrize(
+    ("modes", "servers"),
+    [
+        ((), ["standby"]),  # imported only: the standby never served
+        (("loader",), ["server", "standby"]),  # a server forked from this process
+        (("loader", "thread"), ["server", "standby"]),  # the standby woken to serve
+    ],
+)
+def test_the_servers_are_gone_before_the_interpreter_tears_down(
+    tmp_path: Path, modes: tuple[str, ...], servers: list[str]
+) -> None:
+    """They share the heap copy-on-write: alive while the teardown writes to it, they would
+    have every page it touches copied (the tree's PSS rose by a third as a script ended)."""
+    (tmp_path / "exits.py").write_text(textwrap.dedent(AT_EXIT))
+    done = subprocess.run(
+        [sys.executable, "exits.py", *modes],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "")
+    got = json.loads(done.stdout)
+    assert got == {"servers": servers, "alive": dict.fromkeys(servers, False)}
+
+
 # Per version, whether a forked server is handed to the stdlib's (checked by CI on 3.11 and 3.12,
 # by hand on 3.13): 3.14 gave the stdlib's server an authentication key, so there it starts its own.
 FAST_PATH_TAKEN = (3, 11) <= sys.version_info[:2] <= (3, 13)
