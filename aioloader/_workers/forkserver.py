@@ -34,6 +34,7 @@ import gc
 import inspect
 import multiprocessing.forkserver as stdlib_forkserver
 import os
+import select
 import socket
 import stat
 import sys
@@ -112,12 +113,52 @@ class ForkedServer:
     alive_w: int
     pid: int
 
-    def retire(self) -> None:
-        """Stop it (its alive pipe's EOF, or its wake line's) and reap it."""
+    def retire(self, wait: float | None = None) -> bool:
+        """Stop it (its alive pipe's EOF, or its wake line's) and reap it: once it has exited
+        (``wait=None``), or if it exits within ``wait`` seconds. Whether it was reaped.
+
+        Every process it forked holds the alive pipe's write end too (the stdlib's server
+        hands it to each), so it sees EOF only once they have all exited."""
         with contextlib.suppress(OSError):
             os.close(self.alive_w)
+        if wait is not None and not _exits_within(self.pid, wait):
+            return False
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
+        return True
+
+    def forked_alive(self) -> bool:
+        """Whether a process it forked (a worker, the application's own) is alive."""
+        return _has_live_children(self.pid)
+
+
+def _exits_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` exits within ``seconds`` (a pidfd waited on: no polling);
+    False where no pidfd can be had for it."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone and reaped already, or a kernel without pidfds
+        return False
+    try:
+        ready, _, _ = select.select([pidfd], [], [], seconds)
+    finally:
+        os.close(pidfd)
+    return bool(ready)
+
+
+def _has_live_children(pid: int) -> bool:
+    """Whether a process whose parent is ``pid`` is alive (not a zombie), from ``/proc``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _serve_in_child(
@@ -228,13 +269,19 @@ def install(forked: ForkedServer) -> None:
     server._forkserver_pid = forked.pid
 
 
-def uninstall(forked: ForkedServer) -> bool:
+def uninstall(forked: ForkedServer, timeout: float = -1) -> bool:
     """Empty the stdlib's fork-server slot if ``forked`` holds it (a later forkserver context
-    would start the stdlib's own); whether it did."""
+    would start the stdlib's own), under the stdlib's lock (waited for at most ``timeout``
+    seconds; no limit when negative); whether it did."""
     server: Any = stdlib_forkserver._forkserver
-    if running_server_pid() != forked.pid:
+    if not server._lock.acquire(timeout=timeout):
         return False
-    server._forkserver_address = None
-    server._forkserver_alive_fd = None
-    server._forkserver_pid = None
-    return True
+    try:
+        if running_server_pid() != forked.pid:
+            return False
+        server._forkserver_address = None
+        server._forkserver_alive_fd = None
+        server._forkserver_pid = None
+        return True
+    finally:
+        server._lock.release()

@@ -233,11 +233,12 @@ def wake() -> ForkedServer | str:
     return why
 
 
-def retire() -> None:
-    """Let the standby go (a server forked from this process now replaces it)."""
+def retire(wait: float | None = None) -> None:
+    """Let the standby go (a server forked from this process now replaces it, or the process
+    exits), and reap it: once it has exited, or if it does within ``wait`` seconds."""
     global _standby
     standby, _standby = _standby, None
     if standby is not None:
         with contextlib.suppress(OSError):
             standby.line.close()  # EOF on its line: it exits
-        standby.server.retire()
+        standby.server.retire(wait)
