@@ -127,6 +127,15 @@ class ForkedServer:
             os.waitpid(self.pid, 0)
         return True
 
+    def let_go_in_child(self) -> None:
+        """In a child forked from this process: point its copy of the alive pipe's write end
+        at /dev/null (not closed: the stdlib's client, which may still send the number, finds
+        a descriptor there), so that the child does not keep the server from its EOF."""
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.alive_w)
+            os.close(devnull)
+
     def forked_alive(self) -> bool:
         """Whether a process it forked (a worker, the application's own) is alive."""
         return _has_live_children(self.pid)
@@ -140,10 +149,11 @@ def _exits_within(pid: int, seconds: float) -> bool:
     except OSError:  # gone and reaped already, or a kernel without pidfds
         return False
     try:
-        ready, _, _ = select.select([pidfd], [], [], seconds)
+        poller = select.poll()  # not select(): a descriptor past 1023 is out of its range
+        poller.register(pidfd, select.POLLIN)
+        return bool(poller.poll(seconds * 1000))
     finally:
         os.close(pidfd)
-    return bool(ready)
 
 
 def _has_live_children(pid: int) -> bool:

@@ -108,9 +108,13 @@ def _stop_servers_at_exit() -> None:
 
 
 def _forget_in_child() -> None:
-    """In a child forked from this process: the server is its parent's to stop."""
+    """In a child forked from this process (the application's fork, a fork-method process):
+    the server is its parent's to stop, and the child's copy of its alive pipe must not keep
+    it from stopping (found by review: a fork child alive at exit held the exit 1 s)."""
     global _ours
-    _ours = None
+    ours, _ours = _ours, None
+    if ours is not None:
+        ours.let_go_in_child()
 
 
 atexit.register(_stop_servers_at_exit)  # before the application's own: it runs after theirs

@@ -293,6 +293,10 @@ if __name__ == "__main__":
     context = multiprocessing.get_context("forkserver")
     if "daemon" in sys.argv:  # the application's own process, left to multiprocessing's hook
         context.Process(target=time.sleep, args=(1000,), daemon=True).start()
+    if "forkchild" in sys.argv:  # a child forked from this process, alive at exit
+        multiprocessing.get_context("fork").Process(
+            target=time.sleep, args=(1000,), daemon=True
+        ).start()
     if "pool" in sys.argv:  # the application's own pool, left open
         pool = context.Pool(2)
         assert pool.map(abs, [-1, -2]) == [1, 2]
@@ -308,6 +312,8 @@ if __name__ == "__main__":
         # A server whose processes are alive is left (found by review: waiting for it hung).
         (("loader", "daemon"), {"server": True, "standby": False}),
         (("loader", "thread", "pool"), {"server": True, "standby": True}),  # one process
+        # A fork of this process holds no copy of the server's alive pipe (found by review).
+        (("loader", "forkchild"), {"server": False, "standby": False}),
     ],
 )
 def test_the_servers_are_gone_before_the_interpreter_tears_down(
@@ -464,3 +470,30 @@ def test_a_standby_that_cannot_be_forked_leaves_the_import_alone(tmp_path: Path)
         "interpreter | this process had 2 Python threads; no standby: forking it failed "
         "(PermissionError(1, 'fork is not allowed here'))\n"
     )
+
+
+def test_waiting_for_a_server_to_exit_takes_a_descriptor_past_select_s_range() -> None:
+    """Found by review: a process with a thousand files open got a pidfd past 1023, and
+    ``select()`` refused it (the exit hook's wait raised)."""
+    import resource
+
+    from aioloader._workers.forkserver import _exits_within
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"this machine allows {hard} open files: no descriptor past 1023")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1200:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        for fd in held[-100:]:  # the pidfd takes the lowest free number: one past 1100
+            os.close(fd)
+        del held[-100:]
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        assert _exits_within(child.pid, 30)
+        assert child.wait(timeout=30) == 0
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
