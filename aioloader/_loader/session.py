@@ -22,6 +22,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
+import os
 import queue
 import threading
 import warnings
@@ -86,6 +87,15 @@ def _close_all_at_exit() -> None:
     for session in list(_open):
         with contextlib.suppress(Exception):
             session.close()
+
+
+def _forget_in_child() -> None:
+    """In a child forked from this process: its copies of the open sessions are the parent's
+    (their loop threads are not in the child), none for its exit hook to close."""
+    _open.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 _AHEAD = 4  # at most this many host batches a plain `for` reads ahead (half of `prefetch` at most)
@@ -226,6 +236,7 @@ class Session:
 
     def __init__(self, loader: SessionLoader[Any], *, persistent: bool) -> None:
         self.persistent = persistent
+        self._pid = os.getpid()  # a forked child's copy has no loop to stop
         if loader.worker_mode == "process" and loader.num_workers > 0:
             prepare_forkserver(loader.start_method)  # while this may be the only thread
         self.portal, self._thread = _start_loop()
@@ -248,9 +259,14 @@ class Session:
         """Close the loader's scope (workers stopped, tasks gone), then stop the loop.
 
         Cancellation: not cancellable; it returns once everything is stopped. Called from the
-        loop's own thread it does nothing (see :func:`close_from_anywhere`).
+        loop's own thread it does nothing (see :func:`close_from_anywhere`), nor in a child
+        forked from the process that opened it (its loop thread is not there: waiting for it
+        hung the child's exit; the parent closes the scope).
         """
         if self.closed or threading.current_thread() is self._thread:
+            return
+        if os.getpid() != self._pid:
+            self.closed = True
             return
         self.closed = True
         _open.discard(self)

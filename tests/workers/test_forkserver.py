@@ -333,6 +333,38 @@ def test_the_servers_are_gone_before_the_interpreter_tears_down(
     assert got == {"servers": sorted(alive), "alive": alive}
 
 
+FORK_EXIT = """
+import json, os, signal, sys, time
+import aioloader
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(list(range(8)), batch_size=4, num_workers=1,
+                                  persistent_workers=True)
+    first = [b.tolist() for b in loader]
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang ends here, as SIGALRM
+        sys.exit(0)  # the exit hooks run in the child
+    began = time.monotonic()
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({
+        "child": os.waitstatus_to_exitcode(status),
+        "child_s": time.monotonic() - began,
+        "epochs": [first, [b.tolist() for b in loader]],
+    }))
+"""
+
+
+def test_a_forked_child_s_exit_leaves_its_parent_s_loader_alone(tmp_path: Path) -> None:
+    """Found by review: a child forked while a persistent loader was open hung as it exited,
+    its exit hook waiting for the loader's loop thread, which is the parent's."""
+    done = run_script(tmp_path, {"forks.py": FORK_EXIT}, "forks.py")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["child"] == 0 and got["child_s"] < 10
+    assert got["epochs"] == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
+
+
 # Per version, whether a forked server is handed to the stdlib's (checked by CI on 3.11 and 3.12,
 # by hand on 3.13): 3.14 gave the stdlib's server an authentication key, so there it starts its own.
 FAST_PATH_TAKEN = (3, 11) <= sys.version_info[:2] <= (3, 13)
