@@ -8,7 +8,7 @@ import collections
 import itertools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -376,23 +376,32 @@ def test_a_worker_batch_that_failed_is_not_read_again_on_resuming() -> None:
         assert list(resumed) == [[8, 10], [9, 11], [12, 14], [13, 15]]
 
 
+def skipping(
+    length: int, transform: Callable[[int], int], *, budget: int
+) -> Callable[[], DataLoader[Any]]:
+    """Loaders over :class:`ResumableShards` in 2 workers (batches of 2) whose ``transform``
+    fails on some samples, skipped within ``budget``."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(
+            ResumableShards(length),
+            batch_size=2,
+            num_workers=2,
+            transform=transform,
+            max_failures=budget,
+            collate_fn=list,
+        )
+
+    return make
+
+
 @pytest.mark.parametrize("stop", [3, 4])
 def test_a_worker_batch_with_a_skipped_sample_keeps_its_place(stop: int) -> None:
     """Sample 4 fails in the transform and is skipped (``max_failures``): worker 0's second
     batch is [6], and a state taken after it (or after the batch that follows) is past it:
     the resumed epoch gives every other sample once, and skips nothing again."""
 
-    def make() -> DataLoader[Any]:
-        return DataLoader(
-            ResumableShards(16),
-            batch_size=2,
-            num_workers=2,
-            transform=four_fails,
-            max_failures=1,
-            collate_fn=list,
-        )
-
-    full, first, rest, _ = stop_and_resume(make, stop)
+    full, first, rest, _ = stop_and_resume(skipping(16, four_fails, budget=1), stop)
     assert full == [[0, 2], [1, 3], [6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
     assert first + rest == full
 
@@ -402,16 +411,7 @@ def test_a_worker_batch_whose_samples_were_all_skipped_keeps_its_place() -> None
     review): a state taken after the batch that follows it is past it, so the resumed epoch
     neither reads nor skips them again."""
 
-    def make() -> DataLoader[Any]:
-        return DataLoader(
-            ResumableShards(12),
-            batch_size=2,
-            num_workers=2,
-            transform=eight_and_ten_fail,
-            max_failures=2,
-            collate_fn=list,
-        )
-
+    make = skipping(12, eight_and_ten_fail, budget=2)
     with make() as loader:
         it = iter(loader)
         first = list(itertools.islice(it, 5))
