@@ -32,9 +32,10 @@ from .arguments import Arguments, non_negative_int
 from .checkpoint import EpochState
 from .consumer import EpochIterator
 from .lifecycle import ScopeLifecycle
+from .plain import PlainIterator
 from .plan import plan_loader
 from .scope import LoaderState, Scope
-from .session import PlainIterator, Session
+from .session import Session
 from .settings import Setting
 from .state_dict import Resumable
 

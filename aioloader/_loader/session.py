@@ -1,12 +1,10 @@
-"""The background event loop behind a plain ``for`` (and ``with loader:``), and the iterator a
-plain ``for`` gets.
+"""The background event loop behind a plain ``for`` (and ``with loader:``).
 
 Owns: :class:`Session`, a daemon thread running an event loop (uvloop when installed) that holds
-the loader's scope open; :class:`PlainIterator`, torch's iterator protocol over one epoch
-(``next()`` after a failed batch goes on with the following batch); and the interpreter-exit
-hook that closes every session still open, so a script that ends with a loader or an iterator
-open exits cleanly: workers stopped by us, nothing printed. Never: validates arguments or runs
-stages.
+the loader's scope open; and the interpreter-exit hook that closes every session still open, so
+a script that ends with a loader or an iterator open exits cleanly: workers stopped by us,
+nothing printed (a child forked meanwhile has none of them to close). Never: validates
+arguments, runs stages, or iterates an epoch (``plain.py`` does, for a plain ``for``).
 
 Why a daemon thread of our own rather than anyio's ``start_blocking_portal``: at interpreter
 exit Python joins non-daemon threads *before* ``atexit`` handlers run, so a loop left running in
@@ -17,33 +15,27 @@ and stops the workers before ``multiprocessing`` would terminate them.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import concurrent.futures
 import contextlib
-import functools
 import os
-import queue
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
 from .._base.exceptions import LoaderStateError
-from .._device.stage import hand_out
 from .._workers.serverstart import prepare_forkserver
 
 if TYPE_CHECKING:
     from .consumer import EpochIterator
     from .scope import Scope
 
-__all__ = ["PlainIterator", "Session", "close_from_anywhere"]
+__all__ = ["Session", "SessionLoader", "close_from_anywhere"]
 
 T_Batch = TypeVar("T_Batch")
 
@@ -89,57 +81,9 @@ def _close_all_at_exit() -> None:
             session.close()
 
 
-def _forget_in_child() -> None:
-    """In a child forked from this process: its copies of the open sessions are the parent's
-    (their loop threads are not in the child), none for its exit hook to close."""
-    _open.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
-_AHEAD = 4  # at most this many host batches a plain `for` reads ahead (half of `prefetch` at most)
-
-
-def _give(credits: asyncio.Semaphore, n: int) -> None:
-    for _ in range(n):
-        credits.release()
-
-
-async def _loop_and_credits(ahead: int) -> tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]:
-    return asyncio.get_running_loop(), asyncio.Semaphore(ahead)
-
-
-async def _pump(
-    epoch: EpochIterator[Any],
-    credits: asyncio.Semaphore,
-    replies: queue.SimpleQueue[tuple[bool, Any]],
-) -> None:
-    """Receive a batch of ``epoch`` for each credit (one per request, plus the ``ahead`` it
-    started with) into ``replies``: ``(True, received)`` (a batch, or a failed batch's error:
-    see :meth:`EpochIterator.receive`) or ``(False, error)``. Ends after the epoch's end
-    (``StopAsyncIteration``).
-
-    Cancellation: a waiting consumer gets ``concurrent.futures.CancelledError`` (what a portal
-    call gets when its loop stops).
-    """
-    try:
-        while True:
-            await credits.acquire()
-            try:
-                batch = await epoch.receive()
-            except StopAsyncIteration as end:
-                replies.put((False, end))
-                return
-            except Exception as exc:  # a timeout: raised in the consumer, which goes on
-                replies.put((False, exc))
-                del exc
-            else:
-                replies.put((True, batch))
-                del batch
-    except BaseException:
-        replies.put((False, concurrent.futures.CancelledError()))
-        raise
+# A child forked from this process has copies of the open sessions, not their loop threads:
+# none is its exit hook's to close.
+os.register_at_fork(after_in_child=_open.clear)
 
 
 def _hook_exit() -> None:
@@ -271,140 +215,3 @@ class Session:
         self.closed = True
         _open.discard(self)
         self._stack.close()
-
-
-class PlainIterator(Generic[T_Batch]):
-    """One epoch for a plain ``for``: torch's iterator protocol over the background loop.
-
-    A batch that failed raises from ``next()``; the next ``next()`` goes on with the following
-    batch, as torch's iterator does. The epoch (and a session owned by this iterator) is closed
-    when the epoch ends, when :meth:`close` is called, or when the iterator is dropped.
-    """
-
-    def __init__(self, loader: SessionLoader[T_Batch], session: Session, *, owned: bool) -> None:
-        self._session = session
-        self._owned = owned
-        self._loader = loader  # as torch's iterator: the loader lives as long as it
-        self._done = False
-        # Batches come from a pump task on the loop over a plain queue, up to `ahead` of the
-        # requests (see _receive): far cheaper than a portal call per batch.
-        self._replies: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        self._ask: Callable[[int], object] | None = None
-        self._owed = 0  # batches asked for whose credits the pump has not had yet
-        self._every = 1
-        self._pump: concurrent.futures.Future[None] | None = None
-        self._prepared = False  # the epoch began (on the loop): its batches may come from here
-        try:
-            self._epoch: EpochIterator[T_Batch] = session.portal.call(self._loader.__aiter__)
-        except BaseException:
-            self._done = True
-            if owned:
-                session.close()
-            raise
-
-    def __iter__(self) -> PlainIterator[T_Batch]:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __next__(self) -> T_Batch:
-        """The next batch, on the host or (with a device stage) safe on this thread's stream.
-
-        Raises:
-            StopIteration: The epoch is over.
-            Exception: This batch failed (see :meth:`EpochIterator.__anext__`); the next call
-                goes on.
-        """
-        if self._done:
-            raise StopIteration
-        got: Any = None
-        try:
-            if self._ask is None:  # no pump yet: the epoch's batches may be made here
-                if not self._prepared:
-                    self._session.portal.call(
-                        functools.partial(self._epoch.prepare, own_thread=True)
-                    )
-                    self._prepared = True
-                # Made here, in this thread's call, as torch's are; an error raised within
-                # keeps this frame (its traceback's frames keep their callers), which holds no
-                # `self` when it raises: see below.
-                got = self._epoch.receive_now()
-            if got is None:
-                ok, got = self._receive()
-                if not ok:
-                    raise got
-            self._epoch.took(got)  # this thread is the consumer: it has it now
-            if got.error is not None:
-                raise got.error
-        except StopAsyncIteration:
-            if self._epoch.ended:  # set on the loop's thread before the end was sent here
-                self._epoch.progress.finished = True
-            self._epoch.shown.close()
-            self.close()
-            raise StopIteration from None
-        except BaseException as exc:
-            if not isinstance(exc, Exception) or self._session.closed:
-                self.close()  # KeyboardInterrupt and the like: the epoch stops here
-            error = exc
-        else:
-            if got.warning is not None:  # given here, where torch gives it: in the consumer
-                warnings.warn(got.warning, UserWarning, stacklevel=2)
-            # This thread is the consumer: its current stream must wait for the copy.
-            return hand_out(got.batch)  # type: ignore[no-any-return]
-        # The error's traceback holds this frame: without `self` in it, a caller that keeps the
-        # error (a log, a test) does not keep the epoch running; dropping the iterator stops it.
-        # Without `error` in it there is no reference cycle: refcounting frees it all at once.
-        del self, got
-        try:
-            raise error
-        finally:
-            del error
-
-    def _receive(self) -> tuple[bool, Any]:
-        """``(True, batch)``, the next batch as the loop holds it, or ``(False, error)``: what
-        :meth:`EpochIterator.receive` raised (``concurrent.futures.CancelledError`` when the
-        session closed meanwhile). Returned, not raised: the error's traceback must not hold
-        this frame, which holds the iterator (see :meth:`__next__`)."""
-        if self._ask is None:
-            epoch = self._epoch
-            # Host batches are read ahead while this thread works on the one before (a request
-            # answered at once costs no wait for the loop's thread), out of `prefetch`: the
-            # epoch's stream holds that many fewer. Staged ones are not, so the device holds no
-            # more than the stage's depth. Credits go back two at a time (enough while at least
-            # one batch is read ahead): half the wake-ups of the loop's thread.
-            ahead = 0 if epoch.stages_on_device else epoch.hold_ahead(_AHEAD)
-            self._every = 2 if ahead else 1
-            portal = self._session.portal
-            loop, credits = portal.call(_loop_and_credits, ahead)
-            self._pump = portal.start_task_soon(_pump, self._epoch, credits, self._replies)
-
-            def ask(n: int) -> None:
-                loop.call_soon_threadsafe(_give, credits, n)
-
-            self._ask = ask
-        self._owed += 1
-        if self._owed >= self._every:
-            self._ask(self._owed)
-            self._owed = 0
-        return self._replies.get()
-
-    def close(self) -> None:
-        """Stop the epoch (and the session, when this iterator owns it). Idempotent."""
-        if self._done:
-            return
-        self._done = True
-        session = self._session
-        try:
-            if self._pump is not None:
-                self._pump.cancel()
-            if not session.closed:
-                session.portal.call(self._epoch.aclose)
-        finally:
-            if self._owned:
-                session.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_done", True):
-            return
-        close_from_anywhere(self.close)

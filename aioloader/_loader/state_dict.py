@@ -13,10 +13,11 @@ import weakref
 from typing import Any, Protocol
 
 from .checkpoint import EpochState, dumps_checked, fresh_state, restore_sampler
+from .plain import PlainIterator
 from .plan import LoaderPlan
 from .resuming import check_place, check_resumable, resolve
 from .scope import LoaderState, Scope
-from .session import PlainIterator, Session
+from .session import Session
 
 __all__ = ["Resumable", "ResumableLoader"]
 
