@@ -209,9 +209,8 @@ class Session:
         """
         if self.closed or threading.current_thread() is self._thread:
             return
-        if os.getpid() != self._pid:
-            self.closed = True
-            return
         self.closed = True
+        if os.getpid() != self._pid:  # a forked child's copy
+            return
         _open.discard(self)
         self._stack.close()
