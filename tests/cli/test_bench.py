@@ -22,6 +22,9 @@ import pytest
 from aioloader._bench import chart, harness, harness_child, harness_processes, suite
 from aioloader._bench.results import Row, failures, family, format_rows, summarize
 
+# The runner's tests run on uvloop only: ``aioloader bench`` runs it there (``_cli/signals.py``),
+# and its work is starting, signalling and reaping processes, where uvloop's code is its own.
+ON_UVLOOP = pytest.mark.asyncio(loop_factories=["uvloop"])
 ROOT = Path(__file__).parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -146,6 +149,7 @@ def test_the_chart_is_a_png_and_refuses_nothing_measured(tmp_path: Path) -> None
         chart.draw([row("spdl", None, "skipped: not installed")], tmp_path / "d.png", "title")
 
 
+@ON_UVLOOP
 async def test_a_workload_without_a_module_it_needs_is_one_skipped_row(tmp_path: Path) -> None:
     workload = suite.Workload(
         "w", "serving", (), (), {"t": "a table"}, needs=("no_such_module_for_the_bench",)
@@ -171,6 +175,7 @@ def session_processes(sid: int) -> list[int]:
     return found
 
 
+@ON_UVLOOP
 async def test_a_workload_past_its_time_is_stopped_with_its_servers(tmp_path: Path) -> None:
     # The serving workload starts three server processes; 3 s is not enough for it to end.
     workload = suite.Workload("w", "serving", ("--quick",), (), {"serving": ""}, limit_s=(3, 3))
@@ -217,6 +222,7 @@ async def run_stubborn(
     return ran, sessions[0]
 
 
+@ON_UVLOOP
 async def test_a_workload_deaf_to_sigterm_is_killed_with_its_children(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -225,6 +231,7 @@ async def test_a_workload_deaf_to_sigterm_is_killed_with_its_children(
     assert session_processes(session) == []
 
 
+@ON_UVLOOP
 async def test_a_workload_that_leaves_a_process_fails_and_the_process_is_killed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,6 +243,7 @@ async def test_a_workload_that_leaves_a_process_fails_and_the_process_is_killed(
     assert session_processes(session) == []
 
 
+@ON_UVLOOP
 async def test_a_cancelled_run_stops_its_workload_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

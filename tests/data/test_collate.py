@@ -373,7 +373,7 @@ def test_unsupported_type_names_type_and_path() -> None:
         default_collate(batch)
 
 
-@pytest.mark.parametrize("value", [None, 1j, {1, 2}, object()], ids=repr)
+@pytest.mark.parametrize("value", [None, 1j, {1, 2}, object()], ids=["None", "1j", "set", "object"])
 def test_unsupported_types_raise_type_error_like_torch(value: Any) -> None:
     with pytest.raises(TypeError):
         torch_default_collate([value, value])

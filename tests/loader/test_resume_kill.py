@@ -78,6 +78,8 @@ def batches(log: Path) -> Iterator[dict[str, Any]]:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("every", "die_at", "repeated"), [(5, 13, 3), (4, 12, 0)])
+# The job runs in a child process on its own loop; this test's loop only serves its shards.
+@pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_a_killed_job_resumes_from_its_last_saved_state(
     tmp_path: Path, fault_server: FaultServer, every: int, die_at: int, repeated: int
 ) -> None:

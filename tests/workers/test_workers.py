@@ -7,9 +7,11 @@ import functools
 import gc
 import multiprocessing
 import os
+import re
 import signal
 import time
 import warnings
+from collections.abc import Collection
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,21 @@ from aioloader._workers.serverstart import prepare_forkserver
 from tests.support import worker_fns
 from tests.support.helpers import Counting, flat, open_fds
 
+# Names in /dev/shm that carry the pid of the process that made them: a Ray pool's blocks (its
+# driver's pid) and torch's file_system segments.
+_MADE_BY = re.compile(r"^(?:aioloader-ray-|torch_)(\d+)[-_]")
 
-def shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+
+def shm(ours: Collection[int] = ()) -> set[str]:
+    """The names in ``/dev/shm``, less those that another process made: the suite may run in
+    several processes (``pytest -n``), and theirs come and go while this one looks. A name
+    counts if it carries no pid, or this process's, or one of ``ours``."""
+    mine = {os.getpid(), *ours}
+    return {
+        name
+        for name in os.listdir("/dev/shm")
+        if (made := _MADE_BY.match(name)) is None or int(made[1]) in mine
+    }
 
 
 def children() -> list[multiprocessing.process.BaseProcess]:
@@ -210,12 +224,14 @@ async def test_leaving_the_scope_leaves_no_process_fd_or_shared_memory(how: str)
     prepare_forkserver("forkserver")
     gc.collect()
     fds, segments = open_fds(), shm()
+    workers: set[int] = set()
     dl = aioloader.DataLoader(Counting(400), batch_size=4, num_workers=2, transform=worker_fns.slow)
     with anyio.CancelScope() as scope:
         try:
             async with dl:
                 async for batch in dl:
                     del batch
+                    workers |= {child.pid for child in children() if child.pid is not None}
                     if how == "break":
                         break
                     if how == "exception":
@@ -227,7 +243,8 @@ async def test_leaving_the_scope_leaves_no_process_fd_or_shared_memory(how: str)
     gc.collect()
     assert children() == []
     assert open_fds() == fds
-    assert shm() == segments
+    assert len(workers) == 2  # the workers were seen: a name one of them made counts
+    assert shm(workers) == segments
 
 
 def test_plain_for_with_worker_processes() -> None:
