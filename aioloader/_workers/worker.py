@@ -37,6 +37,7 @@ from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
 from .pack import pack_tensors
 from .result import JobResult
+from .wire import dumps
 
 __all__ = [
     "WorkerInfo",
@@ -330,7 +331,7 @@ def _run_job(job: bytes) -> memoryview:
     reply = call_job(fn, args, batch_seed, pack_tensors if freed is None else _into_blocks)
     del fn, args
     try:
-        payload = ForkingPickler.dumps(reply)
+        payload = dumps(reply, to_main=True)
     except BaseException as exc:  # the result does not pickle
         _blocks.unsent()
         return ForkingPickler.dumps((False, with_worker_note(exc)))
