@@ -121,8 +121,8 @@ class ProcessWorkers:
                 worker_id,
                 self.concurrency,
                 self._derive(self._seed, worker_id),
-                Sent(self._init_fn),
-                Sent(self._dataset),
+                Sent(self._init_fn, "worker_init_fn"),
+                Sent(self._dataset, "dataset"),
                 torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
             ),
             name=f"aioloader-worker-{worker_id}",
@@ -155,7 +155,9 @@ class ProcessWorkers:
 
         Raises:
             WorkerCrashed: A worker died while starting.
-            Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
+            Exception: ``worker_init_fn`` raised (original type, worker traceback in a note),
+                or the dataset or ``worker_init_fn`` did not unpickle in a worker (a note
+                names it: ``wire.Unsent``).
         """
         started = time.perf_counter()
         self._slots.now = [self._spawn(i) for i in range(self.concurrency)]

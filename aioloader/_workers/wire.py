@@ -18,7 +18,8 @@ Everything else goes as before: by name, with torch's reductions (tensors throug
 memory). A class sent by value keeps its identity on the way back: cloudpickle tags it, and an
 instance a worker returns is rebuilt as an instance of the main process's own class.
 
-Owns: :func:`dumps` (a job or a reply) and :class:`Sent` (a worker's start arguments).
+Owns: :func:`dumps` (a job or a reply), :class:`Sent` (a worker's start arguments) and
+:class:`Unsent` (one that did not unpickle in the worker, to be reported, not crashed on).
 Never: sends by value what the standard pickle sends by name, or hides why an object cannot be
 sent at all (a lock, a socket, an open generator: the error is cloudpickle's, with the name).
 """
@@ -35,7 +36,7 @@ from typing import Any, ClassVar
 
 import cloudpickle  # type: ignore[import-untyped]  # no stubs, no py.typed
 
-__all__ = ["Sent", "dumps", "main_runs_again"]
+__all__ = ["Sent", "Unsent", "dumps", "main_runs_again"]
 
 
 def main_runs_again() -> bool:
@@ -102,14 +103,48 @@ def dumps(obj: object, *, to_main: bool = False) -> memoryview:
 
 class Sent:
     """A worker's start argument (its dataset, ``worker_init_fn``) as :func:`dumps` sends it:
-    unpickled in the worker, it is a copy of the object itself. multiprocessing pickles a new
-    process's arguments itself, by name; this puts :func:`dumps` in its place."""
+    unpickled in the worker, it is a copy of the object itself, or an :class:`Unsent` that
+    says why not. multiprocessing pickles a new process's arguments itself, by name; this puts
+    :func:`dumps` in its place, and keeps a failure to unpickle from killing the worker before
+    it can say so."""
 
-    __slots__ = ("obj",)
+    __slots__ = ("obj", "what")
 
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
+    def __init__(self, obj: object, what: str) -> None:
+        self.obj, self.what = obj, what
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+    def __reduce__(self) -> tuple[Any, tuple[bytes, str]]:
         # Pickled as the process starts (torch's reductions see the process being started).
-        return pickle.loads, (bytes(dumps(self.obj)),)
+        return _load, (bytes(dumps(self.obj)), f"{self.what} ({type(self.obj).__qualname__})")
+
+
+class Unsent:
+    """In a worker: a start argument that did not unpickle (:meth:`error` says why)."""
+
+    __slots__ = ("cause", "what")
+
+    def __init__(self, what: str, cause: Exception) -> None:
+        self.what, self.cause = what, cause
+
+    def error(self) -> Exception:
+        """The unpickling error, with a note that names the argument and, where the workers
+        run the main module again, what they do not run of it."""
+        self.cause.add_note(
+            f"aioloader: the {self.what} was pickled in the main process but did not unpickle "
+            "in the worker: something it refers to by name is not there"
+            + (
+                ". Each worker runs the main module again without its `if __name__ == "
+                "'__main__':` block: a class or function defined in that block must move to the "
+                "top level or to a module"
+                if main_runs_again()
+                else ""
+            )
+        )
+        return self.cause
+
+
+def _load(data: bytes, what: str) -> Any:
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        return Unsent(what, exc)

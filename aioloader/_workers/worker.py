@@ -37,7 +37,7 @@ from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
 from .pack import pack_tensors
 from .result import JobResult
-from .wire import dumps
+from .wire import Unsent, dumps
 
 __all__ = [
     "WorkerInfo",
@@ -254,6 +254,9 @@ def worker_main(
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
     become_worker(worker_id, num_workers, seed, dataset)
     try:
+        for sent in (dataset, worker_init_fn):
+            if isinstance(sent, Unsent):  # what the main process sent did not unpickle here
+                raise sent.error()
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException as exc:

@@ -146,3 +146,48 @@ def test_a_dataset_that_cannot_be_sent_even_by_value_is_named() -> None:
         list(loader)
     notes: Any = getattr(info.value, "__notes__", [])
     assert any("the dataset (Locked) is sent to each worker process" in n for n in notes), notes
+
+
+def test_a_class_the_workers_cannot_find_by_name_is_named_not_a_crash(tmp_path: Path) -> None:
+    """A script whose dataset class is defined under its ``__main__`` guard, with spawn (the
+    workers run the main module again without that block): before, each worker died as it
+    started (``WorkerCrashed``); now the start fails with the unpickling error and a note that
+    names the dataset and the guard."""
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, aioloader
+
+            if __name__ == "__main__":
+                class Hidden(torch.utils.data.Dataset):
+                    def __len__(self):
+                        return 4
+
+                    def __getitem__(self, i):
+                        return i
+
+                loader = aioloader.DataLoader(
+                    Hidden(), batch_size=2, num_workers=1, multiprocessing_context="spawn"
+                )
+                try:
+                    list(loader)
+                except AttributeError as exc:
+                    print(exc)
+                    print(exc.__notes__[0])
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    error, note = done.stdout.strip().splitlines()[-2:]
+    assert "Hidden" in error, done.stdout
+    assert note.startswith("aioloader: the dataset (Hidden) was pickled in the main process")
+    assert "`if __name__ == '__main__':` block" in note
