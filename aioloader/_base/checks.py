@@ -90,7 +90,7 @@ def check_picklable(
     value: object,
     *,
     remedy: str = "pass worker_mode='thread'",
-    dumps: Callable[[object], object] | None = None,
+    dumps: Callable[[object], bytes] | None = None,
     to: str = "worker processes",
 ) -> None:
     """Fail now, not mid-epoch, when ``value`` cannot be sent to a worker process (``to``),
@@ -105,12 +105,12 @@ def check_picklable(
         (dumps or pickle.dumps)(value)
     except Exception as exc:
         how = (
-            "Make what it holds picklable"
+            ""
             if dumps is not None
-            else "Define it at module level (a lambda, a closure or a local function cannot be "
-            "pickled), make its object picklable"
+            else " Define it at module level (a lambda, a closure or a local function cannot be "
+            "pickled),"
         )
         raise TypeError(
-            f"{name}={value!r} cannot be sent to {to} ({type(exc).__name__}: {exc}). {how}, "
-            f"or {remedy}"
+            f"{name}={value!r} cannot be sent to {to} ({type(exc).__name__}: {exc}).{how} "
+            f"make its object picklable, or {remedy}"
         ) from exc

@@ -24,7 +24,6 @@ from .._data.source import Kind, classify
 from .._device.accelerator import resolve_device
 from .._workers.rayspec import RayWorkers, ray_spec_of
 from .._workers.serverstart import start_method_of
-from .._workers.wire import dumps as dumps_for_workers
 
 __all__ = [
     "ASYNC_FETCH_OPTIONS",
@@ -323,8 +322,8 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
             # Without a CUDA device it runs where collation runs: in the workers.
             ("device_transform", a.device_transform if on_host else None),
         ):
-            if ray is None:  # by value where the workers cannot import it (``wire.py``)
-                check_picklable(name, fn, dumps=dumps_for_workers)
+            if ray is None:
+                check_picklable(name, fn)
             else:  # Ray's jobs go by cloudpickle: lambdas and the script's own functions too
                 check_picklable(name, fn, dumps=_cloudpickle_dumps(), to="Ray workers")
     if ray is None:  # Ray's actors run on the cluster's CPUs, not this machine's

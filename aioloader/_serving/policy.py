@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from .._base.checks import check_int, check_picklable, check_seconds
-from .._workers.wire import dumps
 from .pending import PendingQueue
 
 __all__ = [
@@ -308,7 +307,7 @@ def check_arguments(
     if on_exit not in ("drain", "cancel"):
         raise ValueError(f"on_exit must be 'drain' or 'cancel', got {on_exit!r}")
     if num_workers:
-        check_picklable("collate_fn", collate_fn, remedy="use num_workers=0", dumps=dumps)
+        check_picklable("collate_fn", collate_fn, remedy="use num_workers=0")
 
 
 def check_timeout(name: str, value: object) -> float | None:

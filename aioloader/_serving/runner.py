@@ -37,7 +37,6 @@ from .._device.stage import DevicePlan, DeviceStage, device_plan, hand_out
 from .._workers.job import collate_only
 from .._workers.offload import ThreadOffload
 from .._workers.processes import ProcessWorkers
-from .._workers.wire import dumps
 from .policy import split_outputs
 
 __all__ = ["BatchRunner", "device_plan_of"]
@@ -102,9 +101,9 @@ class BatchRunner:
         self.clock = clock
         self._finish = host_transform if device is None else None
         if num_workers and self._finish is not None:
-            check_picklable(  # it runs in the workers (by value where they cannot import it)
-                "device_transform", self._finish, remedy="use num_workers=0", dumps=dumps
-            )
+            check_picklable(
+                "device_transform", self._finish, remedy="use num_workers=0"
+            )  # it runs in the workers
         self._threads: ThreadOffload | None = None
         self._workers: ProcessWorkers | None = None
         self._stage: DeviceStage | None = None

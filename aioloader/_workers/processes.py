@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 import anyio
@@ -40,7 +41,6 @@ from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .serverstart import note_server, prepare_forkserver
 from .slots import Slots
-from .wire import Sent, dumps
 from .worker import worker_main
 
 __all__ = [
@@ -121,8 +121,8 @@ class ProcessWorkers:
                 worker_id,
                 self.concurrency,
                 self._derive(self._seed, worker_id),
-                Sent(self._init_fn, "worker_init_fn"),
-                Sent(self._dataset, "dataset"),
+                self._init_fn,
+                self._dataset,
                 torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
             ),
             name=f"aioloader-worker-{worker_id}",
@@ -135,9 +135,8 @@ class ProcessWorkers:
             if self._dataset is not None and _is_pickling_error(exc):
                 exc.add_note(
                     f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
-                    "each worker process and must pickle (a function or class the workers "
-                    "cannot import goes by value), as with torch's spawn and forkserver start "
-                    "methods; or pass worker_mode='thread' to read it in this process"
+                    "each worker process and must pickle, as with torch's spawn and forkserver "
+                    "start methods; or pass worker_mode='thread' to read it in this process"
                 )
             raise
         finally:
@@ -155,9 +154,7 @@ class ProcessWorkers:
 
         Raises:
             WorkerCrashed: A worker died while starting.
-            Exception: ``worker_init_fn`` raised (original type, worker traceback in a note),
-                or the dataset or ``worker_init_fn`` did not unpickle in a worker (a note
-                names it: ``wire.Unsent``).
+            Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
         """
         started = time.perf_counter()
         self._slots.now = [self._spawn(i) for i in range(self.concurrency)]
@@ -315,7 +312,7 @@ class ProcessWorkers:
             worker = await self._replace(worker)
         freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
         try:
-            payload = dumps((fn, args, seed, freed))
+            payload = ForkingPickler.dumps((fn, args, seed, freed))
         except BaseException:
             LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
             raise

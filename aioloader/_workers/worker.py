@@ -37,7 +37,6 @@ from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
 from .pack import pack_tensors
 from .result import JobResult
-from .wire import Unsent, dumps
 
 __all__ = [
     "WorkerInfo",
@@ -254,9 +253,6 @@ def worker_main(
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
     become_worker(worker_id, num_workers, seed, dataset)
     try:
-        for sent in (dataset, worker_init_fn):
-            if isinstance(sent, Unsent):  # what the main process sent did not unpickle here
-                raise sent.error()
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException as exc:
@@ -334,7 +330,7 @@ def _run_job(job: bytes) -> memoryview:
     reply = call_job(fn, args, batch_seed, pack_tensors if freed is None else _into_blocks)
     del fn, args
     try:
-        payload = dumps(reply, to_main=True)
+        payload = ForkingPickler.dumps(reply)
     except BaseException as exc:  # the result does not pickle
         _blocks.unsent()
         return ForkingPickler.dumps((False, with_worker_note(exc)))
