@@ -86,12 +86,14 @@ def test_before_any_batch_it_says_so() -> None:
 
 class Remote(aioloader.AsyncDataset[int]):
     def __len__(self) -> int:
-        return 480
+        return 256
 
     async def get(self, index: int) -> int:
-        # Long beside the transform (0.5 ms): its thread's share stays far under the 75%
-        # called busy even when a loaded machine stretches each call several times.
-        await asyncio.sleep(0.1)
+        # Long beside the transform (0.5 ms): 64 in flight, its thread's share is 8% (the 75%
+        # called busy is 9x that: with the suite in two processes on 2 cores, a run at 0.1 s
+        # and 32 in flight, 16%, measured 84%, each call stretched 5x). The waits the review
+        # found timed as busy: 64 calls queued each round, 2.5x the run's time.
+        await asyncio.sleep(0.4)
         return index
 
 
@@ -105,7 +107,7 @@ def light(x: int) -> int:
 async def test_fetches_waiting_for_a_thread_are_not_called_worker_bound() -> None:
     """Found by review: a transform waiting for the one worker thread was timed as busy, so
     a fetch-bound run (raising max_inflight doubles it) was called worker-bound."""
-    loader = DataLoader(Remote(), batch_size=16, max_inflight=32, transform=light)
+    loader = DataLoader(Remote(), batch_size=16, max_inflight=64, transform=light)
     stats = await run(loader)
     assert "raise max_inflight" in stats.verdict, stats
     assert (stats.stage("transform").utilisation(stats.elapsed_s) or 0) < 0.75
