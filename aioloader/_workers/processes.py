@@ -41,7 +41,6 @@ from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .serverstart import note_server, prepare_forkserver
 from .slots import Slots
-from .startargs import StartArgs
 from .worker import worker_main
 
 __all__ = [
@@ -122,7 +121,8 @@ class ProcessWorkers:
                 worker_id,
                 self.concurrency,
                 self._derive(self._seed, worker_id),
-                StartArgs(self._init_fn, self._dataset),
+                self._init_fn,
+                self._dataset,
                 torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
             ),
             name=f"aioloader-worker-{worker_id}",
@@ -154,9 +154,7 @@ class ProcessWorkers:
 
         Raises:
             WorkerCrashed: A worker died while starting.
-            Exception: ``worker_init_fn`` raised (original type, worker traceback in a note),
-                or the dataset or ``worker_init_fn`` did not unpickle in a worker (a note
-                names it: ``startargs.Unsent``).
+            Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
         """
         started = time.perf_counter()
         self._slots.now = [self._spawn(i) for i in range(self.concurrency)]

@@ -37,7 +37,6 @@ from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
 from .pack import pack_tensors
 from .result import JobResult
-from .startargs import Start, Unsent
 
 __all__ = [
     "WorkerInfo",
@@ -230,7 +229,8 @@ def worker_main(
     worker_id: int,
     num_workers: int,
     seed: int,
-    start: Start | Unsent,
+    worker_init_fn: Callable[[int], object] | None,
+    dataset: Any = None,
     sharing_strategy: str | None = None,
 ) -> None:
     """Run in a worker process: set up, then serve jobs until the main process closes the pipe.
@@ -239,10 +239,8 @@ def worker_main(
     or the exception it raised (with the worker's traceback in a note). The loop ends at EOF:
     closing the pipe is the shutdown signal, so no control value shares the data path.
 
-    ``start`` is ``(worker_init_fn, dataset)``, unpickled here (``startargs.py``), or why it
-    did not unpickle (then that error is the reply). ``dataset`` is this worker's copy of a
-    blocking dataset (None when the dataset runs in the main process); ``worker_init_fn`` sees
-    it in :func:`get_worker_info` and may change it.
+    ``dataset`` is this worker's copy of a blocking dataset (None when the dataset runs in the
+    main process); ``worker_init_fn`` sees it in :func:`get_worker_info` and may change it.
     ``sharing_strategy`` is the main process's ``torch.multiprocessing`` sharing strategy as the
     worker started: the worker shares its tensors that way (a fork server started before the
     script set it would not know it).
@@ -253,11 +251,8 @@ def worker_main(
     name_this_process(f"aioloader-w{worker_id}")
     if sharing_strategy is not None:
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
-    worker_init_fn, dataset = (None, None) if isinstance(start, Unsent) else start
     become_worker(worker_id, num_workers, seed, dataset)
     try:
-        if isinstance(start, Unsent):  # what the main process sent did not unpickle here
-            raise start.error()
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException as exc:
