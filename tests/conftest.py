@@ -1,4 +1,5 @@
-"""Shared test setup: every async test runs on asyncio and on uvloop, in debug mode, every
+"""Shared test setup: every async test runs on asyncio and on uvloop (unless it names one with
+``pytest.mark.asyncio(loop_factories=[...])``), in debug mode, every
 test ends with no aioloader thread alive, and an S3-compatible server (moto) starts on
 127.0.0.1 for the tests that ask for ``s3_endpoint``."""
 
