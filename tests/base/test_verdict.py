@@ -89,10 +89,9 @@ class Remote(aioloader.AsyncDataset[int]):
         return 256
 
     async def get(self, index: int) -> int:
-        # Long beside the transform (0.5 ms): 64 in flight, its thread's share is 8% (the 75%
-        # called busy is 9x that: with the suite in two processes on 2 cores, a run at 0.1 s
-        # and 32 in flight, 16%, measured 84%, each call stretched 5x). The waits the review
-        # found timed as busy: 64 calls queued each round, 2.5x the run's time.
+        # Long beside the transform (0.5 ms): with 64 in flight its thread is 8% busy, 9x
+        # under the 75% called busy (a loaded box stretches each call several times), while
+        # the waits once timed as busy (64 calls queued each round) add up to 2.5x the run.
         await asyncio.sleep(0.4)
         return index
 

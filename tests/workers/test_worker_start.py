@@ -1,7 +1,6 @@
 """A worker's start arguments, as torch's idioms use them: ``worker_init_fn`` a method of the
 dataset sets up the worker's own copy (both arrive in one pickle), and a tensor both hold
-crosses once (spawn refuses a descriptor given twice). A review found both broken in a version
-that pickled the two apart (reverted; stop 39's note)."""
+crosses once (spawn refuses a descriptor given twice). Pickling the two apart breaks both."""
 
 from __future__ import annotations
 
