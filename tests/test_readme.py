@@ -45,4 +45,6 @@ def test_the_quick_start_is_two_commands_in_the_venv() -> None:
     first, second = quick.strip().splitlines()
     assert first.startswith("python3 -m venv .venv && .venv/bin/pip install torch==2.13.0")
     assert "demo" in first and "[dev]" not in first
-    assert "'.[dev]'" in second and second.endswith(".venv/bin/python -m pytest -n auto")
+    assert "'.[dev]'" in second and second.endswith(
+        ".venv/bin/python -m pytest -n auto --dist loadgroup"
+    )

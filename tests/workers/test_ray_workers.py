@@ -22,7 +22,9 @@ from tests.support import worker_fns
 from tests.support.helpers import Counting, flat
 from tests.support.ray_cluster import SECOND, RayCluster
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+# One cluster for the session: under pytest-xdist (`--dist loadgroup`) these tests run in one
+# process, which alone starts a cluster, and in file order (the node-loss tests share its state).
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray")]
 
 
 def rows(batches: list[Any]) -> list[dict[str, Any]]:
@@ -429,7 +431,9 @@ def test_a_cluster_that_goes_away_ends_the_epoch_with_a_clear_error(
     """Every node that could hold the actors is lost: their replacements cannot be placed, and
     the epoch ends with an error that says so, not a hang."""
     ray_cluster.ensure_second()
-    spec = aioloader.RayWorkers(resources={SECOND: 1}, start_timeout=8.0)
+    # Room for the first start on a loaded machine (an actor imports torch): 8 s was once
+    # too little on 2 cores beside another busy test process.
+    spec = aioloader.RayWorkers(resources={SECOND: 1}, start_timeout=20.0)
     dl = ray_loader(wd.WhereRead(48, delay=0.02), batch_size=4, worker_mode=spec, collate_fn=list)
 
     def lose_it(step: int, got: list[Any]) -> None:
