@@ -22,6 +22,7 @@ from .._base.checks import check_bool, check_int, check_picklable, check_seconds
 from .._base.retry import RetryPolicy
 from .._data.source import Kind, classify
 from .._device.accelerator import resolve_device
+from .._workers.byvalue import sendable
 from .._workers.rayspec import RayWorkers, ray_spec_of
 from .._workers.serverstart import start_method_of
 
@@ -322,8 +323,8 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
             # Without a CUDA device it runs where collation runs: in the workers.
             ("device_transform", a.device_transform if on_host else None),
         ):
-            if ray is None:
-                check_picklable(name, fn)
+            if ray is None:  # a lambda or a local function goes by value (byvalue.py)
+                sendable(name, fn, remedy="pass worker_mode='thread'")
             else:  # Ray's jobs go by cloudpickle: lambdas and the script's own functions too
                 check_picklable(name, fn, dumps=_cloudpickle_dumps(), to="Ray workers")
     if ray is None:  # Ray's actors run on the cluster's CPUs, not this machine's

@@ -142,8 +142,8 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
             Python); ``"ray"`` or an :class:`aioloader.RayWorkers`: ``num_workers`` Ray actors
             on the cluster ``ray.init()`` joins (joined here, on this thread, unless the
             program did; needs ``aioloader[ray]``), which do what worker processes do.
-            Processes and actors need ``transform``, ``collate_fn`` and ``worker_init_fn`` to
-            be picklable; that is checked here.
+            Processes and actors are sent ``transform``, ``collate_fn`` and ``worker_init_fn``
+            pickled (a lambda or a closure by value); what cannot be is named here.
         device: Where batches go: ``"cuda"`` (the current CUDA device; under torchrun the
             local rank's, from ``LOCAL_RANK``), ``"cuda:N"`` or a ``torch.device``. Every
             tensor of a batch (in mappings, named tuples, dataclasses, lists, tuples) is copied

@@ -27,6 +27,7 @@ from .._data.source import InWorkers, Kind, MapSource, open_source
 from .._data.streams import StreamSource
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
+from .._workers.byvalue import portable
 from .._workers.offload import ThreadOffload
 from .._workers.raycluster import join_cluster
 from .._workers.rayspec import RayWorkers
@@ -272,6 +273,10 @@ def plan_loader(
     )
     on_device = devices is not None and devices.accelerator is not None
     io_threads = 1 if a.io_threads is None else a.io_threads
+    in_workers = a.num_workers > 0 and (a.worker_mode == "process" or ray is not None)
+    # What the worker processes run goes by value where pickle cannot send it by name (a
+    # lambda); Ray's jobs go by cloudpickle anyway.
+    send: Callable[[Any], Any] = portable if in_workers and ray is None else lambda v: v
     config = PipelineConfig(
         batch_size=_batch_size_hint(batch_size, a.batch_sampler),
         unbatched=unbatched,
@@ -283,19 +288,18 @@ def plan_loader(
         max_inflight=a.max_inflight,
         prefetch=prefetch,
         in_order=a.in_order,
-        transform=a.transform,
-        collate_fn=collate_fn,
+        transform=send(a.transform),
+        collate_fn=send(collate_fn),
         retry=a.retry,
         sample_timeout=a.sample_timeout,
         max_failures=a.max_failures,
         max_inflight_bytes=a.max_inflight_bytes,
-        finish=None if on_device else a.device_transform,
+        finish=None if on_device else send(a.device_transform),
         rank=rank,
         world_size=world_size,
         seed=base_seed,
         seeded=a.seed is not None,
     )
-    in_workers = a.num_workers > 0 and (a.worker_mode == "process" or ray is not None)
     if in_workers and ray is None:
         prepare_forkserver(start_method)
     elif in_workers and ray is not None:

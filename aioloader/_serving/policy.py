@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._base.checks import check_int, check_picklable, check_seconds
+from .._base.checks import check_int, check_seconds
+from .._workers.byvalue import sendable
 from .pending import PendingQueue
 
 __all__ = [
@@ -307,7 +308,7 @@ def check_arguments(
     if on_exit not in ("drain", "cancel"):
         raise ValueError(f"on_exit must be 'drain' or 'cancel', got {on_exit!r}")
     if num_workers:
-        check_picklable("collate_fn", collate_fn, remedy="use num_workers=0")
+        sendable("collate_fn", collate_fn, remedy="use num_workers=0")
 
 
 def check_timeout(name: str, value: object) -> float | None:

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base.checks import check_picklable
 from .._base.exceptions import annotate
 from .._base.inline import (
     INLINE_BELOW_S,
@@ -34,6 +33,7 @@ from .._base.recorders import WorkerRecorder
 from .._data.seeds import derive_seed
 from .._device.accelerator import resolve_device
 from .._device.stage import DevicePlan, DeviceStage, device_plan, hand_out
+from .._workers.byvalue import portable, sendable
 from .._workers.job import collate_only
 from .._workers.offload import ThreadOffload
 from .._workers.processes import ProcessWorkers
@@ -90,7 +90,8 @@ class BatchRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model_fn = model_fn
-        self.collate_fn = collate_fn
+        # By value to the workers where pickle cannot send it by name (a lambda)
+        self.collate_fn = portable(collate_fn) if num_workers else collate_fn
         self.split_fn = split_fn
         self.collate_in_thread = collate_in_thread
         self.num_workers = num_workers
@@ -100,10 +101,8 @@ class BatchRunner:
         self.device = device
         self.clock = clock
         self._finish = host_transform if device is None else None
-        if num_workers and self._finish is not None:
-            check_picklable(
-                "device_transform", self._finish, remedy="use num_workers=0"
-            )  # it runs in the workers
+        if num_workers and self._finish is not None:  # it runs in the workers
+            self._finish = sendable("device_transform", self._finish, remedy="use num_workers=0")
         self._threads: ThreadOffload | None = None
         self._workers: ProcessWorkers | None = None
         self._stage: DeviceStage | None = None

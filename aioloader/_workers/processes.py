@@ -27,9 +27,8 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 import anyio
@@ -37,6 +36,7 @@ import torch.multiprocessing  # registers torch's shared-memory reductions
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
+from .byvalue import ByValue, dumps_job, main_has_what_workers_lack, start_args
 from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .serverstart import note_server, prepare_forkserver
@@ -62,6 +62,7 @@ class _Worker:
     pid: int = 0
     alive: bool = True
     stopped: bool = False  # its process is joined and closed
+    has: set[int] = field(default_factory=set)  # the ``ByValue`` tokens sent to it
 
 
 class ProcessWorkers:
@@ -99,9 +100,16 @@ class ProcessWorkers:
         self.inlines, self.depth = False, 1  # a round trip to a worker process, one at a time
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
         self._dataset = dataset
+        self._init_fn = worker_init_fn
+        # What each worker starts with, in one pickle (a bound method of the dataset as
+        # worker_init_fn stays bound to the worker's copy): as it is, unless pickle fails on it
+        # (see _spawn) or the main module has what the workers would not find by name (a
+        # notebook's classes): then a scan decides, and what must goes by value.
+        self._start: object = (worker_init_fn, dataset)
+        if main_has_what_workers_lack():
+            self._start = start_args(worker_init_fn, dataset)
         self._seed = seed
         self._derive = derive
-        self._init_fn = worker_init_fn
         self._stats = stats
         self._slots: Slots[_Worker] = Slots(workers)  # the worker in each slot, the idle ones
 
@@ -113,6 +121,17 @@ class ProcessWorkers:
         # as it is made): the sockets torch's reductions listen on to hand over a batch's
         # descriptor go there, and this process removes it at exit, a killed worker's too.
         multiprocessing.util.get_temp_dir()
+        try:
+            return self._start_process(worker_id)
+        except Exception as exc:
+            # pickle found something it cannot send by name (a lambda in the dataset): by
+            # value then. Nothing was started: the start arguments are pickled first.
+            if not _is_pickling_error(exc) or isinstance(self._start, ByValue):
+                raise
+        self._start = start_args(self._init_fn, self._dataset)
+        return self._start_process(worker_id)
+
+    def _start_process(self, worker_id: int) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has Process
             target=worker_main,
@@ -121,8 +140,7 @@ class ProcessWorkers:
                 worker_id,
                 self.concurrency,
                 self._derive(self._seed, worker_id),
-                self._init_fn,
-                self._dataset,
+                self._start,
                 torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
             ),
             name=f"aioloader-worker-{worker_id}",
@@ -130,14 +148,8 @@ class ProcessWorkers:
         )
         try:
             process.start()
-        except Exception as exc:
+        except Exception:
             ours.close()
-            if self._dataset is not None and _is_pickling_error(exc):
-                exc.add_note(
-                    f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
-                    "each worker process and must pickle, as with torch's spawn and forkserver "
-                    "start methods; or pass worker_mode='thread' to read it in this process"
-                )
             raise
         finally:
             theirs.close()  # only the child holds its end: its death is EOF on ours
@@ -310,25 +322,15 @@ class ProcessWorkers:
             if not replace:
                 raise self._crashed(worker)
             worker = await self._replace(worker)
-        freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
         try:
-            payload = ForkingPickler.dumps((fn, args, seed, freed))
-        except BaseException:
-            LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
-            raise
-        _blocking(worker.conn)
-        with payload:  # a view of a BytesIO: let go now, not when a traceback is collected
-            try:
-                worker.conn.send_bytes(payload)
-            except OSError as exc:  # it died while idle: the job never reached it
-                # Its frames view payload: left in a cycle, they crashed 3.12.1's gc (gh-111049)
-                exc.__traceback__ = None
-                await self._mark_dead(worker)
-                if not replace:
-                    raise self._crashed(worker) from None
-                worker = await self._replace(worker)
-                worker.conn.send_bytes(payload)
-            self._stats.bytes_sent += len(payload)
+            self._send(worker, (fn, args, seed))
+        except OSError as exc:  # it died while idle: the job never reached it
+            exc.__traceback__ = None  # its frames view the payload (see _send)
+            await self._mark_dead(worker)
+            if not replace:
+                raise self._crashed(worker) from None
+            worker = await self._replace(worker)
+            self._send(worker, (fn, args, seed))  # pickled anew: it has no value sent before
         self._stats.jobs += 1
         try:
             ok, value = await self._reply(worker)
@@ -341,6 +343,28 @@ class ProcessWorkers:
             finally:  # no reference cycle through this frame
                 del value
         return value  # type: ignore[no-any-return]
+
+    def _send(self, worker: _Worker, job: tuple[Callable[..., Any], tuple[Any, ...], Any]) -> None:
+        """Pickle ``job`` for ``worker`` (the blocks it may reuse, the values sent by value that
+        it has already) and send it.
+
+        Raises:
+            OSError: The worker is gone (it died while idle): the job never reached it.
+        """
+        freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
+        sending: set[int] = set()
+        try:
+            payload = dumps_job((*job, freed), worker.has, sending)
+        except BaseException:
+            LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
+            raise
+        _blocking(worker.conn)
+        # A view of a BytesIO: let go now, not when a traceback is collected (a frame that
+        # views it, left in a cycle, crashed 3.12.1's gc: gh-111049)
+        with payload:
+            worker.conn.send_bytes(payload)
+            self._stats.bytes_sent += len(payload)
+        worker.has |= sending
 
     async def _drain_cancelled(self, worker: _Worker) -> None:
         if not worker.alive:

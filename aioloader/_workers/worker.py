@@ -25,7 +25,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch.utils.data
 
 from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
+from .byvalue import dumps_reply
 from .pack import pack_tensors
 from .result import JobResult
 
@@ -118,7 +118,7 @@ def seed_everything(seed: int) -> None:
 
 def _picklable(exc: Exception) -> Exception:
     try:
-        pickle.loads(ForkingPickler.dumps(exc))
+        pickle.loads(dumps_reply(exc))
     except Exception:
         stand_in = RemoteError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
         for note in getattr(exc, "__notes__", ()):
@@ -229,8 +229,7 @@ def worker_main(
     worker_id: int,
     num_workers: int,
     seed: int,
-    worker_init_fn: Callable[[int], object] | None,
-    dataset: Any = None,
+    start: tuple[Callable[[int], object] | None, Any],
     sharing_strategy: str | None = None,
 ) -> None:
     """Run in a worker process: set up, then serve jobs until the main process closes the pipe.
@@ -239,8 +238,9 @@ def worker_main(
     or the exception it raised (with the worker's traceback in a note). The loop ends at EOF:
     closing the pipe is the shutdown signal, so no control value shares the data path.
 
-    ``dataset`` is this worker's copy of a blocking dataset (None when the dataset runs in the
-    main process); ``worker_init_fn`` sees it in :func:`get_worker_info` and may change it.
+    ``start`` is ``(worker_init_fn, dataset)``: ``dataset`` is this worker's copy of a blocking
+    dataset (None when the dataset runs in the main process); ``worker_init_fn`` sees it in
+    :func:`get_worker_info` and may change it.
     ``sharing_strategy`` is the main process's ``torch.multiprocessing`` sharing strategy as the
     worker started: the worker shares its tensors that way (a fork server started before the
     script set it would not know it).
@@ -251,14 +251,15 @@ def worker_main(
     name_this_process(f"aioloader-w{worker_id}")
     if sharing_strategy is not None:
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
+    worker_init_fn, dataset = start
     become_worker(worker_id, num_workers, seed, dataset)
     try:
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException as exc:
-        _send(conn, ForkingPickler.dumps((False, with_worker_note(exc))))
+        _send(conn, dumps_reply((False, with_worker_note(exc))))
         return
-    _send(conn, ForkingPickler.dumps((True, os.getpid())))
+    _send(conn, dumps_reply((True, os.getpid())))
     while True:
         try:
             job = conn.recv_bytes()
@@ -330,9 +331,9 @@ def _run_job(job: bytes) -> memoryview:
     reply = call_job(fn, args, batch_seed, pack_tensors if freed is None else _into_blocks)
     del fn, args
     try:
-        payload = ForkingPickler.dumps(reply)
+        payload = dumps_reply(reply)
     except BaseException as exc:  # the result does not pickle
         _blocks.unsent()
-        return ForkingPickler.dumps((False, with_worker_note(exc)))
+        return dumps_reply((False, with_worker_note(exc)))
     _blocks.sent()
     return payload

@@ -264,11 +264,12 @@ def test_cuda_index_follows_the_local_rank_then_the_current_device() -> None:
 def test_device_transform_must_be_callable_and_picklable_for_processes() -> None:
     with pytest.raises(TypeError, match="device_transform must be callable"):
         aioloader.DataLoader(Counting(4), device_transform=5)  # type: ignore[arg-type]
+    lock = threading.Lock()  # a lambda goes by value, but not one holding a lock
     with pytest.raises(TypeError, match=r"device_transform=.*cannot be sent to worker processes"):
-        aioloader.DataLoader(Counting(4), num_workers=1, device_transform=lambda b: b)
+        aioloader.DataLoader(Counting(4), num_workers=1, device_transform=lambda b: (lock, b))
     # Threads need no pickling.
     aioloader.DataLoader(
-        Counting(4), num_workers=1, worker_mode="thread", device_transform=lambda b: b
+        Counting(4), num_workers=1, worker_mode="thread", device_transform=lambda b: (lock, b)
     )
 
 

@@ -25,6 +25,7 @@ from aioloader._serving.policy import BatchPolicy, Decision, default_split
 from tests.device.test_device import FakeAccelerator
 
 FAST = settings(max_examples=200, deadline=None)
+_LOCK = threading.Lock()  # a lambda goes to the workers by value, but nothing sends a lock
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def test_default_split_names_what_does_not_fit() -> None:
         ({"split_fn": "x"}, TypeError, "split_fn"),
         ({"num_workers": -1}, ValueError, "num_workers"),
         ({"num_workers": 1, "collate_in_thread": True}, ValueError, "collate_in_thread"),
-        ({"num_workers": 1, "collate_fn": lambda b: b}, TypeError, "collate_fn"),
+        ({"num_workers": 1, "collate_fn": lambda b: (_LOCK, b)}, TypeError, "collate_fn"),
         ({"multiprocessing_context": "fork"}, ValueError, "multiprocessing_context"),
         ({"on_exit": "wait"}, ValueError, "on_exit"),
         ({"clock": 1.0}, TypeError, "clock"),

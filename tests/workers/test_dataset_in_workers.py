@@ -253,9 +253,8 @@ def test_augmentations_in_getitem_are_the_same_whatever_num_workers() -> None:
 
 def test_a_dataset_that_cannot_be_sent_to_the_workers_is_named() -> None:
     dl = aioloader.DataLoader(wd.HoldsALock(), batch_size=2, num_workers=1)
-    with pytest.raises(TypeError, match="pickle") as info:
+    with pytest.raises(TypeError, match=r"the dataset \(HoldsALock\) cannot be sent.*lock"):
         list(dl)
-    assert "the dataset (HoldsALock)" in "\n".join(info.value.__notes__)
     assert children() == [] and aioloader_threads() == []
 
 

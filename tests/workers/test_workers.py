@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Collection
@@ -192,12 +193,17 @@ async def test_a_crashed_worker_is_replaced_for_the_next_epoch() -> None:
 
 
 def test_unpicklable_functions_fail_at_construction() -> None:
+    """A lambda goes by value (test_by_value.py); one holding what cannot be pickled at all
+    fails at construction, named."""
+    lock = threading.Lock()
     with pytest.raises(TypeError, match=r"transform=.*cannot be sent to worker processes"):
-        aioloader.DataLoader(Counting(4), num_workers=2, transform=lambda x: x)
-    with pytest.raises(TypeError, match=r"collate_fn.*module level"):
-        aioloader.DataLoader(Counting(4), num_workers=1, collate_fn=lambda b: b)
+        aioloader.DataLoader(Counting(4), num_workers=2, transform=lambda x: (lock, x))
+    with pytest.raises(TypeError, match=r"collate_fn=.*cannot pickle '_thread.lock'"):
+        aioloader.DataLoader(Counting(4), num_workers=1, collate_fn=lambda b: (lock, b))
     # Threads need no pickling.
-    aioloader.DataLoader(Counting(4), num_workers=2, transform=lambda x: x, worker_mode="thread")
+    aioloader.DataLoader(
+        Counting(4), num_workers=2, transform=lambda x: (lock, x), worker_mode="thread"
+    )
 
 
 def test_fork_is_refused_with_the_reason() -> None:

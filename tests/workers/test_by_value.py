@@ -1,0 +1,332 @@
+"""What pickle cannot send by name goes to the worker processes by value (``byvalue.py``):
+lambdas, closures and local classes work as they do in torch's forked workers, each is sent to
+a worker once, what comes back is of the caller's own classes, and the main script's own
+functions and classes go by name where the workers run it again (by value where they do not:
+``python -c``)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import aioloader
+from aioloader import default_collate
+from aioloader._workers.byvalue import ByValue, names_bound_on_import, portable, sent_by_name
+from tests.support import worker_fns
+from tests.support.helpers import Counting, flat, open_fds
+
+# -- deciding -------------------------------------------------------------------------------------
+
+
+def test_what_pickle_finds_by_name_is_left_as_it_is() -> None:
+    for value in (None, worker_fns.kill_on_7, default_collate, functools.partial(max, 3), [1, "a"]):
+        assert portable(value) is value
+    assert sent_by_name(Counting(4))
+
+
+def test_lambdas_closures_and_local_classes_go_by_value() -> None:
+    k = 3
+
+    def add_k(x: int) -> int:
+        return x + k
+
+    class Local:
+        pass
+
+    for value in (lambda x: x, add_k, functools.partial(add_k), Local, [Local()]):
+        assert not sent_by_name(value)
+        wrapped = portable(value)
+        assert isinstance(wrapped, ByValue) and wrapped.value is value
+    assert portable(add_k)(1) == 4  # callable here too: the loader may run it in this process
+    assert pickle.loads(pickle.dumps(portable(add_k)))(1) == 4  # as a worker receives it
+
+
+def test_the_scan_copies_no_tensor_into_shared_memory() -> None:
+    """Deciding pickles into nothing: torch's reductions (which move a tensor's storage to
+    shared memory) do not run, and a NumPy array's bytes are not copied."""
+    table = torch.arange(1000.0)
+    assert sent_by_name({"table": table, "array": np.ones(1 << 20)})
+    assert not table.is_shared()
+    assert not sent_by_name({"table": table, "fn": lambda: table})
+    assert not table.is_shared()
+
+
+def test_what_does_not_pickle_even_by_value_raises_its_reason() -> None:
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"_thread\.lock"):
+        portable(lambda: lock)
+
+
+def test_the_names_a_script_binds_when_a_worker_runs_it_again() -> None:
+    source = textwrap.dedent(
+        """
+        import os, numpy as np
+        from typing import Any as A
+        try:
+            import ujson as json
+        except ImportError:
+            import json
+        X, (Y, Z) = 1, (2, 3)
+        with open(__file__) as handle:
+            pass
+        for i in range(2):
+            pass
+        def f(): local = 1
+        class C:
+            attr = 1
+        async def g(): pass
+        if __name__ == "__main__":
+            def guarded(): pass
+            G = 1
+        else:
+            imported = 1
+        """
+    )
+    names = names_bound_on_import(source)
+    expected = {"os", "np", "A", "json", "X", "Y", "Z", "handle", "i", "f", "C", "g", "imported"}
+    assert names == frozenset(expected)
+    assert "anything" in names_bound_on_import("from os.path import *\n")
+
+
+# -- in a loader's workers ------------------------------------------------------------------------
+
+
+def test_lambdas_and_closures_run_in_the_workers_as_torch_s_forked_workers_run_them() -> None:
+    offset = 100
+
+    def collate(batch: list[Any]) -> list[Any]:
+        return [(offset + v, pid, w) for v, pid, w in batch]
+
+    def init(worker_id: int) -> None:
+        os.environ["AIOLOADER_TEST_INIT"] = str(worker_id)
+
+    loader = aioloader.DataLoader(
+        Counting(8),
+        batch_size=2,
+        num_workers=2,
+        transform=lambda x: (x * 2, os.getpid(), os.environ.get("AIOLOADER_TEST_INIT")),
+        collate_fn=collate,
+        worker_init_fn=init,
+        # without a CUDA device it runs where collation runs: in the workers
+        device_transform=lambda batch: [(*row, os.getpid()) for row in batch],
+    )
+    rows = [row for batch in loader for row in batch]
+    assert [v for v, _, _, _ in rows] == [100 + 2 * x for x in range(8)]
+    assert all(pid == finished_in for _, pid, _, finished_in in rows)
+    workers = {pid: w for _, pid, w, _ in rows}
+    assert os.getpid() not in workers and sorted(workers.values()) in (["0"], ["0", "1"])
+    assert "AIOLOADER_TEST_INIT" not in os.environ
+
+
+def test_a_torch_dataset_with_a_lambda_and_a_local_class_in_it() -> None:
+    class Squares(torch.utils.data.Dataset[Any]):
+        def __init__(self, transform: Any) -> None:
+            self.transform = transform
+            self.tag = "main"
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> Any:
+            return self.transform(i), self.tag, os.getpid()
+
+        def set_up(self, worker_id: int) -> None:
+            self.tag = f"worker {worker_id}"
+
+    dataset = Squares(lambda i: i * i)
+    loader = aioloader.DataLoader(
+        dataset, batch_size=2, num_workers=2, worker_init_fn=dataset.set_up, collate_fn=list
+    )
+    got = list(loader)
+    # worker_init_fn set up the worker's own copy: the bound method and the dataset arrived in
+    # one pickle, one object (as torch's idiom needs)
+    assert [(v, tag) for batch in got for v, tag, _ in batch] == [
+        (0, "worker 0"), (1, "worker 0"), (4, "worker 1"), (9, "worker 1"),
+    ]  # fmt: skip
+    assert os.getpid() not in {pid for batch in got for _, _, pid in batch}
+    assert dataset.tag == "main"
+
+
+class Table(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, table: torch.Tensor, transform: Any) -> None:
+        self.table, self.transform = table, transform
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.transform(self.table[i])
+
+
+@pytest.mark.parametrize("context", ["forkserver", "spawn"])
+def test_a_dataset_pickle_refuses_goes_by_value_epoch_after_epoch_leaving_nothing(
+    context: str,
+) -> None:
+    """Pickle refuses the dataset as it starts a worker (a lambda in it); nothing was started,
+    and it goes by value, with its tensor. Each epoch's workers start so, and none leaves a
+    descriptor behind."""
+    loader = aioloader.DataLoader(
+        Table(torch.arange(4.0), lambda row: row * 10),
+        batch_size=2,
+        num_workers=1,
+        multiprocessing_context=context,
+    )
+    assert [b.tolist() for b in loader] == [[0.0, 10.0], [20.0, 30.0]]
+    gc.collect()  # a batch's segment goes with its tensor, whenever that is collected
+    before = open_fds()
+    for _ in range(2):
+        assert [b.tolist() for b in loader] == [[0.0, 10.0], [20.0, 30.0]]
+        gc.collect()
+        assert open_fds() == before
+
+
+def test_each_worker_is_sent_a_value_once_and_a_replacement_again() -> None:
+    """A closure holding 1 MiB crosses the pipe once per worker, not once per batch; a worker
+    that died is replaced by one that is sent it again."""
+    weights = os.urandom(1 << 20)
+
+    def transform(x: int) -> int:
+        return worker_fns.kill_on_7(x) + len(weights)
+
+    batches = [[0, 1], [2, 3], [4, 5], [6], [8, 9], [10, 11], [12, 13], [14, 15]]
+    loader = aioloader.DataLoader(
+        Counting(16), batch_sampler=batches, num_workers=2, transform=transform, collate_fn=list
+    )
+    with loader:
+        assert flat(loader) == [x + (1 << 20) for b in batches for x in b]
+        sent = loader.statistics().workers.bytes_sent  # type: ignore[union-attr]
+        assert 2 << 20 < sent < 3 << 20  # to each of 2 workers once, and 8 small jobs
+        batches.insert(3, [7])
+        with pytest.raises(aioloader.WorkerCrashed):
+            list(loader)
+        batches.remove([7])
+        assert flat(loader) == [x + (1 << 20) for b in batches for x in b]
+        stats = loader.statistics().workers
+        assert stats is not None and stats.restarts == 1
+
+
+def test_what_comes_back_is_of_the_caller_s_own_classes() -> None:
+    """A batch of a local class, and an exception of one, arrive as instances of the classes
+    the main process defined (cloudpickle tracks a class it sent by value), not copies."""
+
+    class Batch:
+        def __init__(self, items: list[int]) -> None:
+            self.items = items
+
+    class Refused(ValueError):
+        pass
+
+    def collate(items: list[int]) -> Batch:
+        if 3 in items:
+            raise Refused(f"no 3 in {items}")
+        return Batch(items)
+
+    loader = aioloader.DataLoader(Counting(4), batch_size=2, num_workers=1, collate_fn=collate)
+    with loader:
+        it = iter(loader)
+        first = next(it)
+        assert type(first) is Batch and first.items == [0, 1]
+        with pytest.raises(Refused, match=r"no 3 in \[2, 3\]") as info:
+            next(it)
+    assert type(info.value) is Refused
+    assert "raised in worker 0" in "\n".join(info.value.__notes__)
+
+
+async def test_a_dynamic_batcher_s_worker_collates_with_a_lambda() -> None:
+    batcher = aioloader.DynamicBatcher(
+        lambda batch: batch * 2,
+        max_batch_size=4,
+        max_delay=60.0,
+        num_workers=1,
+        collate_fn=lambda items: torch.stack(items) + 1,
+    )
+    async with batcher:
+        got = await asyncio.gather(*(batcher.submit(torch.full((2,), float(i))) for i in range(4)))
+    assert sorted(g.tolist()[0] for g in got) == [2.0, 4.0, 6.0, 8.0]
+
+
+# -- the main script ------------------------------------------------------------------------------
+
+_SCRIPT = """
+import json, os, sys
+import torch
+import aioloader
+
+
+class Rows(torch.utils.data.Dataset):  # top level: a worker that runs the script again has it
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return i
+
+
+class Total:
+    def __init__(self, value, by_name):
+        self.value, self.by_name = value, by_name
+
+
+def main():
+    scale = 10
+    loader = aioloader.DataLoader(
+        Rows(), batch_size=2, num_workers=2, worker_init_fn=guarded_init,
+        multiprocessing_context=sys.argv[-1],
+        collate_fn=lambda b: Total(
+            sum(b) * scale + int(os.environ["INIT"]),
+            # by name, the dataset's class is the one the worker's main module has
+            type(aioloader.get_worker_info().dataset)
+            is getattr(sys.modules["__main__"], "Rows", None),
+        ),
+    )
+    out = list(loader)
+    print(json.dumps({
+        "values": [t.value for t in out],
+        "own_class": all(type(t) is Total for t in out),
+        "by_name": [t.by_name for t in out],
+    }))
+
+
+if __name__ == "__main__":
+    def guarded_init(worker_id):  # under the guard: a worker running the script has no such name
+        os.environ["INIT"] = str(1000 * (worker_id + 1))
+
+    main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "context"), [("file", "forkserver"), ("file", "spawn"), ("-c", "forkserver")]
+)
+def test_the_main_script_s_own_go_by_name_where_the_workers_run_it_again(
+    tmp_path: Path, how: str, context: str
+) -> None:
+    """Run as a file, the workers run the script again: its top-level dataset class goes by
+    name (the worker's is its main module's, not a copy), and a function defined under the
+    ``__main__`` guard, which they may not have, by value. Run with ``-c`` they run nothing of
+    it: both go by value."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    args = [str(script)] if how == "file" else ["-c", script.read_text()]
+    done = subprocess.run(
+        [sys.executable, *args, context], capture_output=True, text=True, timeout=120,
+        check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["values"] == [10 + 1000, 50 + 2000]
+    assert result["own_class"]
+    assert result["by_name"] == [how == "file"] * 2
