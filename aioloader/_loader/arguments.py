@@ -22,7 +22,6 @@ from .._base.checks import check_bool, check_int, check_picklable, check_seconds
 from .._base.retry import RetryPolicy
 from .._data.source import Kind, classify
 from .._device.accelerator import resolve_device
-from .._workers.byvalue import sendable
 from .._workers.rayspec import RayWorkers, ray_spec_of
 from .._workers.serverstart import start_method_of
 
@@ -315,7 +314,10 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
         raise ValueError("sampler is mutually exclusive with distributed")
     target = resolve_device(a.device)
     on_host = target is None or target.type != "cuda"
-    if in_workers:
+    # Worker processes: the plan sends these by value where pickle cannot send them by name,
+    # and names the one that cannot be sent at all (byvalue.py); worker_init_fn goes with the
+    # dataset as each worker starts.
+    if in_workers and ray is not None:
         for name, fn in (
             ("transform", a.transform),
             ("collate_fn", a.collate_fn),
@@ -323,10 +325,8 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
             # Without a CUDA device it runs where collation runs: in the workers.
             ("device_transform", a.device_transform if on_host else None),
         ):
-            if ray is None:  # a lambda or a local function goes by value (byvalue.py)
-                sendable(name, fn, remedy="pass worker_mode='thread'")
-            else:  # Ray's jobs go by cloudpickle: lambdas and the script's own functions too
-                check_picklable(name, fn, dumps=_cloudpickle_dumps(), to="Ray workers")
+            # Ray's jobs go by cloudpickle: lambdas and the script's own functions too
+            check_picklable(name, fn, dumps=_cloudpickle_dumps(), to="Ray workers")
     if ray is None:  # Ray's actors run on the cluster's CPUs, not this machine's
         _warn_if_more_workers_than_cpus(num_workers, stacklevel)
     if kind.is_blocking and in_workers:

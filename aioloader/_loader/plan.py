@@ -11,9 +11,10 @@ scope holding the plan does not keep a dropped loader alive).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,7 +28,8 @@ from .._data.source import InWorkers, Kind, MapSource, open_source
 from .._data.streams import StreamSource
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
-from .._workers.byvalue import portable
+from .._workers.byvalue import sendable
+from .._workers.mainmodule import workers_main
 from .._workers.offload import ThreadOffload
 from .._workers.raycluster import join_cluster
 from .._workers.rayspec import RayWorkers
@@ -35,6 +37,8 @@ from .._workers.serverstart import prepare_forkserver
 from .arguments import ASYNC_FETCH_OPTIONS, Arguments, check_arguments, fetch_options_given
 
 __all__ = ["EPOCH_DEFINING", "LoaderPlan", "plan_loader"]
+
+T = TypeVar("T")
 
 # The arguments that define the epochs: fixed once the loader exists (torch's rule for its
 # own, and ours for what decides the order and the ranks' shares).
@@ -215,6 +219,10 @@ class LoaderPlan:
         return plan_loader(arguments, offload, earlier=self, stacklevel=5)
 
 
+def _as_it_is(name: str, value: T) -> T:
+    return value
+
+
 def _batch_size_hint(batch_size: int | None, batch_sampler: object) -> int:
     """Samples per batch, for sizing the pipeline's window: a batch sampler's own
     ``batch_size`` when it has one (torch's BatchSampler does), else 1."""
@@ -274,9 +282,17 @@ def plan_loader(
     on_device = devices is not None and devices.accelerator is not None
     io_threads = 1 if a.io_threads is None else a.io_threads
     in_workers = a.num_workers > 0 and (a.worker_mode == "process" or ray is not None)
-    # What the worker processes run goes by value where pickle cannot send it by name (a
-    # lambda); Ray's jobs go by cloudpickle anyway.
-    send: Callable[[Any], Any] = portable if in_workers and ray is None else lambda v: v
+    send = _as_it_is
+    if in_workers and ray is None:
+        prepare_forkserver(start_method)  # now: which of the main module's the workers have
+        # What the worker processes run goes by value where pickle cannot send it by name (a
+        # lambda; byvalue.py); Ray's jobs go by cloudpickle anyway.
+        send = functools.partial(
+            sendable, main_has=workers_main(start_method), remedy="pass worker_mode='thread'"
+        )
+        send("worker_init_fn", a.worker_init_fn)  # checked now: it goes as each worker starts
+    elif in_workers and ray is not None:
+        join_cluster(ray)  # on this thread: see join_cluster
     config = PipelineConfig(
         batch_size=_batch_size_hint(batch_size, a.batch_sampler),
         unbatched=unbatched,
@@ -288,22 +304,19 @@ def plan_loader(
         max_inflight=a.max_inflight,
         prefetch=prefetch,
         in_order=a.in_order,
-        transform=send(a.transform),
-        collate_fn=send(collate_fn),
+        transform=send("transform", a.transform),
+        collate_fn=send("collate_fn", collate_fn),
         retry=a.retry,
         sample_timeout=a.sample_timeout,
         max_failures=a.max_failures,
         max_inflight_bytes=a.max_inflight_bytes,
-        finish=None if on_device else send(a.device_transform),
+        # without a CUDA device it runs where collation runs
+        finish=None if on_device else send("device_transform", a.device_transform),
         rank=rank,
         world_size=world_size,
         seed=base_seed,
         seeded=a.seed is not None,
     )
-    if in_workers and ray is None:
-        prepare_forkserver(start_method)
-    elif in_workers and ray is not None:
-        join_cluster(ray)  # on this thread: see join_cluster
     return LoaderPlan(
         arguments=a,
         kind=kind,

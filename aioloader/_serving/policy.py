@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from .._base.checks import check_int, check_seconds
-from .._workers.byvalue import sendable
 from .pending import PendingQueue
 
 __all__ = [
@@ -307,8 +306,6 @@ def check_arguments(
         raise ValueError("collate_in_thread=True and num_workers > 0 exclude each other")
     if on_exit not in ("drain", "cancel"):
         raise ValueError(f"on_exit must be 'drain' or 'cancel', got {on_exit!r}")
-    if num_workers:
-        sendable("collate_fn", collate_fn, remedy="use num_workers=0")
 
 
 def check_timeout(name: str, value: object) -> float | None:

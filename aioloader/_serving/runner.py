@@ -33,10 +33,12 @@ from .._base.recorders import WorkerRecorder
 from .._data.seeds import derive_seed
 from .._device.accelerator import resolve_device
 from .._device.stage import DevicePlan, DeviceStage, device_plan, hand_out
-from .._workers.byvalue import portable, sendable
+from .._workers.byvalue import sendable
 from .._workers.job import collate_only
+from .._workers.mainmodule import workers_main
 from .._workers.offload import ThreadOffload
 from .._workers.processes import ProcessWorkers
+from .._workers.serverstart import prepare_forkserver
 from .policy import split_outputs
 
 __all__ = ["BatchRunner", "device_plan_of"]
@@ -90,8 +92,7 @@ class BatchRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model_fn = model_fn
-        # By value to the workers where pickle cannot send it by name (a lambda)
-        self.collate_fn = portable(collate_fn) if num_workers else collate_fn
+        self.collate_fn = collate_fn
         self.split_fn = split_fn
         self.collate_in_thread = collate_in_thread
         self.num_workers = num_workers
@@ -101,8 +102,15 @@ class BatchRunner:
         self.device = device
         self.clock = clock
         self._finish = host_transform if device is None else None
-        if num_workers and self._finish is not None:  # it runs in the workers
-            self._finish = sendable("device_transform", self._finish, remedy="use num_workers=0")
+        if num_workers:  # by value to the workers where pickle cannot send them by name
+            prepare_forkserver(start_method)  # now: which of the main module's they have
+            main_has = workers_main(start_method)
+            self.collate_fn = sendable(
+                "collate_fn", collate_fn, main_has, remedy="use num_workers=0"
+            )
+            self._finish = sendable(
+                "device_transform", self._finish, main_has, remedy="use num_workers=0"
+            )
         self._threads: ThreadOffload | None = None
         self._workers: ProcessWorkers | None = None
         self._stage: DeviceStage | None = None

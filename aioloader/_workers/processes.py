@@ -36,9 +36,10 @@ import torch.multiprocessing  # registers torch's shared-memory reductions
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
-from .byvalue import ByValue, dumps_job, main_has_what_workers_lack, start_args
+from .byvalue import dumps_job, start_args
 from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
+from .mainmodule import workers_main
 from .serverstart import note_server, prepare_forkserver
 from .slots import Slots
 from .worker import worker_main
@@ -100,14 +101,12 @@ class ProcessWorkers:
         self.inlines, self.depth = False, 1  # a round trip to a worker process, one at a time
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
         self._dataset = dataset
-        self._init_fn = worker_init_fn
-        # What each worker starts with, in one pickle (a bound method of the dataset as
-        # worker_init_fn stays bound to the worker's copy): as it is, unless pickle fails on it
-        # (see _spawn) or the main module has what the workers would not find by name (a
-        # notebook's classes): then a scan decides, and what must goes by value.
-        self._start: object = (worker_init_fn, dataset)
-        if main_has_what_workers_lack():
-            self._start = start_args(worker_init_fn, dataset)
+        # Which of the main module's own the workers have depends on how they start.
+        prepare_forkserver(self._ctx)
+        main_has = workers_main(self._ctx)
+        # What each worker starts with, by value where it must (byvalue.py)
+        self._start = start_args(worker_init_fn, dataset, main_has)
+        self._blobs: dict[int, bytes] = {}  # what goes by value, pickled once for this pool
         self._seed = seed
         self._derive = derive
         self._stats = stats
@@ -124,12 +123,13 @@ class ProcessWorkers:
         try:
             return self._start_process(worker_id)
         except Exception as exc:
-            # pickle found something it cannot send by name (a lambda in the dataset): by
-            # value then. Nothing was started: the start arguments are pickled first.
-            if not _is_pickling_error(exc) or isinstance(self._start, ByValue):
-                raise
-        self._start = start_args(self._init_fn, self._dataset)
-        return self._start_process(worker_id)
+            if self._dataset is not None and _is_pickling_error(exc):
+                exc.add_note(
+                    f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
+                    "each worker process and must pickle, as with torch's spawn and forkserver "
+                    "start methods; or pass worker_mode='thread' to read it in this process"
+                )
+            raise
 
     def _start_process(self, worker_id: int) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
@@ -354,7 +354,7 @@ class ProcessWorkers:
         freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
         sending: set[int] = set()
         try:
-            payload = dumps_job((*job, freed), worker.has, sending)
+            payload = dumps_job((*job, freed), worker.has, sending, self._blobs)
         except BaseException:
             LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
             raise

@@ -16,7 +16,9 @@ import atexit
 import multiprocessing
 import multiprocessing.context
 import os
+import sys
 import time
+import types
 from dataclasses import dataclass
 
 from .._base.recorders import WorkerRecorder
@@ -63,12 +65,15 @@ class ServerStart:
             imports are paid by the first worker start instead, in its ``startup_s``).
         pid: The server's process, where it is one of ours (if the stdlib's server slot later
             holds another, ours died and the stdlib replaced it: the decision is made again).
+        main: For ``"forked"``: the main module's functions and classes as the server was
+            forked, which its workers have under those names (they do not run it again).
     """
 
     how: str
     why: str = ""
     seconds: float = 0.0
     pid: int | None = None
+    main: dict[str, object] | None = None
 
     @property
     def slow(self) -> bool:
@@ -158,14 +163,23 @@ def _start() -> ServerStart:
         why = unsafe_to_fork()
         if why is None:
             standby.retire()  # forked now, the server has everything the application imported
+            main = _functions_and_classes(sys.modules.get("__main__"))
             forked = fork_server()
             _install(forked)
-            return ServerStart("forked", "", time.perf_counter() - began, forked.pid)
+            return ServerStart("forked", "", time.perf_counter() - began, forked.pid, main)
         woken = standby.wake()
         if isinstance(woken, ForkedServer):
             _install(woken)
             return ServerStart("standby", why, time.perf_counter() - began, woken.pid)
         return ServerStart("interpreter", f"{why}; {woken}")
+
+
+def _functions_and_classes(module: object) -> dict[str, object]:
+    return {
+        name: value
+        for name, value in list(vars(module).items() if module is not None else ())
+        if isinstance(value, types.FunctionType | type)
+    }
 
 
 def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import gc
 import json
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -25,17 +26,20 @@ import torch
 
 import aioloader
 from aioloader import default_collate
-from aioloader._workers.byvalue import ByValue, names_bound_on_import, portable, sent_by_name
+from aioloader._workers.byvalue import ByValue, portable, sent_by_name
+from aioloader._workers.mainmodule import names_bound_on_import, workers_main
 from tests.support import worker_fns
 from tests.support.helpers import Counting, flat, open_fds
 
 # -- deciding -------------------------------------------------------------------------------------
 
+SPAWNED = workers_main("spawn")  # what a spawned worker has of the main module (pytest's: none)
+
 
 def test_what_pickle_finds_by_name_is_left_as_it_is() -> None:
     for value in (None, worker_fns.kill_on_7, default_collate, functools.partial(max, 3), [1, "a"]):
-        assert portable(value) is value
-    assert sent_by_name(Counting(4))
+        assert portable(value, SPAWNED) is value
+    assert sent_by_name(Counting(4), SPAWNED)
 
 
 def test_lambdas_closures_and_local_classes_go_by_value() -> None:
@@ -48,27 +52,27 @@ def test_lambdas_closures_and_local_classes_go_by_value() -> None:
         pass
 
     for value in (lambda x: x, add_k, functools.partial(add_k), Local, [Local()]):
-        assert not sent_by_name(value)
-        wrapped = portable(value)
+        assert not sent_by_name(value, SPAWNED)
+        wrapped = portable(value, SPAWNED)
         assert isinstance(wrapped, ByValue) and wrapped.value is value
-    assert portable(add_k)(1) == 4  # callable here too: the loader may run it in this process
-    assert pickle.loads(pickle.dumps(portable(add_k)))(1) == 4  # as a worker receives it
+    assert portable(add_k, SPAWNED)(1) == 4  # callable here too: the loader may run it here
+    assert pickle.loads(pickle.dumps(portable(add_k, SPAWNED)))(1) == 4  # as a worker gets it
 
 
 def test_the_scan_copies_no_tensor_into_shared_memory() -> None:
     """Deciding pickles into nothing: torch's reductions (which move a tensor's storage to
     shared memory) do not run, and a NumPy array's bytes are not copied."""
     table = torch.arange(1000.0)
-    assert sent_by_name({"table": table, "array": np.ones(1 << 20)})
-    assert not table.is_shared()
-    assert not sent_by_name({"table": table, "fn": lambda: table})
-    assert not table.is_shared()
+    before = open_fds()
+    assert sent_by_name({"table": table, "array": np.ones(1 << 20)}, SPAWNED)
+    assert not sent_by_name({"table": table, "fn": lambda: table}, SPAWNED, starting=True)
+    assert not table.is_shared() and open_fds() == before
 
 
 def test_what_does_not_pickle_even_by_value_raises_its_reason() -> None:
     lock = threading.Lock()
     with pytest.raises(TypeError, match=r"_thread\.lock"):
-        portable(lambda: lock)
+        portable(lambda: lock, SPAWNED)
 
 
 def test_the_names_a_script_binds_when_a_worker_runs_it_again() -> None:
@@ -194,6 +198,60 @@ def test_a_dataset_pickle_refuses_goes_by_value_epoch_after_epoch_leaving_nothin
         assert open_fds() == before
 
 
+class SharedTable(torch.utils.data.Dataset[Any]):
+    """A tensor, a process-shared counter (it pickles only as a process starts) and a
+    function (a lambda: the whole goes by value)."""
+
+    def __init__(self, transform: Any) -> None:
+        self.table = torch.arange(4.0)
+        self.calls = multiprocessing.get_context("spawn").Value("i", 0)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        with self.calls.get_lock():
+            self.calls.value += 1
+        return self.transform(self.table[i]).item(), self.table.is_shared()
+
+
+def test_start_arguments_by_value_share_tensors_and_process_shared_values() -> None:
+    """By value, the dataset is pickled inside each worker's start, as pickle by name pickles
+    it: its tensor is shared with the workers, not copied, and a multiprocessing ``Value``
+    (which pickles only then) reaches them."""
+    dataset = SharedTable(lambda row: row * 10)
+    loader = aioloader.DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=list)
+    assert [row for batch in loader for row in batch] == [
+        (0.0, True), (10.0, True), (20.0, True), (30.0, True),
+    ]  # fmt: skip
+    assert dataset.calls.value == 4  # the workers counted in this process's counter
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_closure_s_state_reaches_each_epoch_s_workers_as_torch_s_forked_ones(
+    persistent: bool,
+) -> None:
+    """A closure is pickled as each pool first sends it: an epoch's new workers see its state
+    then (torch forks them from it); persistent workers keep what they got first (torch's
+    too)."""
+    config = {"scale": 1}
+    loader = aioloader.DataLoader(
+        Counting(2),
+        batch_size=2,
+        num_workers=1,
+        persistent_workers=persistent,
+        collate_fn=lambda batch: [x * config["scale"] for x in batch],
+    )
+    seen = []
+    for epoch in range(3):
+        config["scale"] = 10**epoch
+        seen.append(list(loader))
+    loader.close()
+    scales = [1, 1, 1] if persistent else [1, 10, 100]
+    assert seen == [[[0, s]] for s in scales]
+
+
 def test_each_worker_is_sent_a_value_once_and_a_replacement_again() -> None:
     """A closure holding 1 MiB crosses the pipe once per worker, not once per batch; a worker
     that died is replaced by one that is sent it again."""
@@ -297,6 +355,7 @@ def main():
         "values": [t.value for t in out],
         "own_class": all(type(t) is Total for t in out),
         "by_name": [t.by_name for t in out],
+        "server": loader.statistics().workers.server,
     }))
 
 
@@ -309,15 +368,17 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize(
-    ("how", "context"), [("file", "forkserver"), ("file", "spawn"), ("-c", "forkserver")]
+    ("how", "context"),
+    [("file", "forkserver"), ("file", "spawn"), ("-c", "forkserver"), ("-c", "spawn")],
 )
 def test_the_main_script_s_own_go_by_name_where_the_workers_run_it_again(
     tmp_path: Path, how: str, context: str
 ) -> None:
-    """Run as a file, the workers run the script again: its top-level dataset class goes by
-    name (the worker's is its main module's, not a copy), and a function defined under the
-    ``__main__`` guard, which they may not have, by value. Run with ``-c`` they run nothing of
-    it: both go by value."""
+    """The main module's own go by name where the workers have them. Spawned, a worker runs
+    the script again (none of ``-c``'s): the top-level dataset class goes by name (the
+    worker's is its main module's, not a copy), and a function defined under the ``__main__``
+    guard by value. A fork server forked from the script has all it had then (``-c``'s too):
+    both go by name."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     args = [str(script)] if how == "file" else ["-c", script.read_text()]
@@ -329,4 +390,5 @@ def test_the_main_script_s_own_go_by_name_where_the_workers_run_it_again(
     result = json.loads(done.stdout)
     assert result["values"] == [10 + 1000, 50 + 2000]
     assert result["own_class"]
-    assert result["by_name"] == [how == "file"] * 2
+    assert result["by_name"] == [how == "file" or context == "forkserver"] * 2
+    assert result["server"] == ("forked" if context == "forkserver" else "")

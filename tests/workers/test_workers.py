@@ -34,12 +34,15 @@ _MADE_BY = re.compile(r"^(?:aioloader-ray-|torch_)(\d+)[-_]")
 def shm(ours: Collection[int] = ()) -> set[str]:
     """The names in ``/dev/shm``, less those that another process made: the suite may run in
     several processes (``pytest -n``), and theirs come and go while this one looks. A name
-    counts if it carries no pid, or this process's, or one of ``ours``."""
+    counts if it carries no pid, or this process's, or one of ``ours``; multiprocessing's
+    named semaphores (``sem.mp-*``, which carry none) do not: aioloader makes none, and
+    another process's test does."""
     mine = {os.getpid(), *ours}
     return {
         name
         for name in os.listdir("/dev/shm")
-        if (made := _MADE_BY.match(name)) is None or int(made[1]) in mine
+        if ((made := _MADE_BY.match(name)) is None or int(made[1]) in mine)
+        and not name.startswith("sem.mp-")
     }
 
 
