@@ -28,7 +28,7 @@ from .._data.source import InWorkers, Kind, MapSource, open_source
 from .._data.streams import StreamSource
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
-from .._workers.byvalue import sendable
+from .._workers.byvalue import check_worker_init_fn, sendable
 from .._workers.mainmodule import workers_main
 from .._workers.offload import ThreadOffload
 from .._workers.raycluster import join_cluster
@@ -287,10 +287,9 @@ def plan_loader(
         prepare_forkserver(start_method)  # now: which of the main module's the workers have
         # What the worker processes run goes by value where pickle cannot send it by name (a
         # lambda; byvalue.py); Ray's jobs go by cloudpickle anyway.
-        send = functools.partial(
-            sendable, main_has=workers_main(start_method), remedy="pass worker_mode='thread'"
-        )
-        send("worker_init_fn", a.worker_init_fn)  # checked now: it goes as each worker starts
+        main_has = workers_main(start_method)
+        send = functools.partial(sendable, main_has=main_has, remedy="pass worker_mode='thread'")
+        check_worker_init_fn(a.worker_init_fn, main_has)  # it goes as each worker starts
     elif in_workers and ray is not None:
         join_cluster(ray)  # on this thread: see join_cluster
     config = PipelineConfig(

@@ -38,7 +38,6 @@ from .._workers.job import collate_only
 from .._workers.mainmodule import workers_main
 from .._workers.offload import ThreadOffload
 from .._workers.processes import ProcessWorkers
-from .._workers.serverstart import prepare_forkserver
 from .policy import split_outputs
 
 __all__ = ["BatchRunner", "device_plan_of"]
@@ -103,8 +102,9 @@ class BatchRunner:
         self.clock = clock
         self._finish = host_transform if device is None else None
         if num_workers:  # by value to the workers where pickle cannot send them by name
-            prepare_forkserver(start_method)  # now: which of the main module's they have
-            main_has = workers_main(start_method)
+            # The server is chosen as the workers start (open), not here: what a spawned
+            # worker has of the main module decides (no more than any server's workers have).
+            main_has = workers_main("spawn")
             self.collate_fn = sendable(
                 "collate_fn", collate_fn, main_has, remedy="use num_workers=0"
             )

@@ -24,6 +24,7 @@ list of a million paths, on a 2-core box (pickling it for each worker costs more
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import io
 import itertools
@@ -32,7 +33,7 @@ import multiprocessing.context
 import pickle
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "ByValue",
     "MainRule",
     "StartArgs",
+    "check_worker_init_fn",
     "dumps_job",
     "dumps_reply",
     "portable",
@@ -62,15 +64,14 @@ _by_value_here = False
 
 class ByValue:
     """A function argument (``collate_fn``, say) that goes to the workers by value: each pool
-    pickles it as it first sends it and sends it to each worker once (:func:`dumps_job`).
-    Calling it calls ``value``: the loader may run it in this process too. In a worker it is
-    ``value`` itself."""
+    pickles it as it first sends it, with what its workers have of the main module, and
+    sends it to each worker once (:func:`dumps_job`). Calling it calls ``value``: the loader
+    may run it in this process too. In a worker it is ``value`` itself."""
 
-    __slots__ = ("main_has", "token", "value")
+    __slots__ = ("token", "value")
 
-    def __init__(self, value: Any, main_has: MainRule) -> None:
+    def __init__(self, value: Any) -> None:
         self.value = value
-        self.main_has = main_has
         self.token = next(_tokens)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -80,7 +81,12 @@ class ByValue:
         return repr(self.value)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return _receive, (self.token, _dumps(self.value, self.main_has))
+        # Outside a pool's jobs: nothing of the main module is taken to be there
+        return _receive, (self.token, _dumps(self.value, _nothing))
+
+
+def _nothing(obj: types.FunctionType | type) -> bool:
+    return False
 
 
 class StartArgs:
@@ -124,7 +130,7 @@ def portable(value: Any, main_has: MainRule) -> Any:
     if value is None or sent_by_name(value, main_has):
         return value
     _dumps(value, main_has)
-    return ByValue(value, main_has)
+    return ByValue(value)
 
 
 def sendable(name: str, value: Any, main_has: MainRule, *, remedy: str) -> Any:
@@ -167,6 +173,25 @@ def start_args(
         ) from exc
 
 
+def check_worker_init_fn(worker_init_fn: object, main_has: MainRule) -> None:
+    """Fail now, not as the workers start, where ``worker_init_fn`` cannot be sent to them
+    (it goes with the dataset, as each worker starts: so it is pickled here as it will be).
+
+    Raises:
+        TypeError: It cannot be pickled, by name or by value; the message names it.
+    """
+    try:
+        with _as_a_process_starts():
+            if not sent_by_name(worker_init_fn, main_has):
+                _dumps(worker_init_fn, main_has, trial=True)
+    except Exception as exc:
+        raise TypeError(
+            f"worker_init_fn={worker_init_fn!r} cannot be sent to worker processes "
+            f"({type(exc).__name__}: {exc}): make its object picklable, or pass "
+            "worker_mode='thread'"
+        ) from exc
+
+
 def _scans(value: object, main_has: MainRule) -> bool:
     try:
         sent_by_name(value, main_has, starting=True)
@@ -175,18 +200,21 @@ def _scans(value: object, main_has: MainRule) -> bool:
     return True
 
 
-def dumps_job(job: object, has: set[int], sending: set[int], blobs: dict[int, bytes]) -> memoryview:
+def dumps_job(
+    job: object, has: set[int], sending: set[int], blobs: dict[int, bytes], main_has: MainRule
+) -> memoryview:
     """``job`` pickled as ``ForkingPickler`` does (tensors through shared memory), its
     :class:`ByValue` values whole unless their token is in ``has`` (the worker has it). A
-    value is pickled once per pool (``blobs``, by token); the tokens sent whole are added to
-    ``sending`` (to join ``has`` once the job is sent)."""
+    value is pickled once per pool (``blobs``, by token; ``main_has``: what the pool's workers
+    have of the main module); the tokens sent whole are added to ``sending`` (to join ``has``
+    once the job is sent)."""
 
     def reduce(value: ByValue) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         if value.token in has:
             return _received_before, (value.token,)
         blob = blobs.get(value.token)
         if blob is None:
-            blob = blobs[value.token] = _dumps(value.value, value.main_has)
+            blob = blobs[value.token] = _dumps(value.value, main_has)
         sending.add(value.token)
         return _receive, (value.token, blob)
 
@@ -212,9 +240,13 @@ def dumps_reply(reply: object) -> memoryview:
     return buffer.getbuffer()
 
 
-def _dumps(value: object, main_has: MainRule, *, sharing: bool = False) -> bytes:
+def _dumps(
+    value: object, main_has: MainRule, *, sharing: bool = False, trial: bool = False
+) -> bytes:
+    """``value`` by value: with torch's reductions where ``sharing``; with multiprocessing's
+    but not torch's where ``trial`` (as a process's start would pickle it, moving nothing)."""
     buffer = io.BytesIO()
-    _Pickler(buffer, main_has, sharing=sharing).dump(value)
+    _Pickler(buffer, main_has, sharing=sharing, trial=trial).dump(value)
     return buffer.getvalue()
 
 
@@ -225,11 +257,13 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     ``main_has`` None: in a worker, whose main module is the one its replies are read against
     (what it found by name there, the main process has)."""
 
-    def __init__(self, file: io.BytesIO, main_has: MainRule | None, *, sharing: bool) -> None:
+    def __init__(
+        self, file: io.BytesIO, main_has: MainRule | None, *, sharing: bool, trial: bool = False
+    ) -> None:
         self.main_has = main_has
         table = {**copyreg.dispatch_table, **cloudpickle.Pickler._dispatch_table}
-        if sharing:
-            table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+        if sharing or trial:  # a trial runs as a process's start would, but moves nothing
+            table.update(_forking_reducers(skipping=_ACTING if trial else ()))
         # Before the pickler's own start, which reads it (cloudpickle's class attribute, a
         # ChainMap, would hide a later one; and a ChainMap's lookups run in Python, per object)
         self.dispatch_table = table
@@ -254,18 +288,25 @@ def sent_by_name(value: object, main_has: MainRule, *, starting: bool = False) -
     Raises:
         Exception: ``value`` does not pickle at all (the reason pickle gives).
     """
-    scan = _Scan(main_has)
-    previous = multiprocessing.context.get_spawning_popen()
-    if starting:
-        multiprocessing.context.set_spawning_popen(_NoProcess())  # type: ignore[arg-type]
-    try:
-        scan.dump(value)
-    except _NotByName:
-        return False
-    finally:
-        if starting:
-            multiprocessing.context.set_spawning_popen(previous)
+    with _as_a_process_starts() if starting else contextlib.nullcontext():
+        try:
+            _Scan(main_has).dump(value)
+        except _NotByName:
+            return False
     return True
+
+
+@contextlib.contextmanager
+def _as_a_process_starts() -> Iterator[None]:
+    """Pickling as a process's start pickles: what hands a descriptor to it (a shared
+    ``Value``'s memory) is handed nothing, and what pickles only then (a multiprocessing lock)
+    pickles."""
+    previous = multiprocessing.context.get_spawning_popen()
+    multiprocessing.context.set_spawning_popen(_NoProcess())  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        multiprocessing.context.set_spawning_popen(previous)
 
 
 class _NotByName(Exception):
@@ -299,20 +340,29 @@ class _Scan(pickle.Pickler):
     def __init__(self, main_has: MainRule) -> None:
         super().__init__(_Nowhere(), pickle.HIGHEST_PROTOCOL, buffer_callback=_out_of_band)
         self.main_has = main_has
-        extra: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
-        # ForkingPickler's, but not those that act as they reduce: torch's move a tensor to
-        # shared memory, a socket's hands its descriptor to the resource sharer's thread
-        acting = [t for t in extra if t.__module__.startswith(("torch", "socket", "multipro"))]
-        self.dispatch_table = {
-            **copyreg.dispatch_table,
-            **extra,
-            **dict.fromkeys(acting, _skip),
-        }
+        # multiprocessing's own too: the scan needs no descriptor (a shared Value's memory)
+        scanned = _forking_reducers(skipping=(*_ACTING, "multiprocessing"))
+        self.dispatch_table = {**copyreg.dispatch_table, **scanned}
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, types.FunctionType | type) and not _found_by_name(obj, self.main_has):
             raise _NotByName(obj)
         return NotImplemented
+
+
+# What acts as it reduces: torch's reductions move a tensor to shared memory, a socket's and a
+# connection's hand a descriptor to the resource sharer's thread (outside a process's start)
+_ACTING = ("torch", "socket", "multiprocessing.connection")
+
+
+def _forking_reducers(*, skipping: tuple[str, ...] = ()) -> dict[type, Any]:
+    """``ForkingPickler``'s reductions, those of types from the modules ``skipping`` names
+    reducing to nothing."""
+    extra: dict[type, Any] = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+    for kind in extra:
+        if kind.__module__.startswith(skipping):
+            extra[kind] = _skip
+    return extra
 
 
 def _out_of_band(_: pickle.PickleBuffer) -> bool:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import ast
 import functools
 import multiprocessing.context
+import multiprocessing.process
+import os
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from .byvalue import MainRule
 from .serverstart import server_start
@@ -34,7 +36,7 @@ def workers_main(context: str | multiprocessing.context.BaseContext) -> MainRule
     method = context if isinstance(context, str) else context.get_start_method()
     start = server_start() if method == "forkserver" else None
     main = sys.modules.get("__main__")
-    if start is not None and start.main is not None:
+    if start is not None and start.main is not None and not _forked_runs_main_again(main):
         forked = start.main
 
         def in_forked(obj: types.FunctionType | type) -> bool:
@@ -50,6 +52,22 @@ def workers_main(context: str | multiprocessing.context.BaseContext) -> MainRule
 
 def _nothing(obj: types.FunctionType | type) -> bool:
     return False
+
+
+def _forked_runs_main_again(main: types.ModuleType | None) -> bool:
+    """Whether a worker of a server forked from this process runs the main script again all
+    the same: multiprocessing compares the script's path as given (``python ./train.py``) with
+    its normalised absolute form, and runs it again where they differ."""
+    path = getattr(main, "__file__", None)
+    if (
+        not isinstance(path, str)
+        or getattr(getattr(main, "__spec__", None), "name", None) is not None
+    ):
+        return False
+    original = getattr(multiprocessing.process, "ORIGINAL_DIR", None)  # as spawn reads it
+    if not os.path.isabs(path) and isinstance(original, str):
+        return os.path.normpath(os.path.join(original, path)) != path
+    return os.path.normpath(path) != path
 
 
 def main_runs_again() -> bool:
@@ -86,8 +104,18 @@ def names_bound_on_import(source: str | bytes) -> frozenset[str] | _Everything:
     Raises:
         SyntaxError: ``source`` is not Python.
     """
+    body = ast.parse(source).body
+    outside = _bound(_outside_the_guard(body))
+    if isinstance(outside, _Everything):
+        return outside
+    # A name the guard binds again is not, as the main module runs, the one a worker has
+    inside = _bound(node for guard in _guards(body) for node in _outside_the_guard(guard.body))
+    return outside if isinstance(inside, _Everything) else outside - inside
+
+
+def _bound(nodes: Iterable[ast.AST]) -> frozenset[str] | _Everything:
     names: set[str] = set()
-    for node in _outside_the_guard(ast.parse(source).body):
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
             return _Everything()
         if isinstance(node, ast.Import | ast.ImportFrom):
@@ -97,6 +125,15 @@ def names_bound_on_import(source: str | bytes) -> frozenset[str] | _Everything:
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
     return frozenset(names)
+
+
+def _guards(body: list[ast.stmt]) -> Iterator[ast.If]:
+    """The ``if __name__ == "__main__":`` blocks at a module's top level (and in its ``else``
+    branches)."""
+    for statement in body:
+        if isinstance(statement, ast.If) and _is_main_guard(statement.test):
+            yield statement
+            yield from _guards(statement.orelse)
 
 
 class _Everything:

@@ -103,9 +103,9 @@ class ProcessWorkers:
         self._dataset = dataset
         # Which of the main module's own the workers have depends on how they start.
         prepare_forkserver(self._ctx)
-        main_has = workers_main(self._ctx)
+        self._main_has = workers_main(self._ctx)
         # What each worker starts with, by value where it must (byvalue.py)
-        self._start = start_args(worker_init_fn, dataset, main_has)
+        self._start = start_args(worker_init_fn, dataset, self._main_has)
         self._blobs: dict[int, bytes] = {}  # what goes by value, pickled once for this pool
         self._seed = seed
         self._derive = derive
@@ -354,7 +354,7 @@ class ProcessWorkers:
         freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
         sending: set[int] = set()
         try:
-            payload = dumps_job((*job, freed), worker.has, sending, self._blobs)
+            payload = dumps_job((*job, freed), worker.has, sending, self._blobs, self._main_has)
         except BaseException:
             LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
             raise

@@ -93,9 +93,11 @@ def test_the_names_a_script_binds_when_a_worker_runs_it_again() -> None:
         class C:
             attr = 1
         async def g(): pass
+        def shadowed(): pass
         if __name__ == "__main__":
             def guarded(): pass
             G = 1
+            def shadowed(): pass  # the main module's is this one; a worker's, the one above
         else:
             imported = 1
         """
@@ -211,9 +213,12 @@ class SharedTable(torch.utils.data.Dataset[Any]):
         return 4
 
     def __getitem__(self, i: int) -> Any:
+        self.count()
+        return self.transform(self.table[i]).item(), self.table.is_shared()
+
+    def count(self, worker_id: int = 0) -> None:
         with self.calls.get_lock():
             self.calls.value += 1
-        return self.transform(self.table[i]).item(), self.table.is_shared()
 
 
 def test_start_arguments_by_value_share_tensors_and_process_shared_values() -> None:
@@ -221,11 +226,13 @@ def test_start_arguments_by_value_share_tensors_and_process_shared_values() -> N
     it: its tensor is shared with the workers, not copied, and a multiprocessing ``Value``
     (which pickles only then) reaches them."""
     dataset = SharedTable(lambda row: row * 10)
-    loader = aioloader.DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=list)
+    loader = aioloader.DataLoader(
+        dataset, batch_size=2, num_workers=2, collate_fn=list, worker_init_fn=dataset.count
+    )
     assert [row for batch in loader for row in batch] == [
         (0.0, True), (10.0, True), (20.0, True), (30.0, True),
     ]  # fmt: skip
-    assert dataset.calls.value == 4  # the workers counted in this process's counter
+    assert dataset.calls.value == 4 + 2  # the workers counted in this process's counter
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -369,7 +376,13 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize(
     ("how", "context"),
-    [("file", "forkserver"), ("file", "spawn"), ("-c", "forkserver"), ("-c", "spawn")],
+    [
+        ("file", "forkserver"),
+        ("file", "spawn"),
+        ("./file", "forkserver"),
+        ("-c", "forkserver"),
+        ("-c", "spawn"),
+    ],
 )
 def test_the_main_script_s_own_go_by_name_where_the_workers_run_it_again(
     tmp_path: Path, how: str, context: str
@@ -381,14 +394,65 @@ def test_the_main_script_s_own_go_by_name_where_the_workers_run_it_again(
     both go by name."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(_SCRIPT))
-    args = [str(script)] if how == "file" else ["-c", script.read_text()]
+    args = {"file": [str(script)], "./file": ["./script.py"], "-c": ["-c", script.read_text()]}
+    # run as ./script.py, a forked server's workers run it again all the same (multiprocessing
+    # compares the path as given with its absolute form)
     done = subprocess.run(
-        [sys.executable, *args, context], capture_output=True, text=True, timeout=120,
+        [sys.executable, *args[how], context], capture_output=True, text=True, timeout=120,
         check=False, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["values"] == [10 + 1000, 50 + 2000]
     assert result["own_class"]
-    assert result["by_name"] == [how == "file" or context == "forkserver"] * 2
+    assert result["by_name"] == [how != "-c" or context == "forkserver"] * 2
     assert result["server"] == ("forked" if context == "forkserver" else "")
+
+
+def test_a_dynamic_batcher_built_as_a_module_is_imported_starts_no_server_then(
+    tmp_path: Path,
+) -> None:
+    """The serving pattern: a batcher built at the top level of an imported module, above a
+    class its requests use. Its construction chooses no fork server (one forked then would
+    hold the half-imported module, without the class): the workers start as it opens."""
+    (tmp_path / "app_mod.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            import aioloader
+
+            def collate(items):
+                return torch.stack([item.value for item in items])
+
+            batcher = aioloader.DynamicBatcher(
+                lambda batch: batch * 2, max_batch_size=4, max_delay=0.01, num_workers=1,
+                collate_fn=collate,
+            )
+
+            class Item:  # below the batcher: a server forked as it was built would lack it
+                def __init__(self, value):
+                    self.value = torch.tensor([float(value)])
+            """
+        )
+    )
+    (tmp_path / "serve.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncio
+            import app_mod
+
+            async def main():
+                async with app_mod.batcher:
+                    out = await app_mod.batcher.submit(app_mod.Item(1))
+                print(out.tolist())
+
+            if __name__ == "__main__":
+                asyncio.run(main())
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "serve.py"], capture_output=True, text=True, timeout=120,
+        check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout.strip()) == (0, "[2.0]"), done.stderr
