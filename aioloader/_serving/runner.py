@@ -33,7 +33,7 @@ from .._base.recorders import WorkerRecorder
 from .._data.seeds import derive_seed
 from .._device.accelerator import resolve_device
 from .._device.stage import DevicePlan, DeviceStage, device_plan, hand_out
-from .._workers.byvalue import sendable
+from .._workers.byvalue import MainRule, sendable
 from .._workers.job import collate_only
 from .._workers.mainmodule import workers_main
 from .._workers.offload import ThreadOffload
@@ -101,20 +101,25 @@ class BatchRunner:
         self.device = device
         self.clock = clock
         self._finish = host_transform if device is None else None
-        if num_workers:  # by value to the workers where pickle cannot send them by name
-            # The server is chosen as the workers start (open), not here: what a spawned
-            # worker has of the main module decides (no more than any server's workers have).
-            main_has = workers_main("spawn")
-            self.collate_fn = sendable(
-                "collate_fn", collate_fn, main_has, remedy="use num_workers=0"
-            )
-            self._finish = sendable(
-                "device_transform", self._finish, main_has, remedy="use num_workers=0"
-            )
+        if num_workers:  # what cannot be sent even by value is named now
+            self._sent(workers_main("spawn"))
+        self._job: tuple[Any, Any] = (collate_fn, self._finish)  # as the workers are sent them
         self._threads: ThreadOffload | None = None
         self._workers: ProcessWorkers | None = None
         self._stage: DeviceStage | None = None
         self._place: _ModelPlace | None = None
+
+    def _sent(self, main_has: MainRule) -> tuple[Any, Any]:
+        """``collate_fn`` and the host-side ``device_transform`` as the worker processes are
+        sent them (``byvalue.py``).
+
+        Raises:
+            TypeError: One cannot be sent even by value; the message names it.
+        """
+        return (
+            sendable("collate_fn", self.collate_fn, main_has, remedy="use num_workers=0"),
+            sendable("device_transform", self._finish, main_has, remedy="use num_workers=0"),
+        )
 
     async def open(self, stack: contextlib.AsyncExitStack, stats: WorkerRecorder) -> None:
         """Start the threads and worker processes this runner needs; ``stack`` closes them.
@@ -133,6 +138,9 @@ class BatchRunner:
                 worker_init_fn=None,
                 stats=stats,
             )
+            # By value where pickle cannot send them by name to these workers: their server
+            # is chosen as they start (here), not as the batcher was built.
+            self._job = self._sent(workers_main(self.start_method))
             stack.push_async_callback(workers.aclose)
             stack.callback(setattr, self, "_workers", None)
             self._workers = workers
@@ -184,9 +192,10 @@ class BatchRunner:
 
     async def _collate(self, items: list[Any]) -> Any:
         """Collate (and apply the host-side ``device_transform``) where collation runs."""
-        job = (collate_only, self.collate_fn, items, False, self._finish)
         if self._workers is not None:
-            return await self._workers.run(*job)
+            collate_fn, finish = self._job
+            return await self._workers.run(collate_only, collate_fn, items, False, finish)
+        job = (collate_only, self.collate_fn, items, False, self._finish)
         if self.collate_in_thread and self._threads is not None:
             return await self._threads.run(*job)
         return collate_only(*job[1:])

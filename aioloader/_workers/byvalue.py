@@ -16,8 +16,9 @@ once (:func:`dumps_job`), the start arguments by value inside the worker's start
 worker's replies (:func:`dumps_reply`: an instance of a class that came by value arrives as the
 caller's own class). Never: sends by value what a worker finds by name.
 
-Costs: a by-value function is pickled when a pool sends it first (so each epoch's workers
-get its state then, as torch's forked ones do) and once more at construction, to fail there.
+Costs: a by-value function is pickled for each worker as its first job is sent (so each
+epoch's workers get its state then, as torch's forked ones do) and once at construction, to
+fail there.
 The start arguments are scanned as each pool starts: about 0.3 s for a dataset that holds a
 list of a million paths, on a 2-core box (pickling it for each worker costs more).
 """
@@ -63,10 +64,10 @@ _by_value_here = False
 
 
 class ByValue:
-    """A function argument (``collate_fn``, say) that goes to the workers by value: each pool
-    pickles it as it first sends it, with what its workers have of the main module, and
-    sends it to each worker once (:func:`dumps_job`). Calling it calls ``value``: the loader
-    may run it in this process too. In a worker it is ``value`` itself."""
+    """A function argument (``collate_fn``, say) that goes to the workers by value: pickled
+    for each worker as its first job is sent, with what the worker has of the main module,
+    and sent to it once (:func:`dumps_job`). Calling it calls ``value``: the loader may run it
+    in this process too. In a worker it is ``value`` itself."""
 
     __slots__ = ("token", "value")
 
@@ -129,7 +130,7 @@ def portable(value: Any, main_has: MainRule) -> Any:
     """
     if value is None or sent_by_name(value, main_has):
         return value
-    _dumps(value, main_has)
+    _dumps(value, main_has, trial=True)
     return ByValue(value)
 
 
@@ -200,23 +201,19 @@ def _scans(value: object, main_has: MainRule) -> bool:
     return True
 
 
-def dumps_job(
-    job: object, has: set[int], sending: set[int], blobs: dict[int, bytes], main_has: MainRule
-) -> memoryview:
+def dumps_job(job: object, has: set[int], sending: set[int], main_has: MainRule) -> memoryview:
     """``job`` pickled as ``ForkingPickler`` does (tensors through shared memory), its
-    :class:`ByValue` values whole unless their token is in ``has`` (the worker has it). A
-    value is pickled once per pool (``blobs``, by token; ``main_has``: what the pool's workers
-    have of the main module); the tokens sent whole are added to ``sending`` (to join ``has``
-    once the job is sent)."""
+    :class:`ByValue` values whole unless their token is in ``has`` (the worker has it): each
+    pickled for this worker, with torch's and multiprocessing's reductions (a tensor it holds
+    stays shared, a connection it holds is the worker's own descriptor), and with what the
+    worker has of the main module (``main_has``). The tokens sent whole are added to
+    ``sending`` (to join ``has`` once the job is sent)."""
 
     def reduce(value: ByValue) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         if value.token in has:
             return _received_before, (value.token,)
-        blob = blobs.get(value.token)
-        if blob is None:
-            blob = blobs[value.token] = _dumps(value.value, main_has)
         sending.add(value.token)
-        return _receive, (value.token, blob)
+        return _receive, (value.token, _dumps(value.value, main_has, sharing=True))
 
     buffer = io.BytesIO()
     pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
@@ -262,6 +259,9 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     ) -> None:
         self.main_has = main_has
         table = {**copyreg.dispatch_table, **cloudpickle.Pickler._dispatch_table}
+        # An open text file is refused, as pickle by name refuses it (cloudpickle would read
+        # it whole into a copy for every worker)
+        table.pop(io.TextIOWrapper, None)
         if sharing or trial:  # a trial runs as a process's start would, but moves nothing
             table.update(_forking_reducers(skipping=_ACTING if trial else ()))
         # Before the pickler's own start, which reads it (cloudpickle's class attribute, a

@@ -101,12 +101,9 @@ class ProcessWorkers:
         self.inlines, self.depth = False, 1  # a round trip to a worker process, one at a time
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
         self._dataset = dataset
-        # Which of the main module's own the workers have depends on how they start.
-        prepare_forkserver(self._ctx)
+        prepare_forkserver(self._ctx)  # how they start: which of __main__'s own they have
         self._main_has = workers_main(self._ctx)
-        # What each worker starts with, by value where it must (byvalue.py)
-        self._start = start_args(worker_init_fn, dataset, self._main_has)
-        self._blobs: dict[int, bytes] = {}  # what goes by value, pickled once for this pool
+        self._start = start_args(worker_init_fn, dataset, self._main_has)  # byvalue.py
         self._seed = seed
         self._derive = derive
         self._stats = stats
@@ -324,8 +321,7 @@ class ProcessWorkers:
             worker = await self._replace(worker)
         try:
             self._send(worker, (fn, args, seed))
-        except OSError as exc:  # it died while idle: the job never reached it
-            exc.__traceback__ = None  # its frames view the payload (see _send)
+        except _Gone:  # it died while idle: the job never reached it
             await self._mark_dead(worker)
             if not replace:
                 raise self._crashed(worker) from None
@@ -349,12 +345,13 @@ class ProcessWorkers:
         it has already) and send it.
 
         Raises:
-            OSError: The worker is gone (it died while idle): the job never reached it.
+            _Gone: The worker is gone (it died while idle): the job never reached it.
+            Exception: Pickling the job failed (the worker is left as it is).
         """
         freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
         sending: set[int] = set()
         try:
-            payload = dumps_job((*job, freed), worker.has, sending, self._blobs, self._main_has)
+            payload = dumps_job((*job, freed), worker.has, sending, self._main_has)
         except BaseException:
             LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
             raise
@@ -362,7 +359,10 @@ class ProcessWorkers:
         # A view of a BytesIO: let go now, not when a traceback is collected (a frame that
         # views it, left in a cycle, crashed 3.12.1's gc: gh-111049)
         with payload:
-            worker.conn.send_bytes(payload)
+            try:
+                worker.conn.send_bytes(payload)
+            except OSError:
+                raise _Gone from None  # its traceback's frames would view the payload
             self._stats.bytes_sent += len(payload)
         worker.has |= sending
 
@@ -374,6 +374,10 @@ class ProcessWorkers:
                 await self._reply(worker)
                 return
             await self._stop(worker, grace=0.0)  # still busy: don't let it run on unseen
+
+
+class _Gone(Exception):
+    """A worker's pipe refused a job: the worker died while idle."""
 
 
 def _is_pickling_error(exc: BaseException) -> bool:

@@ -26,8 +26,11 @@ import torch
 
 import aioloader
 from aioloader import default_collate
+from aioloader._base.recorders import WorkerRecorder
+from aioloader._data.seeds import derive_seed
 from aioloader._workers.byvalue import ByValue, portable, sent_by_name
 from aioloader._workers.mainmodule import names_bound_on_import, workers_main
+from aioloader._workers.processes import ProcessWorkers
 from tests.support import worker_fns
 from tests.support.helpers import Counting, flat, open_fds
 
@@ -456,3 +459,95 @@ def test_a_dynamic_batcher_built_as_a_module_is_imported_starts_no_server_then(
         check=False, cwd=tmp_path,
     )  # fmt: skip
     assert (done.returncode, done.stdout.strip()) == (0, "[2.0]"), done.stderr
+
+
+def test_a_closure_s_connection_and_shared_tensor_are_the_worker_s_own() -> None:
+    """What a closure holds is pickled for each worker as multiprocessing and torch pickle it:
+    a connection is a descriptor of the worker's own (not a number that means another file
+    there), and a shared tensor stays shared."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    counter = torch.zeros(1).share_memory_()
+
+    def collate(batch: list[int]) -> list[int]:
+        writer.send(len(batch))
+        counter.add_(1)
+        return batch
+
+    loader = aioloader.DataLoader(Counting(4), batch_size=2, num_workers=1, collate_fn=collate)
+    assert list(loader) == [[0, 1], [2, 3]]
+    sent = [reader.recv() for _ in range(2) if reader.poll(10)]
+    assert sent == [2, 2] and counter.item() == 2.0
+    reader.close()
+    writer.close()
+
+
+def test_a_batcher_s_function_defined_after_the_server_forked_goes_by_value(
+    tmp_path: Path,
+) -> None:
+    """A loader forked the fork server from the script; a function defined after that, at the
+    top level, is not in it: the batcher's workers, started from that server, are sent it by
+    value (decided as they start, not as the batcher was built)."""
+    (tmp_path / "script.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncio
+            import torch
+            import aioloader
+
+            print(aioloader.DataLoader(list(range(4)), batch_size=2, num_workers=1).__len__())
+            list(aioloader.DataLoader(list(range(4)), batch_size=2, num_workers=1))
+
+            def collate(items):  # after the server was forked: not in it
+                return torch.stack(items) + 1
+
+            batcher = aioloader.DynamicBatcher(
+                lambda batch: batch * 2, max_batch_size=4, max_delay=0.01, num_workers=1,
+                collate_fn=collate,
+            )
+
+            async def main():
+                async with batcher:
+                    out = await batcher.submit(torch.tensor([1.0]))
+                    server = batcher.statistics().workers.server
+                print(out.tolist(), server)
+
+            asyncio.run(main())
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "script.py"], capture_output=True, text=True, timeout=120,
+        check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout.split()) == (0, ["2", "[4.0]", "forked"]), done.stderr
+
+
+class _RefusesToPickle:
+    def __reduce__(self) -> Any:
+        raise OSError(24, "Too many open files")  # as torch's reductions fail out of descriptors
+
+
+async def test_a_job_that_fails_to_pickle_leaves_its_worker_alone() -> None:
+    """Pickling a job is not sending it: its error reaches the caller as it is, and the worker
+    (alive, idle) is neither stopped nor replaced."""
+    stats = WorkerRecorder()
+    pool = ProcessWorkers(
+        1, context="forkserver", seed=0, derive=derive_seed, worker_init_fn=None, stats=stats
+    )
+    await pool.start()
+    try:
+        with pytest.raises(OSError, match="Too many open files"):
+            await pool.run(len, [_RefusesToPickle()])
+        assert await pool.run(len, [1, 2]) == 2
+        assert stats.restarts == 0 and stats.crashes == 0
+    finally:
+        await pool.aclose()
+
+
+def test_an_open_text_file_is_refused_by_value_as_by_name(tmp_path: Path) -> None:
+    handle = (tmp_path / "notes.txt").open("w")
+    try:
+        with pytest.raises(TypeError, match="TextIOWrapper"):
+            portable(lambda: handle, SPAWNED)
+    finally:
+        handle.close()
