@@ -13,7 +13,6 @@ sources. Never: checks an argument's combination with others (``_loader/argument
 from __future__ import annotations
 
 import math
-import pickle
 from collections.abc import Callable
 
 __all__ = ["check_bool", "check_int", "check_picklable", "check_seconds", "check_seed"]
@@ -89,12 +88,12 @@ def check_picklable(
     name: str,
     value: object,
     *,
+    dumps: Callable[[object], bytes],
+    to: str,
     remedy: str = "pass worker_mode='thread'",
-    dumps: Callable[[object], bytes] | None = None,
-    to: str = "worker processes",
 ) -> None:
-    """Fail now, not mid-epoch, when ``value`` cannot be sent to a worker process (``to``),
-    pickled by ``dumps`` (default: the standard pickle, as the worker processes' jobs are).
+    """Fail now, not mid-epoch, when ``value`` cannot be sent to ``to``, pickled by ``dumps``
+    (Ray's workers: cloudpickle; the worker processes decide in ``_workers/byvalue.py``).
 
     Raises:
         TypeError: ``value`` does not pickle; the message names the argument and what to do.
@@ -102,15 +101,9 @@ def check_picklable(
     if value is None:
         return
     try:
-        (dumps or pickle.dumps)(value)
+        dumps(value)
     except Exception as exc:
-        how = (
-            ""
-            if dumps is not None
-            else " Define it at module level (a lambda, a closure or a local function cannot be "
-            "pickled),"
-        )
         raise TypeError(
-            f"{name}={value!r} cannot be sent to {to} ({type(exc).__name__}: {exc}).{how} "
-            f"make its object picklable, or {remedy}"
+            f"{name}={value!r} cannot be sent to {to} ({type(exc).__name__}: {exc}): make "
+            f"its object picklable, or {remedy}"
         ) from exc

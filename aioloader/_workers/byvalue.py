@@ -175,22 +175,15 @@ def start_args(
 
 
 def check_worker_init_fn(worker_init_fn: object, main_has: MainRule) -> None:
-    """Fail now, not as the workers start, where ``worker_init_fn`` cannot be sent to them
-    (it goes with the dataset, as each worker starts: so it is pickled here as it will be).
+    """Fail now, not as the workers start, where ``worker_init_fn`` cannot be sent to them: it
+    goes with the dataset as each worker starts, so it is tried as a process's start pickles
+    it (a bound method of a dataset holding a multiprocessing ``Value``).
 
     Raises:
         TypeError: It cannot be pickled, by name or by value; the message names it.
     """
-    try:
-        with _as_a_process_starts():
-            if not sent_by_name(worker_init_fn, main_has):
-                _dumps(worker_init_fn, main_has, trial=True)
-    except Exception as exc:
-        raise TypeError(
-            f"worker_init_fn={worker_init_fn!r} cannot be sent to worker processes "
-            f"({type(exc).__name__}: {exc}): make its object picklable, or pass "
-            "worker_mode='thread'"
-        ) from exc
+    with _as_a_process_starts():
+        sendable("worker_init_fn", worker_init_fn, main_has, remedy="pass worker_mode='thread'")
 
 
 def _scans(value: object, main_has: MainRule) -> bool:
