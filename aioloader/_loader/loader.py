@@ -84,8 +84,10 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
         worker_init_fn: Called once in each worker as it starts, with the worker's id.
         multiprocessing_context: The workers' start method: ``"forkserver"`` (the default: the
             fork server preloads torch once, then each worker starts in tens of milliseconds)
-            or ``"spawn"``, or a context using one; ``"fork"`` is refused (it hangs or corrupts
-            a process with an event loop, threads or CUDA). Needs ``num_workers > 0``.
+            or ``"spawn"``, or ``"fork"`` with torch's meaning (each worker a fork of this
+            process as the workers start: the dataset is not pickled; the workers inherit the
+            process's descriptors and, from a thread's lock held then, a possible hang), or a
+            context using one. Needs ``num_workers > 0``.
         generator: A ``torch.Generator`` the random sampler draws its base seed from.
         prefetch_factor: Torch's name for ready batches per worker; sets ``prefetch`` to
             ``prefetch_factor * num_workers`` when ``prefetch`` is not given.

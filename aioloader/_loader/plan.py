@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import multiprocessing.context
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -219,6 +220,12 @@ class LoaderPlan:
         return plan_loader(arguments, offload, earlier=self, stacklevel=5)
 
 
+def _forks(start_method: str | multiprocessing.context.BaseContext) -> bool:
+    if isinstance(start_method, str):
+        return start_method == "fork"
+    return start_method.get_start_method() == "fork"
+
+
 def _as_it_is(name: str, value: T) -> T:
     return value
 
@@ -289,7 +296,8 @@ def plan_loader(
         # lambda; byvalue.py); Ray's jobs go by cloudpickle anyway.
         main_has = workers_main(start_method)
         send = functools.partial(sendable, main_has=main_has, remedy="pass worker_mode='thread'")
-        check_worker_init_fn(a.worker_init_fn, main_has)  # it goes as each worker starts
+        if not _forks(start_method):  # a forked worker has it unpickled
+            check_worker_init_fn(a.worker_init_fn, main_has)  # it goes as each worker starts
     elif in_workers and ray is not None:
         join_cluster(ray)  # on this thread: see join_cluster
     config = PipelineConfig(

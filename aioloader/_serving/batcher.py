@@ -174,7 +174,14 @@ class DynamicBatcher:
         bucket_fn: Callable[[Any], Hashable] | None = None,
     ) -> None:
         self.policy = BatchPolicy(max_batch_size, max_delay, tuple(preferred_batch_sizes))
-        start_method = start_method_of(multiprocessing_context)  # the loader's rule: never fork
+        start_method = start_method_of(multiprocessing_context)
+        method = start_method if isinstance(start_method, str) else start_method.get_start_method()
+        if method == "fork":
+            raise ValueError(
+                "multiprocessing_context='fork' is not supported by DynamicBatcher: a fork of "
+                "a serving process holds copies of its client connections, which then stay "
+                "open after the server closes them; use 'forkserver' (the default) or 'spawn'"
+            )
         check_arguments(
             model_fn=model_fn,
             max_batch_size=max_batch_size,

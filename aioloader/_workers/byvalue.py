@@ -3,10 +3,10 @@ function or class, and the main module's own functions and classes where the wor
 have them (a notebook's; a script's defined under its ``if __name__ == "__main__":`` guard).
 
 torch's workers on Linux are forked by default, so a torch user's ``collate_fn=lambda b: b``
-works there. Ours are never forked (``processes.py``), and pickle sends a function by its
-module and name: a lambda fails. Such a value is pickled by value here, with cloudpickle;
-everything in it that a worker finds by name still goes by name (a torch class, the script's
-dataset class: the worker's is the class itself, not a copy).
+works there. Ours are not forked from the main process by default (``processes.py``), and
+pickle sends a function by its module and name: a lambda fails. Such a value is pickled by
+value here, with cloudpickle; everything in it that a worker finds by name still goes by name
+(a torch class, the script's dataset class: the worker's is the class itself, not a copy).
 
 Owns: deciding what must go by value (a scan that pickles into nothing: no tensor is moved to
 shared memory, no descriptor handed out; which of the main module's own a worker has is
@@ -170,7 +170,9 @@ def start_args(
         raise TypeError(
             f"{what} cannot be sent to the worker processes ({type(exc).__name__}: {exc}): "
             "each worker gets a copy, as with torch's spawn and forkserver start methods. Make "
-            "it picklable, or pass worker_mode='thread' to keep it in this process"
+            "it picklable, pass multiprocessing_context='fork' (torch's default on Linux) to "
+            "fork the workers from this process, or worker_mode='thread' to keep it in this "
+            "process"
         ) from exc
 
 

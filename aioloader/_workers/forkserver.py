@@ -11,9 +11,9 @@ Why: the stdlib starts its fork server as a fresh interpreter, which imports tor
 second private copy of torch's pages in memory, and seconds of start-up where CUDA torch is
 installed). Forked from this process, the server has torch already; workers forked from it
 start in milliseconds and share this process's pages copy-on-write, as torch's fork workers do.
-Forking is safe for the reason fork is refused elsewhere: it happens only while this process
-has no other thread and no CUDA context (so no lock is held by anyone else), and the server
-never touches the event loop, an I/O client or CUDA.
+Forking is safe where fork as a start method is not: it happens only while this process has no
+other thread and no CUDA context (so no lock is held by anyone else), and the server never
+touches the event loop, an I/O client or CUDA.
 
 The server inherits this process's memory and open regular files, as torch's fork workers do: a
 file a module opened at import is readable in a worker (pipes and sockets it lets go of). It

@@ -1,10 +1,11 @@
 """Which of the main module's functions and classes a worker process has under their names: it
 depends on how the worker starts (``byvalue.py`` sends the others by value).
 
-A fork server forked from this process has what the main module had then (its workers do not
-run it again); a spawned worker, or one from a server that runs the main script again (the
-standby, the stdlib's), has what the script binds outside its ``if __name__ == "__main__":``
-guard; from ``python -c``, standard input or a notebook, none.
+A worker forked from this process (torch's fork) has what the main module has; a fork server
+forked from this process has what the main module had then (its workers do not run it again);
+a spawned worker, or one from a server that runs the main script again (the standby, the
+stdlib's), has what the script binds outside its ``if __name__ == "__main__":`` guard; from
+``python -c``, standard input or a notebook, none.
 
 Owns: :func:`workers_main` and the reading of the script it needs
 (:func:`names_bound_on_import`). Never: imports or runs the script.
@@ -32,8 +33,11 @@ def workers_main(context: str | multiprocessing.context.BaseContext) -> MainRule
     has under their names: a fork server forked from this process has those the main module
     had then (its workers do not run it again); a spawned worker, or one from a server that
     ran the main script again, those the script binds outside its ``__main__`` guard; from
-    ``python -c`` or a notebook, none."""
+    ``python -c`` or a notebook, none. A worker forked from this process (``"fork"``) has
+    those the main module has as the workers start, taken to be those it has now."""
     method = context if isinstance(context, str) else context.get_start_method()
+    if method == "fork":
+        return _bound_in_main
     start = server_start() if method == "forkserver" else None
     main = sys.modules.get("__main__")
     if start is not None and start.main is not None and not _forked_runs_main_again(main):
@@ -52,6 +56,11 @@ def workers_main(context: str | multiprocessing.context.BaseContext) -> MainRule
 
 def _nothing(obj: types.FunctionType | type) -> bool:
     return False
+
+
+def _bound_in_main(obj: types.FunctionType | type) -> bool:
+    main = sys.modules.get("__main__")
+    return main is not None and obj.__qualname__.split(".")[0] in vars(main)
 
 
 def _forked_runs_main_again(main: types.ModuleType | None) -> bool:

@@ -1,13 +1,19 @@
 """A pool of worker processes, driven from the event loop without threads or polling.
 
-Owns: starting workers (forkserver, the default, or spawn: never fork, which hangs or corrupts
-once threads, an event loop, obstore/tokio or CUDA exist), handing one job at a time to an idle
-worker (or, for a worker's own stream, to that worker) over its pipe, awaiting the reply by the
-pipe's readability, noticing a dead worker through its pipe's EOF and its process sentinel (so a
-crash surfaces in milliseconds, named), and stopping them.
+Owns: starting workers, handing one job at a time to an idle worker (or, for a worker's own
+stream, to that worker) over its pipe, awaiting the reply by the pipe's readability, noticing a
+dead worker through its pipe's EOF and its process sentinel (so a crash surfaces in
+milliseconds, named), and stopping them.
 
-Start-up: every worker is a fork of the fork server (tens of milliseconds), started once per
-process the fastest safe way (``serverstart.py``); spawn imports torch in every worker.
+Start-up: by default (forkserver) every worker is a fork of the fork server (tens of
+milliseconds), started once per process the fastest safe way (``serverstart.py``); spawn imports
+torch in every worker. ``"fork"``, on request, forks this process itself as the workers start,
+as torch's fork does: the workers get the dataset and ``worker_init_fn`` as they are then,
+unpickled (an open file, a lock, a database handle), and so much else: the descriptors open
+then (a socket the main process closes later stays open until they exit), and whatever a lock
+held by another thread at that moment guards stays locked in them (torch's fork workers share
+that risk). What a forked worker must not inherit is undone in it: the other workers' pipes,
+the signal handlers and the event loop's wake-up descriptor (``worker.py``).
 
 Cancellation policy: a job already sent to a worker is awaited, shielded, for up to
 ``CANCEL_GRACE`` seconds and its reply dropped; a worker still busy after that is terminated and
@@ -71,8 +77,8 @@ class ProcessWorkers:
 
     Args:
         workers: Number of processes.
-        context: A start method name (``"spawn"`` or ``"forkserver"``) or a multiprocessing
-            context using one.
+        context: A start method name (``"forkserver"``, ``"spawn"`` or ``"fork"``) or a
+            multiprocessing context using one.
         seed: Base seed; worker ``i`` is seeded with ``derive(seed, i)`` at start.
         derive: Derives a worker's seed from ``(seed, worker_id)``.
         worker_init_fn: Called once in each worker as it starts, with its id.
@@ -103,7 +109,13 @@ class ProcessWorkers:
         self._dataset = dataset
         prepare_forkserver(self._ctx)  # how they start: which of __main__'s own they have
         self._main_has = workers_main(self._ctx)
-        self._start = start_args(worker_init_fn, dataset, self._main_has)  # byvalue.py
+        self._forked = self._ctx.get_start_method() == "fork"
+        # A forked worker has them as they are when it starts; others are sent them (byvalue.py)
+        self._start = (
+            (worker_init_fn, dataset)
+            if self._forked
+            else start_args(worker_init_fn, dataset, self._main_has)
+        )
         self._seed = seed
         self._derive = derive
         self._stats = stats
@@ -124,7 +136,9 @@ class ProcessWorkers:
                 exc.add_note(
                     f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
                     "each worker process and must pickle, as with torch's spawn and forkserver "
-                    "start methods; or pass worker_mode='thread' to read it in this process"
+                    "start methods; or pass multiprocessing_context='fork' (torch's default on "
+                    "Linux) to fork the workers from this process, or worker_mode='thread' to "
+                    "read it in this process"
                 )
             raise
 
@@ -139,10 +153,14 @@ class ProcessWorkers:
                 self._derive(self._seed, worker_id),
                 self._start,
                 torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
+                self._forked,
             ),
             name=f"aioloader-worker-{worker_id}",
             daemon=True,  # a last resort only: aclose() stops every worker deterministically
         )
+        # A process forked from this one (this worker, with "fork"; a later worker of any pool)
+        # must not hold our end: this worker would never see EOF should this process die.
+        multiprocessing.util.register_after_fork(ours, Connection.close)
         try:
             process.start()
         except Exception:
@@ -210,15 +228,10 @@ class ProcessWorkers:
         worker.alive = False
         _hang_up(worker.conn)  # EOF: the worker's loop ends
         process = worker.process
-        if process.exitcode is None:
-            with anyio.move_on_after(grace):
-                await anyio.wait_readable(process.sentinel)
-        if process.exitcode is None:
+        if not await _exits(process, within=grace):
             process.terminate()
-            with anyio.move_on_after(_STOP_GRACE):
-                await anyio.wait_readable(process.sentinel)
-        if process.exitcode is None:
-            process.kill()
+            if not await _exits(process, within=_STOP_GRACE):
+                process.kill()
         with anyio.CancelScope(shield=True):
             await anyio.wait_readable(process.sentinel)
         process.join()
@@ -263,11 +276,8 @@ class ProcessWorkers:
         worker.alive = False
         if worker.stopped:
             return
-        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-            await anyio.wait_readable(worker.process.sentinel)
-        # The sentinel closes as the process exits, a moment before it can be reaped: this
-        # join is that moment (a crash path, never a job's).
-        worker.process.join(1.0)
+        with anyio.CancelScope(shield=True):
+            await _exits(worker.process, within=1.0)
 
     def _crashed(self, worker: _Worker) -> WorkerCrashed:
         try:
@@ -374,6 +384,19 @@ class ProcessWorkers:
                 await self._reply(worker)
                 return
             await self._stop(worker, grace=0.0)  # still busy: don't let it run on unseen
+
+
+async def _exits(process: multiprocessing.process.BaseProcess, *, within: float) -> bool:
+    """Whether ``process`` has exited, or does within ``within`` seconds (and can be reaped).
+
+    Its sentinel is readable as its descriptors close while it exits, a moment before it can
+    be reaped (a forked worker's sentinel is a pipe): the blocking join is that moment."""
+    if process.exitcode is not None:
+        return True
+    with anyio.move_on_after(within):
+        await anyio.wait_readable(process.sentinel)
+        process.join(1.0)
+    return process.exitcode is not None
 
 
 class _Gone(Exception):

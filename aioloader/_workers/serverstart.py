@@ -6,7 +6,7 @@ share everything the application has imported); else the standby forked as aiolo
 imported, caught up with the main module (``standby.py``); else the stdlib's own, a fresh
 interpreter asked to preload torch and the worker module besides the main module. And
 :func:`server_start`, what was decided and why, for the statistics and the verdict, and
-:func:`start_method_of`, the workers' start method (never fork). Never:
+:func:`start_method_of`, the workers' start method. Never:
 forks anything itself (``forkserver.py`` does), or starts a second server once one runs.
 """
 
@@ -38,7 +38,6 @@ from .forkserver import (
 
 __all__ = [
     "DEFAULT_START_METHOD",
-    "START_METHODS",
     "ServerStart",
     "note_server",
     "prepare_forkserver",
@@ -46,7 +45,6 @@ __all__ = [
     "start_method_of",
 ]
 
-START_METHODS = ("spawn", "forkserver")
 DEFAULT_START_METHOD = "forkserver"
 
 
@@ -221,10 +219,11 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
 
 def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
     """The worker processes' start method: ``context`` (a name or a multiprocessing context)
-    when given, else forkserver.
+    when given, else forkserver. ``"fork"`` is taken with torch's meaning: each worker is a
+    fork of this process as its workers start (``processes.py`` says what that costs).
 
     Raises:
-        ValueError: The method is fork, or unknown.
+        ValueError: The method is unknown, or not available on this platform.
         TypeError: ``context`` is neither a string nor a multiprocessing context.
     """
     if context is None:
@@ -239,15 +238,10 @@ def start_method_of(context: object) -> str | multiprocessing.context.BaseContex
             f"specifying the start method, but got multiprocessing_context={context!r} "
             f"(a {type(context).__qualname__})"
         )
-    if method == "fork":
-        raise ValueError(
-            "multiprocessing_context='fork' is not supported: forking a process that runs an "
-            "event loop, threads, obstore/tokio or CUDA can hang or corrupt it; use "
-            "'forkserver' (the default: workers start as fast as forked ones) or 'spawn'"
-        )
-    if method not in START_METHODS:
+    available = multiprocessing.get_all_start_methods()  # torch's words, and its list
+    if method not in available:
         raise ValueError(
             f"multiprocessing_context option should specify a valid start method in "
-            f"{START_METHODS!r}, but got multiprocessing_context={method!r}"
+            f"{available!r}, but got multiprocessing_context={method!r}"
         )
     return context if isinstance(context, multiprocessing.context.BaseContext) else method

@@ -231,6 +231,7 @@ def worker_main(
     seed: int,
     start: tuple[Callable[[int], object] | None, Any],
     sharing_strategy: str | None = None,
+    forked: bool = False,
 ) -> None:
     """Run in a worker process: set up, then serve jobs until the main process closes the pipe.
 
@@ -246,7 +247,10 @@ def worker_main(
     script set it would not know it).
     Ctrl-C is the main process's to handle: the worker ignores SIGINT (the main process stops
     it by closing the pipe), so an interrupted script prints one traceback, not one per worker.
+    ``forked``: the worker is a fork of the main process, whose signal handlers it drops first.
     """
+    if forked:
+        _drop_inherited_signal_handlers()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_this_process(f"aioloader-w{worker_id}")
     if sharing_strategy is not None:
@@ -268,6 +272,19 @@ def worker_main(
         payload = _run_job(job)
         del job  # nothing of a job (its raw samples) is kept while the next one is awaited
         _send(conn, payload)
+
+
+def _drop_inherited_signal_handlers() -> None:
+    """In a worker forked from the main process: its Python signal handlers back to the
+    default, and its event loop's wake-up descriptor let go. Inherited, a SIGTERM sent to stop
+    this worker would run the application's handler here and, through the wake-up descriptor
+    (a socket shared with the main process), wake the main process's loop as if it had been
+    signalled itself."""
+    signal.set_wakeup_fd(-1)
+    for signum in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL, SIGSTOP; 32 and 33 (glibc)
+            if callable(signal.getsignal(signum)):
+                signal.signal(signum, signal.SIG_DFL)
 
 
 def become_worker(

@@ -16,7 +16,7 @@ import torch.utils.data
 import aioloader
 from tests.support import worker_datasets as wd
 
-TORCH_CONTEXT = {"multiprocessing_context": "fork"}  # torch's default; ours refuses it
+TORCH_CONTEXT = {"multiprocessing_context": "fork"}  # torch's default on Linux
 
 
 class Iterable(torch.utils.data.IterableDataset[int]):

@@ -115,7 +115,7 @@ def test_without_persistent_workers_each_plain_for_epoch_starts_fresh_workers() 
     assert stats is not None and stats.processes == 1
 
 
-# torch's side runs with forkserver: its default (fork) hangs in a test process with threads.
+# torch's side runs with its default on Linux (and Python before 3.14).
 TORCH_CONTEXT = {"multiprocessing_context": "fork"}
 
 

@@ -6,6 +6,8 @@ interpreter with ``TMPDIR`` a folder of the test's own, under each of the three 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +46,17 @@ if __name__ == "__main__":
 
 
 def run(tmp_path: Path, *modes: str, standby: bool = True) -> tuple[dict[str, Any], list[str]]:
-    """Run the script; its result and what is left in its temporary folder once it exited."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    env = {"TMPDIR": str(temp), "AIOLOADER_STANDBY": "1" if standby else "0"}
-    return run_json_script(tmp_path, SCRIPT, *modes, env=env), sorted(os.listdir(temp))
+    """Run the script; its result and what is left in its temporary folder once it exited.
+
+    The folder is a short path of its own, not under ``tmp_path``: multiprocessing binds
+    sockets in it, and a socket's path is limited to 107 bytes (pytest's own folder, its
+    counter in the hundreds, with pytest-xdist's worker name, is long enough to reach it)."""
+    temp = Path(tempfile.mkdtemp(prefix="aiol-"))
+    try:
+        env = {"TMPDIR": str(temp), "AIOLOADER_STANDBY": "1" if standby else "0"}
+        return run_json_script(tmp_path, SCRIPT, *modes, env=env), sorted(os.listdir(temp))
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.parametrize(
