@@ -29,7 +29,7 @@ from .._data.source import InWorkers, Kind, MapSource, open_source
 from .._data.streams import StreamSource
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
-from .._workers.byvalue import check_worker_init_fn, sendable
+from .._workers.byvalue import check_worker_init_fn, inherited, sendable
 from .._workers.mainmodule import workers_main
 from .._workers.offload import ThreadOffload
 from .._workers.raycluster import join_cluster
@@ -220,6 +220,12 @@ class LoaderPlan:
         return plan_loader(arguments, offload, earlier=self, stacklevel=5)
 
 
+_REMEDY = (
+    "pass multiprocessing_context='fork' (the workers inherit it, unpickled), or "
+    "worker_mode='thread'"
+)
+
+
 def _forks(start_method: str | multiprocessing.context.BaseContext) -> bool:
     if isinstance(start_method, str):
         return start_method == "fork"
@@ -295,8 +301,10 @@ def plan_loader(
         # What the worker processes run goes by value where pickle cannot send it by name (a
         # lambda; byvalue.py); Ray's jobs go by cloudpickle anyway.
         main_has = workers_main(start_method)
-        send = functools.partial(sendable, main_has=main_has, remedy="pass worker_mode='thread'")
-        if not _forks(start_method):  # a forked worker has it unpickled
+        send = functools.partial(sendable, main_has=main_has, remedy=_REMEDY)
+        if _forks(start_method):  # forked workers inherit them all, unpickled
+            send = inherited
+        else:
             check_worker_init_fn(a.worker_init_fn, main_has)  # it goes as each worker starts
     elif in_workers and ray is not None:
         join_cluster(ray)  # on this thread: see join_cluster

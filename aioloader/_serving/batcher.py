@@ -121,7 +121,8 @@ class DynamicBatcher:
         num_workers: Collate in this many worker processes instead (``collate_fn`` must
             pickle; items travel pickled, batch tensors come back through shared memory).
         multiprocessing_context: The workers' start method, as the loader takes it: a name
-            (``"forkserver"``, the default, or ``"spawn"``) or a multiprocessing context.
+            (``"forkserver"``, the default, or ``"spawn"``) or a multiprocessing context; fork
+            is refused (a forked worker would hold copies of the server's client sockets).
         on_exit: ``"drain"`` or ``"cancel"``: what leaving ``async with`` does to requests
             not yet served (see above).
         device: Move each collated batch to this device before ``model_fn`` sees it (the
@@ -142,8 +143,8 @@ class DynamicBatcher:
 
     Raises:
         ValueError: An argument is out of range or unknown (the message names it),
-            ``max_batch_cost`` or ``padded_cost`` is given without ``cost_fn``, or ``device``
-            names CUDA while CUDA is not available.
+            ``max_batch_cost`` or ``padded_cost`` is given without ``cost_fn``, ``device``
+            names CUDA while CUDA is not available, or ``multiprocessing_context`` is fork.
         TypeError: A function argument is not callable, ``max_batch_cost`` is not a number,
             or ``collate_fn`` does not pickle while ``num_workers > 0``.
     """

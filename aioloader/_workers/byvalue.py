@@ -34,6 +34,7 @@ import multiprocessing.context
 import pickle
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -47,6 +48,8 @@ __all__ = [
     "check_worker_init_fn",
     "dumps_job",
     "dumps_reply",
+    "inherited",
+    "inherited_tokens",
     "portable",
     "sendable",
     "sent_by_name",
@@ -61,6 +64,9 @@ _tokens = itertools.count()
 # In a worker: the values sent to it by value, by token, and whether it was sent any.
 _received: dict[int, Any] = {}
 _by_value_here = False
+# In this process: every live ByValue, by token. A worker forked from this process inherits
+# it, and so has, unpickled, every value made before its fork (``inherited_tokens``).
+_made: weakref.WeakValueDictionary[int, ByValue] = weakref.WeakValueDictionary()
 
 
 class ByValue:
@@ -69,11 +75,12 @@ class ByValue:
     and sent to it once (:func:`dumps_job`). Calling it calls ``value``: the loader may run it
     in this process too. In a worker it is ``value`` itself."""
 
-    __slots__ = ("token", "value")
+    __slots__ = ("__weakref__", "token", "value")
 
     def __init__(self, value: Any) -> None:
         self.value = value
         self.token = next(_tokens)
+        _made[self.token] = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.value(*args, **kwargs)
@@ -112,7 +119,15 @@ def _receive(token: int, blob: bytes) -> Any:
 
 
 def _received_before(token: int) -> Any:
-    return _received[token]
+    if token in _received:
+        return _received[token]
+    return _made[token].value  # a forked worker: made before its fork, inherited
+
+
+def inherited_tokens() -> set[int]:
+    """The tokens of the values a worker forked from this process now inherits: jobs refer to
+    them by token, unpickled (as torch's forked workers inherit ``collate_fn``)."""
+    return set(_made.keys())
 
 
 def _receive_start(blob: bytes) -> Any:
@@ -122,16 +137,31 @@ def _receive_start(blob: bytes) -> Any:
 
 
 def portable(value: Any, main_has: MainRule) -> Any:
-    """``value`` as a job sends it: itself when pickle sends it by name (checked by a scan
-    that copies nothing), else a :class:`ByValue` of it (pickled once now, to fail here).
+    """``value`` (a function argument) as a job sends it: itself when it is a function or
+    class pickle sends by name (checked by a scan that copies nothing), else a
+    :class:`ByValue` of it (pickled once now, to fail here), sent to each worker once. A
+    bound method, a ``functools.partial`` or a callable object holds state (a bound
+    method's dataset) that would otherwise be pickled again with every job.
 
     Raises:
         Exception: It does not pickle, by name or by value (the reason pickle gives).
     """
-    if value is None or sent_by_name(value, main_has):
+    if value is None or (_plain(value) and sent_by_name(value, main_has)):
         return value
     _dumps(value, main_has, trial=True)
     return ByValue(value)
+
+
+def _plain(value: object) -> bool:
+    """A function or class, which pickle sends as its name alone."""
+    return isinstance(value, types.FunctionType | types.BuiltinFunctionType | type)
+
+
+def inherited(name: str, value: Any) -> Any:
+    """``value`` (the argument ``name``) as a job sends it to workers forked from this process:
+    a :class:`ByValue` they inherit and jobs name by its token, never pickled (a bound method
+    of the dataset is the forked worker's own dataset's)."""
+    return None if value is None else ByValue(value)
 
 
 def sendable(name: str, value: Any, main_has: MainRule, *, remedy: str) -> Any:
@@ -170,9 +200,8 @@ def start_args(
         raise TypeError(
             f"{what} cannot be sent to the worker processes ({type(exc).__name__}: {exc}): "
             "each worker gets a copy, as with torch's spawn and forkserver start methods. Make "
-            "it picklable, pass multiprocessing_context='fork' (torch's default on Linux) to "
-            "fork the workers from this process, or worker_mode='thread' to keep it in this "
-            "process"
+            "it picklable, pass multiprocessing_context='fork' (the workers then inherit it, "
+            "as torch's forked workers do), or worker_mode='thread' to keep it in this process"
         ) from exc
 
 
@@ -185,7 +214,10 @@ def check_worker_init_fn(worker_init_fn: object, main_has: MainRule) -> None:
         TypeError: It cannot be pickled, by name or by value; the message names it.
     """
     with _as_a_process_starts():
-        sendable("worker_init_fn", worker_init_fn, main_has, remedy="pass worker_mode='thread'")
+        remedy = (
+            "pass multiprocessing_context='fork' (the workers inherit it), or worker_mode='thread'"
+        )
+        sendable("worker_init_fn", worker_init_fn, main_has, remedy=remedy)
 
 
 def _scans(value: object, main_has: MainRule) -> bool:

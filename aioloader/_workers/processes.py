@@ -42,7 +42,7 @@ import torch.multiprocessing  # registers torch's shared-memory reductions
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
-from .byvalue import dumps_job, start_args
+from .byvalue import dumps_job, inherited_tokens, start_args
 from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .mainmodule import workers_main
@@ -136,8 +136,8 @@ class ProcessWorkers:
                 exc.add_note(
                     f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
                     "each worker process and must pickle, as with torch's spawn and forkserver "
-                    "start methods; or pass multiprocessing_context='fork' (torch's default on "
-                    "Linux) to fork the workers from this process, or worker_mode='thread' to "
+                    "start methods; or pass multiprocessing_context='fork' (the workers then "
+                    "inherit it, as torch's forked workers do), or worker_mode='thread' to "
                     "read it in this process"
                 )
             raise
@@ -161,6 +161,7 @@ class ProcessWorkers:
         # A process forked from this one (this worker, with "fork"; a later worker of any pool)
         # must not hold our end: this worker would never see EOF should this process die.
         multiprocessing.util.register_after_fork(ours, Connection.close)
+        has = inherited_tokens() if self._forked else set()  # what it will have, unpickled
         try:
             process.start()
         except Exception:
@@ -168,7 +169,7 @@ class ProcessWorkers:
             raise
         finally:
             theirs.close()  # only the child holds its end: its death is EOF on ours
-        return _Worker(worker_id, process, ours)
+        return _Worker(worker_id, process, ours, has=has)
 
     async def _ready(self, worker: _Worker) -> None:
         ok, value = await self._reply(worker)
@@ -235,7 +236,10 @@ class ProcessWorkers:
         with anyio.CancelScope(shield=True):
             await anyio.wait_readable(process.sentinel)
         process.join()
-        process.close()
+        # Exited, yet never reaped where the application ignores SIGCHLD (the kernel reaps it):
+        # its sentinel is closed once the process object is dropped.
+        with contextlib.suppress(ValueError):
+            process.close()
         worker.stopped = True
         LEDGER.forget(worker.pid)  # its blocks: mappings here live on only in their views
 

@@ -40,7 +40,7 @@ SPAWNED = workers_main("spawn")  # what a spawned worker has of the main module 
 
 
 def test_what_pickle_finds_by_name_is_left_as_it_is() -> None:
-    for value in (None, worker_fns.kill_on_7, default_collate, functools.partial(max, 3), [1, "a"]):
+    for value in (None, worker_fns.kill_on_7, default_collate, Counting, max):
         assert portable(value, SPAWNED) is value
     assert sent_by_name(Counting(4), SPAWNED)
 
@@ -551,3 +551,35 @@ def test_an_open_text_file_is_refused_by_value_as_by_name(tmp_path: Path) -> Non
             portable(lambda: handle, SPAWNED)
     finally:
         handle.close()
+
+
+class _Table:
+    """A dataset-like object with a large table, and a method to pass as ``collate_fn``."""
+
+    def __init__(self, rows: int) -> None:
+        self.table = [f"/data/shard-{i:08d}/sample.jpg" for i in range(rows)]
+
+    def collate(self, batch: list[int]) -> list[str]:
+        return [self.table[i] for i in batch]
+
+
+def test_a_bound_method_goes_to_each_worker_once_not_with_every_job() -> None:
+    """A bound method (``collate_fn=dataset.collater``) pickles its object: sent by name with
+    every job it carried the whole table each time; it goes by value, once per worker."""
+    table = _Table(20_000)
+    assert isinstance(portable(table.collate, SPAWNED), ByValue)
+    assert isinstance(portable(functools.partial(max, 3), SPAWNED), ByValue)
+    dl = aioloader.DataLoader(
+        Counting(64), batch_size=4, num_workers=2, collate_fn=table.collate,
+        persistent_workers=True,
+    )  # fmt: skip
+    with dl:
+        first = list(dl)
+        sent_once = dl.statistics().workers.bytes_sent
+        second = list(dl)
+        sent_again = dl.statistics().workers.bytes_sent - sent_once
+    assert [row for batch in first for row in batch] == table.table[:64]
+    assert second == first
+    table_bytes = len(pickle.dumps(table))
+    assert sent_once < 3 * table_bytes  # two workers, once each, and 16 small jobs
+    assert sent_again < table_bytes / 10  # 16 jobs that name it by token

@@ -24,7 +24,7 @@ from aioloader._base.recorders import WorkerRecorder
 from aioloader._data.seeds import derive_seed
 from aioloader._workers.processes import ProcessWorkers
 from tests.support import worker_fns
-from tests.support.helpers import Counting, flat
+from tests.support.helpers import Counting, flat, run_json_script
 
 # Python 3.12 and later warn as a multi-threaded process forks (the hazard the docs state):
 # these tests fork on purpose, from a process with threads.
@@ -264,3 +264,72 @@ def test_forked_workers_leave_when_the_main_process_is_killed(tmp_path: Path) ->
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+class Tagged(torch.utils.data.Dataset[int]):
+    """A dataset that pickle refuses, whose ``collate`` (passed as ``collate_fn``, as fairseq's
+    ``collater`` is) reads what ``worker_init_fn`` set on the worker's dataset."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.lock = threading.Lock()
+        self.tag = "unset"
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def set_tag(self, worker_id: int) -> None:
+        self.tag = f"worker {worker_id}"
+
+    def collate(self, batch: list[int]) -> tuple[str, list[int]]:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None and info.dataset is self
+        with self.lock:
+            return self.tag, batch
+
+
+def test_a_bound_method_of_the_dataset_as_collate_fn_is_the_forked_worker_s_own() -> None:
+    """As in torch's forked workers: ``collate_fn=dataset.collate`` is not pickled (its dataset
+    holds a lock) and runs on the worker's dataset, which ``worker_init_fn`` configured."""
+    dataset = Tagged(8)
+    dl = aioloader.DataLoader(
+        dataset,
+        batch_size=2,
+        num_workers=2,
+        collate_fn=dataset.collate,
+        worker_init_fn=dataset.set_tag,
+        multiprocessing_context="fork",
+    )
+    got = list(dl)
+    assert sorted(i for _, batch in got for i in batch) == list(range(8))
+    assert {tag for tag, _ in got} == {"worker 0", "worker 1"}
+    assert dataset.tag == "unset"  # the main process's dataset: untouched
+    with pytest.raises(TypeError, match=r"collate_fn=.*multiprocessing_context='fork'"):
+        aioloader.DataLoader(dataset, num_workers=1, collate_fn=dataset.collate)
+
+
+IGNORES_SIGCHLD = """
+import json, signal, sys
+import aioloader
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reaped by the kernel, never waited
+    got = {}
+    for method in sys.argv[1:]:
+        loader = aioloader.DataLoader(
+            list(range(8)), batch_size=4, num_workers=2, multiprocessing_context=method
+        )
+        got[method] = [[int(x) for x in batch] for _ in range(2) for batch in loader]
+    print(json.dumps(got))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SIGCHLD as Linux handles it")
+def test_workers_stop_cleanly_where_the_application_ignores_sigchld(tmp_path: Path) -> None:
+    """With SIGCHLD ignored a stopped worker can never be reaped (its exit status is gone):
+    the epoch still ends with its batches, not with the error of closing a running process."""
+    got = run_json_script(tmp_path, IGNORES_SIGCHLD, "fork", "spawn", env={})
+    assert got == {m: [[0, 1, 2, 3], [4, 5, 6, 7]] * 2 for m in ("fork", "spawn")}
