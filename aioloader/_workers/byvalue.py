@@ -48,6 +48,7 @@ __all__ = [
     "check_worker_init_fn",
     "dumps_job",
     "dumps_reply",
+    "forget_received",
     "inherited",
     "inherited_tokens",
     "portable",
@@ -122,6 +123,16 @@ def _received_before(token: int) -> Any:
     if token in _received:
         return _received[token]
     return _made[token].value  # a forked worker: made before its fork, inherited
+
+
+def forget_received() -> None:
+    """In a worker forked from a process that had itself been sent values by value: those are
+    not this worker's. Its replies go by value only once it is sent some (:func:`dumps_reply`);
+    a class it inherited would come back a copy, so it goes by name or fails, as in torch's
+    forked workers."""
+    global _by_value_here
+    _by_value_here = False
+    _received.clear()
 
 
 def inherited_tokens() -> set[int]:

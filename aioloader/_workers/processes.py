@@ -144,31 +144,34 @@ class ProcessWorkers:
 
     def _start_process(self, worker_id: int) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has Process
-            target=worker_main,
-            args=(
-                theirs,
-                worker_id,
-                self.concurrency,
-                self._derive(self._seed, worker_id),
-                self._start,
-                torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
-                self._forked,
-            ),
-            name=f"aioloader-worker-{worker_id}",
-            daemon=True,  # a last resort only: aclose() stops every worker deterministically
-        )
         # A process forked from this one (this worker, with "fork"; a later worker of any pool)
         # must not hold our end: this worker would never see EOF should this process die.
         multiprocessing.util.register_after_fork(ours, Connection.close)
         has = inherited_tokens() if self._forked else set()  # what it will have, unpickled
+        held = _hold_signals() if self._forked else None
         try:
+            process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has one
+                target=worker_main,
+                args=(
+                    theirs,
+                    worker_id,
+                    self.concurrency,
+                    self._derive(self._seed, worker_id),
+                    self._start,
+                    torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
+                    held,
+                ),
+                name=f"aioloader-worker-{worker_id}",
+                daemon=True,  # a last resort only: aclose() stops every worker deterministically
+            )
             process.start()
         except Exception:
             ours.close()
             raise
         finally:
             theirs.close()  # only the child holds its end: its death is EOF on ours
+            if held:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
         return _Worker(worker_id, process, ours, has=has)
 
     async def _ready(self, worker: _Worker) -> None:
@@ -388,6 +391,17 @@ class ProcessWorkers:
                 await self._reply(worker)
                 return
             await self._stop(worker, grace=0.0)  # still busy: don't let it run on unseen
+
+
+def _hold_signals() -> frozenset[int]:
+    """Block, on this thread, the signals this process handles in Python and had not blocked:
+    the signals a worker forked now receives wait until it has dropped this process's handlers
+    (``worker.py``). Delivered before, a SIGTERM meant to stop it would run this process's
+    handler there, and write to the event loop's wake-up descriptor, a socket it shares with
+    this process. The caller unblocks them again once the worker is forked."""
+    handled = {s for s in signal.valid_signals() if callable(signal.getsignal(s))}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, handled)
+    return frozenset(handled - before)
 
 
 async def _exits(process: multiprocessing.process.BaseProcess, *, within: float) -> bool:

@@ -34,7 +34,7 @@ import torch.utils.data
 
 from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
-from .byvalue import dumps_reply
+from .byvalue import dumps_reply, forget_received
 from .pack import pack_tensors
 from .result import JobResult
 
@@ -231,7 +231,7 @@ def worker_main(
     seed: int,
     start: tuple[Callable[[int], object] | None, Any],
     sharing_strategy: str | None = None,
-    forked: bool = False,
+    forked: frozenset[int] | None = None,
 ) -> None:
     """Run in a worker process: set up, then serve jobs until the main process closes the pipe.
 
@@ -247,11 +247,15 @@ def worker_main(
     script set it would not know it).
     Ctrl-C is the main process's to handle: the worker ignores SIGINT (the main process stops
     it by closing the pipe), so an interrupted script prints one traceback, not one per worker.
-    ``forked``: the worker is a fork of the main process, whose signal handlers it drops first.
+    ``forked``: the worker is a fork of the main process, which blocked these signals as it
+    forked; the worker drops the main process's handlers, then unblocks them.
     """
-    if forked:
+    if forked is not None:
         _drop_inherited_signal_handlers()
+        forget_received()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if forked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forked)
     name_this_process(f"aioloader-w{worker_id}")
     if sharing_strategy is not None:
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]

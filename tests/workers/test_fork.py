@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import torch
 import aioloader
 from aioloader._base.recorders import WorkerRecorder
 from aioloader._data.seeds import derive_seed
+from aioloader._workers.byvalue import ByValue
 from aioloader._workers.processes import ProcessWorkers
 from tests.support import worker_fns
 from tests.support.helpers import Counting, flat, run_json_script
@@ -333,3 +335,22 @@ def test_workers_stop_cleanly_where_the_application_ignores_sigchld(tmp_path: Pa
     the epoch still ends with its batches, not with the error of closing a running process."""
     got = run_json_script(tmp_path, IGNORES_SIGCHLD, "fork", "spawn", env={})
     assert got == {m: [[0, 1, 2, 3], [4, 5, 6, 7]] * 2 for m in ("fork", "spawn")}
+
+
+def test_a_local_class_from_a_forked_worker_fails_loudly_not_as_a_copy() -> None:
+    """A forked worker inherits its classes; one pickle cannot find by name would come back a
+    copy by value (``isinstance`` false), so it fails, named, as in torch's forked workers: even
+    where this process was itself sent values by value (a worker of another pool, this test's
+    process), whose state the forked worker inherits and must drop."""
+    pickle.loads(pickle.dumps(ByValue(len)))  # this process has now received a value by value
+
+    class Batch:
+        def __init__(self, items: list[int]) -> None:
+            self.items = items
+
+    dl = aioloader.DataLoader(
+        Counting(4), batch_size=2, num_workers=1, collate_fn=Batch, multiprocessing_context="fork"
+    )
+    with pytest.raises(AttributeError, match="local object") as info:
+        list(dl)
+    assert "Batch" in str(info.value)
