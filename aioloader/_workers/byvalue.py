@@ -26,6 +26,7 @@ list of a million paths, on a 2-core box (pickling it for each worker costs more
 from __future__ import annotations
 
 import contextlib
+import copy
 import copyreg
 import io
 import itertools
@@ -92,6 +93,14 @@ class ByValue:
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         # Outside a pool's jobs: nothing of the main module is taken to be there
         return _receive, (self.token, _dumps(self.value, _nothing))
+
+    def __copy__(self) -> ByValue:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ByValue:
+        # Not through __reduce__: a copy in this process, its functions its own (a copy of a
+        # partial of a main-module function would hold a function no longer found by name)
+        return ByValue(copy.deepcopy(self.value, memo))
 
 
 def _nothing(obj: types.FunctionType | type) -> bool:

@@ -148,8 +148,9 @@ class ProcessWorkers:
         # must not hold our end: this worker would never see EOF should this process die.
         multiprocessing.util.register_after_fork(ours, Connection.close)
         has = inherited_tokens() if self._forked else set()  # what it will have, unpickled
-        held = _hold_signals() if self._forked else None
+        held: frozenset[int] | None = None
         try:
+            held = _hold_signals() if self._forked else None
             process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has one
                 target=worker_main,
                 args=(
@@ -169,9 +170,9 @@ class ProcessWorkers:
             ours.close()
             raise
         finally:
-            theirs.close()  # only the child holds its end: its death is EOF on ours
             if held:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+            theirs.close()  # only the child holds its end: its death is EOF on ours
         return _Worker(worker_id, process, ours, has=has)
 
     async def _ready(self, worker: _Worker) -> None:
@@ -414,6 +415,8 @@ async def _exits(process: multiprocessing.process.BaseProcess, *, within: float)
     with anyio.move_on_after(within):
         await anyio.wait_readable(process.sentinel)
         process.join(1.0)
+        if process.exitcode is None and signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+            return True  # the kernel reaped it (its status is gone): no signal to a freed pid
     return process.exitcode is not None
 
 

@@ -32,7 +32,7 @@ from aioloader._workers.byvalue import ByValue, portable, sent_by_name
 from aioloader._workers.mainmodule import names_bound_on_import, workers_main
 from aioloader._workers.processes import ProcessWorkers
 from tests.support import worker_fns
-from tests.support.helpers import Counting, flat, open_fds
+from tests.support.helpers import Counting, flat, open_fds, run_json_script
 
 # -- deciding -------------------------------------------------------------------------------------
 
@@ -583,3 +583,27 @@ def test_a_bound_method_goes_to_each_worker_once_not_with_every_job() -> None:
     table_bytes = len(pickle.dumps(table))
     assert sent_once < 3 * table_bytes  # two workers, once each, and 16 small jobs
     assert sent_again < table_bytes / 10  # 16 jobs that name it by token
+
+
+DEEP_COPY = """
+import copy, functools, json
+import aioloader
+
+def add(k, batch):
+    return [x + k for x in batch]
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(
+        list(range(4)), batch_size=2, num_workers=1, collate_fn=functools.partial(add, 100)
+    )
+    print(json.dumps({"batches": [[int(x) for x in b] for b in copy.deepcopy(loader)]}))
+"""
+
+
+def test_a_deep_copy_of_a_loader_keeps_its_functions_found_by_name(tmp_path: Path) -> None:
+    """``copy.deepcopy(loader)`` (as some trainers do) copies a function argument sent by value
+    in this process, not through pickle: a partial of the script's own function still holds
+    that function (a pickled copy would be a function of the same name that pickle refuses to
+    send by name, being not the script's)."""
+    got = run_json_script(tmp_path, DEEP_COPY, env={})
+    assert got == {"batches": [[100, 101], [102, 103]]}
