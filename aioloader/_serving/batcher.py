@@ -121,8 +121,7 @@ class DynamicBatcher:
         num_workers: Collate in this many worker processes instead (``collate_fn`` must
             pickle; items travel pickled, batch tensors come back through shared memory).
         multiprocessing_context: The workers' start method, as the loader takes it: a name
-            (``"forkserver"``, the default, or ``"spawn"``) or a multiprocessing context; fork
-            is refused (a forked worker would hold copies of the server's client sockets).
+            (``"forkserver"``, the default, or ``"spawn"``) or a multiprocessing context (no fork).
         on_exit: ``"drain"`` or ``"cancel"``: what leaving ``async with`` does to requests
             not yet served (see above).
         device: Move each collated batch to this device before ``model_fn`` sees it (the
@@ -175,14 +174,7 @@ class DynamicBatcher:
         bucket_fn: Callable[[Any], Hashable] | None = None,
     ) -> None:
         self.policy = BatchPolicy(max_batch_size, max_delay, tuple(preferred_batch_sizes))
-        start_method = start_method_of(multiprocessing_context)
-        method = start_method if isinstance(start_method, str) else start_method.get_start_method()
-        if method == "fork":
-            raise ValueError(
-                "multiprocessing_context='fork' is not supported by DynamicBatcher: a fork of "
-                "a serving process holds copies of its client connections, which then stay "
-                "open after the server closes them; use 'forkserver' (the default) or 'spawn'"
-            )
+        start_method = start_method_of(multiprocessing_context, serving=True)
         check_arguments(
             model_fn=model_fn,
             max_batch_size=max_batch_size,

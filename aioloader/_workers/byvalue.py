@@ -8,10 +8,9 @@ pickle sends a function by its module and name: a lambda fails. Such a value is 
 value here, with cloudpickle; everything in it that a worker finds by name still goes by name
 (a torch class, the script's dataset class: the worker's is the class itself, not a copy).
 
-Owns: deciding what must go by value (a scan that pickles into nothing: no tensor is moved to
-shared memory, no descriptor handed out; which of the main module's own a worker has is
-``mainmodule.py``'s), a job's functions sent to each worker
-once (:func:`dumps_job`), the start arguments by value inside the worker's start
+Owns: deciding what must go by value (with ``byname.py``'s scan, which pickles into nothing;
+which of the main module's own a worker has is ``mainmodule.py``'s), a job's functions sent
+to each worker once (:func:`dumps_job`), the start arguments by value inside the worker's start
 (:class:`StartArgs`: tensors through shared memory, as pickle by name sends them), and a
 worker's replies (:func:`dumps_reply`: an instance of a class that came by value arrives as the
 caller's own class). Never: sends by value what a worker finds by name.
@@ -25,22 +24,27 @@ list of a million paths, on a 2-core box (pickling it for each worker costs more
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import copyreg
 import io
 import itertools
-import multiprocessing
-import multiprocessing.context
 import pickle
-import sys
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import cloudpickle
+
+from .byname import (
+    ACTING,
+    MainRule,
+    as_a_process_starts,
+    forking_reducers,
+    found_by_name,
+    sent_by_name,
+)
 
 __all__ = [
     "ByValue",
@@ -57,10 +61,6 @@ __all__ = [
     "sent_by_name",
     "start_args",
 ]
-
-# Whether a worker has one of the main module's functions or classes under its name
-# (``mainmodule.workers_main``).
-MainRule = Callable[[types.FunctionType | type], bool]
 
 _tokens = itertools.count()
 # In a worker: the values sent to it by value, by token, and whether it was sent any.
@@ -233,7 +233,7 @@ def check_worker_init_fn(worker_init_fn: object, main_has: MainRule) -> None:
     Raises:
         TypeError: It cannot be pickled, by name or by value; the message names it.
     """
-    with _as_a_process_starts():
+    with as_a_process_starts():
         remedy = (
             "pass multiprocessing_context='fork' (the workers inherit it), or worker_mode='thread'"
         )
@@ -310,128 +310,13 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         # it whole into a copy for every worker)
         table.pop(io.TextIOWrapper, None)
         if sharing or trial:  # a trial runs as a process's start would, but moves nothing
-            table.update(_forking_reducers(skipping=_ACTING if trial else ()))
+            table.update(forking_reducers(skipping=ACTING if trial else ()))
         # Before the pickler's own start, which reads it (cloudpickle's class attribute, a
         # ChainMap, would hide a later one; and a ChainMap's lookups run in Python, per object)
         self.dispatch_table = table
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
 
     def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, types.FunctionType | type) or _found_by_name(obj, self.main_has):
+        if not isinstance(obj, types.FunctionType | type) or found_by_name(obj, self.main_has):
             return NotImplemented
         return super().reducer_override(obj)
-
-
-# -- the scan -------------------------------------------------------------------------------------
-
-
-def sent_by_name(value: object, main_has: MainRule, *, starting: bool = False) -> bool:
-    """Whether every function and class in ``value`` is one pickle sends by name and a worker
-    finds by that name (``main_has`` says which of the main module's own). Pickles into
-    nothing: tensors and buffers are not copied, torch's reductions do not run, no descriptor
-    is handed out. ``starting``: as a process's start pickles it (a multiprocessing lock or
-    shared ``Value`` pickles only then).
-
-    Raises:
-        Exception: ``value`` does not pickle at all (the reason pickle gives).
-    """
-    with _as_a_process_starts() if starting else contextlib.nullcontext():
-        try:
-            _Scan(main_has).dump(value)
-        except _NotByName:
-            return False
-    return True
-
-
-@contextlib.contextmanager
-def _as_a_process_starts() -> Iterator[None]:
-    """Pickling as a process's start pickles: what hands a descriptor to it (a shared
-    ``Value``'s memory) is handed nothing, and what pickles only then (a multiprocessing lock)
-    pickles."""
-    previous = multiprocessing.context.get_spawning_popen()
-    multiprocessing.context.set_spawning_popen(_NoProcess())  # type: ignore[arg-type]
-    try:
-        yield
-    finally:
-        multiprocessing.context.set_spawning_popen(previous)
-
-
-class _NotByName(Exception):
-    pass
-
-
-class _Nowhere:
-    def write(self, data: bytes | memoryview) -> None:
-        pass
-
-
-class _NoProcess:
-    """Stands for the process whose start pickles what the scan walks: what hands a
-    descriptor to it (a shared ``Value``'s memory) is handed nothing."""
-
-    def duplicate_for_child(self, fd: int) -> int:
-        return fd
-
-    def DupFd(self, fd: int) -> int:  # multiprocessing's name
-        return fd
-
-
-def _skip(_: object) -> tuple[type, tuple[()]]:
-    return object, ()
-
-
-class _Scan(pickle.Pickler):
-    """Walks what pickle would send and raises at the first function or class a worker would
-    not find by name."""
-
-    def __init__(self, main_has: MainRule) -> None:
-        super().__init__(_Nowhere(), pickle.HIGHEST_PROTOCOL, buffer_callback=_out_of_band)
-        self.main_has = main_has
-        # multiprocessing's own too: the scan needs no descriptor (a shared Value's memory)
-        scanned = _forking_reducers(skipping=(*_ACTING, "multiprocessing"))
-        self.dispatch_table = {**copyreg.dispatch_table, **scanned}
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, types.FunctionType | type) and not _found_by_name(obj, self.main_has):
-            raise _NotByName(obj)
-        return NotImplemented
-
-
-# What acts as it reduces: torch's reductions move a tensor to shared memory, a socket's and a
-# connection's hand a descriptor to the resource sharer's thread (outside a process's start)
-_ACTING = ("torch", "socket", "multiprocessing.connection")
-
-
-def _forking_reducers(*, skipping: tuple[str, ...] = ()) -> dict[type, Any]:
-    """``ForkingPickler``'s reductions, those of types from the modules ``skipping`` names
-    reducing to nothing."""
-    extra: dict[type, Any] = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
-    for kind in extra:
-        if kind.__module__.startswith(skipping):
-            extra[kind] = _skip
-    return extra
-
-
-def _out_of_band(_: pickle.PickleBuffer) -> bool:
-    return True  # a NumPy array's bytes are not copied into the scan
-
-
-# -- what a worker finds by name ------------------------------------------------------------------
-
-
-def _found_by_name(obj: types.FunctionType | type, main_has: MainRule | None) -> bool:
-    """Whether a worker finds ``obj`` by its module and qualified name (``main_has`` says
-    which of the main module's own it has; None: those it is found under here)."""
-    module_name = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None)
-    if not isinstance(module_name, str) or not isinstance(qualname, str):
-        return False
-    module = sys.modules.get(module_name)
-    if module is None:
-        return False
-    found: object = module
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    if found is not obj:
-        return False
-    return module_name != "__main__" or main_has is None or main_has(obj)

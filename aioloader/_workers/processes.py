@@ -7,13 +7,11 @@ milliseconds, named), and stopping them.
 
 Start-up: by default (forkserver) every worker is a fork of the fork server (tens of
 milliseconds), started once per process the fastest safe way (``serverstart.py``); spawn imports
-torch in every worker. ``"fork"``, on request, forks this process itself as the workers start,
-as torch's fork does: the workers get the dataset and ``worker_init_fn`` as they are then,
-unpickled (an open file, a lock, a database handle), and so much else: the descriptors open
-then (a socket the main process closes later stays open until they exit), and whatever a lock
-held by another thread at that moment guards stays locked in them (torch's fork workers share
-that risk). What a forked worker must not inherit is undone in it: the other workers' pipes,
-the signal handlers and the event loop's wake-up descriptor (``worker.py``).
+torch in every worker. ``"fork"`` forks this process itself as the workers start, as torch's
+fork does: the workers inherit the dataset and the job's functions unpickled, and so much else:
+the descriptors open then (a socket closed here later stays open in them), and a lock another
+thread held then (torch's fork workers share that risk). What a forked worker must not keep it
+drops: the pipes, the signal handlers, the loop's wake-up descriptor (``worker.py``).
 
 Cancellation policy: a job already sent to a worker is awaited, shielded, for up to
 ``CANCEL_GRACE`` seconds and its reply dropped; a worker still busy after that is terminated and
@@ -27,10 +25,8 @@ import contextlib
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.util
-import os
 import pickle
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -43,6 +39,7 @@ import torch.multiprocessing  # registers torch's shared-memory reductions
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
 from .byvalue import dumps_job, inherited_tokens, start_args
+from .children import blocking, exits, hang_up, hold_signals
 from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .mainmodule import workers_main
@@ -150,7 +147,7 @@ class ProcessWorkers:
         has = inherited_tokens() if self._forked else set()  # what it will have, unpickled
         held: frozenset[int] | None = None
         try:
-            held = _hold_signals() if self._forked else None
+            held = hold_signals() if self._forked else None
             process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has one
                 target=worker_main,
                 args=(
@@ -231,11 +228,11 @@ class ProcessWorkers:
         if worker.stopped:
             return
         worker.alive = False
-        _hang_up(worker.conn)  # EOF: the worker's loop ends
+        hang_up(worker.conn)  # EOF: the worker's loop ends
         process = worker.process
-        if not await _exits(process, within=grace):
+        if not await exits(process, within=grace):
             process.terminate()
-            if not await _exits(process, within=_STOP_GRACE):
+            if not await exits(process, within=_STOP_GRACE):
                 process.kill()
         with anyio.CancelScope(shield=True):
             await anyio.wait_readable(process.sentinel)
@@ -264,7 +261,7 @@ class ProcessWorkers:
     async def _reply(self, worker: _Worker) -> tuple[bool, Any]:
         """Await the worker's next message; a dead worker raises :class:`WorkerCrashed`."""
         await anyio.wait_readable(worker.conn.fileno())
-        _blocking(worker.conn)
+        blocking(worker.conn)
         try:
             data = worker.conn.recv_bytes()
         except (EOFError, OSError):
@@ -285,7 +282,7 @@ class ProcessWorkers:
         if worker.stopped:
             return
         with anyio.CancelScope(shield=True):
-            await _exits(worker.process, within=1.0)
+            await exits(worker.process, within=1.0)
 
     def _crashed(self, worker: _Worker) -> WorkerCrashed:
         try:
@@ -373,7 +370,7 @@ class ProcessWorkers:
         except BaseException:
             LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
             raise
-        _blocking(worker.conn)
+        blocking(worker.conn)
         # A view of a BytesIO: let go now, not when a traceback is collected (a frame that
         # views it, left in a cycle, crashed 3.12.1's gc: gh-111049)
         with payload:
@@ -394,50 +391,9 @@ class ProcessWorkers:
             await self._stop(worker, grace=0.0)  # still busy: don't let it run on unseen
 
 
-def _hold_signals() -> frozenset[int]:
-    """Block, on this thread, the signals this process handles in Python and had not blocked:
-    the signals a worker forked now receives wait until it has dropped this process's handlers
-    (``worker.py``). Delivered before, a SIGTERM meant to stop it would run this process's
-    handler there, and write to the event loop's wake-up descriptor, a socket it shares with
-    this process. The caller unblocks them again once the worker is forked."""
-    handled = {s for s in signal.valid_signals() if callable(signal.getsignal(s))}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, handled)
-    return frozenset(handled - before)
-
-
-async def _exits(process: multiprocessing.process.BaseProcess, *, within: float) -> bool:
-    """Whether ``process`` has exited, or does within ``within`` seconds (and can be reaped).
-
-    Its sentinel is readable as its descriptors close while it exits, a moment before it can
-    be reaped (a forked worker's sentinel is a pipe): the blocking join is that moment."""
-    if process.exitcode is not None:
-        return True
-    with anyio.move_on_after(within):
-        await anyio.wait_readable(process.sentinel)
-        process.join(1.0)
-        if process.exitcode is None and signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
-            return True  # the kernel reaped it (its status is gone): no signal to a freed pid
-    return process.exitcode is not None
-
-
 class _Gone(Exception):
     """A worker's pipe refused a job: the worker died while idle."""
 
 
 def _is_pickling_error(exc: BaseException) -> bool:
     return isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))
-
-
-def _hang_up(conn: Connection) -> None:
-    """Close this end of a worker's pipe so that the worker sees EOF even where a process
-    forked from this one since holds a copy of it (torch's fork workers, a user's fork): the
-    socket is shut down first, which reaches every copy (a pipe that is no socket: closed)."""
-    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as end:
-        end.shutdown(socket.SHUT_RDWR)
-    conn.close()
-
-
-def _blocking(conn: Connection) -> None:
-    """Blocking mode again: uvloop makes a socket it polls non-blocking, and ``Connection``'s
-    whole-message reads and writes then fail part-way on a message over the socket's buffer."""
-    os.set_blocking(conn.fileno(), True)

@@ -217,13 +217,16 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
         ctx.set_forkserver_preload(wanted)
 
 
-def start_method_of(context: object) -> str | multiprocessing.context.BaseContext:
+def start_method_of(
+    context: object, *, serving: bool = False
+) -> str | multiprocessing.context.BaseContext:
     """The worker processes' start method: ``context`` (a name or a multiprocessing context)
     when given, else forkserver. ``"fork"`` is taken with torch's meaning: each worker is a
-    fork of this process as its workers start (``processes.py`` says what that costs).
+    fork of this process as its workers start (``processes.py`` says what that costs), except
+    for a serving process's workers (``serving``: a ``DynamicBatcher``'s).
 
     Raises:
-        ValueError: The method is unknown, or not available on this platform.
+        ValueError: The method is unknown, not available on this platform, or fork refused.
         TypeError: ``context`` is neither a string nor a multiprocessing context.
     """
     if context is None:
@@ -239,6 +242,14 @@ def start_method_of(context: object) -> str | multiprocessing.context.BaseContex
             f"(a {type(context).__qualname__})"
         )
     available = multiprocessing.get_all_start_methods()  # torch's words, and its list
+    if serving:
+        available = [m for m in available if m != "fork"]
+        if method == "fork":
+            raise ValueError(
+                "multiprocessing_context='fork' is not supported by DynamicBatcher: a fork of "
+                "a serving process holds copies of its client connections, which then stay "
+                "open after the server closes them; use 'forkserver' (the default) or 'spawn'"
+            )
     if method not in available:
         raise ValueError(
             f"multiprocessing_context option should specify a valid start method in "

@@ -291,7 +291,9 @@ async def test_an_async_dataset_that_never_waits_is_awaited_in_the_consumers_cal
         await made_in_the_calls(dl, ds)
         ds.sleep = 0.001  # the reads wait now: the stages take over, nothing lost
         got, here = await consumer_reads(dl, ds)
-        assert got == list(range(64)) and here == 4 * SLOW_IN_A_ROW
+        # At most SLOW_IN_A_ROW batches are read here first (none, where a loaded machine timed
+        # the last fast epoch slow and gave this one to the stages from its start)
+        assert got == list(range(64)) and here in range(0, 4 * SLOW_IN_A_ROW + 1, 4), here
         assert await consumer_reads(dl, ds) == [list(range(64)), 0]  # and keep it
 
 
