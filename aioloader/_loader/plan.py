@@ -30,6 +30,7 @@ from .._data.streams import StreamSource
 from .._device.stage import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
 from .._workers.byvalue import check_worker_init_fn, inherited, sendable
+from .._workers.datasetmethod import on_worker_dataset
 from .._workers.mainmodule import workers_main
 from .._workers.offload import ThreadOffload
 from .._workers.raycluster import join_cluster
@@ -232,6 +233,10 @@ def _forks(start_method: str | multiprocessing.context.BaseContext) -> bool:
     return start_method.get_start_method() == "fork"
 
 
+def _as_given(value: T) -> T:
+    return value
+
+
 def _as_it_is(name: str, value: T) -> T:
     return value
 
@@ -308,6 +313,9 @@ def plan_loader(
             check_worker_init_fn(a.worker_init_fn, main_has)  # it goes as each worker starts
     elif in_workers and ray is not None:
         join_cluster(ray)  # on this thread: see join_cluster
+    own = _as_given
+    if in_workers and ray is None and kind.is_blocking:  # each worker holds its dataset
+        own = functools.partial(on_worker_dataset, a.dataset)  # its method runs on that one
     config = PipelineConfig(
         batch_size=_batch_size_hint(batch_size, a.batch_sampler),
         unbatched=unbatched,
@@ -319,8 +327,8 @@ def plan_loader(
         max_inflight=a.max_inflight,
         prefetch=prefetch,
         in_order=a.in_order,
-        transform=send("transform", a.transform),
-        collate_fn=send("collate_fn", collate_fn),
+        transform=send("transform", own(a.transform)),
+        collate_fn=send("collate_fn", own(collate_fn)),
         retry=a.retry,
         sample_timeout=a.sample_timeout,
         max_failures=a.max_failures,

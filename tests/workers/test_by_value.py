@@ -607,3 +607,45 @@ def test_a_deep_copy_of_a_loader_keeps_its_functions_found_by_name(tmp_path: Pat
     send by name, being not the script's)."""
     got = run_json_script(tmp_path, DEEP_COPY, env={})
     assert got == {"batches": [[100, 101], [102, 103]]}
+
+
+class Configured(torch.utils.data.Dataset[int]):
+    """A dataset with a table, configured by ``worker_init_fn``, whose ``collater`` is passed as
+    ``collate_fn`` (fairseq's way)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tag = "unset"
+        self.table = [f"/data/shard-{i:08d}/sample.jpg" for i in range(20_000)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def configure(self, worker_id: int) -> None:
+        self.tag = f"worker {worker_id}"
+
+    def collater(self, batch: list[int]) -> tuple[str, bool, list[int]]:
+        info = torch.utils.data.get_worker_info()
+        return self.tag, info is not None and info.dataset is self, batch
+
+
+def test_a_method_of_the_dataset_as_collate_fn_runs_on_the_worker_s_own_dataset() -> None:
+    """As in torch, where a worker's dataset and ``collate_fn`` are pickled together:
+    ``collate_fn=dataset.collater`` runs on the worker's dataset, which ``worker_init_fn``
+    configured, and the dataset is not sent a second time with it."""
+    dataset = Configured(16)
+    loader = aioloader.DataLoader(
+        dataset, batch_size=4, num_workers=2, collate_fn=dataset.collater,
+        worker_init_fn=dataset.configure,
+    )  # fmt: skip
+    got = list(loader)
+    assert sorted(i for _, _, batch in got for i in batch) == list(range(16))
+    assert {(tag, own) for tag, own, _ in got} == {("worker 0", True), ("worker 1", True)}
+    assert loader.statistics().workers.bytes_sent < len(pickle.dumps(dataset.table)) / 10
+    assert dataset.tag == "unset"
+    # In this process (no workers) it is the dataset's own method, on the dataset itself
+    here = aioloader.DataLoader(dataset, batch_size=16, collate_fn=dataset.collater)
+    assert [(tag, own) for tag, own, _ in here] == [("unset", False)]
