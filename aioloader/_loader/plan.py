@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import multiprocessing.context
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,7 +34,7 @@ from .._workers.mainmodule import workers_main
 from .._workers.offload import ThreadOffload
 from .._workers.raycluster import join_cluster
 from .._workers.rayspec import RayWorkers
-from .._workers.serverstart import prepare_forkserver
+from .._workers.serverstart import prepare_forkserver, start_method_name
 from .arguments import ASYNC_FETCH_OPTIONS, Arguments, check_arguments, fetch_options_given
 
 __all__ = ["EPOCH_DEFINING", "LoaderPlan", "plan_loader"]
@@ -227,14 +226,12 @@ _REMEDY = (
 )
 
 
-def _forks(start_method: str | multiprocessing.context.BaseContext) -> bool:
-    if isinstance(start_method, str):
-        return start_method == "fork"
-    return start_method.get_start_method() == "fork"
-
-
-def _as_given(value: T) -> T:
-    return value
+def _on_worker_dataset(
+    send: Callable[[str, Any], Any], dataset: object, name: str, value: Any
+) -> Any:
+    """``send`` of ``value``, a method of ``dataset`` (each worker's copy) made to run on the
+    worker's own copy (``datasetmethod.py``)."""
+    return send(name, on_worker_dataset(dataset, value))
 
 
 def _as_it_is(name: str, value: T) -> T:
@@ -306,16 +303,15 @@ def plan_loader(
         # What the worker processes run goes by value where pickle cannot send it by name (a
         # lambda; byvalue.py); Ray's jobs go by cloudpickle anyway.
         main_has = workers_main(start_method)
-        send = functools.partial(sendable, main_has=main_has, remedy=_REMEDY)
-        if _forks(start_method):  # forked workers inherit them all, unpickled
+        if start_method_name(start_method) == "fork":  # they inherit them all, unpickled
             send = inherited
         else:
             check_worker_init_fn(a.worker_init_fn, main_has)  # it goes as each worker starts
+            send = functools.partial(sendable, main_has=main_has, remedy=_REMEDY)
+            if kind.is_blocking:  # each worker holds a copy of the dataset: its method too
+                send = functools.partial(_on_worker_dataset, send, a.dataset)
     elif in_workers and ray is not None:
         join_cluster(ray)  # on this thread: see join_cluster
-    own = _as_given
-    if in_workers and ray is None and kind.is_blocking:  # each worker holds its dataset
-        own = functools.partial(on_worker_dataset, a.dataset)  # its method runs on that one
     config = PipelineConfig(
         batch_size=_batch_size_hint(batch_size, a.batch_sampler),
         unbatched=unbatched,
@@ -327,8 +323,8 @@ def plan_loader(
         max_inflight=a.max_inflight,
         prefetch=prefetch,
         in_order=a.in_order,
-        transform=send("transform", own(a.transform)),
-        collate_fn=send("collate_fn", own(collate_fn)),
+        transform=send("transform", a.transform),
+        collate_fn=send("collate_fn", collate_fn),
         retry=a.retry,
         sample_timeout=a.sample_timeout,
         max_failures=a.max_failures,

@@ -23,7 +23,7 @@ import types
 from collections.abc import Iterable, Iterator
 
 from .byvalue import MainRule
-from .serverstart import server_start
+from .serverstart import server_start, start_method_name
 
 __all__ = ["main_runs_again", "names_bound_on_import", "workers_main"]
 
@@ -35,7 +35,7 @@ def workers_main(context: str | multiprocessing.context.BaseContext) -> MainRule
     ran the main script again, those the script binds outside its ``__main__`` guard; from
     ``python -c`` or a notebook, none. A worker forked from this process (``"fork"``) has
     those the main module has as the workers start, taken to be those it has now."""
-    method = context if isinstance(context, str) else context.get_start_method()
+    method = start_method_name(context)
     if method == "fork":
         return _bound_in_main
     start = server_start() if method == "forkserver" else None

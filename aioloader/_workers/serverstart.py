@@ -42,6 +42,7 @@ __all__ = [
     "note_server",
     "prepare_forkserver",
     "server_start",
+    "start_method_name",
     "start_method_of",
 ]
 
@@ -215,6 +216,11 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
     wanted = current + [m for m in PRELOAD if m not in current]
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
+
+
+def start_method_name(context: str | multiprocessing.context.BaseContext) -> str:
+    """The start method's name: ``context`` itself, or the method of the context given."""
+    return context if isinstance(context, str) else context.get_start_method()
 
 
 def start_method_of(
