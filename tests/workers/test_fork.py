@@ -50,9 +50,8 @@ class Unpicklable(torch.utils.data.Dataset[torch.Tensor]):
     def __getitem__(self, index: int) -> torch.Tensor:
         info = torch.utils.data.get_worker_info()
         assert info is not None and info.dataset is self  # its inherited copy, not pickled
-        with self.lock:
-            self.file.seek(index)
-            byte = self.file.read(1)[0]
+        with self.lock:  # a positional read: forked workers share the file's offset
+            byte = os.pread(self.file.fileno(), 1, index)[0]
         return torch.tensor([index, byte, info.id, os.getpid()])
 
     def close(self) -> None:
