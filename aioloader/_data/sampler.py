@@ -1,29 +1,28 @@
 """Index samplers: which dataset indices an epoch visits, in what order, in which batches.
 
-Owns: the sequential, random and distributed samplers, the batch sampler that groups their
-indices, :func:`map_order` (the sampler and batch sampler a loader iterates, built as torch
-builds them) and :func:`order_generator` (the generator a user's sampler draws from). Never:
-derives seeds (``seeds``) or decides a rank's share (``sharding``); no event loop, no I/O, no
-threads.
+Owns: the sequential, random and distributed samplers and the batch sampler that groups their
+indices. Each is a subclass of torch's sampler of the same name, with torch's attributes, so
+code that asks ``isinstance(loader.sampler, RandomSampler)`` (Lightning, deciding whether a
+loader shuffles and which ``DistributedSampler`` to inject under DDP) gets torch's answer;
+torch's ``__init__`` is not run (each sampler here has its own arguments and order). Never:
+picks a loader's sampler (``order.py``), derives seeds (``seeds``) or decides a rank's share
+(``sharding``); no event loop, no I/O, no threads.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence, Sized
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Sized
+from typing import TypeVar
 
 import torch
-from torch.utils.data import Sampler
+import torch.utils.data as torch_data
 
 from .._base.checks import check_bool, check_int, check_seed
 from .seeds import draw_seed, epoch_permutation
 from .sharding import resolve_rank, shard, shard_length
 
 __all__ = [
-    "GENERATOR_SAMPLERS",
-    "map_order",
-    "order_generator",
     "BatchSampler",
     "DistributedSampler",
     "RandomSampler",
@@ -47,7 +46,12 @@ def _current_length(length: int | Sized) -> int:
     return length if isinstance(length, int) else len(length)
 
 
-class SequentialSampler(Sampler[int]):
+def _data_source(length: int | Sized) -> Sized:
+    """torch's ``data_source`` attribute: the dataset given, or ``range(length)``."""
+    return range(length) if isinstance(length, int) else length
+
+
+class SequentialSampler(torch_data.SequentialSampler):
     """Yields ``0, 1, ..., length - 1`` every epoch.
 
     Args:
@@ -60,6 +64,7 @@ class SequentialSampler(Sampler[int]):
 
     def __init__(self, length: int | Sized) -> None:
         self._length = _length_source(length)
+        self.data_source = _data_source(self._length)  # torch's attribute
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(_current_length(self._length)))
@@ -77,7 +82,7 @@ class SequentialSampler(Sampler[int]):
         check_int("epoch", epoch, minimum=0)
 
 
-class RandomSampler(Sampler[int]):
+class RandomSampler(torch_data.RandomSampler):
     """Yields a seeded random permutation of ``range(length)`` per epoch.
 
     The order for epoch ``e`` is ``torch.randperm(length, generator=g)`` with
@@ -90,6 +95,11 @@ class RandomSampler(Sampler[int]):
         generator: Used once, at construction, to draw the base seed when
             ``seed`` is None. If both are None, the base seed is drawn from torch's
             default generator, so ``torch.manual_seed`` makes runs repeatable.
+
+    The ``generator`` attribute keeps torch's meaning: it reads None until one is assigned,
+    and once one is (as accelerate does, keeping every rank's generator in step), each later
+    iteration draws its order from it, as torch's ``RandomSampler`` does, and the seed and
+    epoch no longer decide it.
 
     Raises:
         TypeError: If ``length`` or ``seed`` is not an int, or ``generator`` is
@@ -111,6 +121,23 @@ class RandomSampler(Sampler[int]):
             seed = draw_seed(generator)
         self._seed = check_seed(seed)
         self._epoch = 0
+        # torch's attributes: a permutation of the whole source, no generator of torch's kind
+        self.data_source = _data_source(self._length)
+        self.replacement = False
+        self._num_samples = None
+        self._drawn_from: torch.Generator | None = None
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator assigned to draw each order from (torch's attribute), or None: the
+        order is the seed's and the epoch's."""
+        return self._drawn_from
+
+    @generator.setter
+    def generator(self, generator: torch.Generator | None) -> None:
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
+        self._drawn_from = generator
 
     @property
     def seed(self) -> int:
@@ -136,13 +163,23 @@ class RandomSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         n = _current_length(self._length)
+        if self._drawn_from is not None:
+            return _drawn_as_torch(n, self._drawn_from)
         return iter(epoch_permutation(n, self._seed, self._epoch))
 
     def __len__(self) -> int:
         return _current_length(self._length)
 
 
-class DistributedSampler(Sampler[int]):
+def _drawn_as_torch(n: int, generator: torch.Generator) -> Iterator[int]:
+    """A permutation of ``range(n)`` drawn from ``generator`` as torch's ``RandomSampler``
+    draws one, to the generator's state after it: once exhausted, torch's draws a second
+    permutation (its remainder's, of no samples here), and so does this."""
+    yield from torch.randperm(n, generator=generator).tolist()
+    torch.randperm(n, generator=generator)
+
+
+class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-arg]
     """Yields this rank's share of a (seeded, shuffled) global order.
 
     Follows torch's ``DistributedSampler``: the global order is
@@ -183,8 +220,10 @@ class DistributedSampler(Sampler[int]):
         self._drop_last = check_bool("drop_last", drop_last)
         self._epoch = 0
 
+    # torch's attributes, read-only here (fixed at construction; the epoch by set_epoch)
+
     @property
-    def rank(self) -> int:
+    def rank(self) -> int:  # type: ignore[override]
         """This process's rank."""
         return self._rank
 
@@ -194,22 +233,42 @@ class DistributedSampler(Sampler[int]):
         return self._world_size
 
     @property
-    def seed(self) -> int:
+    def num_replicas(self) -> int:  # type: ignore[override]
+        """``world_size``, by torch's name."""
+        return self._world_size
+
+    @property
+    def num_samples(self) -> int:  # type: ignore[override]
+        """Indices this rank yields an epoch (torch's name for ``len(self)``)."""
+        return len(self)
+
+    @property
+    def total_size(self) -> int:  # type: ignore[override]
+        """Indices all ranks yield together an epoch (torch's name)."""
+        return len(self) * self._world_size
+
+    @property
+    def dataset(self) -> range:  # type: ignore[override]
+        """``range(length)``: the indices shared out (torch's attribute holds the dataset)."""
+        return range(self._length)
+
+    @property
+    def seed(self) -> int:  # type: ignore[override]
         """The base seed of the shuffled global order."""
         return self._seed
 
     @property
-    def shuffle(self) -> bool:
+    def shuffle(self) -> bool:  # type: ignore[override]
         """Whether the global order is shuffled."""
         return self._shuffle
 
     @property
-    def drop_last(self) -> bool:
+    def drop_last(self) -> bool:  # type: ignore[override]
         """Whether the global order is truncated rather than padded."""
         return self._drop_last
 
     @property
-    def epoch(self) -> int:
+    def epoch(self) -> int:  # type: ignore[override]
         """The epoch whose order ``__iter__`` yields."""
         return self._epoch
 
@@ -237,7 +296,7 @@ class DistributedSampler(Sampler[int]):
         return shard_length(self._length, self._world_size, self._drop_last)
 
 
-class BatchSampler(Sampler[list[int]]):
+class BatchSampler(torch_data.BatchSampler):
     """Groups the indices of another sampler into lists of ``batch_size``.
 
     Behaves like torch's ``BatchSampler``: every batch has ``batch_size``
@@ -262,19 +321,28 @@ class BatchSampler(Sampler[list[int]]):
         self._drop_last = check_bool("drop_last", drop_last)
 
     @property
-    def sampler(self) -> Iterable[int]:
+    def sampler(self) -> Iterable[int]:  # type: ignore[override]  # fixed at construction
         """The wrapped sampler."""
         return self._sampler
 
     @property
     def batch_size(self) -> int:
-        """The number of indices per full batch."""
+        """The number of indices per full batch; setting it (checked) takes effect at the next
+        iteration, as with torch's."""
         return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self._batch_size = check_int("batch_size", value, minimum=1)
 
     @property
     def drop_last(self) -> bool:
-        """Whether a short last batch is dropped."""
+        """Whether a short last batch is dropped (settable, as ``batch_size``)."""
         return self._drop_last
+
+    @drop_last.setter
+    def drop_last(self, value: bool) -> None:
+        self._drop_last = check_bool("drop_last", value)
 
     def set_epoch(self, epoch: int) -> None:
         """Forward the epoch to the wrapped sampler if it has ``set_epoch``.
@@ -298,65 +366,3 @@ class BatchSampler(Sampler[list[int]]):
             raise TypeError(f"sampler has no len(): {type(self._sampler).__name__}")
         n = len(self._sampler)
         return n // self._batch_size if self._drop_last else -(-n // self._batch_size)
-
-
-def map_order(
-    dataset: Any,
-    is_map: bool,
-    *,
-    batch_size: int | None,
-    shuffle: object,
-    sampler: Iterable[int] | None,
-    batch_sampler: Iterable[Sequence[int]] | None,
-    drop_last: bool,
-    rank: int | None,
-    world_size: int | None,
-    seed: int | None,
-    generator: torch.Generator | None,
-) -> tuple[Iterable[int] | None, Iterable[Sequence[int]] | None]:
-    """The ``(sampler, batch_sampler)`` a loader iterates, as torch's ``DataLoader`` builds
-    them (the arguments already checked): for a map-style dataset, the user's sampler, or a
-    ``DistributedSampler`` (``rank``/``world_size`` given: ``distributed=True``), a
-    ``RandomSampler`` (``shuffle``) or a ``SequentialSampler``, batched by a ``BatchSampler``
-    when ``batch_size`` is set; a stream has neither (only the user's ``batch_sampler``, if
-    any, which the checks refused for a stream)."""
-    if not is_map or batch_sampler is not None:
-        return None, batch_sampler
-    if sampler is None:
-        if rank is not None and world_size is not None:
-            sampler = DistributedSampler(
-                len(dataset),
-                rank=rank,
-                world_size=world_size,
-                shuffle=bool(shuffle),
-                seed=0 if seed is None else seed,
-            )
-        elif shuffle:  # the dataset itself: its length is read each epoch, as torch's
-            sampler = RandomSampler(dataset, seed=seed, generator=generator)
-        else:
-            sampler = SequentialSampler(dataset)
-    if batch_size is None:
-        return sampler, None
-    return sampler, BatchSampler(sampler, batch_size, drop_last)
-
-
-def order_generator(order: object) -> torch.Generator | None:
-    """The ``torch.Generator`` a user's sampler (or a batch sampler's sampler) was given to
-    draw its order from (torch's ``RandomSampler``, ``SubsetRandomSampler``,
-    ``WeightedRandomSampler``: ``generator=``), or None. Its state when an epoch begins
-    replays the epoch's order: the loader saves it, and sets it back on resuming."""
-    if isinstance(order, (BatchSampler, torch.utils.data.BatchSampler)):
-        order = order.sampler
-    if type(order) not in GENERATOR_SAMPLERS:  # another may draw from elsewhere too
-        return None
-    generator = getattr(order, "generator", None)
-    return generator if isinstance(generator, torch.Generator) else None
-
-
-#: torch's samplers whose order is drawn from their ``generator`` alone (by type: a subclass,
-#: or another sampler with a ``generator`` attribute, may draw from elsewhere too).
-GENERATOR_SAMPLERS = (
-    torch.utils.data.RandomSampler,
-    torch.utils.data.SubsetRandomSampler,
-    torch.utils.data.WeightedRandomSampler,
-)

@@ -35,8 +35,8 @@ import torch
 
 from .._base.stateful import decode, encode
 from .._data.epochs import OpensEpochs
+from .._data.order import order_generator
 from .._data.resume import Layer, Mark, Taken
-from .._data.sampler import order_generator
 from .._data.source import dataset_length
 
 if TYPE_CHECKING:

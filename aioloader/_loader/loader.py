@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -44,11 +44,14 @@ __all__ = ["DataLoader"]
 T_Batch = TypeVar("T_Batch")
 
 
-class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
+class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]):
     """Batches from an async or ordinary dataset, fetched concurrently, yielded by ``async for``.
 
     The positional arguments and their meanings are those of ``torch.utils.data.DataLoader``, so a
-    torch user switches by changing the import; the keyword-only ones are aioloader's own.
+    torch user switches by changing the import; the keyword-only ones are aioloader's own. It is
+    a subclass of torch's ``DataLoader``, so the tools that check for one (Lightning's sampler
+    injection under DDP, among others) treat it as one; torch's ``__init__`` is not run (the
+    plan below takes its place) and every method torch's iteration uses is this class's own.
 
     Args:
         dataset: An :class:`~aioloader.AsyncDataset`, an async iterable (an
@@ -207,6 +210,12 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
         # Every argument, as given (the signature above is torch's, for users and their tools).
         given = {name: value for name, value in locals().items() if name != "self"}
         self._plan = plan_loader(Arguments(**given), self._offload)
+        # The arguments also sit in the instance's __dict__, where torch's DataLoader keeps its
+        # attributes: tools that rebuild a loader from vars(loader) (Lightning, injecting a
+        # DistributedSampler into a loader made outside its hooks) find them there. Reads go
+        # to the settings below (data descriptors win over __dict__), which keep these in step;
+        # `shuffle` has no attribute; `progress` is a method, which __dict__ would hide.
+        vars(self).update((name, value) for name, value in given.items() if name != "progress")
         self._state = LoaderState(self._new_recorders())  # shared with the scopes
         self._session: Session | None = None  # the background loop of `with` / plain `for`
         # The loader owns a stream's epochs (it passes them as each opens); one chosen with
@@ -217,6 +226,10 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope
 
+    # torch's __setattr__ guards its attributes once its own __init__ has run, which it does not
+    # here: the settings below guard them, and a warning they give points at the caller's line.
+    __setattr__ = object.__setattr__  # type: ignore[assignment]  # no frame of its own
+
     # -- the settings: views of the plan -------------------------------------------------------
     # torch's attributes (and aioloader's arguments) read the plan. Those that define the
     # epochs cannot change (torch's ValueError); the others can between iterations, as in
@@ -224,14 +237,17 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
 
     dataset: Setting[Any] = Setting()
     batch_size: Setting[int | None] = Setting(resolved=True)
-    sampler: Setting[Iterable[int] | None] = Setting(resolved=True)
-    batch_sampler: Setting[Iterable[Sequence[int]] | None] = Setting(resolved=True)
+    # torch's own annotations are narrower than its values: a stream has no sampler (torch's
+    # iterable-dataset loader holds a dummy), a batch sampler may yield tuples, and
+    # worker_init_fn's return is ignored.
+    sampler: Setting[Iterable[int] | None] = Setting(resolved=True)  # type: ignore[assignment]
+    batch_sampler: Setting[Iterable[Sequence[int]] | None] = Setting(resolved=True)  # type: ignore[assignment]
     num_workers: Setting[int] = Setting()
     collate_fn: Setting[Callable[[Any], Any]] = Setting(resolved=True)
     pin_memory: Setting[bool] = Setting()
     drop_last: Setting[bool] = Setting()
     timeout: Setting[float] = Setting()
-    worker_init_fn: Setting[Callable[[int], object] | None] = Setting()
+    worker_init_fn: Setting[Callable[[int], object] | None] = Setting()  # type: ignore[assignment]
     multiprocessing_context: Setting[object] = Setting()
     generator: Setting[torch.Generator | None] = Setting()
     prefetch_factor: Setting[int | None] = Setting()
@@ -266,6 +282,7 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
 
     def _replan(self, name: str, value: object) -> None:
         self._plan = self._plan.replaced(name, value, self._offload)
+        vars(self)[name] = value  # the argument as given, for vars(loader): see __init__
 
     @property
     def _scope(self) -> Scope | None:
@@ -387,7 +404,7 @@ class DataLoader(ScopeLifecycle, Resumable, Generic[T_Batch]):
         self._state.progress = iterator.progress  # the epoch under way, even before its first batch
         return iterator
 
-    def __iter__(self) -> PlainIterator[T_Batch]:
+    def __iter__(self) -> PlainIterator[T_Batch]:  # type: ignore[override]  # not torch's iterator class
         """Iterate one epoch from synchronous code: the pipeline runs on an event loop in a
         background thread. Leaving the loop early (``break``, an exception, dropping the
         iterator) stops the epoch. Without ``with loader:``, the scope (and its workers) lives

@@ -21,7 +21,8 @@ import torch
 from .._base.inline import INLINE_BELOW_S
 from .._data.collate import default_collate
 from .._data.convert import default_convert
-from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, map_order
+from .._data.order import map_order
+from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler
 from .._data.seeds import draw_seed
 from .._data.sharding import resolve_rank
 from .._data.source import InWorkers, Kind, MapSource, open_source
@@ -191,7 +192,10 @@ class LoaderPlan:
         """The plan with a saved run's seeds (``seed=None``: drawn then, to be restored now),
         its own order rebuilt with ``order_seed``."""
         sampler, batch_sampler = self.sampler, self.batch_sampler
-        if self.ours and isinstance(sampler, RandomSampler) and order_seed is not None:
+        ours = self.ours and isinstance(sampler, RandomSampler)
+        # (a generator assigned to our sampler draws its order: that generator's state is what
+        # a resume restores, and the sampler is kept)
+        if ours and sampler.generator is None and order_seed is not None:  # type: ignore[union-attr]
             sampler = RandomSampler(self.dataset, seed=order_seed)
             if batch_sampler is not None and self.batch_size is not None:
                 batch_sampler = BatchSampler(sampler, self.batch_size, self.arguments.drop_last)

@@ -17,15 +17,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import torch.utils.data
 
+from .._data.order import GENERATOR_SAMPLERS, order_generator
 from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
-from .._data.sampler import (
-    GENERATOR_SAMPLERS,
-    BatchSampler,
-    DistributedSampler,
-    RandomSampler,
-    SequentialSampler,
-    order_generator,
-)
+from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 from .._data.seeds import epoch_permutation
 from .._data.source import InWorkers, dataset_length
 from .._data.streams import BlockingStream, StreamSource, is_resumable

@@ -4,11 +4,33 @@ says the same for a loop of one's own, and without them the library prints nothi
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import AsyncIterator
 
 import pytest
 
 from aioloader import DataLoader
+
+
+@pytest.fixture(autouse=True)
+def plain_bar(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain bar, whether tqdm is installed or not (it is, in CI: Lightning brings it);
+    a test marked ``with_tqdm`` gets tqdm's."""
+    if "with_tqdm" not in request.keywords:
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import ...` raises
+
+
+@pytest.mark.with_tqdm
+def test_tqdm_draws_the_bar_when_installed(capsys: pytest.CaptureFixture[str]) -> None:
+    import tqdm  # noqa: F401  # a dev dependency: the bar below must be tqdm's
+
+    loader = DataLoader(list(range(200)), batch_size=20, progress=True)
+    for _ in loader:
+        pass
+    out, err = capsys.readouterr()
+    assert out == ""
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.fullmatch(r"epoch 0: 100%\|█+\| 200/200 \[.*, waited \d+%\]", last), last
 
 
 def test_a_line_per_epoch_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,6 @@
-"""Running a job under ``torchrun --standalone`` on the CPU (gloo), for the tests whose ranks
-must take part in every collective: a rank that hangs fails the test, it does not hang it."""
+"""Running a job under ``torchrun --standalone`` on the CPU (gloo), or a script that starts its
+ranks itself, for the tests whose ranks must take part in every collective: a rank that hangs
+fails the test, it does not hang it."""
 
 from __future__ import annotations
 
@@ -20,16 +21,26 @@ def torchrun(ranks: int, job: Path, *args: str, cwd: Path, timeout: float = 60) 
     Fails the test (after killing torchrun and its ranks together) when they take longer than
     ``timeout`` seconds (a hang), or end with a non-zero status.
     """
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return _run([*command, "--nproc-per-node", str(ranks), str(job), *args], cwd, timeout)
+
+
+def run_script(script: Path, *args: str, cwd: Path, timeout: float = 60) -> str:
+    """Run ``python script args`` as a user runs a training script (one that starts ranks of
+    its own, as Lightning's DDP does, among them); fails as :func:`torchrun` does."""
+    return _run([sys.executable, str(script), *args], cwd, timeout)
+
+
+def _run(command: list[str], cwd: Path, timeout: float) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with subprocess.Popen(
-        [*command, "--nproc-per-node", str(ranks), str(job), *args],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
         cwd=cwd,
-        start_new_session=True,  # torchrun and its ranks: one group, killed together
+        start_new_session=True,  # the job and its ranks: one group, killed together
     ) as run:
         try:
             output, _ = run.communicate(timeout=timeout)

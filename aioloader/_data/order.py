@@ -1,0 +1,82 @@
+"""A loader's order: the sampler and batch sampler a map-style loader iterates, and the
+generator an epoch's order is drawn from.
+
+Owns: :func:`map_order` (the sampler and batch sampler, built as torch builds them) and
+:func:`order_generator` (the generator a sampler draws its order from, whose state replays an
+epoch). Never: the samplers themselves (``sampler.py``); no event loop, no I/O, no threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+
+__all__ = ["GENERATOR_SAMPLERS", "map_order", "order_generator"]
+
+
+def map_order(
+    dataset: Any,
+    is_map: bool,
+    *,
+    batch_size: int | None,
+    shuffle: object,
+    sampler: Iterable[int] | None,
+    batch_sampler: Iterable[Sequence[int]] | None,
+    drop_last: bool,
+    rank: int | None,
+    world_size: int | None,
+    seed: int | None,
+    generator: torch.Generator | None,
+) -> tuple[Iterable[int] | None, Iterable[Sequence[int]] | None]:
+    """The ``(sampler, batch_sampler)`` a loader iterates, as torch's ``DataLoader`` builds
+    them (the arguments already checked): for a map-style dataset, the user's sampler, or a
+    ``DistributedSampler`` (``rank``/``world_size`` given: ``distributed=True``), a
+    ``RandomSampler`` (``shuffle``) or a ``SequentialSampler``, batched by a ``BatchSampler``
+    when ``batch_size`` is set; a stream has neither (only the user's ``batch_sampler``, if
+    any, which the checks refused for a stream)."""
+    if not is_map or batch_sampler is not None:
+        return None, batch_sampler
+    if sampler is None:
+        if rank is not None and world_size is not None:
+            sampler = DistributedSampler(
+                len(dataset),
+                rank=rank,
+                world_size=world_size,
+                shuffle=bool(shuffle),
+                seed=0 if seed is None else seed,
+            )
+        elif shuffle:  # the dataset itself: its length is read each epoch, as torch's
+            sampler = RandomSampler(dataset, seed=seed, generator=generator)
+        else:
+            sampler = SequentialSampler(dataset)
+    if batch_size is None:
+        return sampler, None
+    return sampler, BatchSampler(sampler, batch_size, drop_last)
+
+
+def order_generator(order: object) -> torch.Generator | None:
+    """The ``torch.Generator`` a user's sampler (or a batch sampler's sampler) was given to
+    draw its order from (torch's ``RandomSampler``, ``SubsetRandomSampler``,
+    ``WeightedRandomSampler``: ``generator=``), or None. Its state when an epoch begins
+    replays the epoch's order: the loader saves it, and sets it back on resuming."""
+    if isinstance(order, (BatchSampler, torch.utils.data.BatchSampler)):
+        order = order.sampler
+    if isinstance(order, RandomSampler):  # ours: None unless one was assigned
+        return order.generator
+    if type(order) not in GENERATOR_SAMPLERS:  # another may draw from elsewhere too
+        return None
+    generator = getattr(order, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+#: torch's samplers whose order is drawn from their ``generator`` alone (by type: a subclass,
+#: or another sampler with a ``generator`` attribute, may draw from elsewhere too).
+GENERATOR_SAMPLERS = (
+    torch.utils.data.RandomSampler,
+    torch.utils.data.SubsetRandomSampler,
+    torch.utils.data.WeightedRandomSampler,
+)

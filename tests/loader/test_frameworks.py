@@ -1,0 +1,137 @@
+"""The frameworks a torch user trains with, their loader swapped for ours: Lightning's
+``Trainer`` under DDP and accelerate's ``prepare`` decide what to do with a loader by asking
+``isinstance(loader, torch.utils.data.DataLoader)`` and ``isinstance(loader.sampler,
+RandomSampler)``, rebuild it from its ``__init__`` arguments or ``vars(loader)``, and assign its
+sampler a generator. Each is run for real on two CPU ranks (gloo), beside torch's ``DataLoader``
+in the same run: before the loader was a torch ``DataLoader``, every rank read the whole
+dataset under both (2 x 64 samples where torch read 64)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data
+
+import aioloader
+from tests.support.torchrun import ROOT, run_script, torchrun
+
+N = 64  # the jobs' dataset: samples 0..63
+
+
+def test_the_loader_and_its_samplers_are_torchs_classes() -> None:
+    loader = aioloader.DataLoader(list(range(10)), batch_size=3, shuffle=True)
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    assert isinstance(loader.sampler, torch.utils.data.RandomSampler)
+    assert isinstance(loader.batch_sampler, torch.utils.data.BatchSampler)
+    assert loader._auto_collation and loader._index_sampler is loader.batch_sampler  # torch's own
+    plain = aioloader.DataLoader(list(range(10)), batch_size=None)
+    assert isinstance(plain.sampler, torch.utils.data.SequentialSampler)
+    assert not plain._auto_collation and plain._index_sampler is plain.sampler
+    sharded = aioloader.DataLoader(list(range(10)), distributed=True, rank=1, world_size=2)
+    assert isinstance(sharded.sampler, torch.utils.data.DistributedSampler)
+
+
+def test_torchs_attributes_of_the_samplers_read_as_torchs() -> None:
+    ours = aioloader.DistributedSampler(10, rank=1, world_size=3, shuffle=False)
+    theirs = torch.utils.data.DistributedSampler(range(10), num_replicas=3, rank=1, shuffle=False)
+    assert list(ours) == list(theirs)
+    for name in ("num_replicas", "rank", "num_samples", "total_size", "shuffle", "seed", "epoch"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert list(ours.dataset) == list(range(10))
+    data = list(range(7))
+    random = aioloader.RandomSampler(data, seed=3)
+    assert random.data_source is data and random.num_samples == 7 and not random.replacement
+    assert aioloader.SequentialSampler(5).data_source == range(5)
+
+
+def test_a_batch_samplers_size_can_be_set_as_torchs_and_is_checked() -> None:
+    batches = aioloader.BatchSampler(range(10), batch_size=3, drop_last=False)
+    batches.batch_size, batches.drop_last = 4, True
+    assert list(batches) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="batch_size"):
+        batches.batch_size = 0
+    with pytest.raises(TypeError, match="drop_last"):
+        batches.drop_last = "yes"  # type: ignore[assignment]
+
+
+def test_a_generator_assigned_to_the_random_sampler_draws_its_order_as_torchs() -> None:
+    """accelerate assigns each rank's sampler a generator, kept in step across ranks, and
+    expects the order drawn from it: once assigned, ours draws as torch's does."""
+    data = list(range(50))
+    sampler = aioloader.RandomSampler(data, seed=7)
+    seeded = list(sampler)
+    assert sampler.generator is None  # the generator given at construction only draws a seed
+    assert list(sampler) == seeded  # the seed's order: the same every time for an epoch
+    sampler.generator = torch.Generator().manual_seed(11)
+    theirs = torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(11))
+    assert [list(sampler), list(sampler)] == [list(theirs), list(theirs)]
+    assert list(sampler) != seeded
+    with pytest.raises(TypeError, match=r"generator must be a torch\.Generator"):
+        sampler.generator = 11  # type: ignore[assignment]
+
+
+def test_vars_of_the_loader_hold_its_arguments_as_given_and_follow_changes() -> None:
+    """Lightning rebuilds a loader made outside its hooks from ``vars(loader)``, as torch's
+    ``DataLoader`` keeps its attributes there."""
+    data = list(range(10))
+    loader = aioloader.DataLoader(data, batch_size=4, shuffle=True, prefetch=3, progress=False)
+    given = vars(loader)
+    assert given["dataset"] is data
+    assert (given["batch_size"], given["shuffle"], given["prefetch"]) == (4, True, 3)
+    assert given["num_workers"] == 0 and given["device"] is None
+    loader.num_workers = 2
+    assert vars(loader)["num_workers"] == 2 == loader.num_workers
+    with pytest.raises(ValueError, match="num_workers"):
+        loader.num_workers = -1
+    assert vars(loader)["num_workers"] == 2  # a refused value is not kept
+    assert loader.progress() == "no epoch started"  # a method the argument does not hide
+    rebuilt = aioloader.DataLoader(**{k: v for k, v in vars(loader).items() if k[0] != "_"})
+    assert len(rebuilt) == len(loader) == 3 and rebuilt.num_workers == 2
+
+
+def read(out: Path, config: str, stage: str) -> list[list[list[int]]]:
+    """Per rank, per epoch: the samples ``config``'s rank read in ``stage``."""
+    return [json.loads((out / f"{config}-{rank}.json").read_text())[stage] for rank in (0, 1)]
+
+
+def assert_shared_out(per_rank: list[list[list[int]]]) -> None:
+    """Each epoch, the two ranks read every sample once between them."""
+    for epoch in range(2):
+        both = per_rank[0][epoch] + per_rank[1][epoch]
+        assert sorted(both) == list(range(N)), (epoch, per_rank)
+
+
+@pytest.mark.timeout(240)
+def test_lightning_ddp_gives_each_rank_the_share_torchs_loader_gets(tmp_path: Path) -> None:
+    """``Trainer(strategy="ddp", devices=2)``: Lightning injects its ``DistributedSampler`` into
+    our loader as into torch's (made in the hook, or before the trainer saw it), with worker
+    processes too, and adds none to one already sharded (``distributed=True``)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_script(ROOT / "tests/support/lightning_job.py", str(out), cwd=tmp_path, timeout=200)
+    for made in ("hook", "outside"):
+        for stage in ("train", "val"):
+            theirs = read(out, f"torch-{made}", stage)
+            assert_shared_out(theirs)
+            assert read(out, f"aio-{made}", stage) == theirs, (made, stage)
+    assert read(out, "aio-workers", "train") == read(out, "torch-hook", "train")
+    sharded = read(out, "aio-distributed", "train")
+    assert_shared_out(sharded)
+    assert sharded[0][0] != sharded[0][1]  # reshuffled each epoch
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_prepare_gives_each_rank_a_share_as_with_torchs_loader(tmp_path: Path) -> None:
+    """accelerate rebuilds a prepared loader as its own (torch) ``DataLoader`` around our
+    samplers, and keeps the ranks' orders in step through the generator it assigns."""
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(2, ROOT / "tests/support/accelerate_job.py", str(out), cwd=tmp_path, timeout=100)
+    for name in ("torch", "aio"):
+        runs: list[Any] = [json.loads((out / f"{name}-{r}.json").read_text()) for r in (0, 1)]
+        assert_shared_out([run["seen"] for run in runs])
+        assert runs[0]["type"] == "DataLoaderShard"

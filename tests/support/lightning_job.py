@@ -1,0 +1,95 @@
+"""Lightning's ``Trainer.fit`` with DDP on two CPU ranks (gloo), run as a user runs it
+(``python lightning_job.py OUT``: Lightning starts the second rank by running this script
+again). Every configuration fits twice (2 epochs, with validation) through torch's
+``DataLoader`` and through ``aioloader.DataLoader``, and each rank writes the samples it trained
+and validated on, per epoch, to ``OUT/<config>-<rank>.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+import aioloader
+
+N = 64
+LOADERS = {"torch": torch.utils.data.DataLoader, "aio": aioloader.DataLoader}
+
+
+class Numbers(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index)])
+
+
+def loader(name: str, **kwargs: Any) -> Any:
+    return LOADERS[name](Numbers(), batch_size=4, **kwargs)
+
+
+class Recorder(L.LightningModule):
+    def __init__(self, config: str, train: Any = None) -> None:
+        super().__init__()
+        self.config, self.train_loader = config, train
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: dict[str, list[list[int]]] = {"train": [[], []], "val": [[], []]}
+
+    def record(self, stage: str, batch: torch.Tensor) -> None:
+        self.seen[stage][self.current_epoch] += batch.flatten().int().tolist()
+
+    def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+        self.record("train", batch)
+        return self.layer(batch).sum()
+
+    def validation_step(self, batch: torch.Tensor, index: int) -> None:
+        self.record("val", batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> Any:  # made in the hook, as Lightning's docs show
+        name, _, kind = self.config.partition("-")
+        if kind == "workers":
+            return loader(name, shuffle=True, num_workers=2)
+        if kind == "distributed":  # already sharded: Lightning must not add a sampler
+            return loader(name, shuffle=True, distributed=True)
+        return loader(name, shuffle=True)
+
+    def val_dataloader(self) -> Any:
+        return loader(self.config.partition("-")[0])
+
+    def on_train_end(self) -> None:
+        with open(Path(sys.argv[1]) / f"{self.config}-{self.global_rank}.json", "w") as out:
+            json.dump(self.seen, out)
+
+
+def fit(config: str, train: Any = None) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = Recorder(config)
+    if train is None:
+        trainer.fit(module)
+    else:  # made before the trainer saw it: Lightning rebuilds it from vars(loader)
+        trainer.fit(module, train_dataloaders=train)
+
+
+if __name__ == "__main__":
+    for name in LOADERS:
+        fit(f"{name}-hook")
+        fit(f"{name}-outside", loader(name, shuffle=True))
+    fit("aio-workers")
+    fit("aio-distributed")
