@@ -4,7 +4,9 @@
 RandomSampler)``, rebuild it from its ``__init__`` arguments or ``vars(loader)``, and assign its
 sampler a generator. Each is run for real on two CPU ranks (gloo), beside torch's ``DataLoader``
 in the same run: before the loader was a torch ``DataLoader``, every rank read the whole
-dataset under both (2 x 64 samples where torch read 64)."""
+dataset under both (2 x 64 samples where torch read 64). Lightning's mid-epoch resume, which
+saves a loader's ``state_dict()`` in its checkpoints, is run beside torchdata's
+``StatefulDataLoader``."""
 
 from __future__ import annotations
 
@@ -135,3 +137,26 @@ def test_accelerate_prepare_gives_each_rank_a_share_as_with_torchs_loader(tmp_pa
         runs: list[Any] = [json.loads((out / f"{name}-{r}.json").read_text()) for r in (0, 1)]
         assert_shared_out([run["seen"] for run in runs])
         assert runs[0]["type"] == "DataLoaderShard"
+
+
+@pytest.mark.timeout(240)
+def test_lightning_resumes_mid_epoch_from_our_state_as_from_torchdatas(tmp_path: Path) -> None:
+    """A checkpoint 4 batches into the second epoch, a new process resumed from it: the epoch
+    goes on from the checkpoint's batch, every sample once, as with torchdata's
+    ``StatefulDataLoader`` (torch's ``DataLoader``, which keeps no state, starts the epoch
+    again: the control)."""
+    job = ROOT / "tests/support/lightning_resume_job.py"
+    epochs: dict[str, list[list[int]]] = {}
+    for name in ("torch", "torchdata", "aio"):
+        for phase in ("first", "second"):
+            run_script(job, name, phase, str(tmp_path), cwd=tmp_path, timeout=100)
+        first, second = (
+            json.loads((tmp_path / f"{name}-{p}.json").read_text()) for p in ("first", "second")
+        )
+        assert len(first) == 23 and len(second) == 12  # steps 21-32 of 32
+        epochs[name] = first[16:20] + second  # the second epoch, across the restart
+        if name != "torch":
+            assert first[20:23] == second[:3], name  # the batches after the checkpoint, again
+    for name, batches in epochs.items():
+        samples = sorted(x for batch in batches for x in batch)
+        assert (samples == list(range(N))) == (name != "torch"), (name, samples)
