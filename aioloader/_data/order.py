@@ -1,21 +1,36 @@
 """A loader's order: the sampler and batch sampler a map-style loader iterates, and the
 generator an epoch's order is drawn from.
 
-Owns: :func:`map_order` (the sampler and batch sampler, built as torch builds them) and
-:func:`order_generator` (the generator a sampler draws its order from, whose state replays an
-epoch). Never: the samplers themselves (``sampler.py``); no event loop, no I/O, no threads.
+Owns: :func:`map_order` (the sampler and batch sampler, built as torch builds them),
+:func:`epoch_batches` (how an epoch iterates a batch sampler) and :func:`order_generator` (the
+generator a sampler draws its order from, whose state replays an epoch). Never: the samplers
+themselves (``sampler.py``); no event loop, no I/O, no threads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, batches_of
 
-__all__ = ["GENERATOR_SAMPLERS", "map_order", "order_generator"]
+__all__ = [
+    "GENERATOR_SAMPLERS",
+    "PLAIN_BATCHERS",
+    "epoch_batches",
+    "epoch_takers",
+    "map_order",
+    "order_generator",
+]
+
+#: The batch samplers whose batches are their sampler's indices in lists of ``batch_size``
+#: (by exact type: a subclass may batch otherwise). The loader's own is torch's class itself:
+#: Lightning and Fabric rebuild a loader around its ``DistributedSampler`` only when
+#: ``type(loader.batch_sampler) is torch.utils.data.BatchSampler`` (else they rebuild the batch
+#: sampler and pass ``sampler=None, batch_size=1``, and ``loader.sampler.set_epoch`` fails).
+PLAIN_BATCHERS = (torch.utils.data.BatchSampler, BatchSampler)
 
 
 def map_order(
@@ -35,9 +50,9 @@ def map_order(
     """The ``(sampler, batch_sampler)`` a loader iterates, as torch's ``DataLoader`` builds
     them (the arguments already checked): for a map-style dataset, the user's sampler, or a
     ``DistributedSampler`` (``rank``/``world_size`` given: ``distributed=True``), a
-    ``RandomSampler`` (``shuffle``) or a ``SequentialSampler``, batched by a ``BatchSampler``
-    when ``batch_size`` is set; a stream has neither (only the user's ``batch_sampler``, if
-    any, which the checks refused for a stream)."""
+    ``RandomSampler`` (``shuffle``) or a ``SequentialSampler``, batched by torch's
+    ``BatchSampler`` when ``batch_size`` is set; a stream has neither (only the user's
+    ``batch_sampler``, if any, which the checks refused for a stream)."""
     if not is_map or batch_sampler is not None:
         return None, batch_sampler
     if sampler is None:
@@ -55,7 +70,41 @@ def map_order(
             sampler = SequentialSampler(dataset)
     if batch_size is None:
         return sampler, None
-    return sampler, BatchSampler(sampler, batch_size, drop_last)
+    return sampler, torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
+
+
+def epoch_batches(batch_sampler: Iterable[Sequence[int]]) -> Iterable[Sequence[int]]:
+    """What an epoch iterates for ``batch_sampler``: a plain one's batches a C-level slice at
+    a time (its ``sampler``, ``batch_size`` and ``drop_last`` read now, as torch's are read
+    when iterated), any other as it is."""
+    if type(batch_sampler) in PLAIN_BATCHERS:
+        plain: Any = batch_sampler
+        return batches_of(plain.sampler, plain.batch_size, plain.drop_last)
+    return batch_sampler
+
+
+def epoch_takers(
+    sampler: object, batch_sampler: object, *, given: bool
+) -> list[Callable[[int], object]]:
+    """The ``set_epoch`` methods an epoch calls with its number: those of aioloader's own
+    samplers (and of our batch sampler over one), whose order is the loader's epoch's; and, when
+    the epoch was given (``loader.set_epoch``, a loaded state), any sampler's. torch's loader
+    calls none: a torch sampler's epoch is its owner's to set (the ``DistributedSampler``
+    idiom; Lightning sets the one it injects), and the loader's own count would undo theirs
+    (Lightning, rebuilding loaders each epoch, would see epoch 1's order again and again)."""
+    ours = (SequentialSampler, RandomSampler, DistributedSampler)
+    takers = []
+    for obj in (sampler, batch_sampler):
+        set_epoch = getattr(obj, "set_epoch", None)
+        if not callable(set_epoch):
+            continue
+        if (
+            given
+            or isinstance(obj, ours)
+            or (isinstance(obj, BatchSampler) and isinstance(obj.sampler, ours))
+        ):
+            takers.append(set_epoch)
+    return takers
 
 
 def order_generator(order: object) -> torch.Generator | None:

@@ -23,6 +23,7 @@ from .seeds import draw_seed, epoch_permutation
 from .sharding import resolve_rank, shard, shard_length
 
 __all__ = [
+    "batches_of",
     "BatchSampler",
     "DistributedSampler",
     "RandomSampler",
@@ -169,6 +170,16 @@ class RandomSampler(torch_data.RandomSampler):
 
     def __len__(self) -> int:
         return _current_length(self._length)
+
+
+def batches_of(sampler: Iterable[int], batch_size: int, drop_last: bool) -> Iterator[list[int]]:
+    """``sampler``'s indices in lists of ``batch_size``, the last short one dropped when
+    ``drop_last``: what torch's ``BatchSampler`` yields, a batch per C-level slice."""
+    indices = iter(sampler)
+    while batch := list(itertools.islice(indices, batch_size)):
+        if len(batch) < batch_size and drop_last:
+            return
+        yield batch
 
 
 def _drawn_as_torch(n: int, generator: torch.Generator) -> Iterator[int]:
@@ -355,11 +366,7 @@ class BatchSampler(torch_data.BatchSampler):
             set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices, size = iter(self._sampler), self._batch_size
-        while batch := list(itertools.islice(indices, size)):  # a batch per C-level slice
-            if len(batch) < size and self._drop_last:
-                return
-            yield batch
+        return batches_of(self._sampler, self._batch_size, self._drop_last)
 
     def __len__(self) -> int:
         if not isinstance(self._sampler, Sized):

@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals
 from .._base.inline import ROUND_EVERY_S
 from .._data.epochs import OpensEpochs
+from .._data.order import epoch_takers
 from .._data.resume import Mark
 from .._data.source import InWorkers, MapSource
 from .._device.stage import Staged, hand_out
@@ -45,12 +46,19 @@ class EpochIterator(Generic[T_Batch]):
     start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
 
     def __init__(
-        self, state: LoaderState, scope: Scope, number: int, resume: EpochState | None = None
+        self,
+        state: LoaderState,
+        scope: Scope,
+        number: int,
+        resume: EpochState | None = None,
+        *,
+        epoch_given: bool = False,
     ) -> None:
         self._state = state
         self._plan = scope.plan
         self._scope = scope
         self._number = number
+        self._epoch_given = epoch_given  # by set_epoch or a loaded state: samplers are told
         self._resume = resume  # a loaded state of this epoch: it goes on from there
         self.progress = Progress(resume if resume is not None else fresh_state(scope.plan, number))
         self.shown = EpochProgress(
@@ -106,10 +114,8 @@ class EpochIterator(Generic[T_Batch]):
         resume = self._resume
         batches: Iterator[tuple[int, list[int]]] | None = None
         if plan.kind.is_map:
-            for obj in (plan.sampler, plan.batch_sampler):
-                set_epoch = getattr(obj, "set_epoch", None)
-                if callable(set_epoch):
-                    set_epoch(self._number)
+            for taker in epoch_takers(plan.sampler, plan.batch_sampler, given=self._epoch_given):
+                taker(self._number)
             self.progress.begin_order(plan, resume)  # a user's sampler's generator: saved
             batches = resumed_batches(
                 plan.sampler, plan.batch_sampler, resume, rank=plan.rank, world_size=plan.world_size

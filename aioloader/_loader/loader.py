@@ -222,6 +222,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         # the dataset's set_epoch before now is where it starts.
         first = claim_epochs(self._plan.dataset)
         self._next_epoch = 0 if first is None else first
+        self._epoch_given = first is not None  # by set_epoch or a loaded state: see __aiter__
         self._resume: EpochState | None = None  # loaded, for the next epoch to go on from
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope
@@ -281,7 +282,10 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         return self._plan.base_seed
 
     def _replan(self, name: str, value: object) -> None:
-        self._plan = self._plan.replaced(name, value, self._offload)
+        # Not through __setattr__: Lightning, in a *_dataloader hook, records what is set on a
+        # loader and sets it again on the loader it rebuilds, where an old plan would undo the
+        # DistributedSampler it injected. The setting (`loader.pin_memory = ...`) is recorded.
+        object.__setattr__(self, "_plan", self._plan.replaced(name, value, self._offload))
         vars(self)[name] = value  # the argument as given, for vars(loader): see __init__
 
     @property
@@ -345,6 +349,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         elif self._state.progress is not None and not self._state.progress.finished:
             self._state.progress = None  # left by a break: the next epoch starts afresh
         self._next_epoch = epoch
+        self._epoch_given = True
 
     # -- progress and statistics ---------------------------------------------------------------
 
@@ -396,10 +401,13 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
                 "loader: ...` (or use a plain `for` loop, which runs its own scope)"
             )
         number, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        given, self._epoch_given = self._epoch_given, False
         resume, self._resume = self._resume, None
         if resume is not None and resume.epoch != number:  # pragma: no cover - set_epoch refuses
             resume = None
-        iterator: EpochIterator[T_Batch] = EpochIterator(self._state, self._scope, number, resume)
+        iterator: EpochIterator[T_Batch] = EpochIterator(
+            self._state, self._scope, number, resume, epoch_given=given
+        )
         self._state.shown = iterator.shown
         self._state.progress = iterator.progress  # the epoch under way, even before its first batch
         return iterator

@@ -22,7 +22,7 @@ from .._base.inline import INLINE_BELOW_S
 from .._data.collate import default_collate
 from .._data.convert import default_convert
 from .._data.order import map_order
-from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler
+from .._data.sampler import DistributedSampler, RandomSampler
 from .._data.seeds import draw_seed
 from .._data.sharding import resolve_rank
 from .._data.source import InWorkers, Kind, MapSource, open_source
@@ -198,7 +198,9 @@ class LoaderPlan:
         if ours and sampler.generator is None and order_seed is not None:  # type: ignore[union-attr]
             sampler = RandomSampler(self.dataset, seed=order_seed)
             if batch_sampler is not None and self.batch_size is not None:
-                batch_sampler = BatchSampler(sampler, self.batch_size, self.arguments.drop_last)
+                batch_sampler = torch.utils.data.BatchSampler(
+                    sampler, self.batch_size, self.arguments.drop_last
+                )
         config = dataclasses.replace(self.config, seed=base_seed)
         return dataclasses.replace(
             self, base_seed=base_seed, sampler=sampler, batch_sampler=batch_sampler, config=config

@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch.utils.data
 
-from .._data.order import GENERATOR_SAMPLERS, order_generator
+from .._data.order import GENERATOR_SAMPLERS, PLAIN_BATCHERS, epoch_batches, order_generator
 from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
 from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 from .._data.seeds import epoch_permutation
@@ -100,11 +101,10 @@ def resumed_batches(
         if taken is not None and taken.through:
             return _fast_batches(sampler, 1, False, taken)
         return numbered(([i] for i in sampler), taken)
-    if taken is not None and taken.through and type(batch_sampler) is BatchSampler:
-        return _fast_batches(
-            batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last, taken
-        )
-    return numbered(batch_sampler, taken)
+    if taken is not None and taken.through and type(batch_sampler) in PLAIN_BATCHERS:
+        plain: Any = batch_sampler
+        return _fast_batches(plain.sampler, plain.batch_size, plain.drop_last, taken)
+    return numbered(epoch_batches(batch_sampler), taken)
 
 
 def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
@@ -139,6 +139,12 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
         raise ValueError(
             "the state holds a sampler's generator state (state['sampler']); this loader's "
             "sampler was given no generator"
+        )
+    if s.sampler is None and order_generator(plan.order) is not None:
+        raise ValueError(
+            "this loader's sampler draws its order from a generator; the state holds no "
+            "generator state (state['sampler']) to replay that order from (it was saved by a "
+            "loader whose sampler had none)"
         )
     if plan.arguments.seed is not None and s.seed != plan.arguments.seed:
         raise ValueError(

@@ -131,11 +131,12 @@ class Resumable:
             plan.base_seed,
             plan.order_seed,
         ):
-            self._plan = plan.reseeded(resume.seed, resume.order_seed)
+            object.__setattr__(self, "_plan", plan.reseeded(resume.seed, resume.order_seed))
             if self._scope is not None:  # the open scope's next epoch runs with these seeds
                 self._scope.plan = self._plan
         self._resume = resume
         self._next_epoch = resume.epoch
+        self._epoch_given = True
         self._state.progress = None
 
     def _end_running_epoch(self: ResumableLoader) -> None:

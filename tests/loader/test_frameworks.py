@@ -102,7 +102,7 @@ def read(out: Path, config: str, stage: str) -> list[list[list[int]]]:
 
 def assert_shared_out(per_rank: list[list[list[int]]]) -> None:
     """Each epoch, the two ranks read every sample once between them."""
-    for epoch in range(2):
+    for epoch in range(len(per_rank[0])):
         both = per_rank[0][epoch] + per_rank[1][epoch]
         assert sorted(both) == list(range(N)), (epoch, per_rank)
 
@@ -110,20 +110,35 @@ def assert_shared_out(per_rank: list[list[list[int]]]) -> None:
 @pytest.mark.timeout(240)
 def test_lightning_ddp_gives_each_rank_the_share_torchs_loader_gets(tmp_path: Path) -> None:
     """``Trainer(strategy="ddp", devices=2)``: Lightning injects its ``DistributedSampler`` into
-    our loader as into torch's (made in the hook, or before the trainer saw it), with worker
-    processes too, and adds none to one already sharded (``distributed=True``)."""
+    our loader as into torch's (made in the hook, a setting changed there; or before the trainer
+    saw it; or anew each epoch), with worker processes too, and adds none to one already sharded
+    (``distributed=True``). Found by review: a setting changed in the hook replaced the injected
+    sampler (every rank read everything), and with a loader rebuilt each epoch, the loader's own
+    epoch count undid Lightning's ``set_epoch`` (epochs 1 and 2 had the same order)."""
     out = tmp_path / "out"
     out.mkdir()
     run_script(ROOT / "tests/support/lightning_job.py", str(out), cwd=tmp_path, timeout=200)
-    for made in ("hook", "outside"):
+    for made in ("hook", "outside", "reload"):
         for stage in ("train", "val"):
             theirs = read(out, f"torch-{made}", stage)
             assert_shared_out(theirs)
             assert read(out, f"aio-{made}", stage) == theirs, (made, stage)
+    reloaded = read(out, "aio-reload", "train")[0]
+    assert len({tuple(epoch) for epoch in reloaded}) == 3  # each epoch its own order
     assert read(out, "aio-workers", "train") == read(out, "torch-hook", "train")
     sharded = read(out, "aio-distributed", "train")
     assert_shared_out(sharded)
-    assert sharded[0][0] != sharded[0][1]  # reshuffled each epoch
+    assert sharded[0][0] != sharded[0][1] != sharded[0][2]  # reshuffled each epoch
+
+
+@pytest.mark.timeout(120)
+def test_fabric_gives_each_rank_the_share_torchs_loader_gets(tmp_path: Path) -> None:
+    """Lightning Fabric's ``setup_dataloaders`` rebuilds our loader with its
+    ``DistributedSampler`` as it rebuilds torch's."""
+    run_script(ROOT / "tests/support/fabric_job.py", str(tmp_path), cwd=tmp_path, timeout=100)
+    theirs = read(tmp_path, "torch", "train")
+    assert_shared_out(theirs)
+    assert read(tmp_path, "aio", "train") == theirs
 
 
 @pytest.mark.timeout(120)
@@ -160,3 +175,42 @@ def test_lightning_resumes_mid_epoch_from_our_state_as_from_torchdatas(tmp_path:
     for name, batches in epochs.items():
         samples = sorted(x for batch in batches for x in batch)
         assert (samples == list(range(N))) == (name != "torch"), (name, samples)
+
+
+def test_a_torch_samplers_epoch_is_its_owners_unless_the_loader_is_given_one() -> None:
+    """torch's loader never calls a sampler's ``set_epoch``: the user does (the
+    ``DistributedSampler`` idiom), or Lightning for the sampler it injects. Ours calls it for
+    its own samplers, and for any when the epoch was given (``loader.set_epoch``)."""
+    data = list(range(12))
+    results = []
+    for cls in (torch.utils.data.DataLoader, aioloader.DataLoader):
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0, seed=1)
+        loader = cls(data, batch_size=3, sampler=sampler)
+        epochs = []
+        for epoch in (4, 4, 7):  # the owner sets the epoch; the loader's count is 0, 1, 2
+            sampler.set_epoch(epoch)
+            epochs.append([x for batch in loader for x in batch.tolist()])
+        results.append(epochs)
+        assert sampler.epoch == 7
+    assert results[0] == results[1]
+    assert results[0][0] == results[0][1] != results[0][2]
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0, seed=1)
+    loader = aioloader.DataLoader(data, batch_size=3, sampler=sampler)
+    loader.set_epoch(7)
+    assert [x for batch in loader for x in batch.tolist()] == results[0][2]
+    assert sampler.epoch == 7
+
+
+def test_a_state_without_a_generator_is_refused_where_the_sampler_draws_from_one() -> None:
+    """Found by review: a state saved before a generator was assigned to the loader's sampler,
+    loaded after, resumed another order (samples twice, others never)."""
+    data = list(range(12))
+    saved = aioloader.DataLoader(data, batch_size=2, shuffle=True, seed=3)
+    iterator = iter(saved)
+    next(iterator)
+    state = saved.state_dict()
+    iterator.close()
+    resumed = aioloader.DataLoader(data, batch_size=2, shuffle=True, seed=3)
+    resumed.sampler.generator = torch.Generator().manual_seed(5)
+    with pytest.raises(ValueError, match=r"draws its order from a generator.*no generator state"):
+        resumed.load_state_dict(state)

@@ -1,6 +1,6 @@
 """Lightning's ``Trainer.fit`` with DDP on two CPU ranks (gloo), run as a user runs it
 (``python lightning_job.py OUT``: Lightning starts the second rank by running this script
-again). Every configuration fits twice (2 epochs, with validation) through torch's
+again). Every configuration fits twice (3 epochs, with validation) through torch's
 ``DataLoader`` and through ``aioloader.DataLoader``, and each rank writes the samples it trained
 and validated on, per epoch, to ``OUT/<config>-<rank>.json``."""
 
@@ -17,6 +17,7 @@ import torch
 import aioloader
 
 N = 64
+EPOCHS = 3
 LOADERS = {"torch": torch.utils.data.DataLoader, "aio": aioloader.DataLoader}
 
 
@@ -37,7 +38,9 @@ class Recorder(L.LightningModule):
         super().__init__()
         self.config, self.train_loader = config, train
         self.layer = torch.nn.Linear(1, 1)
-        self.seen: dict[str, list[list[int]]] = {"train": [[], []], "val": [[], []]}
+        self.seen: dict[str, list[list[int]]] = {
+            stage: [[] for _ in range(EPOCHS)] for stage in ("train", "val")
+        }
 
     def record(self, stage: str, batch: torch.Tensor) -> None:
         self.seen[stage][self.current_epoch] += batch.flatten().int().tolist()
@@ -58,7 +61,10 @@ class Recorder(L.LightningModule):
             return loader(name, shuffle=True, num_workers=2)
         if kind == "distributed":  # already sharded: Lightning must not add a sampler
             return loader(name, shuffle=True, distributed=True)
-        return loader(name, shuffle=True)
+        made = loader(name, shuffle=True)
+        # Set in the hook: Lightning records it and sets it again on the loader it rebuilds
+        made.pin_memory = False
+        return made
 
     def val_dataloader(self) -> Any:
         return loader(self.config.partition("-")[0])
@@ -68,12 +74,13 @@ class Recorder(L.LightningModule):
             json.dump(self.seen, out)
 
 
-def fit(config: str, train: Any = None) -> None:
+def fit(config: str, train: Any = None, reload: int = 0) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
-        max_epochs=2,
+        max_epochs=EPOCHS,
+        reload_dataloaders_every_n_epochs=reload,  # a new loader each epoch (made in the hook)
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -91,5 +98,6 @@ if __name__ == "__main__":
     for name in LOADERS:
         fit(f"{name}-hook")
         fit(f"{name}-outside", loader(name, shuffle=True))
+        fit(f"{name}-reload", reload=1)
     fit("aio-workers")
     fit("aio-distributed")
