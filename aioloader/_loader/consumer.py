@@ -46,19 +46,13 @@ class EpochIterator(Generic[T_Batch]):
     start at the first ``__anext__`` (ending an unfinished earlier epoch first)."""
 
     def __init__(
-        self,
-        state: LoaderState,
-        scope: Scope,
-        number: int,
-        resume: EpochState | None = None,
-        *,
-        epoch_given: bool = False,
+        self, state: LoaderState, scope: Scope, number: int, resume: EpochState | None, given: bool
     ) -> None:
         self._state = state
         self._plan = scope.plan
         self._scope = scope
         self._number = number
-        self._epoch_given = epoch_given  # by set_epoch or a loaded state: samplers are told
+        self._epoch_given = given  # by set_epoch or a loaded state: samplers are told
         self._resume = resume  # a loaded state of this epoch: it goes on from there
         self.progress = Progress(resume if resume is not None else fresh_state(scope.plan, number))
         self.shown = EpochProgress(

@@ -210,11 +210,9 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         # Every argument, as given (the signature above is torch's, for users and their tools).
         given = {name: value for name, value in locals().items() if name != "self"}
         self._plan = plan_loader(Arguments(**given), self._offload)
-        # The arguments also sit in the instance's __dict__, where torch's DataLoader keeps its
-        # attributes: tools that rebuild a loader from vars(loader) (Lightning, injecting a
-        # DistributedSampler into a loader made outside its hooks) find them there. Reads go
-        # to the settings below (data descriptors win over __dict__), which keep these in step;
-        # `shuffle` has no attribute; `progress` is a method, which __dict__ would hide.
+        # As given in __dict__ too, where torch keeps them and tools read them (Lightning rebuilds
+        # a loader from vars(loader)); reads go to the settings, kept in step (`progress`, a
+        # method, would be hidden). docs/design.md: "The class is torch's".
         vars(self).update((name, value) for name, value in given.items() if name != "progress")
         self._state = LoaderState(self._new_recorders())  # shared with the scopes
         self._session: Session | None = None  # the background loop of `with` / plain `for`
@@ -227,9 +225,9 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope
 
-    # torch's __setattr__ guards its attributes once its own __init__ has run, which it does not
-    # here: the settings below guard them, and a warning they give points at the caller's line.
-    __setattr__ = object.__setattr__  # type: ignore[assignment]  # no frame of its own
+    # torch's guard runs after its own __init__, not run here; the settings guard (at the
+    # caller's line: no frame of this one's own).
+    __setattr__ = object.__setattr__  # type: ignore[assignment]
 
     # -- the settings: views of the plan -------------------------------------------------------
     # torch's attributes (and aioloader's arguments) read the plan. Those that define the
@@ -238,9 +236,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
 
     dataset: Setting[Any] = Setting()
     batch_size: Setting[int | None] = Setting(resolved=True)
-    # torch's own annotations are narrower than its values: a stream has no sampler (torch's
-    # iterable-dataset loader holds a dummy), a batch sampler may yield tuples, and
-    # worker_init_fn's return is ignored.
+    # (torch's annotations are narrower: a stream has no sampler, a batch may be a tuple)
     sampler: Setting[Iterable[int] | None] = Setting(resolved=True)  # type: ignore[assignment]
     batch_sampler: Setting[Iterable[Sequence[int]] | None] = Setting(resolved=True)  # type: ignore[assignment]
     num_workers: Setting[int] = Setting()
@@ -282,9 +278,8 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         return self._plan.base_seed
 
     def _replan(self, name: str, value: object) -> None:
-        # Not through __setattr__: Lightning, in a *_dataloader hook, records what is set on a
-        # loader and sets it again on the loader it rebuilds, where an old plan would undo the
-        # DistributedSampler it injected. The setting (`loader.pin_memory = ...`) is recorded.
+        # Past __setattr__: Lightning replays what a hook sets on the loader it rebuilds, and an
+        # old plan would undo the sampler it injected (the setting itself is replayed).
         object.__setattr__(self, "_plan", self._plan.replaced(name, value, self._offload))
         vars(self)[name] = value  # the argument as given, for vars(loader): see __init__
 
@@ -406,7 +401,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         if resume is not None and resume.epoch != number:  # pragma: no cover - set_epoch refuses
             resume = None
         iterator: EpochIterator[T_Batch] = EpochIterator(
-            self._state, self._scope, number, resume, epoch_given=given
+            self._state, self._scope, number, resume, given
         )
         self._state.shown = iterator.shown
         self._state.progress = iterator.progress  # the epoch under way, even before its first batch
