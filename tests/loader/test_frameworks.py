@@ -111,8 +111,8 @@ def assert_shared_out(per_rank: list[list[list[int]]]) -> None:
 def test_lightning_ddp_gives_each_rank_the_share_torchs_loader_gets(tmp_path: Path) -> None:
     """``Trainer(strategy="ddp", devices=2)``: Lightning injects its ``DistributedSampler`` into
     our loader as into torch's (made in the hook, a setting changed there; or before the trainer
-    saw it; or anew each epoch), with worker processes too, and adds none to one already sharded
-    (``distributed=True``). Found by review: a setting changed in the hook replaced the injected
+    saw it; or anew each epoch), with worker processes too, or over an ``AsyncDataset``, and adds
+    none to one already sharded (``distributed=True``). Found by review: a setting changed in the hook replaced the injected
     sampler (every rank read everything), and with a loader rebuilt each epoch, the loader's own
     epoch count undid Lightning's ``set_epoch`` (epochs 1 and 2 had the same order)."""
     out = tmp_path / "out"
@@ -126,6 +126,7 @@ def test_lightning_ddp_gives_each_rank_the_share_torchs_loader_gets(tmp_path: Pa
     reloaded = read(out, "aio-reload", "train")[0]
     assert len({tuple(epoch) for epoch in reloaded}) == 3  # each epoch its own order
     assert read(out, "aio-workers", "train") == read(out, "torch-hook", "train")
+    assert read(out, "aio-async", "train") == read(out, "torch-hook", "train")
     sharded = read(out, "aio-distributed", "train")
     assert_shared_out(sharded)
     assert sharded[0][0] != sharded[0][1] != sharded[0][2]  # reshuffled each epoch

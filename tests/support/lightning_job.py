@@ -29,6 +29,16 @@ class Numbers(torch.utils.data.Dataset[torch.Tensor]):
         return torch.tensor([float(index)])
 
 
+class AsyncNumbers(aioloader.AsyncDataset[torch.Tensor]):
+    """The same samples, read in the loader's event loop (``await dataset.get(i)``)."""
+
+    def __len__(self) -> int:
+        return N
+
+    async def get(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index)])
+
+
 def loader(name: str, **kwargs: Any) -> Any:
     return LOADERS[name](Numbers(), batch_size=4, **kwargs)
 
@@ -61,6 +71,8 @@ class Recorder(L.LightningModule):
             return loader(name, shuffle=True, num_workers=2)
         if kind == "distributed":  # already sharded: Lightning must not add a sampler
             return loader(name, shuffle=True, distributed=True)
+        if kind == "async":  # an async map-style dataset: Lightning's sampler over it
+            return aioloader.DataLoader(AsyncNumbers(), batch_size=4, shuffle=True)
         made = loader(name, shuffle=True)
         # Set in the hook: Lightning records it and sets it again on the loader it rebuilds
         made.pin_memory = False
@@ -100,4 +112,5 @@ if __name__ == "__main__":
         fit(f"{name}-outside", loader(name, shuffle=True))
         fit(f"{name}-reload", reload=1)
     fit("aio-workers")
+    fit("aio-async")
     fit("aio-distributed")
