@@ -87,24 +87,20 @@ def epoch_takers(
     sampler: object, batch_sampler: object, *, given: bool
 ) -> list[Callable[[int], object]]:
     """The ``set_epoch`` methods an epoch calls with its number: those of aioloader's own
-    samplers (and of our batch sampler over one), whose order is the loader's epoch's; and, when
-    the epoch was given (``loader.set_epoch``, a loaded state), any sampler's. torch's loader
+    samplers (given, or inside a plain batch sampler), whose order is the loader's epoch's;
+    and, when the epoch was given (``loader.set_epoch``), any sampler's. torch's loader
     calls none: a torch sampler's epoch is its owner's to set (the ``DistributedSampler``
     idiom; Lightning sets the one it injects), and the loader's own count would undo theirs
     (Lightning, rebuilding loaders each epoch, would see epoch 1's order again and again)."""
     ours = (SequentialSampler, RandomSampler, DistributedSampler)
-    takers = []
-    for obj in (sampler, batch_sampler):
+    plain: Any = batch_sampler if type(batch_sampler) in PLAIN_BATCHERS else None
+    inner = None if plain is None else plain.sampler
+    takers: dict[int, Callable[[int], object]] = {}  # one call each (a sampler may be both)
+    for obj in (sampler, inner, batch_sampler):
         set_epoch = getattr(obj, "set_epoch", None)
-        if not callable(set_epoch):
-            continue
-        if (
-            given
-            or isinstance(obj, ours)
-            or (isinstance(obj, BatchSampler) and isinstance(obj.sampler, ours))
-        ):
-            takers.append(set_epoch)
-    return takers
+        if callable(set_epoch) and (given or isinstance(obj, ours)):
+            takers[id(obj)] = set_epoch
+    return list(takers.values())
 
 
 def order_generator(order: object) -> torch.Generator | None:

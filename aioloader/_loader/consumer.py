@@ -52,7 +52,7 @@ class EpochIterator(Generic[T_Batch]):
         self._plan = scope.plan
         self._scope = scope
         self._number = number
-        self._epoch_given = given  # by set_epoch or a loaded state: samplers are told
+        self._epoch_given = given  # by set_epoch: any sampler is told (epoch_takers)
         self._resume = resume  # a loaded state of this epoch: it goes on from there
         self.progress = Progress(resume if resume is not None else fresh_state(scope.plan, number))
         self.shown = EpochProgress(

@@ -220,7 +220,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         # the dataset's set_epoch before now is where it starts.
         first = claim_epochs(self._plan.dataset)
         self._next_epoch = 0 if first is None else first
-        self._epoch_given = first is not None  # by set_epoch or a loaded state: see __aiter__
+        self._epoch_given = first is not None  # by set_epoch: see __aiter__
         self._resume: EpochState | None = None  # loaded, for the next epoch to go on from
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope

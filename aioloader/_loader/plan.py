@@ -21,7 +21,7 @@ import torch
 from .._base.inline import INLINE_BELOW_S
 from .._data.collate import default_collate
 from .._data.convert import default_convert
-from .._data.order import map_order
+from .._data.order import PLAIN_BATCHERS, map_order
 from .._data.sampler import DistributedSampler, RandomSampler
 from .._data.seeds import draw_seed
 from .._data.sharding import resolve_rank
@@ -177,6 +177,15 @@ class LoaderPlan:
         return self.kind.is_map and a.sampler is None and a.batch_sampler is None
 
     @property
+    def batching(self) -> tuple[int | None, bool]:
+        """``(batch_size, drop_last)`` as epochs batch now: the loader's own batch sampler's
+        (torch's class, whose attributes a user may set between epochs), else the arguments'."""
+        batcher: Any = self.batch_sampler
+        if self.ours and type(batcher) in PLAIN_BATCHERS:
+            return batcher.batch_size, batcher.drop_last
+        return self.batch_size, self.arguments.drop_last
+
+    @property
     def order_seed(self) -> int | None:
         """The seed of the loader's own shuffled order (None: not shuffled, or not ours)."""
         sampler = self.sampler
@@ -197,10 +206,9 @@ class LoaderPlan:
         # a resume restores, and the sampler is kept)
         if ours and sampler.generator is None and order_seed is not None:  # type: ignore[union-attr]
             sampler = RandomSampler(self.dataset, seed=order_seed)
-            if batch_sampler is not None and self.batch_size is not None:
-                batch_sampler = torch.utils.data.BatchSampler(
-                    sampler, self.batch_size, self.arguments.drop_last
-                )
+            batch_size, drop_last = self.batching  # as the batch sampler was set, if it was
+            if batch_sampler is not None and batch_size is not None:
+                batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
         config = dataclasses.replace(self.config, seed=base_seed)
         return dataclasses.replace(
             self, base_seed=base_seed, sampler=sampler, batch_sampler=batch_sampler, config=config

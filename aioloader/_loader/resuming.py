@@ -124,9 +124,8 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
             raise ValueError(
                 f"the state is of a dataset of {s.length} samples; this one has {length}"
             )
-    for name, saved, mine in (
-        ("batch_size", s.batch_size, plan.batch_size),
-        ("drop_last", s.drop_last, plan.arguments.drop_last),
+    for name, saved, mine in zip(
+        ("batch_size", "drop_last"), (s.batch_size, s.drop_last), plan.batching, strict=True
     ):
         if saved != mine:
             raise ValueError(f"the state was saved with {name}={saved}; this loader has {mine}")
@@ -140,7 +139,9 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
             "the state holds a sampler's generator state (state['sampler']); this loader's "
             "sampler was given no generator"
         )
-    if s.sampler is None and order_generator(plan.order) is not None:
+    world, rank = plan.world_size, plan.rank
+    elastic = s.merged or (s.world_size == 1 and world > 1)  # re-divides the seed's order
+    if s.sampler is None and order_generator(plan.order) is not None and not elastic:
         raise ValueError(
             "this loader's sampler draws its order from a generator; the state holds no "
             "generator state (state['sampler']) to replay that order from (it was saved by a "
@@ -150,12 +151,17 @@ def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
         raise ValueError(
             f"the state was saved with seed={s.seed}; this loader has {plan.arguments.seed}"
         )
-    world, rank = plan.world_size, plan.rank
-    if s.merged or (s.world_size == 1 and world > 1):
+    if elastic:
         if not plan.ours:
             raise ValueError(
                 "an elastic resume (another world size, or a merged state) re-divides the "
                 "loader's own order; this loader was given a sampler or batch sampler"
+            )
+        if s.sampler is not None:
+            raise ValueError(
+                "an elastic resume (another world size, or a merged state) re-divides the "
+                "loader's seeded order; this state's order was drawn from a generator assigned "
+                "to its sampler"
             )
         layers = list(s.layers)
         if not s.merged:

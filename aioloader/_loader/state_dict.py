@@ -135,8 +135,7 @@ class Resumable:
             if self._scope is not None:  # the open scope's next epoch runs with these seeds
                 self._scope.plan = self._plan
         self._resume = resume
-        self._next_epoch = resume.epoch
-        self._epoch_given = True
+        self._next_epoch = resume.epoch  # (not given to a sampler of another's: its owner's)
         self._state.progress = None
 
     def _end_running_epoch(self: ResumableLoader) -> None:

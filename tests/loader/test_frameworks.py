@@ -111,10 +111,11 @@ def assert_shared_out(per_rank: list[list[list[int]]]) -> None:
 def test_lightning_ddp_gives_each_rank_the_share_torchs_loader_gets(tmp_path: Path) -> None:
     """``Trainer(strategy="ddp", devices=2)``: Lightning injects its ``DistributedSampler`` into
     our loader as into torch's (made in the hook, a setting changed there; or before the trainer
-    saw it; or anew each epoch), with worker processes too, or over an ``AsyncDataset``, and adds
-    none to one already sharded (``distributed=True``). Found by review: a setting changed in the hook replaced the injected
-    sampler (every rank read everything), and with a loader rebuilt each epoch, the loader's own
-    epoch count undid Lightning's ``set_epoch`` (epochs 1 and 2 had the same order)."""
+    saw it; or anew each epoch), with worker processes too, or over an ``AsyncDataset``, and
+    adds none to one already sharded (``distributed=True``). Found by review: a setting changed
+    in the hook replaced the injected sampler (every rank read everything), and with a loader
+    rebuilt each epoch, the loader's own epoch count undid Lightning's ``set_epoch`` (epochs 1
+    and 2 had the same order)."""
     out = tmp_path / "out"
     out.mkdir()
     run_script(ROOT / "tests/support/lightning_job.py", str(out), cwd=tmp_path, timeout=200)
@@ -215,3 +216,15 @@ def test_a_state_without_a_generator_is_refused_where_the_sampler_draws_from_one
     resumed.sampler.generator = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match=r"draws its order from a generator.*no generator state"):
         resumed.load_state_dict(state)
+
+
+def test_torchs_batch_sampler_over_our_random_sampler_reshuffles_each_epoch() -> None:
+    """The loader's own batch sampler is torch's class; handed to another loader (found by
+    review), its sampler, ours, still takes each epoch."""
+    data = list(range(16))
+    first = aioloader.DataLoader(data, batch_size=4, shuffle=True, seed=1)
+    assert type(first.batch_sampler) is torch.utils.data.BatchSampler
+    second = aioloader.DataLoader(data, batch_sampler=first.batch_sampler)
+    orders = [[x for batch in second for x in batch.tolist()] for _ in range(3)]
+    assert len({tuple(order) for order in orders}) == 3
+    assert all(sorted(order) == data for order in orders)

@@ -193,3 +193,68 @@ def test_only_torchs_samplers_are_trusted_to_draw_from_their_generator_alone() -
     with pytest.raises(TypeError, match=r"Rotated may give another order when iterated again; use"):
         loader.state_dict()
     it.close()
+
+
+def _resumed_after(loader: Callable[[], DataLoader[Any]], taken: int) -> list[list[int]]:
+    """Batches of one epoch: ``taken`` from a loader, then the rest from a new loader resumed
+    from its state."""
+    first = loader()
+    iterator = iter(first)
+    got = [next(iterator).tolist() for _ in range(taken)]
+    state = first.state_dict()
+    iterator.close()
+    second = loader()
+    second.load_state_dict(state)
+    return got + [batch.tolist() for batch in second]
+
+
+def test_a_torch_samplers_epoch_stays_its_owners_across_a_resume() -> None:
+    """Found by review: a loaded state set the user's ``DistributedSampler`` to the loader's
+    own epoch count, which its owner had never set: the resumed epoch read another order."""
+
+    def loader() -> DataLoader[Any]:
+        sampler = tud.DistributedSampler(list(range(N)), num_replicas=2, rank=0, seed=3)
+        return DataLoader(list(range(N)), batch_size=4, sampler=sampler)
+
+    whole = loader()
+    for _ in range(2):  # two epochs first: the loader's count (2) is not the sampler's (0)
+        list(whole)
+    uninterrupted = [batch.tolist() for batch in whole]
+    assert _resumed_after(loader, 2) == uninterrupted
+
+
+def test_a_batch_size_set_on_the_loaders_batch_sampler_is_the_states() -> None:
+    """The loader's batch sampler is torch's, whose ``batch_size`` a user may set (found by
+    review: the state kept the argument's, and a resume went on in batches of another size)."""
+
+    def loader() -> DataLoader[Any]:
+        made = DataLoader(list(range(24)), batch_size=4, shuffle=True, seed=1)
+        made.batch_sampler.batch_size = 8  # type: ignore[union-attr]
+        return made
+
+    assert _resumed_after(loader, 1) == [batch.tolist() for batch in loader()]
+    saved = loader()
+    iterator = iter(saved)
+    next(iterator)
+    state = saved.state_dict()
+    iterator.close()
+    assert state["batch_size"] == 8
+    with pytest.raises(ValueError, match="saved with batch_size=8; this loader has 4"):
+        DataLoader(list(range(24)), batch_size=4, shuffle=True, seed=1).load_state_dict(state)
+
+
+def test_an_order_drawn_from_an_assigned_generator_is_not_resumed_elastically() -> None:
+    """An elastic resume re-divides the seed's order; one drawn from a generator assigned to
+    the sampler is another order, so it is refused."""
+    from aioloader import merge_states
+
+    saved = DataLoader(list(range(N)), batch_size=4, shuffle=True, seed=1)
+    saved.sampler.generator = torch.Generator().manual_seed(5)  # type: ignore[union-attr]
+    iterator = iter(saved)
+    next(iterator)
+    state = merge_states([saved.state_dict()])
+    iterator.close()
+    resumed = DataLoader(list(range(N)), batch_size=4, shuffle=True, seed=1)  # merged: elastic
+    resumed.sampler.generator = torch.Generator().manual_seed(5)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="drawn from a generator"):
+        resumed.load_state_dict(state)
