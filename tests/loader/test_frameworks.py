@@ -128,6 +128,7 @@ def test_lightning_ddp_gives_each_rank_the_share_torchs_loader_gets(tmp_path: Pa
     assert len({tuple(epoch) for epoch in reloaded}) == 3  # each epoch its own order
     assert read(out, "aio-workers", "train") == read(out, "torch-hook", "train")
     assert read(out, "aio-async", "train") == read(out, "torch-hook", "train")
+    assert_shared_out(read(out, "aio-stream", "train"))  # use_distributed_sampler=False
     sharded = read(out, "aio-distributed", "train")
     assert_shared_out(sharded)
     assert sharded[0][0] != sharded[0][1] != sharded[0][2]  # reshuffled each epoch

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,12 @@ class AsyncNumbers(aioloader.AsyncDataset[torch.Tensor]):
 
     async def get(self, index: int) -> torch.Tensor:
         return torch.tensor([float(index)])
+
+
+async def stream() -> AsyncIterator[torch.Tensor]:
+    """The same samples as a stream (an async generator function, called once an epoch)."""
+    for index in range(N):
+        yield torch.tensor([float(index)])
 
 
 def loader(name: str, **kwargs: Any) -> Any:
@@ -73,6 +80,8 @@ class Recorder(L.LightningModule):
             return loader(name, shuffle=True, distributed=True)
         if kind == "async":  # an async map-style dataset: Lightning's sampler over it
             return aioloader.DataLoader(AsyncNumbers(), batch_size=4, shuffle=True)
+        if kind == "stream":  # the README's way: Lightning adds no sampler, the loader shards
+            return aioloader.DataLoader(stream, batch_size=4, distributed=True)
         made = loader(name, shuffle=True)
         # Set in the hook: Lightning records it and sets it again on the loader it rebuilds
         made.pin_memory = False
@@ -86,13 +95,14 @@ class Recorder(L.LightningModule):
             json.dump(self.seen, out)
 
 
-def fit(config: str, train: Any = None, reload: int = 0) -> None:
+def fit(config: str, train: Any = None, reload: int = 0, inject: bool = True) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_epochs=EPOCHS,
         reload_dataloaders_every_n_epochs=reload,  # a new loader each epoch (made in the hook)
+        use_distributed_sampler=inject,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -113,4 +123,5 @@ if __name__ == "__main__":
         fit(f"{name}-reload", reload=1)
     fit("aio-workers")
     fit("aio-async")
+    fit("aio-stream", inject=False)
     fit("aio-distributed")
