@@ -2,8 +2,8 @@
 generator an epoch's order is drawn from.
 
 Owns: :func:`map_order` (the sampler and batch sampler, built as torch builds them),
-:func:`epoch_batches` (how an epoch iterates a batch sampler) and :func:`order_generator` (the
-generator a sampler draws its order from, whose state replays an epoch). Never: the samplers
+:func:`epoch_takers` (which samplers an epoch tells its number) and :func:`order_generator`
+(the generator a sampler draws its order from, whose state replays an epoch). Never: the samplers
 themselves (``sampler.py``); no event loop, no I/O, no threads.
 """
 
@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 
-from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, batches_of
+from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 __all__ = [
     "GENERATOR_SAMPLERS",
     "PLAIN_BATCHERS",
-    "epoch_batches",
     "epoch_takers",
     "map_order",
     "order_generator",
@@ -73,16 +72,6 @@ def map_order(
     return sampler, torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
 
 
-def epoch_batches(batch_sampler: Iterable[Sequence[int]]) -> Iterable[Sequence[int]]:
-    """What an epoch iterates for ``batch_sampler``: a plain one's batches a C-level slice at
-    a time (its ``sampler``, ``batch_size`` and ``drop_last`` read now, as torch's are read
-    when iterated), any other as it is."""
-    if type(batch_sampler) in PLAIN_BATCHERS:
-        plain: Any = batch_sampler
-        return batches_of(plain.sampler, plain.batch_size, plain.drop_last)
-    return batch_sampler
-
-
 def epoch_takers(
     sampler: object, batch_sampler: object, *, given: bool
 ) -> list[Callable[[int], object]]:
@@ -108,7 +97,7 @@ def order_generator(order: object) -> torch.Generator | None:
     draw its order from (torch's ``RandomSampler``, ``SubsetRandomSampler``,
     ``WeightedRandomSampler``: ``generator=``), or None. Its state when an epoch begins
     replays the epoch's order: the loader saves it, and sets it back on resuming."""
-    if isinstance(order, (BatchSampler, torch.utils.data.BatchSampler)):
+    if isinstance(order, torch.utils.data.BatchSampler):  # ours included
         order = order.sampler
     if isinstance(order, RandomSampler):  # ours: None unless one was assigned
         return order.generator

@@ -283,6 +283,7 @@ def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
     :meth:`~aioloader.OpensEpochs.epoch_start_state`, has it as its mark: what ``merge_states``
     needs of a rank that took nothing yet)."""
     length = dataset_length(plan.dataset) if plan.kind.is_map else None
+    batch_size, drop_last = plan.batching
     stream = None
     if isinstance(plan.dataset, OpensEpochs) and not plan.kind.is_map:
         start = plan.dataset.epoch_start_state(epoch)
@@ -293,8 +294,8 @@ def fresh_state(plan: LoaderPlan, epoch: int) -> EpochState:
         order_seed=plan.order_seed,
         map=plan.kind.is_map,
         length=length,
-        batch_size=plan.batching[0],
-        drop_last=plan.batching[1],
+        batch_size=batch_size,
+        drop_last=drop_last,
         world_size=plan.world_size,
         rank=plan.rank,
         stream=stream,

@@ -201,10 +201,10 @@ class LoaderPlan:
         """The plan with a saved run's seeds (``seed=None``: drawn then, to be restored now),
         its own order rebuilt with ``order_seed``."""
         sampler, batch_sampler = self.sampler, self.batch_sampler
-        ours = self.ours and isinstance(sampler, RandomSampler)
         # (a generator assigned to our sampler draws its order: that generator's state is what
         # a resume restores, and the sampler is kept)
-        if ours and sampler.generator is None and order_seed is not None:  # type: ignore[union-attr]
+        ours = sampler if self.ours and isinstance(sampler, RandomSampler) else None
+        if ours is not None and ours.generator is None and order_seed is not None:
             sampler = RandomSampler(self.dataset, seed=order_seed)
             batch_size, drop_last = self.batching  # as the batch sampler was set, if it was
             if batch_sampler is not None and batch_size is not None:

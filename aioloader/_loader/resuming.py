@@ -16,11 +16,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch.utils.data
+import torch.utils.data as tud
 
-from .._data.order import GENERATOR_SAMPLERS, PLAIN_BATCHERS, epoch_batches, order_generator
+from .._data.order import GENERATOR_SAMPLERS, PLAIN_BATCHERS, order_generator
 from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
-from .._data.sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+from .._data.sampler import RandomSampler, batches_of
 from .._data.seeds import epoch_permutation
 from .._data.source import InWorkers, dataset_length
 from .._data.streams import BlockingStream, StreamSource, is_resumable
@@ -42,15 +42,10 @@ def not_replayable(order: object) -> object | None:
     distributed samplers, a sequence of indices, a sampler given a ``generator`` (its state is
     saved: :func:`order_generator`) and a batch sampler over one of those replay their
     order."""
-    if isinstance(order, (SequentialSampler, RandomSampler, DistributedSampler)):
+    replays = (RandomSampler, tud.SequentialSampler, tud.DistributedSampler, range, list, tuple)
+    if isinstance(order, replays) or order_generator(order) is not None:  # ours subclass torch's
         return None
-    if order_generator(order) is not None:
-        return None
-    if isinstance(order, (torch.utils.data.SequentialSampler, torch.utils.data.DistributedSampler)):
-        return None
-    if isinstance(order, (range, list, tuple)):
-        return None
-    if isinstance(order, (BatchSampler, torch.utils.data.BatchSampler)):
+    if isinstance(order, tud.BatchSampler):  # ours included
         return not_replayable(order.sampler)
     return order
 
@@ -58,15 +53,12 @@ def not_replayable(order: object) -> object | None:
 def _fast_batches(
     sampler: Iterable[int], batch_size: int, drop_last: bool, taken: Taken
 ) -> Iterator[tuple[int, list[int]]]:
-    """Our ``BatchSampler``'s batches from ``taken.through`` on: the samples before it skipped
-    in one C-level slice (a 10-million-sample order in well under a second)."""
+    """A plain batch sampler's batches from ``taken.through`` on, a C-level slice each: the
+    samples before it skipped in one (a 10-million-sample order in well under a second)."""
     indices = iter(sampler)
     start = taken.through
     next(itertools.islice(indices, start * batch_size, start * batch_size), None)
-    for seq in itertools.count(start):
-        batch = list(itertools.islice(indices, batch_size))
-        if not batch or (len(batch) < batch_size and drop_last):
-            return
+    for seq, batch in enumerate(batches_of(indices, batch_size, drop_last), start):
         if seq not in taken.beyond:
             yield seq, batch
 
@@ -101,10 +93,10 @@ def resumed_batches(
         if taken is not None and taken.through:
             return _fast_batches(sampler, 1, False, taken)
         return numbered(([i] for i in sampler), taken)
-    if taken is not None and taken.through and type(batch_sampler) in PLAIN_BATCHERS:
+    if type(batch_sampler) in PLAIN_BATCHERS:  # its attributes read now, as torch's are
         plain: Any = batch_sampler
-        return _fast_batches(plain.sampler, plain.batch_size, plain.drop_last, taken)
-    return numbered(epoch_batches(batch_sampler), taken)
+        return _fast_batches(plain.sampler, plain.batch_size, plain.drop_last, taken or Taken())
+    return numbered(batch_sampler, taken)
 
 
 def resolve(plan: LoaderPlan, s: EpochState) -> EpochState:
