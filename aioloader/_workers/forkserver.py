@@ -57,6 +57,7 @@ __all__ = [
     "server_lock",
     "server_preload",
     "server_protocol_known",
+    "start_stdlib_server",
     "uninstall",
     "unsafe_to_fork",
 ]
@@ -268,6 +269,15 @@ def server_lock() -> Iterator[int | None]:
     server: Any = stdlib_forkserver._forkserver
     with server._lock:
         yield running_server_pid()
+
+
+def start_stdlib_server() -> None:
+    """Start the stdlib's fork server (a fresh interpreter) now if none runs, without waiting
+    for its imports: they run beside the application, and the first worker start waits only
+    for what is left of them. Where it cannot be started (no room for a process), nothing
+    happens here: the first worker start tries again and raises."""
+    with contextlib.suppress(OSError):
+        stdlib_forkserver.ensure_running()
 
 
 def install(forked: ForkedServer) -> None:

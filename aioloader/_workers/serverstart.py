@@ -4,7 +4,9 @@ Owns: :func:`prepare_forkserver`, the one decision, made once per process, of ho
 server starts, fastest first: forked from this process now, when that is safe (workers then
 share everything the application has imported); else the standby forked as aioloader was
 imported, caught up with the main module (``standby.py``); else the stdlib's own, a fresh
-interpreter asked to preload torch and the worker module besides the main module. And
+interpreter asked to preload torch and the worker module besides the main module, started as
+the decision is made (a loader with workers is built), so that its imports run while the
+application goes on to its first epoch (a notebook's next cell, a script's model). And
 :func:`server_start`, what was decided and why, for the statistics and the verdict, and
 :func:`start_method_of`, the workers' start method. Never:
 forks anything itself (``forkserver.py`` does), or starts a second server once one runs.
@@ -32,6 +34,7 @@ from .forkserver import (
     server_lock,
     server_preload,
     server_protocol_known,
+    start_stdlib_server,
     uninstall,
     unsafe_to_fork,
 )
@@ -57,7 +60,8 @@ class ServerStart:
         how: ``"forked"`` (from this process, when the first loader needed it), ``"standby"``
             (forked as aioloader was imported, caught up with the main module when first
             needed), ``"interpreter"`` (the stdlib's: a fresh interpreter that imports torch
-            and the main module, paid by the first worker start), or ``"other"`` (something
+            and the main module, started as the first loader with workers is built; the first
+            worker start waits for what is left of its imports), or ``"other"`` (something
             else had started the stdlib's server).
         why: Why the faster ways were not taken ("" for ``"forked"``).
         seconds: What getting it ready cost the process here (for ``"interpreter"``, the
@@ -186,7 +190,9 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
     server (see the module's docstring) unless one runs.
 
     Called where the process may still have one thread (a loader's construction; a plain
-    ``for`` before it starts its event loop's thread) and again as the workers start.
+    ``for`` before it starts its event loop's thread) and again as the workers start. The
+    stdlib's server, once started here, stays this process's: a process that becomes safe to
+    fork later (its other threads ended) keeps it.
 
     Raises:
         RuntimeError: Called while a fork server runs the main module again (a script that
@@ -216,6 +222,8 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
     wanted = current + [m for m in PRELOAD if m not in current]
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
+    if _started.how == "interpreter":  # its imports (seconds) run while the application goes on
+        start_stdlib_server()
 
 
 def start_method_name(context: str | multiprocessing.context.BaseContext) -> str:

@@ -63,6 +63,7 @@ if __name__ == "__main__":
     loader = aioloader.DataLoader(
         Pids(), batch_size=4, num_workers=2, worker_init_fn=close_inherited
     )
+    server_at_build = multiprocessing.forkserver._forkserver._forkserver_pid
     workers = {tuple(row) for batch in loader for row in torch.stack(batch, 1).tolist()}
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     server_fds = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
@@ -82,6 +83,8 @@ if __name__ == "__main__":
         "my_cmdline": cmdline(os.getpid()),
         "server_parent": ppid(server),
         "server_cmdline": cmdline(server),
+        "server_at_build": server_at_build,
+        "server_pid": server,
         "server_holds_app_file": os.path.realpath(held.name) in server_fds,
         "workers": len(workers),
         "workers_children_of_server": all(parent == server for _, parent in workers),
@@ -155,8 +158,12 @@ def test_what_the_main_module_imports_after_aioloader_is_the_standbys_ready_time
 
 
 def test_without_a_standby_the_stdlib_starts_its_server(tmp_path: Path) -> None:
+    """As the loader is built, not as its first epoch starts: the server's imports (seconds,
+    a fresh interpreter's torch) run while the application goes on (a notebook's next cell)."""
     got = probe(tmp_path, "thread", standby=False)
     assert got["workers"] == 2
+    assert got["server_at_build"] is not None
+    assert got["server_at_build"] == got["server_pid"]  # the one the workers came from
     assert "multiprocessing.forkserver import main" in got["server_cmdline"]
     assert "aioloader._workers.worker" in got["server_cmdline"]  # torch preloaded in it
     assert got["pipe_eof"]
