@@ -50,6 +50,10 @@ def _is_async_context(obj: object) -> bool:
     return callable(getattr(obj, "__aenter__", None)) and callable(getattr(obj, "__aexit__", None))
 
 
+# What runs, not what a loader is: a copy of the loader has its own (``__getstate__``).
+_RUNNING = ("_state", "_session", "_plain", "_stopped_at")
+
+
 class ScopeLifecycle:
     """Opening and closing the loader's scope (a base class of ``DataLoader``, whose
     ``__init__`` sets the attributes below, which these methods set again)."""
@@ -158,6 +162,22 @@ class ScopeLifecycle:
         """Close the scope opened by ``with loader:`` or kept open by ``persistent_workers``:
         stop the workers and the background loop (no-op when none is open)."""
         self.__exit__(None, None, None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy takes (``copy.copy``, ``copy.deepcopy``, pickle, a loader sent to a
+        spawned process): the settings, the epoch the loader runs next and a state loaded for
+        it. Never what runs: a scope, its workers and threads, a plain ``for``'s iterator, the
+        statistics. The copy opens its own, and an epoch of the original under way goes on
+        undisturbed (torch's loader refuses to pickle while its persistent workers run)."""
+        state = dict(vars(self))
+        for name in _RUNNING:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self: ScopedLoader, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        vars(self).update(_session=None, _plain=None, _stopped_at=0.0)
+        self._state = LoaderState(self._new_recorders())
 
     def __del__(self) -> None:
         # Persistent workers go with their loader, as torch's do. (A scope opened by `with`

@@ -5,6 +5,7 @@ which batch, seeds set in ``worker_init_fn``, the worker-crash message."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 import warnings
 from typing import Any
@@ -15,6 +16,7 @@ import torch.utils.data
 
 import aioloader
 from tests.support import worker_datasets as wd
+from tests.support.helpers import flat
 
 TORCH_CONTEXT = {"multiprocessing_context": "fork"}  # torch's default on Linux
 
@@ -222,3 +224,42 @@ def test_a_dataset_that_is_its_own_iterator_is_iterated_once_per_pass(workers: i
     with aioloader.DataLoader(wd.Restarting(10), **kw) as loader:
         ours = [b.tolist() for _, b in zip(range(len(theirs) + 1), loader, strict=False)]
     assert ours == theirs
+
+
+COPIES = {
+    "copy": copy.copy,
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda loader: pickle.loads(pickle.dumps(loader)),
+}
+
+
+@pytest.mark.parametrize("how", COPIES)
+def test_a_copy_of_a_loader_runs_its_own_epochs_and_leaves_the_originals(how: str) -> None:
+    """A loader copies and pickles as torch's does after an epoch (ours raised: a lock of its
+    running state went with it), and while persistent workers run, where torch's refuses: the
+    copy starts its own. An epoch of the original under way goes on (``copy.copy`` shared it:
+    iterating the copy ended it, and its last 3 batches were lost without a word)."""
+    make = COPIES[how]
+    kw: dict[str, Any] = {"batch_size": 3, "shuffle": True}
+    theirs = torch.utils.data.DataLoader(list(range(12)), **kw)
+    list(theirs)
+    assert sorted(flat(make(theirs))) == list(range(12))  # torch's, after an epoch
+    loader = aioloader.DataLoader(
+        list(range(12)), seed=1, num_workers=1, persistent_workers=True, **kw
+    )
+    try:
+        list(loader)
+        running = iter(loader)  # the second epoch
+        head = next(running)
+        copied = make(loader)
+        try:
+            copys_first = [b.tolist() for b in copied]
+            assert copied.statistics().workers.processes == 1  # its own
+        finally:
+            copied.close()
+        rest = list(running)
+        assert sorted(flat([head, *rest])) == list(range(12))  # the original's, whole
+        # The copy's first epoch was the original's next: the third.
+        assert copys_first == [b.tolist() for b in loader]
+    finally:
+        loader.close()
