@@ -167,9 +167,13 @@ class _BlockingMap(MapSource):
 
     batched = True
 
-    def __init__(self, dataset: Any, offload: Callable[[], ThreadOffload]) -> None:
+    def __init__(
+        self, dataset: Any, offload: Callable[[], ThreadOffload], *, unbatched: bool = False
+    ) -> None:
         self._dataset = dataset
         self._offload = offload
+        # torch's batched protocol is for a batch: without batching, torch calls __getitem__
+        self._getitems = None if unbatched else getattr(dataset, "__getitems__", None)
 
     def __len__(self) -> int:
         return len(self._dataset)
@@ -182,7 +186,7 @@ class _BlockingMap(MapSource):
             raise
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
-        getitems = getattr(self._dataset, "__getitems__", None)
+        getitems = self._getitems
         if getitems is None:
             dataset, index = self._dataset, None
             try:  # one try for the slice: a sample costs what its read costs
@@ -220,6 +224,7 @@ def open_source(
     in_workers: bool,
     reads_in_workers: bool = False,
     per_batch: int = 1,
+    unbatched: bool = False,
 ) -> MapSource | StreamSource | InWorkers:
     """Wrap ``dataset`` (already classified as ``kind``) once, for the loader's whole life.
 
@@ -234,6 +239,8 @@ def open_source(
             (``AsyncDataset.for_workers``) is read by them: the workers are local processes
             and this process's fetch options are at their defaults.
         per_batch: Samples per batch (a resumable blocking stream is pulled a batch at a time).
+        unbatched: ``batch_size=None``: a torch dataset's ``__getitems__`` is not called (in
+            the workers, ``_workers/job.py`` does the same), as torch calls it for batches only.
     """
     if kind.is_blocking and in_workers:
         return InWorkers(dataset, kind)
@@ -243,7 +250,7 @@ def open_source(
             return InWorkers(reader, Kind.BLOCKING_MAP, dealt=False)
         return _AsyncMap(dataset)  # type: ignore[arg-type]  # classify() checked the type
     if kind is Kind.BLOCKING_MAP:
-        return _BlockingMap(dataset, offload)
+        return _BlockingMap(dataset, offload, unbatched=unbatched)
     if kind is Kind.ASYNC_STREAM:
         return AsyncStream(dataset)
     return BlockingStream(dataset, offload, per_batch)  # type: ignore[arg-type]  # an Iterable

@@ -364,6 +364,7 @@ def plan_loader(
             and ray is None
             and not fetch_options_given(a, ASYNC_FETCH_OPTIONS),
             per_batch=config.per_batch,
+            unbatched=unbatched,
         ),
         sampler=sampler,
         batch_sampler=batch_sampler,

@@ -140,7 +140,8 @@ def run_indices(
     """Read a batch from the worker's copy of the dataset, then transform and collate it.
 
     The dataset's ``__getitems__`` (torch's batched protocol) is called once for the batch when
-    it has one, else ``__getitem__`` per index.
+    it has one, else ``__getitem__`` per index (always without batching: torch calls it for
+    batches only).
 
     Args:
         indices: The batch's dataset indices, in batch order.
@@ -156,7 +157,7 @@ def run_indices(
     """
     dataset = worker_dataset()
     rng = random.Random()  # retry jitter only: never affects which data is produced
-    getitems = getattr(dataset, "__getitems__", None)
+    getitems = None if unbatched else getattr(dataset, "__getitems__", None)
     retries = 0
     if getitems is not None:
         try:

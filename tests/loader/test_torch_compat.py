@@ -262,6 +262,32 @@ def test_getitems_protocol_equals_torch() -> None:
     assert dataset.batched_calls - calls == len(want)
 
 
+class TwoReads(tud.Dataset[int]):
+    """``__getitems__`` answers apart from ``__getitem__``: which one torch called shows."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __getitems__(self, indices: list[int]) -> list[int]:
+        return [-1 - i for i in indices]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_getitems_is_called_for_batches_only_as_in_torch(
+    batch_size: int | None, workers: int
+) -> None:
+    """Without batching (``batch_size=None``) torch reads each sample with ``__getitem__``;
+    ours called ``__getitems__`` with one index (found with a dataset whose two reads differ)."""
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers}
+    context = {"multiprocessing_context": "fork"} if workers else {}
+    want = torch_batches(TwoReads(), **kwargs, **context)
+    assert_same(aio_batches(TwoReads(), **kwargs), want)
+
+
 def test_loader_attributes_like_torch() -> None:
     dataset = Records()
     kwargs: dict[str, Any] = {"batch_size": 3, "drop_last": True, "collate_fn": collate_pairs}
