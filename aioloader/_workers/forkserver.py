@@ -49,6 +49,7 @@ import torch
 from .worker import name_this_process
 
 __all__ = [
+    "FORK_SAFE_THREADS",
     "PRELOAD",
     "ForkedServer",
     "fork_server",
@@ -66,13 +67,21 @@ PRELOAD = ("aioloader._workers.worker",)  # imports torch and NumPy: what every 
 _SERVER_STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
 
 
+# Named native threads of libraries that hold every lock they share around a fork
+# (pthread_atfork) and leave the child sound without them: jemalloc's background purge thread,
+# started as pyarrow loads (pandas and Hugging Face datasets import it), whose allocator locks
+# all its mutexes before a fork and resets its background threads in the child.
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
 def unsafe_to_fork() -> str | None:
     """Why forking this process now could hang or corrupt the child, or None when it is safe.
 
     Safe: no other Python thread (ours, the application's, an executor's), no CUDA context, and
-    no native thread that named itself (tokio's runtime behind obstore does). The native threads
-    left are the unnamed pools of BLAS and OpenMP, which NumPy and torch start at import and
-    which register their own fork handlers (torch's fork workers rely on the same)."""
+    no native thread that named itself (tokio's runtime behind obstore does) but those of
+    :data:`FORK_SAFE_THREADS`. The native threads left are the unnamed pools of BLAS and
+    OpenMP, which NumPy and torch start at import and which register their own fork handlers
+    (torch's fork workers rely on the same)."""
     if sys.platform != "linux":
         return f"fork servers are forked on Linux only (this is {sys.platform})"
     if (threads := threading.active_count()) != 1:
@@ -88,7 +97,7 @@ def unsafe_to_fork() -> str | None:
                 names.add(f.read().strip())
     except OSError:  # no /proc: we cannot tell, so we do not fork
         return "/proc could not be read to count this process's threads"
-    if named := sorted(names - {process_name}):
+    if named := sorted(names - {process_name} - FORK_SAFE_THREADS):
         return f"this process had native threads ({', '.join(named)})"
     return None
 

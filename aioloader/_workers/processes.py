@@ -43,7 +43,7 @@ from .children import blocking, exits, hang_up, hold_signals
 from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .mainmodule import workers_main
-from .serverstart import note_server, prepare_forkserver
+from .serverstart import died_starting_note, note_server, prepare_forkserver
 from .slots import Slots
 from .worker import worker_main
 
@@ -194,11 +194,7 @@ class ProcessWorkers:
         except Exception as group:
             error = first_leaf(group)
             if isinstance(error, WorkerCrashed):
-                error.add_note(
-                    "aioloader: the worker died while starting. With the spawn and forkserver "
-                    "start methods each worker imports your main module: a script that starts "
-                    "the loader at import time must guard it with `if __name__ == '__main__':`"
-                )
+                error.add_note(died_starting_note(self._ctx.get_start_method()))
             raise error from None
         self._slots.all_idle()
         self._stats.startup_s = time.perf_counter() - started

@@ -38,10 +38,12 @@ from .forkserver import (
     uninstall,
     unsafe_to_fork,
 )
+from .mainscript import running_unguarded
 
 __all__ = [
     "DEFAULT_START_METHOD",
     "ServerStart",
+    "died_starting_note",
     "note_server",
     "prepare_forkserver",
     "server_start",
@@ -70,6 +72,10 @@ class ServerStart:
             holds another, ours died and the stdlib replaced it: the decision is made again).
         main: For ``"forked"``: the main module's functions and classes as the server was
             forked, which its workers have under those names (they do not run it again).
+        main_again: Whether the server (or its workers) runs the main script again: not
+            where the loader was built at the script's top level, outside its ``__main__``
+            guard (running it again would come back there); its workers are then sent the
+            script's functions and classes by value, as a notebook's.
     """
 
     how: str
@@ -77,6 +83,7 @@ class ServerStart:
     seconds: float = 0.0
     pid: int | None = None
     main: dict[str, object] | None = None
+    main_again: bool = True
 
     @property
     def slow(self) -> bool:
@@ -170,11 +177,14 @@ def _start() -> ServerStart:
             forked = fork_server()
             _install(forked)
             return ServerStart("forked", "", time.perf_counter() - began, forked.pid, main)
-        woken = standby.wake()
+        again = not running_unguarded()
+        woken = standby.wake(run_main=again)
         if isinstance(woken, ForkedServer):
             _install(woken)
-            return ServerStart("standby", why, time.perf_counter() - began, woken.pid)
-        return ServerStart("interpreter", f"{why}; {woken}")
+            return ServerStart(
+                "standby", why, time.perf_counter() - began, woken.pid, main_again=again
+            )
+        return ServerStart("interpreter", f"{why}; {woken}", main_again=again)
 
 
 def _functions_and_classes(module: object) -> dict[str, object]:
@@ -220,10 +230,31 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
         return
     current = server_preload()
     wanted = current + [m for m in PRELOAD if m not in current]
+    if not _started.main_again:  # the script's top level would build this loader again
+        wanted = [m for m in wanted if m != "__main__"]
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
     if _started.how == "interpreter":  # its imports (seconds) run while the application goes on
         start_stdlib_server()
+
+
+def died_starting_note(method: str) -> str:
+    """What a worker that died while starting (with start ``method``) most likely met: the
+    main script, run again in it, built a loader at its top level."""
+    if method == "forkserver" and _started is not None and not _started.main_again:
+        return (
+            "aioloader: the worker died while starting. This script builds its loader at "
+            "its top level, outside `if __name__ == '__main__':`, and no fork server could "
+            f"be forked from it ({_started.why}), so each worker ran the script again. Guard "
+            "the script's top level, or import aioloader at its top, before anything that "
+            "starts threads or initialises CUDA (a server is then forked in reserve), or pass "
+            "multiprocessing_context='fork' (torch's default on Linux)"
+        )
+    return (
+        "aioloader: the worker died while starting. With the spawn and forkserver start "
+        "methods each worker imports your main module: a script that starts the loader at "
+        "import time must guard it with `if __name__ == '__main__':`"
+    )
 
 
 def start_method_name(context: str | multiprocessing.context.BaseContext) -> str:

@@ -160,12 +160,12 @@ def _wait(line: multiprocessing.connection.Connection, partial: frozenset[str]) 
     too), and a main module that blocks while it runs again must not outlive its parent."""
     waiting = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        preparation = line.recv()
+        preparation, run_main = line.recv()
     except EOFError:
         os._exit(0)
     signal.signal(signal.SIGINT, waiting)
     try:
-        _catch_up(preparation, partial)
+        _catch_up(preparation, partial, run_main)
         why = unsafe_to_fork()
         if why is not None:
             why = f"the standby server could not serve: running the main module again, {why}"
@@ -177,15 +177,24 @@ def _wait(line: multiprocessing.connection.Connection, partial: frozenset[str]) 
         os._exit(0)
 
 
-def _catch_up(preparation: dict[str, Any], partial: frozenset[str]) -> None:
+def _catch_up(preparation: dict[str, Any], partial: frozenset[str], run_main: bool) -> None:
     """Become what a fresh interpreter prepared by ``multiprocessing.spawn`` would be: the parent's
-    path, arguments and directory, and its main module run again as ``__mp_main__``."""
+    path, arguments and directory, and its main module run again as ``__mp_main__`` (unless
+    ``run_main`` is False: then the main module stays as it was forked, and is marked as the
+    script the workers are told of, so that they do not run it either)."""
     global _catching_up
     for name in [*sys.modules]:
         # A half-imported module goes, and so do its submodules: those imported before the
         # fork hold the half-built package (``from . import x`` inside its __init__).
         if name in partial or any(name.startswith(f"{package}.") for package in partial):
             del sys.modules[name]
+    if not run_main:
+        path = preparation.pop("init_main_from_path", None)
+        preparation.pop("init_main_from_name", None)  # its __spec__ names it already
+        if path is not None:  # a worker runs the script unless __main__ is that file
+            sys.modules["__main__"].__file__ = path
+        spawn.prepare(preparation)
+        return
     by_name = preparation.get("init_main_from_name")
     if preparation.get("init_main_from_path") or (
         by_name and by_name != "__main__" and not by_name.endswith(".__main__")
@@ -200,9 +209,13 @@ def _catch_up(preparation: dict[str, Any], partial: frozenset[str]) -> None:
         _catching_up = False
 
 
-def wake() -> ForkedServer | str:
+def wake(*, run_main: bool = True) -> ForkedServer | str:
     """Wake the standby: the server, once it has caught up with the main module; else why there
-    is none to use (no standby, or it could not catch up: then it has exited).
+    is none to use (no standby, or it could not catch up: then it has exited). With
+    ``run_main=False`` (a script that builds its loader at its top level, outside its
+    ``__main__`` guard) it takes this process's path, arguments and directory but does not run
+    the main script again, and neither do its workers: they have the main module as it was
+    when aioloader was imported.
 
     Blocks while the standby runs the main module's imports again (those it did not have);
     interrupted meanwhile (Ctrl-C), the standby is killed and reaped, and the interruption
@@ -215,7 +228,7 @@ def wake() -> ForkedServer | str:
     preparation["authkey"] = bytes(preparation["authkey"])  # pickles only into a new process
     why: str | None
     try:
-        standby.line.send(preparation)
+        standby.line.send((preparation, run_main))
         why = standby.line.recv()
     except (EOFError, OSError) as exc:
         why = f"the standby server exited ({exc!r})"

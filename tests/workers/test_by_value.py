@@ -29,7 +29,8 @@ from aioloader import default_collate
 from aioloader._base.recorders import WorkerRecorder
 from aioloader._data.seeds import derive_seed
 from aioloader._workers.byvalue import ByValue, portable, sent_by_name
-from aioloader._workers.mainmodule import names_bound_on_import, workers_main
+from aioloader._workers.mainmodule import workers_main
+from aioloader._workers.mainscript import names_bound_on_import
 from aioloader._workers.processes import ProcessWorkers
 from tests.support import worker_fns
 from tests.support.helpers import Counting, flat, open_fds, run_json_script

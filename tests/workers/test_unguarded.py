@@ -1,0 +1,172 @@
+"""Scripts without ``if __name__ == "__main__":``, as torch users on Linux write them (torch's
+fork workers never run the script again). Where the fork server cannot be forked from the
+script as its loader is built (CUDA initialised, another thread), the standby forked as
+aioloader was imported serves: it used to run the script again, and so build the model again,
+initialise CUDA and come to the loader again, and every worker died. It now leaves the script
+alone, and the workers are sent its classes by value, as a notebook's.
+
+Each case runs a script in a fresh interpreter, beside torch's ``DataLoader`` where torch can
+run it, and counts how many times the script's top level ran (a line appended to a file)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from aioloader._workers.mainscript import guarded_at
+
+HEAD = """
+import json, os, sys, threading, time
+import torch, torch.utils.data
+import aioloader
+
+with open("runs.txt", "a") as runs:  # the top level's side effect: how often it ran
+    runs.write(f"{os.getpid()}\\n")
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, index):
+        return index * index
+"""
+
+LOAD = """
+if "cuda" in sys.argv:  # the model moved to the GPU first, as every training script does
+    torch.cuda.is_initialized = lambda: True
+if "thread" in sys.argv:  # a metrics or logging thread, started before the loader
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+Loader = torch.utils.data.DataLoader if "torch" in sys.argv else aioloader.DataLoader
+loader = Loader(Squares(), batch_size=4, num_workers=2, shuffle=True)
+batches = [b.tolist() for b in loader] + [b.tolist() for b in loader]
+stats = loader.statistics().workers if Loader is aioloader.DataLoader else None
+print(json.dumps({
+    "samples": sorted(x for b in batches for x in b),
+    "server": stats and stats.server,
+    "why": stats and stats.server_why,
+}))
+"""
+
+UNGUARDED = HEAD + LOAD
+GUARDED = HEAD + "\nif __name__ == '__main__':\n" + textwrap.indent(LOAD, "    ")
+
+
+def run(folder: Path, script: str, *args: str, name: str = "train.py") -> dict[str, object]:
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(textwrap.dedent(script))
+    (folder / "runs.txt").unlink(missing_ok=True)
+    done = subprocess.run(
+        [sys.executable, name, *args],
+        capture_output=True, text=True, timeout=90, check=False, cwd=folder,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
+    got: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    got["runs"] = len((folder / "runs.txt").read_text().splitlines())
+    return got
+
+
+SQUARES = sorted(2 * [i * i for i in range(16)])
+
+
+@pytest.mark.parametrize("unsafe", ["cuda", "thread"])
+def test_an_unguarded_script_runs_once_and_its_workers_start(tmp_path: Path, unsafe: str) -> None:
+    theirs = run(tmp_path, UNGUARDED, unsafe, "torch")
+    assert (theirs["samples"], theirs["runs"]) == (SQUARES, 1)  # torch's fork workers
+    ours = run(tmp_path, UNGUARDED, unsafe)
+    assert ours["samples"] == SQUARES
+    assert ours["server"] == "standby"
+    assert ours["runs"] == 1  # neither the standby nor a worker ran the script again
+
+
+def test_run_with_a_relative_path_it_is_not_run_again_either(tmp_path: Path) -> None:
+    """``python ./train.py``: multiprocessing compares the path as given with its normalised
+    form, and a worker runs the script again where they differ."""
+    ours = run(tmp_path, UNGUARDED, "cuda", name="./train.py")
+    assert (ours["samples"], ours["server"], ours["runs"]) == (SQUARES, "standby", 1)
+
+
+def test_run_as_a_module_it_is_not_run_again_either(tmp_path: Path) -> None:
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "__init__.py").write_text("")
+    (tmp_path / "jobs" / "train.py").write_text(textwrap.dedent(UNGUARDED))
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.train", "cuda"],
+        capture_output=True, text=True, timeout=90, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (got["samples"], got["server"]) == (SQUARES, "standby")
+    assert len((tmp_path / "runs.txt").read_text().splitlines()) == 1
+
+
+def test_a_guarded_script_is_still_run_again_by_the_standby(tmp_path: Path) -> None:
+    """With the guard, the standby runs the script's top level again (its classes then go by
+    name), as spawn and the stdlib's server would: 2 runs."""
+    ours = run(tmp_path, GUARDED, "cuda")
+    assert (ours["samples"], ours["server"], ours["runs"]) == (SQUARES, "standby", 2)
+
+
+THREAD_FIRST = """
+import threading
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # before aioloader
+import torch.utils.data
+import aioloader
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, index):
+        return index
+
+loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
+print(list(loader))
+"""
+
+
+def test_with_no_standby_the_error_says_what_to_do(tmp_path: Path) -> None:
+    """A thread started before aioloader was imported: no server can be forked, and the
+    stdlib's fresh interpreter runs the script again in each worker. The error says so, and
+    what to do."""
+    (tmp_path / "late.py").write_text(textwrap.dedent(THREAD_FIRST))
+    done = subprocess.run(
+        [sys.executable, "late.py"],
+        capture_output=True, text=True, timeout=90, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "outside `if __name__ == '__main__':`" in done.stderr
+    assert "this process had 2 Python threads" in done.stderr
+    assert "multiprocessing_context='fork'" in done.stderr
+
+
+SOURCE = """\
+import os                               # 1
+@decorate                               # 2
+def f():                                # 3
+    pass                                # 4
+if __name__ == "__main__":              # 5
+    main()                              # 6
+    if x:                               # 7
+        run()                           # 8
+elif other:                             # 9
+    more()                              # 10
+if "__main__" == __name__ and ok:       # 11
+    go()                                # 12
+else:                                   # 13
+    if __name__ == "__main__":          # 14
+        never()                         # 15
+    stop()                              # 16
+"""
+
+
+@pytest.mark.parametrize(
+    ("line", "guarded"),
+    [(1, False), (2, False), (3, False), (5, False), (6, True), (8, True), (10, False),
+     (11, False), (12, True), (15, True), (16, False), (99, False)],
+)  # fmt: skip
+def test_which_lines_lie_inside_the_main_guard(line: int, guarded: bool) -> None:
+    assert guarded_at(ast.parse(SOURCE).body, line) is guarded
