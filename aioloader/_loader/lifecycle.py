@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -18,7 +19,7 @@ import anyio
 from .._base.exceptions import LoaderStateError
 from .._base.recorders import Recorders
 from .._workers.offload import ThreadOffload
-from .plan import LoaderPlan
+from .plan import LoaderPlan, plan_loader
 from .scope import LoaderState, Scope
 from .session import Session, SessionLoader, close_from_anywhere
 
@@ -178,6 +179,19 @@ class ScopeLifecycle:
         vars(self).update(state)
         vars(self).update(_session=None, _plain=None, _stopped_at=0.0)
         self._state = LoaderState(self._new_recorders())
+
+    def __copy__(self) -> Any:
+        """A shallow copy: the same dataset, samplers, settings and order, and a plan of its own
+        (the original's reads in this process go through the original's scope, and a stream's
+        pass keeps its place in it: found by review, a copy's reads failed with the
+        original's scope closed). A deep copy and pickle rebind them as they copy."""
+        twin: Any = type(self).__new__(type(self))
+        twin.__setstate__(self.__getstate__())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the original's construction said it already
+            plan = plan_loader(twin._plan.arguments, twin._offload, earlier=twin._plan)
+        object.__setattr__(twin, "_plan", plan)
+        return twin
 
     def __del__(self) -> None:
         # Persistent workers go with their loader, as torch's do. (A scope opened by `with`

@@ -419,7 +419,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         """
         owner = self._plain() if self._plain is not None else None
         if owner is not None and self._session is None:
-            owner.close()  # torch starts a new epoch; ours ends the earlier iterator's first
+            owner.supersede()  # torch starts a new epoch; ours ends the earlier iterator's first
         if self._scope is not None and self._session is None:
             if self._scope.thread == threading.get_ident():
                 raise LoaderStateError(

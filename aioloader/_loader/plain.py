@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from .._base.exceptions import LoaderStateError
 from .._device.stage import hand_out
 from .session import Session, SessionLoader, close_from_anywhere
 
@@ -91,6 +92,7 @@ class PlainIterator(Generic[T_Batch]):
         self._every = 1
         self._pump: concurrent.futures.Future[None] | None = None
         self._prepared = False  # the epoch began (on the loop): its batches may come from here
+        self._superseded = False  # ended by a later iter(loader): see supersede()
         try:
             self._epoch: EpochIterator[T_Batch] = session.portal.call(self._loader.__aiter__)
         except BaseException:
@@ -114,6 +116,8 @@ class PlainIterator(Generic[T_Batch]):
                 goes on.
         """
         if self._done:
+            if self._superseded and self._batches_left():
+                raise LoaderStateError(self._superseded_message())
             raise StopIteration
         got: Any = None
         try:
@@ -185,6 +189,32 @@ class PlainIterator(Generic[T_Batch]):
             self._ask(self._owed)
             self._owed = 0
         return self._replies.get()
+
+    def supersede(self) -> None:
+        """A later ``iter(loader)`` begins another epoch: this one ends (a loader runs one plain
+        ``for`` epoch at a time), and a later ``next()`` here raises :class:`LoaderStateError`
+        if the epoch had batches left (torch's loader would have given them: each of its
+        iterators has an epoch of its own), where it used to stop silently."""
+        if not self._done:
+            self._superseded = True
+            self.close()
+
+    def _batches_left(self) -> bool:
+        try:
+            total = len(self._loader)
+        except TypeError:  # a stream without a length: it may have had more
+            return True
+        return len(self._epoch.progress.taken) < total
+
+    def _superseded_message(self) -> str:
+        epoch = self._epoch.progress.base.epoch
+        return (
+            f"this iterator's epoch ({epoch}) ended when a later iter(loader) began another, "
+            f"after {len(self._epoch.progress.taken)} of its batches: a loader runs one plain "
+            "`for` epoch at a time (torch's gives each iterator an epoch of its own). To read "
+            "the data twice at once (an evaluation inside the training loop, zip(loader, "
+            "loader)), iterate a second loader: copy.copy(loader) makes one"
+        )
 
     def close(self) -> None:
         """Stop the epoch (and the session, when this iterator owns it). Idempotent."""

@@ -68,8 +68,9 @@ def running_unguarded() -> bool:
 
 def guarded_at(body: list[ast.stmt], line: int) -> bool:
     """Whether ``line`` of a module whose top level is ``body`` lies inside an ``if __name__ ==
-    "__main__":`` block (or the ``else`` of one, run as the main module), so that importing
-    the module never runs it."""
+    "__main__":`` block, so that importing the module never runs it: at the top level, in an
+    ``else`` of one (run as the main module), or inside a ``try``, ``with``, loop or other
+    ``if`` of the top level (``try: main() ...`` around the guard: found by review)."""
     for statement in body:
         first = min([statement.lineno, *(d.lineno for d in _decorators(statement))])
         if not first <= line <= (statement.end_lineno or statement.lineno):
@@ -77,8 +78,22 @@ def guarded_at(body: list[ast.stmt], line: int) -> bool:
         if isinstance(statement, ast.If) and _is_main_guard(statement.test):
             inside = any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in statement.body)
             return inside or guarded_at(statement.orelse, line)
-        return False
+        if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            return False  # its body runs when called: from where, the caller's line says
+        return any(guarded_at(block, line) for block in _blocks(statement))
     return False
+
+
+def _blocks(statement: ast.stmt) -> Iterator[list[ast.stmt]]:
+    """The statement lists a compound statement holds (an ``except`` handler's included)."""
+    for field in ("body", "orelse", "finalbody"):
+        block = getattr(statement, field, None)
+        if isinstance(block, list):
+            yield block
+    for handler in getattr(statement, "handlers", ()):
+        yield handler.body
+    for case in getattr(statement, "cases", ()):  # match
+        yield case.body
 
 
 def _decorators(statement: ast.stmt) -> list[ast.expr]:

@@ -241,7 +241,12 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
 def died_starting_note(method: str) -> str:
     """What a worker that died while starting (with start ``method``) most likely met: the
     main script, run again in it, built a loader at its top level."""
-    if method == "forkserver" and _started is not None and not _started.main_again:
+    if (
+        method == "forkserver"
+        and _started is not None
+        and _started.slow
+        and not _started.main_again
+    ):
         return (
             "aioloader: the worker died while starting. This script builds its loader at "
             "its top level, outside `if __name__ == '__main__':`, and no fork server could "

@@ -118,14 +118,39 @@ def test_more_workers_than_cpus_warns_like_torch() -> None:
         aioloader.DataLoader(MAP, batch_size=2, num_workers=1)
 
 
-def test_a_second_iter_starts_a_new_epoch() -> None:
+def test_a_second_iter_starts_a_new_epoch_and_the_first_says_it_ended() -> None:
+    """torch gives each iterator an epoch of its own; ours ends the first iterator's epoch
+    first. Its next ``next()`` used to stop silently: a training loop that evaluated on the
+    same loader lost the rest of its epoch. It now raises, naming the remedy."""
     dl = aioloader.DataLoader(MAP, batch_size=4, num_workers=1)
     first = iter(dl)
     assert next(first).tolist() == [0, 1, 2, 3]
-    second = iter(dl)  # torch: a new epoch. Ours ends the first iterator's epoch first.
+    second = iter(dl)
     assert [b.tolist() for b in second] == [list(range(k, k + 4)) for k in range(0, 20, 4)]
+    with pytest.raises(aioloader.LoaderStateError, match=r"epoch \(0\) ended .* after 1 of"):
+        next(first)
+    with pytest.raises(aioloader.LoaderStateError, match=r"copy\.copy\(loader\)"):
+        [b for b, _ in zip(dl, dl, strict=False)]
+
+
+def test_a_first_iterator_that_had_every_batch_stops_as_torchs() -> None:
+    """A framework that iterates by ``len(loader)`` (Lightning) never sees the end: its next
+    epoch's ``iter()`` comes first. Nothing of the first was left, and it stops quietly."""
+    dl = aioloader.DataLoader(MAP, batch_size=4)
+    first = iter(dl)
+    assert len([next(first) for _ in range(len(dl))]) == 5
+    second = iter(dl)
     with pytest.raises(StopIteration):
         next(first)
+    assert len(list(second)) == 5
+
+
+def test_a_copy_reads_beside_the_loader_as_torchs_second_iterator() -> None:
+    """The remedy the error names: ``zip(loader, copy.copy(loader))`` gives torch's pairs."""
+    ours = aioloader.DataLoader(MAP, batch_size=4)
+    theirs = torch.utils.data.DataLoader(MAP, batch_size=4)
+    pairs = [(a.tolist(), b.tolist()) for a, b in zip(ours, copy.copy(ours), strict=True)]
+    assert pairs == [(a.tolist(), b.tolist()) for a, b in zip(theirs, theirs, strict=True)]
 
 
 def test_an_iterable_yielding_past_its_length_warns_like_torch() -> None:
@@ -231,6 +256,19 @@ COPIES = {
     "deepcopy": copy.deepcopy,
     "pickle": lambda loader: pickle.loads(pickle.dumps(loader)),
 }
+
+
+@pytest.mark.parametrize("how", COPIES)
+@pytest.mark.parametrize("dataset", ["map", "stream"])
+def test_a_copy_reads_in_this_process_through_its_own_scope(how: str, dataset: str) -> None:
+    """Found by review: a shallow copy shared the plan, whose reads in this process went
+    through the original's scope (``LoaderStateError: the loader's scope is closed``)."""
+    data: Any = list(range(12)) if dataset == "map" else Iterable(12)
+    loader = aioloader.DataLoader(data, batch_size=3)
+    copied = COPIES[how](loader)
+    assert [b.tolist() for b in copied] == [b.tolist() for b in loader]
+    with loader:  # the original's scope open: the copy reads through its own
+        assert flat(copied) == list(range(12)) == flat(loader)
 
 
 @pytest.mark.parametrize("how", COPIES)

@@ -33,6 +33,7 @@ if len(sys.argv) > 1:
     _thread.start_new_thread(named, (sys.argv[1], started))
     started.acquire()
 import pyarrow as pa  # its allocator's background thread starts as it loads
+import pyarrow.compute as pc
 import torch.utils.data
 import aioloader
 
@@ -41,7 +42,7 @@ class Sums(torch.utils.data.Dataset):
         return 32
     def __getitem__(self, index):
         values = pa.array([index] * 1000)  # allocated by jemalloc, in the worker
-        return pa.compute.sum(values).as_py() // 1000
+        return pc.sum(values).as_py() // 1000
 
 if __name__ == "__main__":
     tasks = os.listdir("/proc/self/task")

@@ -143,6 +143,38 @@ def test_with_no_standby_the_error_says_what_to_do(tmp_path: Path) -> None:
     assert "multiprocessing_context='fork'" in done.stderr
 
 
+DIES = """
+import os, threading, torch.utils.data
+import aioloader
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, index):
+        return index
+
+def die(worker_id):  # a worker killed as it starts (out of memory, a native crash)
+    os._exit(3)
+
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1, worker_init_fn=die)
+print(list(loader))
+"""
+
+
+def test_a_worker_dying_under_the_standby_is_not_blamed_on_the_script(tmp_path: Path) -> None:
+    """Found by review: the standby's workers do not run the script again, and the error said
+    they did (and to import aioloader earlier, which the script does)."""
+    (tmp_path / "dies.py").write_text(textwrap.dedent(DIES))
+    done = subprocess.run(
+        [sys.executable, "dies.py"],
+        capture_output=True, text=True, timeout=90, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "exit code 3" in done.stderr and "died while starting" in done.stderr
+    assert "ran the script again" not in done.stderr
+
+
 SOURCE = """\
 import os                               # 1
 @decorate                               # 2
@@ -160,13 +192,25 @@ else:                                   # 13
     if __name__ == "__main__":          # 14
         never()                         # 15
     stop()                              # 16
+try:                                    # 17
+    if __name__ == "__main__":          # 18
+        main()                          # 19
+    work()                              # 20
+except KeyboardInterrupt:               # 21
+    with lock:                          # 22
+        if __name__ == "__main__":      # 23
+            more()                      # 24
+def g():                                # 25
+    if __name__ == "__main__":          # 26
+        inner()                         # 27
 """
 
 
 @pytest.mark.parametrize(
     ("line", "guarded"),
     [(1, False), (2, False), (3, False), (5, False), (6, True), (8, True), (10, False),
-     (11, False), (12, True), (15, True), (16, False), (99, False)],
+     (11, False), (12, True), (15, True), (16, False), (19, True), (20, False), (24, True),
+     (27, False), (99, False)],
 )  # fmt: skip
 def test_which_lines_lie_inside_the_main_guard(line: int, guarded: bool) -> None:
     assert guarded_at(ast.parse(SOURCE).body, line) is guarded
