@@ -9,6 +9,7 @@ with their loader. Never: says what a scope owns (``scope.py`` does), or begins 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from types import TracebackType
@@ -189,7 +190,13 @@ class ScopeLifecycle:
         twin.__setstate__(self.__getstate__())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the original's construction said it already
-            plan = plan_loader(twin._plan.arguments, twin._offload, earlier=twin._plan)
+            earlier = twin._plan
+            arguments = earlier.arguments
+            if arguments.distributed:  # the rank the original resolved: its sampler's
+                arguments = dataclasses.replace(
+                    arguments, rank=earlier.rank, world_size=earlier.world_size
+                )
+            plan = plan_loader(arguments, twin._offload, earlier=earlier)
         object.__setattr__(twin, "_plan", plan)
         return twin
 

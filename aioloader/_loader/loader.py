@@ -313,8 +313,8 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         if n is None:
             raise TypeError(f"object of type {type(self.dataset).__qualname__!r} has no len()")
         self._state.iterable_len = n  # batches past it warn, as torch's
-        if self.world_size > 1:
-            n //= self.world_size
+        if self.world_size > 1:  # each rank's share, padded (``sharding.StreamShare``)
+            n = -(-n // self.world_size)
         if self.batch_size is None:
             return n
         if self.drop_last:

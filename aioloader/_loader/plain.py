@@ -116,9 +116,7 @@ class PlainIterator(Generic[T_Batch]):
                 goes on.
         """
         if self._done:
-            if self._superseded and self._batches_left():
-                raise LoaderStateError(self._superseded_message())
-            raise StopIteration
+            raise self._stopped()
         got: Any = None
         try:
             if self._ask is None:  # no pump yet: the epoch's batches may be made here
@@ -143,11 +141,13 @@ class PlainIterator(Generic[T_Batch]):
                 self._epoch.progress.finished = True
             self._epoch.shown.close()
             self.close()
-            raise StopIteration from None
+            raise self._stopped() from None  # (ended by a later iter() on another thread?)
         except BaseException as exc:
             if not isinstance(exc, Exception) or self._session.closed:
                 self.close()  # KeyboardInterrupt and the like: the epoch stops here
-            error = exc
+            # Stopped meanwhile by a later iter() on another thread: said as on this one.
+            superseded = self._superseded and isinstance(exc, concurrent.futures.CancelledError)
+            error = self._stopped() if superseded else exc
         else:
             if got.warning is not None:  # given here, where torch gives it: in the consumer
                 warnings.warn(got.warning, UserWarning, stacklevel=2)
@@ -199,12 +199,28 @@ class PlainIterator(Generic[T_Batch]):
             self._superseded = True
             self.close()
 
+    def _stopped(self) -> BaseException:
+        """What ``next()`` raises once the epoch is over for this iterator: StopIteration, or
+        :class:`LoaderStateError` where a later ``iter(loader)`` ended it with batches left."""
+        if self._superseded and self._batches_left():
+            return LoaderStateError(self._superseded_message())
+        return StopIteration()
+
     def _batches_left(self) -> bool:
+        """Whether the superseded epoch certainly had batches left: a map-style dataset's epoch
+        (its batches known: ``len(loader)``) with fewer taken, not re-divided among another
+        number of ranks and skipping no samples (an empty batch leaves no mark). A stream's
+        may have had more or none: it stops quietly, as it did."""
+        plan: Any = getattr(self._loader, "_plan", None)
+        progress = self._epoch.progress
+        if plan is None or not plan.kind.is_map or plan.arguments.max_failures:
+            return False
+        if progress.base.layers:  # an elastic resume's remainder: not len(loader) batches
+            return False
         try:
-            total = len(self._loader)
-        except TypeError:  # a stream without a length: it may have had more
-            return True
-        return len(self._epoch.progress.taken) < total
+            return len(progress.taken) < len(self._loader)
+        except TypeError:  # a batch sampler without a length
+            return False
 
     def _superseded_message(self) -> str:
         epoch = self._epoch.progress.base.epoch

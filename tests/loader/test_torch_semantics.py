@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 import warnings
 from typing import Any
 
@@ -301,3 +302,55 @@ def test_a_copy_of_a_loader_runs_its_own_epochs_and_leaves_the_originals(how: st
         assert copys_first == [b.tolist() for b in loader]
     finally:
         loader.close()
+
+
+class Gated(torch.utils.data.Dataset[int]):
+    """Samples from 8 on wait for ``gate``; asking for sample 8 sets ``asked``."""
+
+    def __init__(self) -> None:
+        self.asked, self.gate = threading.Event(), threading.Event()
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> int:
+        if index >= 8:
+            self.asked.set()
+            assert self.gate.wait(10)
+        return index
+
+
+def test_an_epoch_ended_from_another_thread_says_so_in_the_waiting_next() -> None:
+    """Found by review: a ``next()`` already waiting when another thread's ``iter()`` ended
+    its epoch stopped quietly (or raised a bare ``CancelledError``), 2 of its 4 batches lost."""
+    dataset = Gated()
+    dl = aioloader.DataLoader(dataset, batch_size=4)
+    got: list[Any] = []
+
+    def first() -> None:
+        try:
+            for batch in dl:
+                got.append(batch.tolist())
+        except BaseException as exc:  # what the waiting next() raised
+            got.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert dataset.asked.wait(10)  # the first loop waits on batch 2, inside next()
+    second = iter(dl)
+    dataset.gate.set()
+    assert flat(second) == list(range(16))
+    thread.join(10)
+    assert got[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert isinstance(got[2], aioloader.LoaderStateError), got[2:]
+    assert "after 2 of its batches" in str(got[2])
+
+
+def test_a_split_streams_length_is_each_ranks_padded_share() -> None:
+    """Found by review: ``len()`` of a stream split among 4 ranks rounded its 10 samples down
+    to 2 a rank, where each rank yields 3 (the share is padded)."""
+    for rank in range(4):
+        dl = aioloader.DataLoader(
+            Iterable(10), batch_size=1, distributed=True, rank=rank, world_size=4
+        )
+        assert len(dl) == len(list(dl)) == 3
