@@ -234,8 +234,8 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
         wanted = [m for m in wanted if m != "__main__"]
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
-    if _started.how == "interpreter":  # its imports (seconds) run while the application goes on
-        start_stdlib_server()
+    if _started.how == "interpreter" and running_server_pid() is None:
+        start_stdlib_server()  # its imports (seconds) run while the application goes on
 
 
 def died_starting_note(method: str) -> str:

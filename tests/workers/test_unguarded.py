@@ -56,14 +56,25 @@ UNGUARDED = HEAD + LOAD
 GUARDED = HEAD + "\nif __name__ == '__main__':\n" + textwrap.indent(LOAD, "    ")
 
 
-def run(folder: Path, script: str, *args: str, name: str = "train.py") -> dict[str, object]:
-    (folder / name).parent.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(textwrap.dedent(script))
-    (folder / "runs.txt").unlink(missing_ok=True)
-    done = subprocess.run(
-        [sys.executable, name, *args],
+def execute(
+    folder: Path, script: str, *args: str, name: str = "train.py"
+) -> subprocess.CompletedProcess[str]:
+    """Write ``script`` (dedented) to ``folder/name`` and run it there as a user would:
+    ``python name`` or, for a name of the form ``-m module``, ``python -m module``."""
+    module = name.removeprefix("-m ") if name.startswith("-m ") else None
+    path = folder / (module.replace(".", "/") + ".py" if module else name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(script))
+    command = ["-m", module] if module else [name]
+    return subprocess.run(
+        [sys.executable, *command, *args],
         capture_output=True, text=True, timeout=90, check=False, cwd=folder,
     )  # fmt: skip
+
+
+def run(folder: Path, script: str, *args: str, name: str = "train.py") -> dict[str, object]:
+    (folder / "runs.txt").unlink(missing_ok=True)
+    done = execute(folder, script, *args, name=name)
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
     got: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
     got["runs"] = len((folder / "runs.txt").read_text().splitlines())
@@ -93,15 +104,9 @@ def test_run_with_a_relative_path_it_is_not_run_again_either(tmp_path: Path) -> 
 def test_run_as_a_module_it_is_not_run_again_either(tmp_path: Path) -> None:
     (tmp_path / "jobs").mkdir()
     (tmp_path / "jobs" / "__init__.py").write_text("")
-    (tmp_path / "jobs" / "train.py").write_text(textwrap.dedent(UNGUARDED))
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.train", "cuda"],
-        capture_output=True, text=True, timeout=90, check=False, cwd=tmp_path,
-    )  # fmt: skip
-    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run(tmp_path, UNGUARDED, "cuda", name="-m jobs.train")
     assert (got["samples"], got["server"]) == (SQUARES, "standby")
-    assert len((tmp_path / "runs.txt").read_text().splitlines()) == 1
+    assert got["runs"] == 1
 
 
 def test_a_guarded_script_is_still_run_again_by_the_standby(tmp_path: Path) -> None:
@@ -132,11 +137,7 @@ def test_with_no_standby_the_error_says_what_to_do(tmp_path: Path) -> None:
     """A thread started before aioloader was imported: no server can be forked, and the
     stdlib's fresh interpreter runs the script again in each worker. The error says so, and
     what to do."""
-    (tmp_path / "late.py").write_text(textwrap.dedent(THREAD_FIRST))
-    done = subprocess.run(
-        [sys.executable, "late.py"],
-        capture_output=True, text=True, timeout=90, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = execute(tmp_path, THREAD_FIRST, name="late.py")
     assert done.returncode == 1
     assert "outside `if __name__ == '__main__':`" in done.stderr
     assert "this process had 2 Python threads" in done.stderr
@@ -165,11 +166,7 @@ print(list(loader))
 def test_a_worker_dying_under_the_standby_is_not_blamed_on_the_script(tmp_path: Path) -> None:
     """Found by review: the standby's workers do not run the script again, and the error said
     they did (and to import aioloader earlier, which the script does)."""
-    (tmp_path / "dies.py").write_text(textwrap.dedent(DIES))
-    done = subprocess.run(
-        [sys.executable, "dies.py"],
-        capture_output=True, text=True, timeout=90, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = execute(tmp_path, DIES, name="dies.py")
     assert done.returncode == 1
     assert "exit code 3" in done.stderr and "died while starting" in done.stderr
     assert "ran the script again" not in done.stderr
