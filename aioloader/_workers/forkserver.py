@@ -39,7 +39,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing import connection, resource_tracker, util
 from typing import Any
@@ -280,13 +280,24 @@ def server_lock() -> Iterator[int | None]:
         yield running_server_pid()
 
 
-def start_stdlib_server() -> None:
+def start_stdlib_server(environ: Mapping[str, str] | None = None) -> None:
     """Start the stdlib's fork server (a fresh interpreter) now if none runs, without waiting
     for its imports: they run beside the application, and the first worker start waits only
-    for what is left of them. Where it cannot be started (no room for a process), nothing
-    happens here: the first worker start tries again and raises."""
-    with contextlib.suppress(OSError):
-        stdlib_forkserver.ensure_running()
+    for what is left of them. ``environ``: variables the server starts with besides this
+    process's environment (set in it while the server starts, then put back). Where it cannot
+    be started (no room for a process), nothing happens here: the first worker start tries
+    again and raises."""
+    before = {name: os.environ.get(name) for name in environ or {}}
+    os.environ.update(environ or {})
+    try:
+        with contextlib.suppress(OSError):
+            stdlib_forkserver.ensure_running()
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def install(forked: ForkedServer) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.spawn
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ import types
 from dataclasses import dataclass
 
 from .._base.recorders import WorkerRecorder
-from . import standby
+from . import standby, standin
 from .forkserver import (
     PRELOAD,
     ForkedServer,
@@ -95,6 +96,7 @@ class ServerStart:
 _started: ServerStart | None = None
 _unclaimed_s = 0.0  # what getting the server ready cost, not yet in a pool's statistics
 _ours: ForkedServer | None = None  # the server we forked (or woke) and installed, if any
+_stood_in: int | None = None  # the stdlib's server we started standing for the script, if any
 
 
 EXIT_WAIT_S = 1.0  # how long the exit hook waits for each server it stops
@@ -208,7 +210,7 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
         RuntimeError: Called while a fork server runs the main module again (a script that
             starts a loader with worker processes at its top level, unguarded).
     """
-    global _started, _unclaimed_s
+    global _started, _unclaimed_s, _stood_in
     ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
     if ctx.get_start_method() != "forkserver":
         return
@@ -230,30 +232,36 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
         return
     current = server_preload()
     wanted = current + [m for m in PRELOAD if m not in current]
+    environ: dict[str, str] = {}
     if not _started.main_again:  # the script's top level would build this loader again
         wanted = [m for m in wanted if m != "__main__"]
+        wanted += [standin.MODULE] if standin.MODULE not in wanted else []
+        script = standin.encode(multiprocessing.spawn.get_preparation_data("aioloader"))
+        environ = {standin.ENV: script} if script is not None else {}
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
     if _started.how == "interpreter" and running_server_pid() is None:
-        start_stdlib_server()  # its imports (seconds) run while the application goes on
+        start_stdlib_server(environ)  # its imports (seconds) run while the application goes on
+        _stood_in = running_server_pid() if environ else None
 
 
 def died_starting_note(method: str) -> str:
     """What a worker that died while starting (with start ``method``) most likely met: the
-    main script, run again in it, built a loader at its top level."""
-    if (
-        method == "forkserver"
-        and _started is not None
-        and _started.slow
-        and not _started.main_again
-    ):
-        return (
+    main script, run again in it, built a loader at its top level; unless the workers do not
+    run it (a script that builds its loader at its top level, unguarded: they are sent its
+    functions and classes instead)."""
+    if method == "forkserver" and _started is not None and not _started.main_again:
+        if _started.how == "standby" or running_server_pid() in (_stood_in, None):
+            return (
+                "aioloader: the worker died while starting (not in the main script: this "
+                "script builds its loader at its top level, so its workers do not run it "
+                "again; they are sent its functions and classes instead)"
+            )
+        return (  # a server started without the stand-in (by another, or after ours died)
             "aioloader: the worker died while starting. This script builds its loader at "
-            "its top level, outside `if __name__ == '__main__':`, and no fork server could "
-            f"be forked from it ({_started.why}), so each worker ran the script again. Guard "
-            "the script's top level, or import aioloader at its top, before anything that "
-            "starts threads or initialises CUDA (a server is then forked in reserve), or pass "
-            "multiprocessing_context='fork' (torch's default on Linux)"
+            "its top level, outside `if __name__ == '__main__':`, and its workers came from "
+            "a fork server that runs the script again in each. Guard the script's top level, "
+            "or pass multiprocessing_context='fork' (torch's default on Linux)"
         )
     return (
         "aioloader: the worker died while starting. With the spawn and forkserver start "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from aioloader._workers import serverstart
 from aioloader._workers.mainscript import guarded_at
 
 HEAD = """
@@ -116,32 +117,29 @@ def test_a_guarded_script_is_still_run_again_by_the_standby(tmp_path: Path) -> N
     assert (ours["samples"], ours["server"], ours["runs"]) == (SQUARES, "standby", 2)
 
 
-THREAD_FIRST = """
+THREAD_FIRST = (
+    """
 import threading
 threading.Thread(target=threading.Event().wait, daemon=True).start()  # before aioloader
-import torch.utils.data
-import aioloader
-
-class Ids(torch.utils.data.Dataset):
-    def __len__(self):
-        return 4
-    def __getitem__(self, index):
-        return index
-
-loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
-print(list(loader))
 """
+    + UNGUARDED
+)
 
 
-def test_with_no_standby_the_error_says_what_to_do(tmp_path: Path) -> None:
-    """A thread started before aioloader was imported: no server can be forked, and the
-    stdlib's fresh interpreter runs the script again in each worker. The error says so, and
-    what to do."""
-    done = execute(tmp_path, THREAD_FIRST, name="late.py")
-    assert done.returncode == 1
-    assert "outside `if __name__ == '__main__':`" in done.stderr
-    assert "this process had 2 Python threads" in done.stderr
-    assert "multiprocessing_context='fork'" in done.stderr
+@pytest.mark.parametrize("name", ["late.py", "-m jobs.late"])
+def test_with_no_standby_the_stdlibs_server_stands_in_for_the_script(
+    tmp_path: Path, name: str
+) -> None:
+    """A thread started before aioloader was imported: no server can be forked, nor a standby.
+    The stdlib's fresh interpreter serves, marked as the script (``standin.py``), so that its
+    workers do not run the script again (each used to, came back to the loader and died)."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "__init__.py").write_text("")
+    theirs = run(tmp_path, THREAD_FIRST, "torch", name=name)
+    assert (theirs["samples"], theirs["runs"]) == (SQUARES, 1)
+    ours = run(tmp_path, THREAD_FIRST, name=name)
+    assert (ours["samples"], ours["server"], ours["runs"]) == (SQUARES, "interpreter", 1)
+    assert "this process had 2 Python threads" in str(ours["why"])
 
 
 DIES = """
@@ -163,13 +161,38 @@ print(list(loader))
 """
 
 
-def test_a_worker_dying_under_the_standby_is_not_blamed_on_the_script(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "first",
+    [
+        "",
+        "import threading\nthreading.Thread(target=threading.Event().wait, daemon=True).start()\n",
+    ],
+)
+def test_a_worker_dying_unguarded_is_not_blamed_on_the_script(tmp_path: Path, first: str) -> None:
     """Found by review: the standby's workers do not run the script again, and the error said
-    they did (and to import aioloader earlier, which the script does)."""
-    done = execute(tmp_path, DIES, name="dies.py")
+    they did (and to import aioloader earlier, which the script does). The same under the
+    stdlib's server (a thread before aioloader: no standby)."""
+    done = execute(tmp_path, first + DIES, name="dies.py")
     assert done.returncode == 1
     assert "exit code 3" in done.stderr and "died while starting" in done.stderr
-    assert "ran the script again" not in done.stderr
+    assert "not in the main script" in done.stderr
+
+
+@pytest.mark.parametrize(("running", "blamed"), [(123, False), (456, True)])
+def test_a_server_started_without_the_stand_in_is_blamed(
+    monkeypatch: pytest.MonkeyPatch, running: int, blamed: bool
+) -> None:
+    """Where the stdlib's server running now is not the one started standing for the script
+    (it died and the stdlib started another, or someone else started it), its workers ran
+    the script again, and the note says so."""
+    monkeypatch.setattr(
+        serverstart, "_started", serverstart.ServerStart("interpreter", "x", main_again=False)
+    )
+    monkeypatch.setattr(serverstart, "_stood_in", 123)
+    monkeypatch.setattr(serverstart, "running_server_pid", lambda: running)
+    note = serverstart.died_starting_note("forkserver")
+    assert ("runs the script again in each" in note) is blamed
+    assert ("not in the main script" in note) is not blamed
 
 
 SOURCE = """\
