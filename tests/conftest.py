@@ -46,10 +46,12 @@ def s3_endpoint() -> Iterator[str]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A two-node Ray cluster on this machine (``tests/support/ray_cluster.py``), joined by
-    this process, for the session: the tests of Ray workers ask for it."""
+    this process, for the module that asks for it (the tests of Ray workers): stopped as that
+    module ends, not kept for the rest of the session (its daemons and idle workers use about
+    7% of a core while they wait)."""
     from tests.support.ray_cluster import RayCluster
 
     cluster = RayCluster(tmp_path_factory.mktemp("ray"))

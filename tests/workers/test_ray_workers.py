@@ -22,7 +22,7 @@ from tests.support import worker_fns
 from tests.support.helpers import Counting, flat
 from tests.support.ray_cluster import SECOND, RayCluster
 
-# One cluster for the session: under pytest-xdist (`--dist loadgroup`) these tests run in one
+# One cluster for the module: under pytest-xdist (`--dist loadgroup`) these tests run in one
 # process, which alone starts a cluster, and in file order (the node-loss tests share its state).
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray")]
 
