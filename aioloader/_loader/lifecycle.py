@@ -9,7 +9,6 @@ with their loader. Never: says what a scope owns (``scope.py`` does), or begins 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import warnings
 from types import TracebackType
@@ -42,6 +41,10 @@ class ScopedLoader(SessionLoader[Any], Protocol):
 
     def _new_recorders(self) -> Recorders: ...
 
+    def _offload(self) -> ThreadOffload: ...
+
+    def _follow_process_group(self) -> None: ...
+
     def __exit__(self, *exc_info: object) -> None: ...
 
 
@@ -72,6 +75,14 @@ class ScopeLifecycle:
             device=plan.device_depth if plan.device_plan is not None else None,
         )
 
+    def _follow_process_group(self: ScopedLoader) -> None:
+        """With ``distributed=True`` and the rank left to ``torch.distributed``: take the share
+        it gives now, if it changed since the loader was built (see
+        ``LoaderPlan.following_process_group``). Called as a scope opens and by ``len()``."""
+        plan = self._plan.following_process_group(self._offload)
+        if plan is not None:
+            object.__setattr__(self, "_plan", plan)
+
     def _offload(self: ScopedLoader) -> ThreadOffload:
         if self._scope is None:
             raise LoaderStateError("the loader's scope is closed")
@@ -92,6 +103,7 @@ class ScopeLifecycle:
         """
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
+        self._follow_process_group()
         self._state.stats = self._new_recorders()
         self._state.scopes += 1
         stack = contextlib.AsyncExitStack()
@@ -191,12 +203,7 @@ class ScopeLifecycle:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the original's construction said it already
             earlier = twin._plan
-            arguments = earlier.arguments
-            if arguments.distributed:  # the rank the original resolved: its sampler's
-                arguments = dataclasses.replace(
-                    arguments, rank=earlier.rank, world_size=earlier.world_size
-                )
-            plan = plan_loader(arguments, twin._offload, earlier=earlier)
+            plan = plan_loader(earlier.arguments, twin._offload, earlier=earlier)
         object.__setattr__(twin, "_plan", plan)
         return twin
 

@@ -131,8 +131,9 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
             start, so every rank yields as many batches; for an ``IterableDataset`` in worker
             processes the same rule applies to its batches (the first ``W`` are kept for the
             padding). Shard in the dataset itself to read less.
-        rank: This process's rank (default: ``torch.distributed`` when initialised, else 0).
-        world_size: The number of ranks (default: ``torch.distributed``, else 1).
+        rank: This process's rank (default: ``torch.distributed`` when initialised, else 0;
+            read again as each scope opens: a loader built before the group follows it).
+        world_size: The number of ranks (default: ``torch.distributed``, else 1; likewise).
         io_threads: Threads that call a blocking (torch) dataset read in this process
             (``num_workers=0`` or ``worker_mode="thread"``). Default (None): as in torch, one
             call of ``__getitem__`` at a time, so a dataset that is not thread-safe (a shared
@@ -305,6 +306,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         Raises:
             TypeError: The dataset is iterable and has no length.
         """
+        self._follow_process_group()
         if self.batch_sampler is not None:
             return len(self.batch_sampler)  # type: ignore[arg-type]  # torch's: may raise TypeError
         if self.sampler is not None:

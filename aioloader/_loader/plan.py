@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -233,6 +234,21 @@ class LoaderPlan:
         arguments = dataclasses.replace(self.arguments, **changed)
         return plan_loader(arguments, offload, earlier=self, stacklevel=5)
 
+    def following_process_group(self, offload: Callable[[], ThreadOffload]) -> LoaderPlan | None:
+        """The plan for the share ``torch.distributed`` gives this process now, where
+        ``distributed=True`` left it to it and it changed since the plan was made (a loader
+        built before ``init_process_group``, or pickled to processes that start one, read
+        rank 0 of 1: all of it, on every rank); else None. The base seed is kept; the order
+        is made again for the new share (a ``DistributedSampler`` seeded alike on each rank)."""
+        a = self.arguments
+        if not a.distributed or (a.rank is not None and a.world_size is not None):
+            return None
+        if resolve_rank(a.rank, a.world_size) == (self.rank, self.world_size):
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the construction said them already
+            return plan_loader(a, offload, earlier=self)
+
 
 _REMEDY = (
     "pass multiprocessing_context='fork' (the workers inherit it, unpickled), or "
@@ -268,7 +284,8 @@ def plan_loader(
     earlier: LoaderPlan | None = None,
     stacklevel: int = 3,
 ) -> LoaderPlan:
-    """Check ``a`` and build the plan (with ``earlier``: keep its order and base seed).
+    """Check ``a`` and build the plan (with ``earlier``: keep its base seed, and its order
+    unless this process's share of a ``distributed`` dataset changed since).
     ``stacklevel`` is the warnings' as ``warnings.warn`` would take it here (3: the caller of
     ``DataLoader(...)``).
 
@@ -283,13 +300,12 @@ def plan_loader(
     kind, batch_size, prefetch, start_method, target, ray = checked
     rank, world_size = resolve_rank(a.rank, a.world_size) if a.distributed else (0, 1)
     if earlier is not None:
-        base_seed, sampler, batch_sampler = (
-            earlier.base_seed,
-            earlier.sampler,
-            earlier.batch_sampler,
-        )
+        base_seed = earlier.base_seed
     else:  # drawn as torch draws its base seed: torch.manual_seed makes it repeatable
         base_seed = a.seed if a.seed is not None else draw_seed(a.generator)
+    if earlier is not None and (rank, world_size) == (earlier.rank, earlier.world_size):
+        sampler, batch_sampler = earlier.sampler, earlier.batch_sampler
+    else:
         sampler, batch_sampler = map_order(
             a.dataset,
             kind.is_map,

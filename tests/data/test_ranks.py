@@ -3,6 +3,9 @@ would hang the next collective), whatever the dataset kind, its length and the b
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -117,3 +120,22 @@ def test_torchrun_two_ranks_over_a_stream_never_hang(tmp_path: Path) -> None:
     job = Path(__file__).parents[1] / "support" / "ddp_stream_job.py"
     output = torchrun(2, job, cwd=tmp_path, timeout=45)
     assert "steps per rank: [12, 12]; samples read: 101" in output
+
+
+@pytest.mark.parametrize("kind", ["map", "stream"])
+def test_a_loader_built_before_the_process_group_takes_its_rank_when_it_runs(
+    tmp_path: Path, kind: str
+) -> None:
+    """Built with ``distributed=True`` before ``init_process_group`` and sent to ``mp.spawn``'s
+    children: each rank read all 20 samples (it had resolved rank 0 of 1 as it was built). The
+    share is now taken as the epoch starts, and ``len()`` follows it."""
+    job = Path(__file__).parents[1] / "support" / "ddp_spawn_job.py"
+    done = subprocess.run(
+        [sys.executable, str(job), str(tmp_path), kind],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["len"] for r in ranks] == ([5, 5] if kind == "map" else [None, None])
+    assert [len(r["seen"]) for r in ranks] == [10, 10]
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(20))
