@@ -75,14 +75,6 @@ class ScopeLifecycle:
             device=plan.device_depth if plan.device_plan is not None else None,
         )
 
-    def _follow_process_group(self: ScopedLoader) -> None:
-        """With ``distributed=True`` and the rank left to ``torch.distributed``: take the share
-        it gives now, if it changed since the loader was built (see
-        ``LoaderPlan.following_process_group``). Called as a scope opens and by ``len()``."""
-        plan = self._plan.following_process_group(self._offload)
-        if plan is not None:
-            object.__setattr__(self, "_plan", plan)
-
     def _offload(self: ScopedLoader) -> ThreadOffload:
         if self._scope is None:
             raise LoaderStateError("the loader's scope is closed")

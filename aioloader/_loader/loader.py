@@ -431,6 +431,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
             raise LoaderStateError("the loader's scope is open in another thread")
         if self._session is not None:
             return PlainIterator(self, self._session, owned=False)
+        self._follow_process_group()  # here, not on the loop's thread (Ray's join_cluster)
         session = Session(self, persistent=self.persistent_workers)
         if session.persistent:
             self._session = session

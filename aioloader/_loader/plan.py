@@ -236,14 +236,15 @@ class LoaderPlan:
 
     def following_process_group(self, offload: Callable[[], ThreadOffload]) -> LoaderPlan | None:
         """The plan for the share ``torch.distributed`` gives this process now, where
-        ``distributed=True`` left it to it and it changed since the plan was made (a loader
+        ``distributed=True`` left both to it and it changed since the plan was made (a loader
         built before ``init_process_group``, or pickled to processes that start one, read
         rank 0 of 1: all of it, on every rank); else None. The base seed is kept; the order
         is made again for the new share (a ``DistributedSampler`` seeded alike on each rank)."""
         a = self.arguments
-        if not a.distributed or (a.rank is not None and a.world_size is not None):
-            return None
-        if resolve_rank(a.rank, a.world_size) == (self.rank, self.world_size):
+        if not a.distributed or a.rank is not None or a.world_size is not None:
+            return None  # (a group destroyed later leaves the share as it was)
+        group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not group or resolve_rank(None, None) == (self.rank, self.world_size):
             return None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the construction said them already

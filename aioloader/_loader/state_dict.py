@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Protocol
 
+from .._workers.offload import ThreadOffload
 from .checkpoint import EpochState, dumps_checked, fresh_state, restore_sampler
 from .plain import PlainIterator
 from .plan import LoaderPlan
@@ -32,6 +33,7 @@ class ResumableLoader(Protocol):
     _session: Session | None
     _plain: weakref.ref[PlainIterator[Any]] | None
     _resume: EpochState | None
+    _loaded: EpochState | None
     _next_epoch: int
 
     @property
@@ -45,6 +47,10 @@ class ResumableLoader(Protocol):
 
     def _end_running_epoch(self) -> None: ...
 
+    def _offload(self) -> ThreadOffload: ...
+
+    def _follow_process_group(self) -> None: ...
+
 
 class Resumable:
     """``state_dict`` and ``load_state_dict`` (a base class of ``DataLoader``, whose
@@ -52,6 +58,7 @@ class Resumable:
 
     _plan: LoaderPlan
     _resume: EpochState | None
+    _loaded: EpochState | None = None  # the state ``_resume`` was resolved from, as loaded
     _next_epoch: int
 
     def state_dict(self: ResumableLoader) -> dict[str, Any]:
@@ -81,6 +88,7 @@ class Resumable:
                 stream split by ``distributed=True``; or a dataset's state that is not
                 JSON-serialisable (tensors, arrays, tuples and int keys are kept).
         """
+        self._follow_process_group()
         check_resumable(self._plan)
         resumable: bool | None = None  # a loaded state's stream was checked as it was saved
         if self._resume is not None:
@@ -120,6 +128,7 @@ class Resumable:
         starting another epoch would end it: an iterator still held stops.
         """
         loaded = EpochState.from_json(state)
+        self._follow_process_group()
         check_resumable(self._plan)
         check_place(self._plan, loaded)
         resume = resolve(self._plan, loaded)
@@ -134,9 +143,26 @@ class Resumable:
             object.__setattr__(self, "_plan", plan.reseeded(resume.seed, resume.order_seed))
             if self._scope is not None:  # the open scope's next epoch runs with these seeds
                 self._scope.plan = self._plan
-        self._resume = resume
+        self._resume, self._loaded = resume, loaded
         self._next_epoch = resume.epoch  # (not given to a sampler of another's: its owner's)
         self._state.progress = None
+
+    def _follow_process_group(self: ResumableLoader) -> None:
+        """With ``distributed=True`` and neither ``rank`` nor ``world_size`` given: take the
+        share ``torch.distributed`` gives now, if it changed since the plan was made
+        (``LoaderPlan.following_process_group``), and divide a state loaded meanwhile among
+        the new ranks. Not while a scope is open: its epochs, and ``len()``, keep its plan.
+        Called as a scope opens, by a plain ``for``, ``len()`` and the two state methods."""
+        if self._scope is not None:
+            return
+        plan = self._plan.following_process_group(self._offload)
+        if plan is None:
+            return
+        if self._resume is not None and self._loaded is not None:
+            resume = resolve(plan, self._loaded)  # raises as load_state_dict would
+            restore_sampler(plan, resume.sampler, loading=True)
+            self._resume = resume
+        object.__setattr__(self, "_plan", plan)
 
     def _end_running_epoch(self: ResumableLoader) -> None:
         """End the epoch in progress, if any (from the thread that calls the loader)."""

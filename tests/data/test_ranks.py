@@ -122,20 +122,37 @@ def test_torchrun_two_ranks_over_a_stream_never_hang(tmp_path: Path) -> None:
     assert "steps per rank: [12, 12]; samples read: 101" in output
 
 
-@pytest.mark.parametrize("kind", ["map", "stream"])
+@pytest.mark.parametrize("kind", ["map", "stream", "resumed", "given", "scoped"])
 def test_a_loader_built_before_the_process_group_takes_its_rank_when_it_runs(
     tmp_path: Path, kind: str
 ) -> None:
     """Built with ``distributed=True`` before ``init_process_group`` and sent to ``mp.spawn``'s
     children: each rank read all 20 samples (it had resolved rank 0 of 1 as it was built). The
-    share is now taken as the epoch starts, and ``len()`` follows it."""
+    share is now taken as the epoch starts; ``len()`` and ``state_dict()`` follow it, and a
+    state loaded before the group is divided among the ranks (found by review: 6 of its 14
+    samples were lost). A rank given with the world size left to the group keeps its share
+    once the group is destroyed (found by review: ``len()`` raised). A scope open as the group
+    starts keeps its plan, and ``len()`` says so (found by review: it said the new share)."""
     job = Path(__file__).parents[1] / "support" / "ddp_spawn_job.py"
     done = subprocess.run(
         [sys.executable, str(job), str(tmp_path), kind],
         capture_output=True, text=True, timeout=90, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
-    assert [r["len"] for r in ranks] == ([5, 5] if kind == "map" else [None, None])
-    assert [len(r["seen"]) for r in ranks] == [10, 10]
-    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(20))
+    folder = tmp_path / "scoped" if kind == "scoped" else tmp_path
+    ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    left = list(range(20))
+    if kind == "resumed":
+        taken = json.loads((tmp_path / "taken.json").read_text())
+        assert len(taken) == 6
+        left = sorted(set(left) - set(taken))
+    share = len(left) // 2
+    assert [len(r["seen"]) for r in ranks] == [share, share]
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == left
+    # resumed: the whole epoch's; scoped: said in the scope opened before the group
+    lengths = {"stream": None, "resumed": 5, "map": 5, "given": 5, "scoped": 10}
+    assert [r["len"] for r in ranks] == [lengths[kind]] * 2
+    if kind in ("map", "resumed"):
+        assert [r["state"] for r in ranks] == [[0, 2], [1, 2]]
+    if kind == "scoped":  # the open scope's epochs kept its plan, as len() said
+        assert [r["scope"] for r in ranks] == [[10, 10], [10, 10]]

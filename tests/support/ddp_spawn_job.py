@@ -1,10 +1,19 @@
 """Run by ``tests/data/test_ranks.py``: a loader with ``distributed=True`` built in the parent,
 before any process group exists, and handed to ``torch.multiprocessing.spawn``'s two children
 (pickled, as ``mp.spawn`` sends its arguments), each of which then starts the group (gloo,
-through a file in ``argv[1]``) and reads an epoch. Each child writes what it read, and what
-``len(loader)`` said, to ``argv[1]/rank-<r>.json``.
+through a file in ``argv[1]``) and reads an epoch. Each child writes what it read, what
+``len(loader)`` said and the rank its ``state_dict()`` named to ``argv[1]/rank-<r>.json``.
 
-``argv[2]`` is ``map`` (a list, shuffled) or ``stream`` (an async generator)."""
+``argv[2]``, the case:
+- ``map``: a list of 20, shuffled; ``stream``: an async generator of 20.
+- ``resumed``: the map case, 3 batches of 2 taken in the parent and its state loaded again
+  there, before the group exists: the ranks share the 14 samples left.
+- ``given``: the loader built in each child, after the group, with ``rank`` given (the world
+  size left to the group), and read after the group was destroyed: the share stays.
+- ``scoped``: the loader's scope opened (``with loader:``) in each child before the group:
+  that scope keeps its plan (all of it), ``len()`` too; the next scope takes the share.
+  ``seen`` is that next scope's epoch; ``len`` is what ``len()`` said inside the first.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -27,24 +37,67 @@ async def stream() -> AsyncIterator[int]:
         yield i
 
 
-def train(rank: int, loader: aioloader.DataLoader[list[int]], folder: str) -> None:
+def build(kind: str, **given: Any) -> aioloader.DataLoader[list[int]]:
+    dataset = stream if kind == "stream" else list(range(SAMPLES))
+    return aioloader.DataLoader(
+        dataset, batch_size=2, shuffle=kind != "stream", collate_fn=list, distributed=True,
+        **given,
+    )  # fmt: skip
+
+
+def train(rank: int, loader: aioloader.DataLoader[list[int]] | None, folder: str) -> None:
+    if folder.endswith("scoped"):
+        scoped(rank, folder)
+        return
     dist.init_process_group(
         "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
         timeout=timedelta(seconds=30),
     )  # fmt: skip
+    state: dict[str, Any] = {}
+    if loader is None:  # "given"
+        loader = build("map", rank=rank)
+        dist.barrier()
+        dist.destroy_process_group()
+    elif isinstance(loader.dataset, list):  # a state before the epoch: this rank's
+        state = loader.state_dict()
     length = len(loader) if isinstance(loader.dataset, list) else None  # a stream has none
+    seen = [x for batch in loader for x in batch]
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    record = {"len": length, "seen": seen, "state": [state.get("rank"), state.get("world_size")]}
+    Path(folder, f"rank-{rank}.json").write_text(json.dumps(record))
+
+
+def scoped(rank: int, folder: str) -> None:
+    loader = build("map")
+    with loader:
+        before = sum(1 for _ in loader)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+        length, inside = len(loader), sum(1 for _ in loader)
     seen = [x for batch in loader for x in batch]
     dist.barrier()
     dist.destroy_process_group()
-    Path(folder, f"rank-{rank}.json").write_text(json.dumps({"len": length, "seen": seen}))
+    record = {"len": length, "seen": seen, "scope": [before, inside], "state": [None, None]}
+    Path(folder, f"rank-{rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
     folder, kind = sys.argv[1], sys.argv[2]
-    dataset = list(range(SAMPLES)) if kind == "map" else stream
-    loader = aioloader.DataLoader(
-        dataset, batch_size=2, shuffle=kind == "map", collate_fn=list, distributed=True
-    )
-    if kind == "map":
+    if kind == "scoped":
+        folder = str(Path(folder, "scoped"))
+        Path(folder).mkdir()
+    loader = None if kind in ("given", "scoped") else build(kind)
+    if kind == "resumed":
+        assert loader is not None
+        taken = [x for _, batch in zip(range(3), loader, strict=False) for x in batch]
+        saved = loader.state_dict()
+        loader.load_state_dict(saved)  # loaded before the group: resolved for rank 0 of 1
+        Path(folder, "taken.json").write_text(json.dumps(taken))
+    elif kind == "map":
+        assert loader is not None
         assert len(loader) == SAMPLES // 2  # no group yet: rank 0 of 1, all of it
     mp.spawn(train, args=(loader, folder), nprocs=2)
