@@ -251,10 +251,7 @@ class LoaderPlan:
             return plan_loader(a, offload, earlier=self)
 
 
-_REMEDY = (
-    "pass multiprocessing_context='fork' (the workers inherit it, unpickled), or "
-    "worker_mode='thread'"
-)
+_REMEDY = "pass multiprocessing_context='fork' (the workers inherit it), or worker_mode='thread'"
 
 
 def _on_worker_dataset(
@@ -366,6 +363,7 @@ def plan_loader(
         world_size=world_size,
         seed=base_seed,
         seeded=a.seed is not None,
+        worker_retry=send("retry", a.retry) if in_workers else None,
     )
     return LoaderPlan(
         arguments=a,

@@ -39,6 +39,9 @@ class PipelineConfig:
     world_size: int
     seed: int  # base seed: each batch's work is seeded from (seed, epoch, batch index)
     seeded: bool  # the user gave `seed=`: reseed per batch (else workers keep torch's streams)
+    # `retry` as worker processes' jobs send it (by value where pickle cannot send it by name:
+    # an exception class of a notebook's, or of a script its workers do not run); None: `retry`
+    worker_retry: Any = None
 
     @property
     def per_batch(self) -> int:

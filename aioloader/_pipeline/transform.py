@@ -135,7 +135,7 @@ class TransformStage:
                 cfg.collate_fn,
                 unbatched,
                 cfg.finish,
-                cfg.retry,
+                cfg.retry if cfg.worker_retry is None else cfg.worker_retry,
                 self.budget.left > 0,
                 seed=seed,
             )

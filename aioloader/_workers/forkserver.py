@@ -52,6 +52,7 @@ __all__ = [
     "FORK_SAFE_THREADS",
     "PRELOAD",
     "ForkedServer",
+    "exited",
     "fork_server",
     "install",
     "running_server_pid",
@@ -287,6 +288,7 @@ def start_stdlib_server(environ: Mapping[str, str] | None = None) -> None:
     process's environment (set in it while the server starts, then put back). Where it cannot
     be started (no room for a process), nothing happens here: the first worker start tries
     again and raises."""
+    resource_tracker.ensure_running()  # first: it would keep ``environ`` for its life
     before = {name: os.environ.get(name) for name in environ or {}}
     os.environ.update(environ or {})
     try:
@@ -298,6 +300,15 @@ def start_stdlib_server(environ: Mapping[str, str] | None = None) -> None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def exited(pid: int) -> bool:
+    """Whether this process's child ``pid`` has exited (or was reaped); it is not reaped
+    here, so the stdlib's own wait for its server still sees it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def install(forked: ForkedServer) -> None:

@@ -29,6 +29,7 @@ from . import standby, standin
 from .forkserver import (
     PRELOAD,
     ForkedServer,
+    exited,
     fork_server,
     install,
     running_server_pid,
@@ -240,7 +241,11 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
         environ = {standin.ENV: script} if script is not None else {}
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
-    if _started.how == "interpreter" and running_server_pid() is None:
+    running = running_server_pid()
+    # (one standing in for the script that died: the stdlib would start one that does not)
+    if _started.how == "interpreter" and (
+        running is None or (running == _stood_in and exited(running))
+    ):
         start_stdlib_server(environ)  # its imports (seconds) run while the application goes on
         _stood_in = running_server_pid() if environ else None
 

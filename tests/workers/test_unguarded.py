@@ -142,6 +142,67 @@ def test_with_no_standby_the_stdlibs_server_stands_in_for_the_script(
     assert "this process had 2 Python threads" in str(ours["why"])
 
 
+KILLED = (
+    THREAD_FIRST
+    + """
+import multiprocessing.forkserver, signal
+server = multiprocessing.forkserver._forkserver._forkserver_pid
+os.kill(server, signal.SIGKILL)  # the server standing in for the script dies between epochs
+os.waitid(os.P_PID, server, os.WEXITED | os.WNOWAIT)  # dead (left for the stdlib to reap)
+again = sorted(x for b in loader for x in b.tolist())
+print(json.dumps({"samples": again, "server": loader.statistics().workers.server}))
+"""
+)
+
+
+def test_a_server_standing_in_that_died_is_started_again_standing_in(tmp_path: Path) -> None:
+    """Found by review: the stdlib starts its server again where it died, and that one did
+    not stand in for the script, so each later worker ran it again and died."""
+    got = run(tmp_path, KILLED)
+    once = sorted(i * i for i in range(16))
+    assert (got["samples"], got["server"], got["runs"]) == (once, "interpreter", 1)
+
+
+FLAKY = """
+import json, os, sys, threading
+if "first" in sys.argv:  # a thread before aioloader: no standby, the stdlib's server
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+import torch.utils.data
+import aioloader
+
+class Flaky(Exception):  # the script's own: its workers do not have it by name
+    pass
+
+class Once(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, index):
+        if not os.path.exists(f"tried-{index}"):  # each sample fails the first time
+            open(f"tried-{index}", "w").close()
+            raise Flaky(index)
+        return index
+
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # the standby serves
+retry = aioloader.RetryPolicy(retry_on=(Flaky,), initial_backoff=0.001)
+loader = aioloader.DataLoader(Once(), batch_size=4, num_workers=2, retry=retry)
+samples = sorted(x for b in loader for x in b.tolist())
+print(json.dumps({"samples": samples, "server": loader.statistics().workers.server}))
+"""
+
+
+@pytest.mark.parametrize(("first", "server"), [("", "standby"), ("first", "interpreter")])
+def test_a_retry_policy_naming_the_scripts_exception_reaches_the_workers(
+    tmp_path: Path, first: str, server: str
+) -> None:
+    """Found by review: the retry policy went to the workers by name, and its exception class
+    (the script's, which these workers do not run) could not be found: every worker died."""
+    done = execute(tmp_path, FLAKY, first, name="flaky.py")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"samples": list(range(8)), "server": server}
+    assert len(list(tmp_path.glob("tried-*"))) == 8  # each failed once, in a worker
+
+
 DIES = """
 import os, threading, torch.utils.data
 import aioloader
