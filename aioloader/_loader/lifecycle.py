@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -19,7 +18,7 @@ import anyio
 from .._base.exceptions import LoaderStateError
 from .._base.recorders import Recorders
 from .._workers.offload import ThreadOffload
-from .plan import LoaderPlan, plan_loader
+from .plan import LoaderPlan
 from .scope import LoaderState, Scope
 from .session import Session, SessionLoader, close_from_anywhere
 
@@ -43,7 +42,7 @@ class ScopedLoader(SessionLoader[Any], Protocol):
 
     def _offload(self) -> ThreadOffload: ...
 
-    def _follow_process_group(self) -> None: ...
+    def _refresh_plan(self) -> None: ...
 
     def __exit__(self, *exc_info: object) -> None: ...
 
@@ -95,7 +94,7 @@ class ScopeLifecycle:
         """
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
-        self._follow_process_group()
+        self._refresh_plan()
         self._state.stats = self._new_recorders()
         self._state.scopes += 1
         stack = contextlib.AsyncExitStack()
@@ -181,22 +180,23 @@ class ScopeLifecycle:
         return state
 
     def __setstate__(self: ScopedLoader, state: dict[str, Any]) -> None:
+        """The copy's plan is made again from the same arguments, with the original's order,
+        base seed and share of a ``distributed`` dataset, before its first use (``_refresh_plan``:
+        not here, where a spawned process may be unpickling it as it starts). For its own
+        scope: the original's reads in this process go through the original's, and a
+        stream's pass keeps its place in it (found by review: a shallow copy's reads failed
+        with the original's scope closed). For the process it is in: what its workers have
+        of the main module by name (found by review: a retry policy sent by value for the
+        original's workers failed to reach an unpickled copy's)."""
         vars(self).update(state)
-        vars(self).update(_session=None, _plain=None, _stopped_at=0.0)
+        vars(self).update(_session=None, _plain=None, _stopped_at=0.0, _copied=True)
         self._state = LoaderState(self._new_recorders())
 
     def __copy__(self) -> Any:
-        """A shallow copy: the same dataset, samplers, settings and order, and a plan of its own
-        (the original's reads in this process go through the original's scope, and a stream's
-        pass keeps its place in it: found by review, a copy's reads failed with the
-        original's scope closed). A deep copy and pickle rebind them as they copy."""
+        """A shallow copy: the same dataset, samplers, settings and order, and a plan of its
+        own once used (see ``__setstate__``)."""
         twin: Any = type(self).__new__(type(self))
         twin.__setstate__(self.__getstate__())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the original's construction said it already
-            earlier = twin._plan
-            plan = plan_loader(earlier.arguments, twin._offload, earlier=earlier)
-        object.__setattr__(twin, "_plan", plan)
         return twin
 
     def __del__(self) -> None:

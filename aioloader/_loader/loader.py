@@ -306,7 +306,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         Raises:
             TypeError: The dataset is iterable and has no length.
         """
-        self._follow_process_group()
+        self._refresh_plan()
         if self.batch_sampler is not None:
             return len(self.batch_sampler)  # type: ignore[arg-type]  # torch's: may raise TypeError
         if self.sampler is not None:
@@ -431,7 +431,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
             raise LoaderStateError("the loader's scope is open in another thread")
         if self._session is not None:
             return PlainIterator(self, self._session, owned=False)
-        self._follow_process_group()  # here, not on the loop's thread (Ray's join_cluster)
+        self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
         session = Session(self, persistent=self.persistent_workers)
         if session.persistent:
             self._session = session

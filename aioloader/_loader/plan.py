@@ -248,7 +248,7 @@ class LoaderPlan:
             return None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the construction said them already
-            return plan_loader(a, offload, earlier=self)
+            return plan_loader(a, offload, earlier=self, follow=True)
 
 
 _REMEDY = "pass multiprocessing_context='fork' (the workers inherit it), or worker_mode='thread'"
@@ -280,23 +280,25 @@ def plan_loader(
     offload: Callable[[], ThreadOffload],
     *,
     earlier: LoaderPlan | None = None,
+    follow: bool = False,
     stacklevel: int = 3,
 ) -> LoaderPlan:
-    """Check ``a`` and build the plan (with ``earlier``: keep its base seed, and its order
-    unless this process's share of a ``distributed`` dataset changed since).
-    ``stacklevel`` is the warnings' as ``warnings.warn`` would take it here (3: the caller of
-    ``DataLoader(...)``).
-
-    ``offload`` gives the open scope's I/O threads, for a blocking dataset read in this process.
-    A loader whose workers are processes prepares the fork server now, while this process may
-    still have one thread (see ``_workers/forkserver.py``).
+    """Check ``a`` and build the plan (with ``earlier``: keep its base seed, its share of a
+    ``distributed`` dataset and its order; with ``follow``, the share is read again, the order
+    kept only where it did not change). ``stacklevel``: the warnings' (3: the caller of
+    ``DataLoader(...)``). ``offload`` gives the open scope's I/O threads, for a blocking
+    dataset read in this process. A loader whose workers are processes prepares the fork
+    server now, while this process may still have one thread (``_workers/forkserver.py``).
 
     Raises:
         TypeError, ValueError: As :func:`~aioloader._loader.arguments.check_arguments`.
     """
     checked = check_arguments(a, stacklevel=stacklevel + 2)
     kind, batch_size, prefetch, start_method, target, ray = checked
-    rank, world_size = resolve_rank(a.rank, a.world_size) if a.distributed else (0, 1)
+    if a.distributed and earlier is not None and not follow:  # only following changes a share
+        rank, world_size = earlier.rank, earlier.world_size
+    else:
+        rank, world_size = resolve_rank(a.rank, a.world_size) if a.distributed else (0, 1)
     if earlier is not None:
         base_seed = earlier.base_seed
     else:  # drawn as torch draws its base seed: torch.manual_seed makes it repeatable

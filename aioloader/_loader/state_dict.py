@@ -9,13 +9,14 @@ itself (``checkpoint.py``, ``resuming.py``, ``merging.py`` do), or begins an epo
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Protocol
 
 from .._workers.offload import ThreadOffload
 from .checkpoint import EpochState, dumps_checked, fresh_state, restore_sampler
 from .plain import PlainIterator
-from .plan import LoaderPlan
+from .plan import LoaderPlan, plan_loader
 from .resuming import check_place, check_resumable, resolve
 from .scope import LoaderState, Scope
 from .session import Session
@@ -34,6 +35,7 @@ class ResumableLoader(Protocol):
     _plain: weakref.ref[PlainIterator[Any]] | None
     _resume: EpochState | None
     _loaded: EpochState | None
+    _copied: bool
     _next_epoch: int
 
     @property
@@ -49,7 +51,7 @@ class ResumableLoader(Protocol):
 
     def _offload(self) -> ThreadOffload: ...
 
-    def _follow_process_group(self) -> None: ...
+    def _refresh_plan(self) -> None: ...
 
 
 class Resumable:
@@ -59,6 +61,7 @@ class Resumable:
     _plan: LoaderPlan
     _resume: EpochState | None
     _loaded: EpochState | None = None  # the state ``_resume`` was resolved from, as loaded
+    _copied = False  # a copy whose plan is still the original's (see ``_refresh_plan``)
     _next_epoch: int
 
     def state_dict(self: ResumableLoader) -> dict[str, Any]:
@@ -88,7 +91,7 @@ class Resumable:
                 stream split by ``distributed=True``; or a dataset's state that is not
                 JSON-serialisable (tensors, arrays, tuples and int keys are kept).
         """
-        self._follow_process_group()
+        self._refresh_plan()
         check_resumable(self._plan)
         resumable: bool | None = None  # a loaded state's stream was checked as it was saved
         if self._resume is not None:
@@ -128,7 +131,7 @@ class Resumable:
         starting another epoch would end it: an iterator still held stops.
         """
         loaded = EpochState.from_json(state)
-        self._follow_process_group()
+        self._refresh_plan()
         check_resumable(self._plan)
         check_place(self._plan, loaded)
         resume = resolve(self._plan, loaded)
@@ -147,22 +150,47 @@ class Resumable:
         self._next_epoch = resume.epoch  # (not given to a sampler of another's: its owner's)
         self._state.progress = None
 
-    def _follow_process_group(self: ResumableLoader) -> None:
-        """With ``distributed=True`` and neither ``rank`` nor ``world_size`` given: take the
-        share ``torch.distributed`` gives now, if it changed since the plan was made
-        (``LoaderPlan.following_process_group``), and divide a state loaded meanwhile among
-        the new ranks. Not while a scope is open: its epochs, and ``len()``, keep its plan.
-        Called as a scope opens, by a plain ``for``, ``len()`` and the two state methods."""
+    def _refresh_plan(self: ResumableLoader) -> None:
+        """Make the plan again where it is not this process's or not this moment's: a copy's
+        (``ScopeLifecycle.__setstate__``), and one whose share of a ``distributed`` dataset
+        ``torch.distributed`` now gives otherwise (neither ``rank`` nor ``world_size`` given:
+        ``LoaderPlan.following_process_group``); a state loaded meanwhile is resolved again
+        for the new share. Not while a scope is open: its epochs, and ``len()``, keep its plan.
+        Called as a scope opens, by a plain ``for``, ``len()`` and the two state methods.
+
+        Raises:
+            TypeError, ValueError: A state loaded before the process group started cannot go
+                on with this rank's share (a stream's): it is dropped, the loader reads on.
+        """
         if self._scope is not None:
             return
         plan = self._plan.following_process_group(self._offload)
+        if plan is None and self._copied:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the original's construction said them already
+                plan = plan_loader(self._plan.arguments, self._offload, earlier=self._plan)
+        self._copied = False
         if plan is None:
             return
-        if self._resume is not None and self._loaded is not None:
-            resume = resolve(plan, self._loaded)  # raises as load_state_dict would
-            restore_sampler(plan, resume.sampler, loading=True)
-            self._resume = resume
+        earlier, loaded, resuming = self._plan, self._loaded, self._resume
         object.__setattr__(self, "_plan", plan)
+        if (plan.rank, plan.world_size) == (earlier.rank, earlier.world_size):
+            return  # the same share: a state loaded stays as it was resolved
+        self._resume = self._loaded = None
+        if resuming is not None and loaded is not None:
+            try:  # as load_state_dict would check it, for the new share
+                check_resumable(plan)
+                check_place(plan, loaded)
+                resume = resolve(plan, loaded)
+            except (TypeError, ValueError) as exc:  # the state goes: the loader stays usable
+                exc.add_note(
+                    f"aioloader: a state loaded before the process group started cannot go on "
+                    f"as rank {plan.rank} of {plan.world_size}; it was dropped (the next epoch "
+                    "starts afresh): load it after init_process_group"
+                )
+                raise
+            restore_sampler(plan, resume.sampler, loading=True)
+            self._resume, self._loaded = resume, loaded
 
     def _end_running_epoch(self: ResumableLoader) -> None:
         """End the epoch in progress, if any (from the thread that calls the loader)."""

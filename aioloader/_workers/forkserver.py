@@ -52,7 +52,7 @@ __all__ = [
     "FORK_SAFE_THREADS",
     "PRELOAD",
     "ForkedServer",
-    "exited",
+    "may_have_exited",
     "fork_server",
     "install",
     "running_server_pid",
@@ -302,9 +302,12 @@ def start_stdlib_server(environ: Mapping[str, str] | None = None) -> None:
                 os.environ[name] = value
 
 
-def exited(pid: int) -> bool:
-    """Whether this process's child ``pid`` has exited (or was reaped); it is not reaped
-    here, so the stdlib's own wait for its server still sees it."""
+def may_have_exited(pid: int) -> bool:
+    """Whether this process's child ``pid`` may have exited: False only where it certainly
+    runs. It is not reaped here, so the stdlib's own wait for its server still sees it.
+    Without ``os.waitid`` (macOS before Python 3.13) it cannot be told: True."""
+    if not hasattr(os, "waitid"):
+        return True
     try:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:

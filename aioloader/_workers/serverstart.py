@@ -29,9 +29,9 @@ from . import standby, standin
 from .forkserver import (
     PRELOAD,
     ForkedServer,
-    exited,
     fork_server,
     install,
+    may_have_exited,
     running_server_pid,
     server_lock,
     server_preload,
@@ -242,9 +242,10 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
     running = running_server_pid()
-    # (one standing in for the script that died: the stdlib would start one that does not)
+    # (one standing in for the script that died: the stdlib would start one that does not;
+    # where alive after all, starting it does nothing)
     if _started.how == "interpreter" and (
-        running is None or (running == _stood_in and exited(running))
+        running is None or (running == _stood_in and may_have_exited(running))
     ):
         start_stdlib_server(environ)  # its imports (seconds) run while the application goes on
         _stood_in = running_server_pid() if environ else None

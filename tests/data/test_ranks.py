@@ -122,7 +122,10 @@ def test_torchrun_two_ranks_over_a_stream_never_hang(tmp_path: Path) -> None:
     assert "steps per rank: [12, 12]; samples read: 101" in output
 
 
-@pytest.mark.parametrize("kind", ["map", "stream", "resumed", "given", "scoped"])
+KINDS = ["map", "stream", "resumed", "resumed-copy", "resumed-set", "given", "scoped"]
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "stream-loaded", "retry"])
 def test_a_loader_built_before_the_process_group_takes_its_rank_when_it_runs(
     tmp_path: Path, kind: str
 ) -> None:
@@ -130,9 +133,13 @@ def test_a_loader_built_before_the_process_group_takes_its_rank_when_it_runs(
     children: each rank read all 20 samples (it had resolved rank 0 of 1 as it was built). The
     share is now taken as the epoch starts; ``len()`` and ``state_dict()`` follow it, and a
     state loaded before the group is divided among the ranks (found by review: 6 of its 14
-    samples were lost). A rank given with the world size left to the group keeps its share
-    once the group is destroyed (found by review: ``len()`` raised). A scope open as the group
-    starts keeps its plan, and ``len()`` says so (found by review: it said the new share)."""
+    samples were lost; by a copy made, or a setting changed, after the group started too).
+    A rank given with the world size left to the group keeps its share once the group is
+    destroyed (found by review: ``len()`` raised). A scope open as the group starts keeps its
+    plan, and ``len()`` says so (found by review: it said the new share). A stream's state
+    loaded before the group cannot be divided: one clear error, and the loader reads on
+    (found by review: every later call raised). A retry policy naming the script's exception
+    still reaches the unpickled loader's workers (found by review: it failed to pickle)."""
     job = Path(__file__).parents[1] / "support" / "ddp_spawn_job.py"
     done = subprocess.run(
         [sys.executable, str(job), str(tmp_path), kind],
@@ -142,17 +149,25 @@ def test_a_loader_built_before_the_process_group_takes_its_rank_when_it_runs(
     folder = tmp_path / "scoped" if kind == "scoped" else tmp_path
     ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in (0, 1)]
     left = list(range(20))
-    if kind == "resumed":
+    if kind.startswith("resumed"):
         taken = json.loads((tmp_path / "taken.json").read_text())
         assert len(taken) == 6
         left = sorted(set(left) - set(taken))
+    if kind == "retry":  # not split; each sample failed once, in a worker, and was read again
+        assert [sorted(r["seen"]) for r in ranks] == [left, left]
+        assert len(list(tmp_path.glob("tried-*"))) == 20
+        return
     share = len(left) // 2
     assert [len(r["seen"]) for r in ranks] == [share, share]
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == left
     # resumed: the whole epoch's; scoped: said in the scope opened before the group
-    lengths = {"stream": None, "resumed": 5, "map": 5, "given": 5, "scoped": 10}
-    assert [r["len"] for r in ranks] == [lengths[kind]] * 2
-    if kind in ("map", "resumed"):
+    length = {"stream": None, "stream-loaded": None, "scoped": 10}.get(kind, 5)
+    assert [r["len"] for r in ranks] == [length] * 2
+    if kind in ("map", "resumed", "resumed-copy", "resumed-set"):
         assert [r["state"] for r in ranks] == [[0, 2], [1, 2]]
     if kind == "scoped":  # the open scope's epochs kept its plan, as len() said
         assert [r["scope"] for r in ranks] == [[10, 10], [10, 10]]
+    if kind == "stream-loaded":
+        for r, rank in enumerate(ranks):
+            assert "split across ranks by distributed=True" in rank["error"]
+            assert f"cannot go on as rank {r} of 2; it was dropped" in rank["error"]

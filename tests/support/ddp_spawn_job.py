@@ -7,7 +7,13 @@ through a file in ``argv[1]``) and reads an epoch. Each child writes what it rea
 ``argv[2]``, the case:
 - ``map``: a list of 20, shuffled; ``stream``: an async generator of 20.
 - ``resumed``: the map case, 3 batches of 2 taken in the parent and its state loaded again
-  there, before the group exists: the ranks share the 14 samples left.
+  there, before the group exists: the ranks share the 14 samples left. ``resumed-copy``: each
+  rank reads a ``copy.copy`` of it made after the group started; ``resumed-set``: each rank
+  changes a setting (``timeout``) first.
+- ``stream-loaded``: a stream that keeps a state, its state loaded before the group: a stream
+  split among ranks cannot resume, so the first epoch raises (``error``), once; the next reads.
+- ``retry``: not split (each rank reads all 20), 2 worker processes and a retry policy naming
+  this script's exception: each sample fails once (a marker file per index), and is retried.
 - ``given``: the loader built in each child, after the group, with ``rank`` given (the world
   size left to the group), and read after the group was destroyed: the share stays.
 - ``scoped``: the loader's scope opened (``with loader:``) in each child before the group:
@@ -17,6 +23,7 @@ through a file in ``argv[1]``) and reads an epoch. Each child writes what it rea
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -24,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -37,16 +45,62 @@ async def stream() -> AsyncIterator[int]:
         yield i
 
 
-def build(kind: str, **given: Any) -> aioloader.DataLoader[list[int]]:
-    dataset = stream if kind == "stream" else list(range(SAMPLES))
-    return aioloader.DataLoader(
-        dataset, batch_size=2, shuffle=kind != "stream", collate_fn=list, distributed=True,
-        **given,
+class Kept:
+    """A stream that keeps a state: where it starts."""
+
+    def __init__(self) -> None:
+        self.start = 0
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        for i in range(self.start, SAMPLES):
+            yield i
+
+    def state_dict(self) -> dict[str, int]:
+        return {"start": self.start}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["start"]
+
+
+class Flaky(Exception):
+    pass
+
+
+class Once(torch.utils.data.Dataset[int]):
+    """Each index fails the first time it is read (in any process), then reads."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> int:
+        mark = Path(self.folder, f"tried-{index}")
+        if not mark.exists():
+            mark.touch()
+            raise Flaky(index)
+        return index
+
+
+def build(kind: str, folder: str = "", **given: Any) -> aioloader.DataLoader[list[int]]:
+    dataset: Any = list(range(SAMPLES))
+    if kind in ("stream", "stream-loaded"):
+        dataset = stream if kind == "stream" else Kept()
+    elif kind == "retry":
+        dataset = Once(folder)
+        retry = aioloader.RetryPolicy(retry_on=(Flaky,), initial_backoff=0.001)
+        given.update(num_workers=2, retry=retry)  # not split: the copy is not planned again
+    return aioloader.DataLoader(  # for a share, only for the process it is in
+        dataset, batch_size=2, shuffle=not kind.startswith("stream"), collate_fn=list,
+        distributed=kind != "retry", **given,
     )  # fmt: skip
 
 
-def train(rank: int, loader: aioloader.DataLoader[list[int]] | None, folder: str) -> None:
-    if folder.endswith("scoped"):
+def train(
+    rank: int, loader: aioloader.DataLoader[list[int]] | None, folder: str, kind: str
+) -> None:
+    if kind == "scoped":
         scoped(rank, folder)
         return
     dist.init_process_group(
@@ -54,18 +108,31 @@ def train(rank: int, loader: aioloader.DataLoader[list[int]] | None, folder: str
         timeout=timedelta(seconds=30),
     )  # fmt: skip
     state: dict[str, Any] = {}
+    error = None
     if loader is None:  # "given"
         loader = build("map", rank=rank)
         dist.barrier()
         dist.destroy_process_group()
+    elif kind == "resumed-copy":
+        loader = copy.copy(loader)
+    elif kind == "resumed-set":
+        loader.timeout = 30
+    if kind == "stream-loaded":
+        try:
+            list(loader)
+        except TypeError as exc:
+            error = "\n".join([str(exc), *getattr(exc, "__notes__", [])])
     elif isinstance(loader.dataset, list):  # a state before the epoch: this rank's
         state = loader.state_dict()
-    length = len(loader) if isinstance(loader.dataset, list) else None  # a stream has none
+    length = len(loader) if isinstance(loader.dataset, list | Once) else None  # streams: none
     seen = [x for batch in loader for x in batch]
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    record = {"len": length, "seen": seen, "state": [state.get("rank"), state.get("world_size")]}
+    record = {
+        "len": length, "seen": seen, "state": [state.get("rank"), state.get("world_size")],
+        "error": error,
+    }  # fmt: skip
     Path(folder, f"rank-{rank}.json").write_text(json.dumps(record))
 
 
@@ -90,8 +157,11 @@ if __name__ == "__main__":
     if kind == "scoped":
         folder = str(Path(folder, "scoped"))
         Path(folder).mkdir()
-    loader = None if kind in ("given", "scoped") else build(kind)
-    if kind == "resumed":
+    loader = None if kind in ("given", "scoped") else build(kind, folder)
+    if kind == "stream-loaded":
+        assert loader is not None
+        loader.load_state_dict(loader.state_dict())  # at the epoch's start, before the group
+    if kind.startswith("resumed"):
         assert loader is not None
         taken = [x for _, batch in zip(range(3), loader, strict=False) for x in batch]
         saved = loader.state_dict()
@@ -100,4 +170,4 @@ if __name__ == "__main__":
     elif kind == "map":
         assert loader is not None
         assert len(loader) == SAMPLES // 2  # no group yet: rank 0 of 1, all of it
-    mp.spawn(train, args=(loader, folder), nprocs=2)
+    mp.spawn(train, args=(loader, folder, kind), nprocs=2)

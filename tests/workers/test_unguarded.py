@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from aioloader._workers import serverstart
+from aioloader._workers import forkserver, serverstart
 from aioloader._workers.mainscript import guarded_at
 
 HEAD = """
@@ -161,6 +162,27 @@ def test_a_server_standing_in_that_died_is_started_again_standing_in(tmp_path: P
     got = run(tmp_path, KILLED)
     once = sorted(i * i for i in range(16))
     assert (got["samples"], got["server"], got["runs"]) == (once, "interpreter", 1)
+
+
+def test_whether_a_server_may_have_exited_is_told_without_reaping_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Alive: no. Exited: yes, and it is left for the stdlib to reap. Without ``os.waitid``
+    (macOS before 3.13; found by review: every unguarded script failed there) it cannot be
+    told: yes, and the stdlib's own check decides."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert forkserver.may_have_exited(child.pid) is False
+        with monkeypatch.context() as patched:
+            patched.delattr(os, "waitid")
+            assert forkserver.may_have_exited(child.pid) is True
+        child.kill()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        assert forkserver.may_have_exited(child.pid) is True
+        assert child.poll() == -9  # not reaped by the check: its owner's wait still sees it
+    finally:
+        child.kill()
+        child.wait()
 
 
 FLAKY = """
