@@ -42,7 +42,7 @@ class ScopedLoader(SessionLoader[Any], Protocol):
 
     def _offload(self) -> ThreadOffload: ...
 
-    def _refresh_plan(self) -> None: ...
+    def _refresh_plan(self, *, raising: bool = True) -> None: ...
 
     def __exit__(self, *exc_info: object) -> None: ...
 
@@ -155,6 +155,7 @@ class ScopeLifecycle:
             return self
         if session is not None or self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
+        self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
         self._session = Session(self, persistent=False)
         return self
 

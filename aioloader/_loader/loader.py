@@ -306,7 +306,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         Raises:
             TypeError: The dataset is iterable and has no length.
         """
-        self._refresh_plan()
+        self._refresh_plan(raising=False)
         if self.batch_sampler is not None:
             return len(self.batch_sampler)  # type: ignore[arg-type]  # torch's: may raise TypeError
         if self.sampler is not None:

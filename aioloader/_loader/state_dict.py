@@ -36,6 +36,7 @@ class ResumableLoader(Protocol):
     _resume: EpochState | None
     _loaded: EpochState | None
     _copied: bool
+    _dropped: BaseException | None
     _next_epoch: int
 
     @property
@@ -51,7 +52,7 @@ class ResumableLoader(Protocol):
 
     def _offload(self) -> ThreadOffload: ...
 
-    def _refresh_plan(self) -> None: ...
+    def _refresh_plan(self, *, raising: bool = True) -> None: ...
 
 
 class Resumable:
@@ -62,6 +63,7 @@ class Resumable:
     _resume: EpochState | None
     _loaded: EpochState | None = None  # the state ``_resume`` was resolved from, as loaded
     _copied = False  # a copy whose plan is still the original's (see ``_refresh_plan``)
+    _dropped: BaseException | None = None  # why a loaded state was dropped, not yet raised
     _next_epoch: int
 
     def state_dict(self: ResumableLoader) -> dict[str, Any]:
@@ -131,6 +133,7 @@ class Resumable:
         starting another epoch would end it: an iterator still held stops.
         """
         loaded = EpochState.from_json(state)
+        self._resume = self._loaded = self._dropped = None  # replaced: not resolved again
         self._refresh_plan()
         check_resumable(self._plan)
         check_place(self._plan, loaded)
@@ -150,7 +153,7 @@ class Resumable:
         self._next_epoch = resume.epoch  # (not given to a sampler of another's: its owner's)
         self._state.progress = None
 
-    def _refresh_plan(self: ResumableLoader) -> None:
+    def _refresh_plan(self: ResumableLoader, *, raising: bool = True) -> None:
         """Make the plan again where it is not this process's or not this moment's: a copy's
         (``ScopeLifecycle.__setstate__``), and one whose share of a ``distributed`` dataset
         ``torch.distributed`` now gives otherwise (neither ``rank`` nor ``world_size`` given:
@@ -161,7 +164,14 @@ class Resumable:
         Raises:
             TypeError, ValueError: A state loaded before the process group started cannot go
                 on with this rank's share (a stream's): it is dropped, the loader reads on.
+                Raised once; without ``raising`` (``len()``, which tools probe for a
+                ``TypeError``) kept for the next call that raises.
         """
+        dropped, self._dropped = self._dropped, None
+        if dropped is not None:
+            if raising:
+                raise dropped
+            self._dropped = dropped
         if self._scope is not None:
             return
         plan = self._plan.following_process_group(self._offload)
@@ -186,9 +196,12 @@ class Resumable:
                 exc.add_note(
                     f"aioloader: a state loaded before the process group started cannot go on "
                     f"as rank {plan.rank} of {plan.world_size}; it was dropped (the next epoch "
-                    "starts afresh): load it after init_process_group"
+                    "starts afresh)"
                 )
-                raise
+                if raising:
+                    raise
+                self._dropped = exc
+                return
             restore_sampler(plan, resume.sampler, loading=True)
             self._resume, self._loaded = resume, loaded
 

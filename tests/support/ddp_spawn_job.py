@@ -11,7 +11,8 @@ through a file in ``argv[1]``) and reads an epoch. Each child writes what it rea
   rank reads a ``copy.copy`` of it made after the group started; ``resumed-set``: each rank
   changes a setting (``timeout``) first.
 - ``stream-loaded``: a stream that keeps a state, its state loaded before the group: a stream
-  split among ranks cannot resume, so the first epoch raises (``error``), once; the next reads.
+  split among ranks cannot resume, so the first epoch raises (``error``), once, even after a
+  probe of ``len()`` (which raises nothing); the next reads.
 - ``retry``: not split (each rank reads all 20), 2 worker processes and a retry policy naming
   this script's exception: each sample fails once (a marker file per index), and is retried.
 - ``given``: the loader built in each child, after the group, with ``rank`` given (the world
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -54,6 +56,9 @@ class Kept:
     async def __aiter__(self) -> AsyncIterator[int]:
         for i in range(self.start, SAMPLES):
             yield i
+
+    def __len__(self) -> int:  # what tools probe with len() (tqdm: a TypeError is "no length")
+        return SAMPLES - self.start
 
     def state_dict(self) -> dict[str, int]:
         return {"start": self.start}
@@ -119,6 +124,7 @@ def train(
         loader.timeout = 30
     if kind == "stream-loaded":
         try:
+            operator.length_hint(loader)  # a probe of len() does not take the error away
             list(loader)
         except TypeError as exc:
             error = "\n".join([str(exc), *getattr(exc, "__notes__", [])])
