@@ -234,21 +234,21 @@ class LoaderPlan:
         arguments = dataclasses.replace(self.arguments, **changed)
         return plan_loader(arguments, offload, earlier=self, stacklevel=5)
 
-    def following_process_group(self, offload: Callable[[], ThreadOffload]) -> LoaderPlan | None:
-        """The plan for the share ``torch.distributed`` gives this process now, where
-        ``distributed=True`` left both to it and it changed since the plan was made (a loader
-        built before ``init_process_group``, or pickled to processes that start one, read
-        rank 0 of 1: all of it, on every rank); else None. The base seed is kept; the order
-        is made again for the new share (a ``DistributedSampler`` seeded alike on each rank)."""
+    def made_again(
+        self, offload: Callable[[], ThreadOffload], *, copied: bool = False
+    ) -> LoaderPlan | None:
+        """The plan made again (base seed kept, no warnings repeated), or None where nothing
+        calls for it: a copy's (``copied``), in its own process; where ``distributed=True`` left
+        rank and world size to ``torch.distributed`` and its share changed (a group started)."""
         a = self.arguments
-        if not a.distributed or a.rank is not None or a.world_size is not None:
-            return None  # (a group destroyed later leaves the share as it was)
+        follow = a.distributed and a.rank is None and a.world_size is None  # (else: as given)
         group = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if not group or resolve_rank(None, None) == (self.rank, self.world_size):
+        follow = follow and group and resolve_rank(None, None) != (self.rank, self.world_size)
+        if not (follow or copied):
             return None
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the construction said them already
-            return plan_loader(a, offload, earlier=self, follow=True)
+            warnings.simplefilter("ignore")
+            return plan_loader(a, offload, earlier=self, follow=follow)
 
 
 _REMEDY = "pass multiprocessing_context='fork' (the workers inherit it), or worker_mode='thread'"

@@ -9,14 +9,13 @@ itself (``checkpoint.py``, ``resuming.py``, ``merging.py`` do), or begins an epo
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Protocol
 
 from .._workers.offload import ThreadOffload
 from .checkpoint import EpochState, dumps_checked, fresh_state, restore_sampler
 from .plain import PlainIterator
-from .plan import LoaderPlan, plan_loader
+from .plan import LoaderPlan
 from .resuming import check_place, check_resumable, resolve
 from .scope import LoaderState, Scope
 from .session import Session
@@ -157,7 +156,7 @@ class Resumable:
         """Make the plan again where it is not this process's or not this moment's: a copy's
         (``ScopeLifecycle.__setstate__``), and one whose share of a ``distributed`` dataset
         ``torch.distributed`` now gives otherwise (neither ``rank`` nor ``world_size`` given:
-        ``LoaderPlan.following_process_group``); a state loaded meanwhile is resolved again
+        ``LoaderPlan.made_again``); a state loaded meanwhile is resolved again
         for the new share. Not while a scope is open: its epochs, and ``len()``, keep its plan.
         Called as a scope opens, by a plain ``for``, ``len()`` and the two state methods.
 
@@ -174,11 +173,7 @@ class Resumable:
             self._dropped = dropped
         if self._scope is not None:
             return
-        plan = self._plan.following_process_group(self._offload)
-        if plan is None and self._copied:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the original's construction said them already
-                plan = plan_loader(self._plan.arguments, self._offload, earlier=self._plan)
+        plan = self._plan.made_again(self._offload, copied=self._copied)
         self._copied = False
         if plan is None:
             return

@@ -233,12 +233,9 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
         return
     current = server_preload()
     wanted = current + [m for m in PRELOAD if m not in current]
-    environ: dict[str, str] = {}
     if not _started.main_again:  # the script's top level would build this loader again
         wanted = [m for m in wanted if m != "__main__"]
         wanted += [standin.MODULE] if standin.MODULE not in wanted else []
-        script = standin.encode(multiprocessing.spawn.get_preparation_data("aioloader"))
-        environ = {standin.ENV: script} if script is not None else {}
     if wanted != current:
         ctx.set_forkserver_preload(wanted)
     running = running_server_pid()
@@ -247,8 +244,16 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
     if _started.how == "interpreter" and (
         running is None or (running == _stood_in and may_have_exited(running))
     ):
+        environ = {} if _started.main_again else _standing_in()
         start_stdlib_server(environ)  # its imports (seconds) run while the application goes on
         _stood_in = running_server_pid() if environ else None
+
+
+def _standing_in() -> dict[str, str]:
+    """What the stdlib's server is started with to stand in for the main script
+    (``standin.py``): nothing where there is no script (``python -c``, a notebook)."""
+    script = standin.encode(multiprocessing.spawn.get_preparation_data("aioloader"))
+    return {} if script is None else {standin.ENV: script}
 
 
 def died_starting_note(method: str) -> str:
