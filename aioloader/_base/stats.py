@@ -105,15 +105,19 @@ class WorkerStatistics:
         restarts: Workers started again after a crash or a cancelled job that did not finish.
         server: Where the workers were forked from (start method forkserver): ``"forked"`` (a
             server forked from this process), ``"standby"`` (the server forked as aioloader
-            was imported), ``"interpreter"`` (the stdlib's fresh interpreter, which imports
-            torch and the main module: the slow start), ``"other"``; ``""`` with spawn;
+            was imported), ``"fresh standby"`` (a fresh interpreter started as aioloader was
+            imported, where forking was not safe then: it imported torch meanwhile),
+            ``"interpreter"`` (the stdlib's fresh interpreter, started as the loader was
+            built, which imports torch and the main module: the slow start), ``"other"``;
+            ``""`` with spawn;
             ``"ray"`` for Ray workers (actors, which Ray starts).
         server_why: Why the faster ways to start it were not taken (``""`` when forked); for
             Ray workers, the nodes their actors were placed on.
         server_s: Seconds getting that server ready cost before the workers could start, in
             the first loader that needed it (once per process): a few milliseconds to fork
             one; for the standby, the time it took to run the main module again, that is to
-            import what the main module imports after aioloader. Not part of ``startup_s``.
+            import what the main module imports after aioloader (for a fresh standby, also
+            what was left of its own imports). Not part of ``startup_s``.
     """
 
     processes: int

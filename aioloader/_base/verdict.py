@@ -146,6 +146,13 @@ def _slow_start(stats: LoaderStatistics) -> str | None:
             "other threads start, so that a fork server is forked in reserve"
             + ("" if kept else ", or keep the workers across epochs (persistent_workers=True)")
         )
+    if w.server == "fresh standby" and w.server_s >= w.startup_s:
+        return (
+            f"{said}, {w.server_s:.1f} s of it waiting for the fork server started in reserve "
+            f"as aioloader was imported, a fresh interpreter ({w.server_why}) that was still "
+            "importing torch: import aioloader before CUDA is initialised and before other "
+            "threads start (a fork of this process needs no imports), or earlier"
+        )
     if w.server == "standby" and w.server_s >= w.startup_s:
         return (
             f"{said}, {w.server_s:.1f} s of it readying the fork server forked in reserve as "

@@ -35,13 +35,14 @@ import inspect
 import multiprocessing.forkserver as stdlib_forkserver
 import os
 import select
+import signal
 import socket
 import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing import connection, resource_tracker, util
+from multiprocessing import connection, resource_tracker, spawn, util
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ __all__ = [
     "server_lock",
     "server_preload",
     "server_protocol_known",
+    "spawn_server",
     "start_stdlib_server",
     "uninstall",
     "unsafe_to_fork",
@@ -235,12 +237,8 @@ def fork_server(
     Raises:
         OSError: The fork (or the listening socket) failed; nothing is left open.
     """
-    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
-    with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(address)
-        if not util.is_abstract_socket_namespace(address):
-            os.chmod(address, 0o600)
-        listener.listen()
+    address, listener = _listening()
+    with listener:
         alive_r, alive_w = os.pipe()
         for stream in (sys.stdout, sys.stderr):  # else the children print it again
             with contextlib.suppress(Exception):
@@ -254,6 +252,66 @@ def fork_server(
         if pid == 0:  # pragma: no cover - the child never returns
             _serve_in_child(listener.fileno(), alive_r, alive_w, name, keep, before_serving)
         os.close(alive_r)
+    return ForkedServer(address, alive_w, pid)
+
+
+def _listening() -> tuple[str, socket.socket]:
+    """A socket listening where a fork server's clients connect (as the stdlib's server's)."""
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+    except BaseException:
+        listener.close()
+        raise
+    return address, listener
+
+
+def spawn_server(
+    entry: str, keep: tuple[int, ...] = (), extra: tuple[int, ...] = ()
+) -> ForkedServer:
+    """Start a fresh interpreter that becomes a fork server speaking the stdlib's protocol,
+    where forking this process is not safe (a fork and an exec, as the stdlib starts its own):
+    it runs ``entry(listener_fd, alive_r, *keep, *extra)`` (a function named
+    ``"module:function"``), with this process's ``sys.path`` and interpreter flags, SIGINT
+    ignored from its start (the entry decides how it takes it later), and
+    ``AIOLOADER_STANDBY=0`` in its environment (it makes no standby of its own as it imports
+    aioloader). It keeps only those descriptors and its standard streams.
+
+    Raises:
+        OSError: The listening socket, the pipe or the process could not be made; nothing
+            is left open.
+    """
+    module, _, function = entry.partition(":")
+    code = (  # SIGINT: blocked from its start (below), ignored before it is let through
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+        f"sys.path[:] = {sys.path!r}; os.environ['AIOLOADER_STANDBY'] = '0'; "
+        f"from {module} import {function}; {function}(*map(int, sys.argv[1:]))"
+    )
+    address, listener = _listening()
+    with listener:
+        alive_r, alive_w = os.pipe()
+        # Blocked in this thread, it is blocked in the child from its first instruction:
+        # Ctrl-C in the terminal (the whole process group) while it starts is dropped there.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        try:
+            fds = (listener.fileno(), alive_r, *keep)
+            executable = spawn.get_executable()
+            args = [
+                executable, *util._args_from_interpreter_flags(),  # type: ignore[attr-defined]
+                "-c", code, *map(str, (*fds, *extra)),
+            ]  # fmt: skip
+            pid = util.spawnv_passfds(executable, args, fds)  # type: ignore[arg-type]
+        except BaseException:
+            os.close(alive_w)
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            os.close(alive_r)
     return ForkedServer(address, alive_w, pid)
 
 

@@ -25,6 +25,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.util
+import os
 import pickle
 import signal
 import time
@@ -45,7 +46,7 @@ from .ledger import LEDGER
 from .mainmodule import workers_main
 from .serverstart import died_starting_note, note_server, prepare_forkserver
 from .slots import Slots
-from .worker import worker_main
+from .worker import ParentEnviron, worker_main
 
 __all__ = [
     "CANCEL_GRACE",
@@ -107,6 +108,7 @@ class ProcessWorkers:
         prepare_forkserver(self._ctx)  # how they start: which of __main__'s own they have
         self._main_has = workers_main(self._ctx)
         self._forked = self._ctx.get_start_method() == "fork"
+        self._served = self._ctx.get_start_method() == "forkserver"  # environ: see ParentEnviron
         # A forked worker has them as they are when it starts; others are sent them (byvalue.py)
         self._start = (
             (worker_init_fn, dataset)
@@ -155,6 +157,7 @@ class ProcessWorkers:
                     worker_id,
                     self.concurrency,
                     self._derive(self._seed, worker_id),
+                    ParentEnviron(dict(os.environ)) if self._served else None,
                     self._start,
                     torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
                     held,

@@ -2,8 +2,9 @@
 
 Owns: :func:`prepare_forkserver`, the one decision, made once per process, of how the fork
 server starts, fastest first: forked from this process now, when that is safe (workers then
-share everything the application has imported); else the standby forked as aioloader was
-imported, caught up with the main module (``standby.py``); else the stdlib's own, a fresh
+share everything the application has imported); else the standby started as aioloader was
+imported (forked then, or a fresh interpreter where that was not safe), caught up with the main
+module (``standby.py``); else the stdlib's own, a fresh
 interpreter asked to preload torch and the worker module besides the main module, started as
 the decision is made (a loader with workers is built), so that its imports run while the
 application goes on to its first epoch (a notebook's next cell, a script's model). And
@@ -63,10 +64,12 @@ class ServerStart:
     Attributes:
         how: ``"forked"`` (from this process, when the first loader needed it), ``"standby"``
             (forked as aioloader was imported, caught up with the main module when first
-            needed), ``"interpreter"`` (the stdlib's: a fresh interpreter that imports torch
-            and the main module, started as the first loader with workers is built; the first
-            worker start waits for what is left of its imports), or ``"other"`` (something
-            else had started the stdlib's server).
+            needed), ``"fresh standby"`` (a fresh interpreter started as aioloader was
+            imported, where forking was not safe then: it imported torch meanwhile, and
+            caught up likewise), ``"interpreter"`` (the stdlib's: a fresh interpreter that
+            imports torch and the main module, started as the first loader with workers is
+            built; the first worker start waits for what is left of its imports), or
+            ``"other"`` (something else had started the stdlib's server).
         why: Why the faster ways were not taken ("" for ``"forked"``).
         seconds: What getting it ready cost the process here (for ``"interpreter"``, the
             imports are paid by the first worker start instead, in its ``startup_s``).
@@ -181,13 +184,15 @@ def _start() -> ServerStart:
             _install(forked)
             return ServerStart("forked", "", time.perf_counter() - began, forked.pid, main)
         again = not running_unguarded()
+        fresh = standby.fresh()
         woken = standby.wake(run_main=again)
-        if isinstance(woken, ForkedServer):
-            _install(woken)
-            return ServerStart(
-                "standby", why, time.perf_counter() - began, woken.pid, main_again=again
-            )
-        return ServerStart("interpreter", f"{why}; {woken}", main_again=again)
+        if isinstance(woken, str):
+            return ServerStart("interpreter", f"{why}; {woken}", main_again=again)
+        server, left = woken
+        _install(server)
+        why = "; ".join(filter(None, (why, fresh, left)))
+        how = "fresh standby" if fresh else "standby"
+        return ServerStart(how, why, time.perf_counter() - began, server.pid, main_again=again)
 
 
 def _functions_and_classes(module: object) -> dict[str, object]:
@@ -262,7 +267,7 @@ def died_starting_note(method: str) -> str:
     run it (a script that builds its loader at its top level, unguarded: they are sent its
     functions and classes instead)."""
     if method == "forkserver" and _started is not None and not _started.main_again:
-        if _started.how == "standby" or running_server_pid() in (_stood_in, None):
+        if _started.how.endswith("standby") or running_server_pid() in (_stood_in, None):
             return (
                 "aioloader: the worker died while starting (not in the main script: this "
                 "script builds its loader at its top level, so its workers do not run it "

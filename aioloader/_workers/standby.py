@@ -1,11 +1,10 @@
-"""A fork server held in reserve: forked as aioloader is imported, while that is still safe, for a
-loader built once it no longer is.
+"""A fork server held in reserve: forked as aioloader is imported, while that is still safe (else
+a fresh interpreter started then), for a loader built once forking is not safe.
 
-Owns: forking the standby (:func:`fork_standby`, called at the end of ``aioloader/__init__``),
+Owns: starting the standby (:func:`fork_standby`, called at the end of ``aioloader/__init__``),
 waking it when a loader needs a server and this process can no longer fork one (:func:`wake`),
 and retiring it when a fresh fork is made instead (:func:`retire`). Never: runs the
-application's code in the standby before it is woken, or serves from it if waking it left it
-unsafe to fork.
+application's code in the standby before it is woken.
 
 Why: a training script initialises CUDA and starts threads (a logger, a metrics exporter, an
 earlier loader's loop) before it builds its loader. Forking then could hang, so the only server
@@ -20,8 +19,19 @@ interpreter (the same semantics as the stdlib's server): it takes this process's
 unpickles are there. Modules that were still being imported when the standby was forked (the
 chain of imports that reached aioloader) are imported again, whole. The imports the standby
 already has (torch, NumPy, aioloader) are not paid again. If the main script's top level
-starts a loader with workers (unguarded), or leaves a thread or a CUDA context behind, the
-standby refuses to serve and says why; the stdlib's server is started instead.
+fails, the standby says why and exits; the stdlib's server is started instead. If it leaves a
+thread or a CUDA context behind, the standby serves all the same (the stdlib's server would be
+left so too) and says so. A top level that starts a loader is not run again
+(``mainscript.running_unguarded``).
+
+Where forking is not safe as aioloader is imported (a notebook kernel's threads, CUDA already
+initialised, a library that started threads on import), the standby is a fresh interpreter
+instead (:func:`~.forkserver.spawn_server`), started then: it imports torch and aioloader while
+the application goes on (a notebook's next cells, a script's model), and, woken, does the same.
+Either waits on its wake line, and takes this process's environment variables as it is woken.
+The fresh one costs a process with torch imported (about 150 MiB of private memory on 2 cores
+with CPU torch) for the life of the application, used or not: the stdlib's server, which a
+loader with workers would start otherwise, costs the same.
 
 ``AIOLOADER_STANDBY=0`` in the environment turns it off.
 """
@@ -29,6 +39,7 @@ standby refuses to serve and says why; the stdlib's server is started instead.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver as stdlib_forkserver
@@ -36,13 +47,31 @@ import os
 import signal
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import spawn
 from typing import Any
 
-from .forkserver import ForkedServer, fork_server, server_protocol_known, unsafe_to_fork
+from . import standin
+from .forkserver import (
+    ForkedServer,
+    fork_server,
+    server_protocol_known,
+    spawn_server,
+    unsafe_to_fork,
+)
+from .worker import adopt_environ, name_this_process
 
-__all__ = ["ENV", "UNKNOWN_PROTOCOL", "fork_standby", "retire", "running_main_again", "wake"]
+__all__ = [
+    "ENV",
+    "UNKNOWN_PROTOCOL",
+    "fork_standby",
+    "fresh",
+    "retire",
+    "running_main_again",
+    "serve_fresh",
+    "wake",
+]
 
 ENV = "AIOLOADER_STANDBY"
 
@@ -51,6 +80,7 @@ ENV = "AIOLOADER_STANDBY"
 class _Standby:
     server: ForkedServer
     line: multiprocessing.connection.Connection  # this process's end of the wake line
+    fresh: str = ""  # a fresh interpreter: why it was not forked ("" where forked)
 
 
 _standby: _Standby | None = None
@@ -127,7 +157,8 @@ def fork_standby() -> None:
     if not server_protocol_known():
         _missing = UNKNOWN_PROTOCOL
         return
-    if (why := unsafe_to_fork()) is not None:
+    why = unsafe_to_fork()
+    if why is not None and sys.platform != "linux":
         _missing = f"no standby: when aioloader was imported, {why}"
         return
     partial = _modules_being_imported()
@@ -137,44 +168,87 @@ def fork_standby() -> None:
         _missing = f"no standby: its socket pair failed ({exc!r})"
         return
     try:
-        server = fork_server(
-            "aioloader-sb", keep=(theirs.fileno(),), before_serving=lambda: _wait(theirs, partial)
-        )
+        if why is None:
+            server = fork_server(
+                "aioloader-sb",
+                keep=(theirs.fileno(),),
+                before_serving=lambda: _wait(theirs, partial),
+            )
+        else:
+            ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # (a background job)
+            server = spawn_server(
+                f"{__name__}:serve_fresh", keep=(theirs.fileno(),), extra=(int(ignored),)
+            )
     except OSError as exc:  # a sandbox without fork, no room for its socket: import goes on
         ours.close()
-        _missing = f"no standby: forking it failed ({exc!r})"
+        _missing = f"no standby: {'forking' if why is None else 'starting'} it failed ({exc!r})"
         return
     finally:
         theirs.close()
     _missing = "the standby was used or retired"
-    _standby = _Standby(server, ours)
+    fresh = "" if why is None else f"when aioloader was imported, {why}"
+    _standby = _Standby(server, ours, fresh)
 
 
-def _wait(line: multiprocessing.connection.Connection, partial: frozenset[str]) -> None:
+def serve_fresh(listener_fd: int, alive_r: int, line_fd: int, int_ignored: int) -> None:
+    """In a fresh standby (its entry, from :func:`fork_standby`, with torch and aioloader
+    imported by now): wait to be woken, then serve, as a forked standby does, taking Ctrl-C
+    as the application took it as the standby was started (Python's handler, or ignored:
+    ``int_ignored``). Never returns."""
+    try:
+        woken = signal.SIG_IGN if int_ignored else signal.default_int_handler
+        _wait(multiprocessing.connection.Connection(line_fd), frozenset(), woken)
+        # Named only now: the native threads its imports started (unnamed pools, which take
+        # the process's name) must read as such to the check that it is safe to fork.
+        name_this_process("aioloader-sb")
+        gc.freeze()  # what it imported and ran, kept off the workers' collections' pages
+        stdlib_forkserver.main(listener_fd, alive_r, [])
+    finally:
+        os._exit(0)
+
+
+def _wait(
+    line: multiprocessing.connection.Connection,
+    partial: frozenset[str],
+    woken: Callable[[int, types.FrameType | None], Any] | int | None = None,
+) -> None:
     """In the standby: wait to be woken (EOF: retired, or this process's parent exited), catch
-    up with the main module, and answer None (serving) or why not (then exit).
+    up with the main module, and answer ``(True, note)`` (serving) or ``(False, why not)``
+    (then exit).
+
+    Where running the main module again left a thread or a CUDA context here, it serves all
+    the same, and the note says so: the stdlib's server, the one left to start instead, would
+    run the same module and be left the same way (it used to refuse, and workers then paid a
+    fresh interpreter's imports for no gain in safety).
 
     While it only waits, Ctrl-C is the application's (the standby, in its process group,
     ignores it). Woken, it takes Ctrl-C as the parent does: the stdlib's server hands the
     handler it found to every process it forks (the application's own forkserver children
-    too), and a main module that blocks while it runs again must not outlive its parent."""
+    too), and a main module that blocks while it runs again must not outlive its parent.
+    ``woken``: that handler, where it is not the one this process has now (a fresh standby)."""
     waiting = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        preparation, run_main = line.recv()
+        preparation, run_main, environ = line.recv()
     except EOFError:
         os._exit(0)
-    signal.signal(signal.SIGINT, waiting)
+    signal.signal(signal.SIGINT, waiting if woken is None else woken)
     try:
+        adopt_environ(environ)
         _catch_up(preparation, partial, run_main)
-        why = unsafe_to_fork()
-        if why is not None:
-            why = f"the standby server could not serve: running the main module again, {why}"
+        left = unsafe_to_fork()
+        answer = (True, "") if left is None else (True, _LEFT.format(left))
     except BaseException as exc:  # the main module's top level failed here: say how
-        why = f"the standby server could not run the main module again: {exc!r}"
-    line.send(why)
+        answer = (False, f"the standby server could not run the main module again: {exc!r}")
+    line.send(answer)
     line.close()
-    if why is not None:
+    if not answer[0]:
         os._exit(0)
+
+
+_LEFT = (
+    "the standby serves with what running the main module again left there ({}), as the "
+    "stdlib's server would"
+)
 
 
 def _catch_up(preparation: dict[str, Any], partial: frozenset[str], run_main: bool) -> None:
@@ -188,11 +262,10 @@ def _catch_up(preparation: dict[str, Any], partial: frozenset[str], run_main: bo
         # fork hold the half-built package (``from . import x`` inside its __init__).
         if name in partial or any(name.startswith(f"{package}.") for package in partial):
             del sys.modules[name]
-    if not run_main:
-        path = preparation.pop("init_main_from_path", None)
-        preparation.pop("init_main_from_name", None)  # its __spec__ names it already
-        if path is not None:  # a worker runs the script unless __main__ is that file
-            sys.modules["__main__"].__file__ = path
+    if not run_main:  # a worker runs the script unless __main__ is it (its file, or module)
+        standin.stand_in(standin.encode(preparation))
+        preparation.pop("init_main_from_path", None)
+        preparation.pop("init_main_from_name", None)
         spawn.prepare(preparation)
         return
     by_name = preparation.get("init_main_from_name")
@@ -209,9 +282,10 @@ def _catch_up(preparation: dict[str, Any], partial: frozenset[str], run_main: bo
         _catching_up = False
 
 
-def wake(*, run_main: bool = True) -> ForkedServer | str:
-    """Wake the standby: the server, once it has caught up with the main module; else why there
-    is none to use (no standby, or it could not catch up: then it has exited). With
+def wake(*, run_main: bool = True) -> tuple[ForkedServer, str] | str:
+    """Wake the standby: the server, once it has caught up with the main module, and a note
+    ("" or what running the main module again left there); else why there is none to use (no
+    standby, or it could not catch up: then it has exited). With
     ``run_main=False`` (a script that builds its loader at its top level, outside its
     ``__main__`` guard) it takes this process's path, arguments and directory but does not run
     the main script again, and neither do its workers: they have the main module as it was
@@ -226,12 +300,13 @@ def wake(*, run_main: bool = True) -> ForkedServer | str:
         return _missing
     preparation = spawn.get_preparation_data("aioloader-fs")
     preparation["authkey"] = bytes(preparation["authkey"])  # pickles only into a new process
-    why: str | None
+    serving: bool
+    why: str
     try:
-        standby.line.send((preparation, run_main))
-        why = standby.line.recv()
+        standby.line.send((preparation, run_main, dict(os.environ)))
+        serving, why = standby.line.recv()
     except (EOFError, OSError) as exc:
-        why = f"the standby server exited ({exc!r})"
+        serving, why = False, f"the standby server exited ({exc!r})"
     except BaseException:  # interrupted (Ctrl-C) while it ran the main module: it goes too
         _missing = "the standby was stopped: waking it was interrupted"
         standby.line.close()
@@ -240,18 +315,28 @@ def wake(*, run_main: bool = True) -> ForkedServer | str:
         standby.server.retire()
         raise
     standby.line.close()
-    if why is None:
-        return standby.server
+    if serving:
+        return standby.server, why
     standby.server.retire()
     return why
 
 
+def fresh() -> str:
+    """Why the standby, not yet woken, is a fresh interpreter; "" where it was forked (or
+    there is none)."""
+    return "" if _standby is None else _standby.fresh
+
+
 def retire(wait: float | None = None) -> None:
     """Let the standby go (a server forked from this process now replaces it, or the process
-    exits), and reap it: once it has exited, or if it does within ``wait`` seconds."""
+    exits), and reap it: once it has exited, or if it does within ``wait`` seconds. A fresh
+    one, which has nothing of this process's, is killed (it may still be importing torch)."""
     global _standby
     standby, _standby = _standby, None
     if standby is not None:
         with contextlib.suppress(OSError):
             standby.line.close()  # EOF on its line: it exits
+        if standby.fresh:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(standby.server.pid, signal.SIGKILL)
         standby.server.retire(wait)

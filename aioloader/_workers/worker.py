@@ -39,7 +39,9 @@ from .pack import pack_tensors
 from .result import JobResult
 
 __all__ = [
+    "ParentEnviron",
     "WorkerInfo",
+    "adopt_environ",
     "become_worker",
     "call_job",
     "get_worker_info",
@@ -224,11 +226,44 @@ def _send(conn: Connection, payload: memoryview) -> None:
         payload.release()
 
 
+@dataclass(frozen=True, slots=True)
+class ParentEnviron:
+    """The main process's environment variables as it starts a worker, for a worker forked from
+    a fork server: unpickled in the worker, they become its own (:func:`adopt_environ`).
+
+    A fork server keeps the environment it started with, and the stdlib hands each process it
+    forks the parent's path, working directory and main module but not its environment: a
+    variable the script set after the server started (a data root, a credential, for the
+    second loader a changed one) was missing in the workers, where torch's forked and spawned
+    workers have it. Sent before the worker's dataset, it is in place before the dataset is
+    unpickled (a ``__setstate__`` or a module imported on the way that reads it)."""
+
+    variables: dict[str, str]
+
+    def __reduce__(self) -> tuple[Callable[[dict[str, str]], ParentEnviron], tuple[Any, ...]]:
+        return _adopted, (self.variables,)
+
+
+def _adopted(variables: dict[str, str]) -> ParentEnviron:
+    adopt_environ(variables)
+    return ParentEnviron(variables)
+
+
+def adopt_environ(variables: dict[str, str]) -> None:
+    """Make this process's environment variables ``variables``, exactly."""
+    for name in [name for name in os.environ if name not in variables]:
+        del os.environ[name]
+    for name, value in variables.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 def worker_main(
     conn: Connection,
     worker_id: int,
     num_workers: int,
     seed: int,
+    environ: ParentEnviron | None,
     start: tuple[Callable[[int], object] | None, Any],
     sharing_strategy: str | None = None,
     forked: frozenset[int] | None = None,
@@ -239,6 +274,8 @@ def worker_main(
     or the exception it raised (with the worker's traceback in a note). The loop ends at EOF:
     closing the pipe is the shutdown signal, so no control value shares the data path.
 
+    ``environ``: the main process's environment variables, already this worker's (set as it
+    was unpickled: :class:`ParentEnviron`), for a worker from a fork server; None otherwise.
     ``start`` is ``(worker_init_fn, dataset)``: ``dataset`` is this worker's copy of a blocking
     dataset (None when the dataset runs in the main process); ``worker_init_fn`` sees it in
     :func:`get_worker_info` and may change it.

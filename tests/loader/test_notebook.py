@@ -6,8 +6,9 @@ kernel's interrupt is SIGINT, a ``KeyboardInterrupt`` in the cell) and run again
 
 A kernel runs threads of its own (its heartbeat, I/O and control channels) before any cell
 imports aioloader, so neither a fork of it nor a standby forked at import is safe: its workers
-come from the stdlib's fresh-interpreter server, started as the loader is built so that its
-imports run while the user goes on to the next cell."""
+come from a fresh interpreter started in reserve as aioloader is imported, so that its imports
+run while the user goes on to the next cells (before, the stdlib's, started as the loader was
+built)."""
 
 from __future__ import annotations
 
@@ -136,8 +137,8 @@ def test_a_notebook_interrupts_an_epoch_runs_it_again_and_awaits_one(
     # The interrupted epoch's workers were stopped (the traceback the kernel keeps holds its
     # iterator), and this epoch's too, with it (no persistent_workers).
     assert got["first_workers_alive"] == [] and got["workers_alive"] == []
-    assert got["server"] == "interpreter"
-    assert "Python threads" in got["server_why"]
+    assert got["server"] == "fresh standby"
+    assert "when aioloader was imported, this process had" in got["server_why"]
     assert got["server_now"] == built["server_at_build"]  # one server for every epoch
 
     reply, printed = run_cell(kernel, AWAITED)

@@ -1,7 +1,8 @@
 """The fork server: a fork of this process when that is safe (workers then share its pages and
-start without importing torch again); else the standby forked as aioloader was imported, caught
-up with the main module; else the stdlib's, with torch preloaded. Each case runs in a fresh
-interpreter: the server is process-wide and starts once."""
+start without importing torch again); else the standby started as aioloader was imported (forked
+then, or a fresh interpreter where that was not safe either), caught up with the main module;
+else the stdlib's, with torch preloaded. Each case runs in a fresh interpreter: the server is
+process-wide and starts once."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ import pytest
 PROBE = """
 import json, multiprocessing.forkserver, os, select, sys, threading, time
 import torch.utils.data
+if "thread-first" in sys.argv:  # a thread before aioloader's import (a notebook kernel's)
+    first = threading.Event()
+    first_thread = threading.Thread(target=first.wait, daemon=True)
+    first_thread.start()
 if "authkey" in sys.argv:  # a server we do not know, as 3.14's (it has an authentication key)
     multiprocessing.forkserver._forkserver._forkserver_authkey = None
 import aioloader
@@ -55,6 +60,9 @@ if __name__ == "__main__":
     FILES.extend(open(__file__) for _ in range(16))
     pipe_r, pipe_w = os.pipe()  # a pipe's write end: let go of, or its reader never sees EOF
     standby_pid = standby._standby.server.pid if standby._standby else None
+    if "first-ends" in sys.argv:  # that thread is done before the loader is built
+        first.set()
+        first_thread.join()
     if "thread" in sys.argv:  # another Python thread: forking is not safe
         stop = threading.Event()
         threading.Thread(target=stop.wait, daemon=True).start()
@@ -105,14 +113,18 @@ def probe(tmp_path: Path, *modes: str, standby: bool = True) -> dict[str, Any]:
     return result
 
 
-def run_script(folder: Path, files: dict[str, str], main: str) -> subprocess.CompletedProcess[str]:
-    """Write ``files`` (dedented) into ``folder`` and run ``main`` there, as a user's script."""
+def run_script(
+    folder: Path, files: dict[str, str], main: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Write ``files`` (dedented) into ``folder`` and run ``main`` there, as a user's script
+    (``env`` added to the environment)."""
     for name, text in files.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(textwrap.dedent(text))
     return subprocess.run(
         [sys.executable, main],
         capture_output=True, text=True, timeout=60, check=False, cwd=folder,
+        env={**os.environ, **(env or {})},
     )  # fmt: skip
 
 
@@ -169,6 +181,70 @@ def test_without_a_standby_the_stdlib_starts_its_server(tmp_path: Path) -> None:
     assert got["pipe_eof"]
     assert got["server"] == "interpreter"
     assert got["server_why"] == "this process had 2 Python threads; no standby: AIOLOADER_STANDBY=0"
+
+
+def test_a_thread_before_the_import_gets_a_fresh_standby(tmp_path: Path) -> None:
+    """No fork is safe as aioloader is imported: the standby is a fresh interpreter started
+    then (its imports run while the application goes on), and it serves as a forked one."""
+    got = probe(tmp_path, "thread-first")
+    assert got["workers"] == 2 and got["workers_children_of_server"]
+    assert got["server"] == "fresh standby"
+    why = "this process had 2 Python threads"
+    assert got["server_why"] == (  # (the probe's top level started its thread there too)
+        f"{why}; when aioloader was imported, {why}; the standby serves with what running the "
+        f"main module again left there ({why}), as the stdlib's server would"
+    )
+    assert got["standby_was"] == got["server_at_build"] == got["server_pid"]
+    assert got["server_parent"] == got["me"]
+    assert "serve_fresh" in got["server_cmdline"]  # a fresh interpreter, not a fork
+    assert not got["server_holds_app_file"]  # (it has none of this process's files)
+    assert got["pipe_eof"]
+
+
+def test_a_fresh_standby_not_needed_is_stopped(tmp_path: Path) -> None:
+    """The thread ended before the loader was built: a server is forked from this process
+    (it has everything the application imported), and the fresh standby is stopped."""
+    got = probe(tmp_path, "thread-first", "first-ends")
+    assert (got["server"], got["server_why"]) == ("forked", "")
+    assert got["server_parent"] == got["me"] and got["workers_children_of_server"]
+    assert got["standby_was"] is not None and not got["standby_alive"]
+
+
+INTERRUPTED_IMPORT = """
+import os, signal, sys, threading
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+import torch.utils.data
+import aioloader
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return i
+
+if __name__ == "__main__":
+    try:  # Ctrl-C in the terminal, as the fresh standby starts and imports torch
+        os.killpg(0, signal.SIGINT)
+        threading.Event().wait(30)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
+    print([b.tolist() for b in loader], loader.statistics().workers.server)
+"""
+
+
+def test_ctrl_c_as_a_fresh_standby_starts_is_the_application_s_alone(tmp_path: Path) -> None:
+    """The terminal sends Ctrl-C to the whole process group: the application takes it, and
+    the fresh standby, still starting, neither prints a traceback nor dies of it (it is
+    blocked in it from its start, then ignored until it is woken): it serves the loader."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(INTERRUPTED_IMPORT))
+    done = subprocess.run(
+        [sys.executable, "job.py"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+        start_new_session=True,  # its own process group, as a terminal's job
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == "interrupted\n[[0, 1], [2, 3]] fresh standby\n"
 
 
 LIBRARY = """
@@ -257,10 +333,23 @@ if __name__ == "__main__":
 """
 
 
-def test_imported_after_a_thread_started_the_fallback_says_so(tmp_path: Path) -> None:
-    done = run_script(tmp_path, {"late.py": LATE}, "late.py")
+@pytest.mark.parametrize(("env", "server"), [({}, "fresh"), ({"AIOLOADER_STANDBY": "0"}, "none")])
+def test_imported_after_a_thread_started_the_fallback_says_so(
+    tmp_path: Path, env: dict[str, str], server: str
+) -> None:
+    """A thread before aioloader's import: the standby is a fresh interpreter started then (it
+    runs the script's top level again, and with it the thread: it says so, and serves); with
+    the standby turned off, the stdlib's server."""
+    done = run_script(tmp_path, {"late.py": LATE}, "late.py", env=env)
     why = "this process had 2 Python threads"
-    expected = f"interpreter | {why}; no standby: when aioloader was imported, {why}\n"
+    expected = {
+        "fresh": (
+            f"fresh standby | {why}; when aioloader was imported, {why}; the standby serves with "
+            f"what running the main module again left there ({why}), as the stdlib's server "
+            "would\n"
+        ),
+        "none": f"interpreter | {why}; no standby: AIOLOADER_STANDBY=0\n",
+    }[server]
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
 
 
@@ -278,6 +367,8 @@ def report():  # registered before aioloader's hook: runs after it, before the t
 atexit.register(report)
 
 import torch.utils.data
+if "thread-first" in sys.argv:  # a fresh standby, started as aioloader is imported
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
 import aioloader
 import multiprocessing.forkserver
 from aioloader._workers import standby
@@ -314,6 +405,8 @@ if __name__ == "__main__":
     ("modes", "alive"),
     [
         ((), {"standby": False}),  # imported only: the standby never served
+        (("thread-first",), {"standby": False}),  # a fresh standby, never woken
+        (("thread-first", "loader"), {"server": False, "standby": False}),  # it served
         (("loader",), {"server": False, "standby": False}),  # a server forked from this process
         (("loader", "thread"), {"server": False, "standby": False}),  # the standby woken
         # A server whose processes are alive is left (found by review: waiting for it hung).
@@ -467,14 +560,18 @@ if __name__ == "__main__":
 """
 
 
-def test_a_standby_left_unsafe_by_the_main_module_refuses_and_says_why(tmp_path: Path) -> None:
+def test_a_standby_left_unsafe_by_the_main_module_serves_and_says_so(tmp_path: Path) -> None:
+    """The stdlib's server, the one left instead, would run the same top level and be left
+    with the same thread: the standby used to refuse, and the first epoch then paid a fresh
+    interpreter's imports for no gain in safety."""
     done = run_script(tmp_path, {"threads.py": THREADS_AT_IMPORT}, "threads.py")
     assert (done.returncode, done.stderr) == (0, "")
     how, why = done.stdout.strip().split(" | ")
-    assert how == "interpreter"
+    assert how == "standby"
     assert why == (
-        "this process had 2 Python threads; the standby server could not serve: running the "
-        "main module again, this process had 2 Python threads"
+        "this process had 2 Python threads; the standby serves with what running the main "
+        "module again left there (this process had 2 Python threads), as the stdlib's server "
+        "would"
     )
 
 

@@ -1,10 +1,13 @@
 """A worker's start arguments, as torch's idioms use them: ``worker_init_fn`` a method of the
 dataset sets up the worker's own copy (both arrive in one pickle), and a tensor both hold
-crosses once (spawn refuses a descriptor given twice). Pickling the two apart breaks both."""
+crosses once (spawn refuses a descriptor given twice). Pickling the two apart breaks both.
+And what a worker starts with besides: the main process's environment as it is then."""
 
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -68,3 +71,50 @@ def test_a_tensor_the_dataset_and_worker_init_fn_share_crosses_once_with_spawn()
         multiprocessing_context="spawn",
     )
     assert [b.tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0]]
+
+
+class ReadsEnviron(torch.utils.data.Dataset[tuple[str, str, str]]):
+    """Reads the environment as it is unpickled in a worker and as it reads a sample."""
+
+    def __init__(self) -> None:
+        self.unpickled_with = "not unpickled"  # (an empty __dict__ is not passed to __setstate__)
+
+    def __len__(self) -> int:
+        return 2
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.unpickled_with = os.environ.get("AIOLOADER_TEST_ROOT", "unset")
+
+    def __getitem__(self, i: int) -> tuple[str, str, str]:
+        return (
+            self.unpickled_with,
+            os.environ.get("AIOLOADER_TEST_ROOT", "unset"),
+            os.environ.get("AIOLOADER_TEST_GONE", "unset"),
+        )
+
+
+@pytest.fixture
+def restored_environ() -> Iterator[None]:
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+@pytest.mark.usefixtures("restored_environ")
+def test_workers_have_the_environment_as_they_start_as_torch_s_do() -> None:
+    """A fork server keeps the environment it started with: a variable the script sets (or
+    removes) later, before its next loader, is the workers' too, as with torch's fork workers,
+    and before the dataset is unpickled."""
+    os.environ["AIOLOADER_TEST_GONE"] = "here"
+    first = aioloader.DataLoader(ReadsEnviron(), batch_size=None, num_workers=1)
+    assert [b[2] for b in first] == ["here", "here"]  # the fork server runs from here on
+    os.environ["AIOLOADER_TEST_ROOT"] = "/data/b"
+    del os.environ["AIOLOADER_TEST_GONE"]
+    theirs = torch.utils.data.DataLoader(
+        ReadsEnviron(), batch_size=None, num_workers=1, multiprocessing_context="fork"
+    )
+    ours = aioloader.DataLoader(ReadsEnviron(), batch_size=None, num_workers=1)
+    assert [tuple(b)[1:] for b in theirs] == [("/data/b", "unset")] * 2
+    assert [tuple(b) for b in ours] == [("/data/b", "/data/b", "unset")] * 2
