@@ -24,10 +24,12 @@ thread or a CUDA context behind, the standby serves all the same (the stdlib's s
 left so too) and says so. A top level that starts a loader is not run again
 (``mainscript.running_unguarded``).
 
-Where forking is not safe as aioloader is imported (a notebook kernel's threads, CUDA already
-initialised, a library that started threads on import), the standby is a fresh interpreter
-instead (:func:`~.forkserver.spawn_server`), started then: it imports torch and aioloader while
-the application goes on (a notebook's next cells, a script's model), and, woken, does the same.
+Where forking is not safe as aioloader is imported in an interactive session (a notebook
+kernel's threads, which it always has; CUDA already initialised), the standby is a fresh
+interpreter instead (:func:`~.forkserver.spawn_server`), started then: it imports torch and
+aioloader while the user goes on to the next cells, and, woken, does the same. Not in a script
+(``_interactive``): there, a library's threads or CUDA before the import are the exception, and
+the import can move (the verdict says so).
 Either waits on its wake line, and takes this process's environment variables as it is woken.
 The fresh one costs a process with torch imported (about 150 MiB of private memory on 2 cores
 with CPU torch) for the life of the application, used or not: the stdlib's server, which a
@@ -144,10 +146,11 @@ def _modules_being_imported() -> frozenset[str]:
 
 
 def fork_standby() -> None:
-    """Fork the standby, if forking is safe now and nothing turned it off; else do nothing (a
-    loader then forks a server when it is built, if that is safe, or the stdlib starts one).
-    Never raises: where the fork or its socket fails (a sandbox without fork), the reason is
-    kept for ``server_why`` and importing aioloader goes on."""
+    """Fork the standby, if forking is safe now and nothing turned it off; else, in an
+    interactive session, start a fresh one; else do nothing (a loader then forks a server when
+    it is built, if that is safe, or the stdlib starts one). Never raises: where the fork or
+    its socket fails (a sandbox without fork), the reason is kept for ``server_why`` and
+    importing aioloader goes on."""
     global _standby, _missing
     if _standby is not None or _a_multiprocessing_child():
         return
@@ -158,7 +161,7 @@ def fork_standby() -> None:
         _missing = UNKNOWN_PROTOCOL
         return
     why = unsafe_to_fork()
-    if why is not None and sys.platform != "linux":
+    if why is not None and (sys.platform != "linux" or not _interactive()):
         _missing = f"no standby: when aioloader was imported, {why}"
         return
     partial = _modules_being_imported()
@@ -188,6 +191,20 @@ def fork_standby() -> None:
     _missing = "the standby was used or retired"
     fresh = "" if why is None else f"when aioloader was imported, {why}"
     _standby = _Standby(server, ours, fresh)
+
+
+def _interactive() -> bool:
+    """Whether this is an interactive session (a Jupyter or IPython kernel, IPython's shell,
+    Python's own prompt), where a fresh standby is worth its process: a kernel always has
+    threads before any cell imports aioloader, and its user goes on to the next cells while
+    the standby imports. Not elsewhere: a process that imports aioloader among other threads
+    without building a loader with workers (a Ray actor running our jobs, a server) would pay
+    a process with torch imported for nothing."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    return callable(get_ipython) and get_ipython() is not None
 
 
 def serve_fresh(listener_fd: int, alive_r: int, line_fd: int, int_ignored: int) -> None:

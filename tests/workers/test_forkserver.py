@@ -19,7 +19,8 @@ import pytest
 PROBE = """
 import json, multiprocessing.forkserver, os, select, sys, threading, time
 import torch.utils.data
-if "thread-first" in sys.argv:  # a thread before aioloader's import (a notebook kernel's)
+if "repl" in sys.argv:  # an interactive session, with a thread before aioloader's import
+    sys.ps1 = ">>> "  # (as Python's prompt has it; a kernel's IPython is found likewise)
     first = threading.Event()
     first_thread = threading.Thread(target=first.wait, daemon=True)
     first_thread.start()
@@ -113,18 +114,14 @@ def probe(tmp_path: Path, *modes: str, standby: bool = True) -> dict[str, Any]:
     return result
 
 
-def run_script(
-    folder: Path, files: dict[str, str], main: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Write ``files`` (dedented) into ``folder`` and run ``main`` there, as a user's script
-    (``env`` added to the environment)."""
+def run_script(folder: Path, files: dict[str, str], main: str) -> subprocess.CompletedProcess[str]:
+    """Write ``files`` (dedented) into ``folder`` and run ``main`` there, as a user's script."""
     for name, text in files.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(textwrap.dedent(text))
     return subprocess.run(
         [sys.executable, main],
         capture_output=True, text=True, timeout=60, check=False, cwd=folder,
-        env={**os.environ, **(env or {})},
     )  # fmt: skip
 
 
@@ -183,10 +180,11 @@ def test_without_a_standby_the_stdlib_starts_its_server(tmp_path: Path) -> None:
     assert got["server_why"] == "this process had 2 Python threads; no standby: AIOLOADER_STANDBY=0"
 
 
-def test_a_thread_before_the_import_gets_a_fresh_standby(tmp_path: Path) -> None:
-    """No fork is safe as aioloader is imported: the standby is a fresh interpreter started
-    then (its imports run while the application goes on), and it serves as a forked one."""
-    got = probe(tmp_path, "thread-first")
+def test_a_thread_before_the_import_gets_a_fresh_standby_in_a_session(tmp_path: Path) -> None:
+    """An interactive session, where no fork is safe as aioloader is imported: the standby is
+    a fresh interpreter started then (its imports run while the user goes on), and it serves
+    as a forked one. (The notebook test runs one in a real Jupyter kernel.)"""
+    got = probe(tmp_path, "repl")
     assert got["workers"] == 2 and got["workers_children_of_server"]
     assert got["server"] == "fresh standby"
     why = "this process had 2 Python threads"
@@ -204,7 +202,7 @@ def test_a_thread_before_the_import_gets_a_fresh_standby(tmp_path: Path) -> None
 def test_a_fresh_standby_not_needed_is_stopped(tmp_path: Path) -> None:
     """The thread ended before the loader was built: a server is forked from this process
     (it has everything the application imported), and the fresh standby is stopped."""
-    got = probe(tmp_path, "thread-first", "first-ends")
+    got = probe(tmp_path, "repl", "first-ends")
     assert (got["server"], got["server_why"]) == ("forked", "")
     assert got["server_parent"] == got["me"] and got["workers_children_of_server"]
     assert got["standby_was"] is not None and not got["standby_alive"]
@@ -212,6 +210,7 @@ def test_a_fresh_standby_not_needed_is_stopped(tmp_path: Path) -> None:
 
 INTERRUPTED_IMPORT = """
 import os, signal, sys, threading
+sys.ps1 = ">>> "  # an interactive session
 threading.Thread(target=threading.Event().wait, daemon=True).start()
 import torch.utils.data
 import aioloader
@@ -333,23 +332,12 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize(("env", "server"), [({}, "fresh"), ({"AIOLOADER_STANDBY": "0"}, "none")])
-def test_imported_after_a_thread_started_the_fallback_says_so(
-    tmp_path: Path, env: dict[str, str], server: str
-) -> None:
-    """A thread before aioloader's import: the standby is a fresh interpreter started then (it
-    runs the script's top level again, and with it the thread: it says so, and serves); with
-    the standby turned off, the stdlib's server."""
-    done = run_script(tmp_path, {"late.py": LATE}, "late.py", env=env)
+def test_imported_after_a_thread_started_the_fallback_says_so(tmp_path: Path) -> None:
+    """In a script, a thread before aioloader's import: no standby (a fresh one is for an
+    interactive session), the stdlib's server."""
+    done = run_script(tmp_path, {"late.py": LATE}, "late.py")
     why = "this process had 2 Python threads"
-    expected = {
-        "fresh": (
-            f"fresh standby | {why}; when aioloader was imported, {why}; the standby serves with "
-            f"what running the main module again left there ({why}), as the stdlib's server "
-            "would\n"
-        ),
-        "none": f"interpreter | {why}; no standby: AIOLOADER_STANDBY=0\n",
-    }[server]
+    expected = f"interpreter | {why}; no standby: when aioloader was imported, {why}\n"
     assert (done.returncode, done.stderr, done.stdout) == (0, "", expected)
 
 
@@ -367,7 +355,8 @@ def report():  # registered before aioloader's hook: runs after it, before the t
 atexit.register(report)
 
 import torch.utils.data
-if "thread-first" in sys.argv:  # a fresh standby, started as aioloader is imported
+if "repl" in sys.argv:  # a fresh standby, started as aioloader is imported
+    sys.ps1 = ">>> "
     threading.Thread(target=threading.Event().wait, daemon=True).start()
 import aioloader
 import multiprocessing.forkserver
@@ -405,8 +394,8 @@ if __name__ == "__main__":
     ("modes", "alive"),
     [
         ((), {"standby": False}),  # imported only: the standby never served
-        (("thread-first",), {"standby": False}),  # a fresh standby, never woken
-        (("thread-first", "loader"), {"server": False, "standby": False}),  # it served
+        (("repl",), {"standby": False}),  # a fresh standby, never woken
+        (("repl", "loader"), {"server": False, "standby": False}),  # it served
         (("loader",), {"server": False, "standby": False}),  # a server forked from this process
         (("loader", "thread"), {"server": False, "standby": False}),  # the standby woken
         # A server whose processes are alive is left (found by review: waiting for it hung).

@@ -58,15 +58,11 @@ UNGUARDED = HEAD + LOAD
 GUARDED = HEAD + "\nif __name__ == '__main__':\n" + textwrap.indent(LOAD, "    ")
 
 
-NO_STANDBY = {"AIOLOADER_STANDBY": "0"}  # with a thread first: the stdlib's server serves
-
-
 def execute(
-    folder: Path, script: str, *args: str, name: str = "train.py", env: dict[str, str] | None = None
+    folder: Path, script: str, *args: str, name: str = "train.py"
 ) -> subprocess.CompletedProcess[str]:
     """Write ``script`` (dedented) to ``folder/name`` and run it there as a user would:
-    ``python name`` or, for a name of the form ``-m module``, ``python -m module``; with
-    ``env`` added to the environment."""
+    ``python name`` or, for a name of the form ``-m module``, ``python -m module``."""
     module = name.removeprefix("-m ") if name.startswith("-m ") else None
     path = folder / (module.replace(".", "/") + ".py" if module else name)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,15 +71,12 @@ def execute(
     return subprocess.run(
         [sys.executable, *command, *args],
         capture_output=True, text=True, timeout=90, check=False, cwd=folder,
-        env={**os.environ, **(env or {})},
     )  # fmt: skip
 
 
-def run(
-    folder: Path, script: str, *args: str, name: str = "train.py", env: dict[str, str] | None = None
-) -> dict[str, object]:
+def run(folder: Path, script: str, *args: str, name: str = "train.py") -> dict[str, object]:
     (folder / "runs.txt").unlink(missing_ok=True)
-    done = execute(folder, script, *args, name=name, env=env)
+    done = execute(folder, script, *args, name=name)
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
     got: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
     got["runs"] = len((folder / "runs.txt").read_text().splitlines())
@@ -135,22 +128,18 @@ threading.Thread(target=threading.Event().wait, daemon=True).start()  # before a
 
 
 @pytest.mark.parametrize("name", ["late.py", "-m jobs.late"])
-@pytest.mark.parametrize(
-    ("env", "server"), [(None, "fresh standby"), (NO_STANDBY, "interpreter")], ids=["fresh", "none"]
-)
-def test_with_a_thread_first_the_server_stands_in_for_the_script(
-    tmp_path: Path, name: str, env: dict[str, str] | None, server: str
+def test_with_no_standby_the_stdlibs_server_stands_in_for_the_script(
+    tmp_path: Path, name: str
 ) -> None:
-    """A thread started before aioloader was imported: no server can be forked, and the
-    standby is a fresh interpreter (without it, the stdlib's serves). Either is marked as the
-    script (its ``__file__``, or for ``-m`` its ``__spec__``), so that its workers do not run
-    the script again (each used to, came back to the loader and died)."""
+    """A thread started before aioloader was imported: no server can be forked, nor a standby.
+    The stdlib's fresh interpreter serves, marked as the script (``standin.py``), so that its
+    workers do not run the script again (each used to, came back to the loader and died)."""
     (tmp_path / "jobs").mkdir()
     (tmp_path / "jobs" / "__init__.py").write_text("")
     theirs = run(tmp_path, THREAD_FIRST, "torch", name=name)
     assert (theirs["samples"], theirs["runs"]) == (SQUARES, 1)
-    ours = run(tmp_path, THREAD_FIRST, name=name, env=env)
-    assert (ours["samples"], ours["server"], ours["runs"]) == (SQUARES, server, 1)
+    ours = run(tmp_path, THREAD_FIRST, name=name)
+    assert (ours["samples"], ours["server"], ours["runs"]) == (SQUARES, "interpreter", 1)
     assert "this process had 2 Python threads" in str(ours["why"])
 
 
@@ -170,7 +159,7 @@ print(json.dumps({"samples": again, "server": loader.statistics().workers.server
 def test_a_server_standing_in_that_died_is_started_again_standing_in(tmp_path: Path) -> None:
     """Found by review: the stdlib starts its server again where it died, and that one did
     not stand in for the script, so each later worker ran it again and died."""
-    got = run(tmp_path, KILLED, env=NO_STANDBY)
+    got = run(tmp_path, KILLED)
     once = sorted(i * i for i in range(16))
     assert (got["samples"], got["server"], got["runs"]) == (once, "interpreter", 1)
 
@@ -198,7 +187,7 @@ def test_whether_a_server_may_have_exited_is_told_without_reaping_it(
 
 FLAKY = """
 import json, os, sys, threading
-if "first" in sys.argv:  # a thread before aioloader: a fresh standby (or the stdlib's server)
+if "first" in sys.argv:  # a thread before aioloader: no standby, the stdlib's server
     threading.Thread(target=threading.Event().wait, daemon=True).start()
 import torch.utils.data
 import aioloader
@@ -223,16 +212,13 @@ print(json.dumps({"samples": samples, "server": loader.statistics().workers.serv
 """
 
 
-@pytest.mark.parametrize(
-    ("first", "env", "server"),
-    [("", None, "standby"), ("first", None, "fresh standby"), ("first", NO_STANDBY, "interpreter")],
-)
+@pytest.mark.parametrize(("first", "server"), [("", "standby"), ("first", "interpreter")])
 def test_a_retry_policy_naming_the_scripts_exception_reaches_the_workers(
-    tmp_path: Path, first: str, env: dict[str, str] | None, server: str
+    tmp_path: Path, first: str, server: str
 ) -> None:
     """Found by review: the retry policy went to the workers by name, and its exception class
     (the script's, which these workers do not run) could not be found: every worker died."""
-    done = execute(tmp_path, FLAKY, first, name="flaky.py", env=env)
+    done = execute(tmp_path, FLAKY, first, name="flaky.py")
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == {"samples": list(range(8)), "server": server}
