@@ -19,7 +19,7 @@ import torch
 import torch.utils.data as torch_data
 
 from .._base.checks import check_bool, check_int, check_seed
-from .seeds import draw_seed, epoch_permutation
+from .seeds import derive_seed, draw_seed, epoch_permutation
 from .sharding import resolve_rank, shard, shard_length
 
 __all__ = [
@@ -88,14 +88,19 @@ class RandomSampler(torch_data.RandomSampler):
 
     The order for epoch ``e`` is ``torch.randperm(length, generator=g)`` with
     ``g`` seeded by ``derive_seed(seed, e)``: the same seed and epoch always give
-    the same order, in any process.
+    the same order, in any process. It takes torch's ``RandomSampler``'s arguments, with
+    their meaning: ``replacement`` and ``num_samples`` draw from ``g`` as torch's draws
+    from its generator (``num_samples`` indices, with replacement in draws of 32; without,
+    whole permutations and part of one).
 
     Args:
         length: The dataset length, or the dataset itself (its length is read each epoch).
-        seed: The base seed. If given, ``generator`` is ignored.
+        replacement: Draw indices with replacement (torch's meaning).
+        num_samples: Indices an epoch yields; None for the dataset's length.
         generator: Used once, at construction, to draw the base seed when
             ``seed`` is None. If both are None, the base seed is drawn from torch's
             default generator, so ``torch.manual_seed`` makes runs repeatable.
+        seed: The base seed. If given, ``generator`` is ignored.
 
     The ``generator`` attribute keeps torch's meaning: it reads None until one is assigned,
     and once one is (as accelerate does, keeping every rank's generator in step), each later
@@ -103,29 +108,42 @@ class RandomSampler(torch_data.RandomSampler):
     epoch no longer decide it.
 
     Raises:
-        TypeError: If ``length`` or ``seed`` is not an int, or ``generator`` is
-            not a ``torch.Generator``.
-        ValueError: If ``length`` is negative.
+        TypeError: If ``length`` or ``seed`` is not an int, ``generator`` is not a
+            ``torch.Generator``, or ``replacement`` is not a bool (torch's words).
+        ValueError: If ``length`` is negative, or ``num_samples`` is not a positive int
+            (torch's words).
     """
 
     def __init__(
         self,
         length: int | Sized,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
         *,
         seed: int | None = None,
-        generator: torch.Generator | None = None,
     ) -> None:
         self._length = _length_source(length)
+        if not isinstance(replacement, bool):  # torch's checks, in its order and words
+            raise TypeError(
+                f"replacement should be a boolean value, but got replacement={replacement}"
+            )
+        if num_samples is not None and (
+            not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0
+        ):
+            raise ValueError(
+                f"num_samples should be a positive integer value, but got num_samples={num_samples}"
+            )
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
         if seed is None:
             seed = draw_seed(generator)
         self._seed = check_seed(seed)
         self._epoch = 0
-        # torch's attributes: a permutation of the whole source, no generator of torch's kind
+        # torch's attributes (``num_samples`` is its property, over ``_num_samples``)
         self.data_source = _data_source(self._length)
-        self.replacement = False
-        self._num_samples = None
+        self.replacement = replacement
+        self._num_samples = num_samples
         self._drawn_from: torch.Generator | None = None
 
     @property
@@ -162,14 +180,25 @@ class RandomSampler(torch_data.RandomSampler):
         """
         self._epoch = check_int("epoch", epoch, minimum=0)
 
+    @property
+    def num_samples(self) -> int:
+        """Indices an epoch yields (torch's attribute): ``num_samples`` as given, else the
+        dataset's length now."""
+        given = self._num_samples
+        return _current_length(self._length) if given is None else given
+
     def __iter__(self) -> Iterator[int]:
         n = _current_length(self._length)
-        if self._drawn_from is not None:
-            return _drawn_as_torch(n, self._drawn_from)
-        return iter(epoch_permutation(n, self._seed, self._epoch))
+        if self._drawn_from is None and not self.replacement and self._num_samples is None:
+            return iter(epoch_permutation(n, self._seed, self._epoch))
+        generator = self._drawn_from
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(derive_seed(self._seed, self._epoch))
+        return _drawn_as_torch(n, self.num_samples, self.replacement, generator)
 
     def __len__(self) -> int:
-        return _current_length(self._length)
+        return self.num_samples
 
 
 def batches_of(sampler: Iterable[int], batch_size: int, drop_last: bool) -> Iterator[list[int]]:
@@ -182,12 +211,23 @@ def batches_of(sampler: Iterable[int], batch_size: int, drop_last: bool) -> Iter
         yield batch
 
 
-def _drawn_as_torch(n: int, generator: torch.Generator) -> Iterator[int]:
-    """A permutation of ``range(n)`` drawn from ``generator`` as torch's ``RandomSampler``
-    draws one, to the generator's state after it: once exhausted, torch's draws a second
-    permutation (its remainder's, of no samples here), and so does this."""
-    yield from torch.randperm(n, generator=generator).tolist()
-    torch.randperm(n, generator=generator)
+def _drawn_as_torch(
+    n: int, num_samples: int, replacement: bool, generator: torch.Generator
+) -> Iterator[int]:
+    """``num_samples`` indices of ``range(n)`` drawn from ``generator`` as torch's
+    ``RandomSampler`` draws them, to the generator's state after them: with replacement in
+    draws of 32 (and the remainder's); without, whole permutations and then part of one (a
+    last permutation drawn even where none of it is taken, as torch's is)."""
+    if replacement:
+        for _ in range(num_samples // 32):
+            yield from torch.randint(n, (32,), dtype=torch.int64, generator=generator).tolist()
+        yield from torch.randint(
+            n, (num_samples % 32,), dtype=torch.int64, generator=generator
+        ).tolist()
+        return
+    for _ in range(num_samples // n):
+        yield from torch.randperm(n, generator=generator).tolist()
+    yield from torch.randperm(n, generator=generator).tolist()[: num_samples % n]
 
 
 class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-arg]
@@ -200,32 +240,47 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
     ``r`` takes ``order[r::world_size]``. Every rank gets ``len(self)`` indices.
     With ``shuffle=False`` the output equals torch's exactly.
 
+    It takes torch's ``DistributedSampler``'s arguments, in torch's order:
+    ``DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)``.
+
     Args:
-        length: The dataset length.
+        length: The dataset, or its length (read once, at construction, as torch's is).
+        num_replicas: The number of processes (torch's name); None to detect it.
         rank: This process's rank; None to detect it (see :func:`resolve_rank`).
-        world_size: The number of processes; None to detect it.
         shuffle: Shuffle the global order each epoch.
         seed: The base seed; it must be the same on every rank.
         drop_last: Truncate the global order instead of padding it.
+        world_size: ``num_replicas``, by aioloader's name (keyword only; give one of them).
 
     Raises:
-        TypeError: If an argument has the wrong type.
+        TypeError: If an argument has the wrong type, or both ``num_replicas`` and
+            ``world_size`` are given.
         ValueError: If ``length < 0``, ``world_size < 1`` or ``rank`` is outside
             ``[0, world_size)``.
     """
 
     def __init__(
         self,
-        length: int,
-        *,
+        length: int | Sized,
+        num_replicas: int | None = None,
         rank: int | None = None,
-        world_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        world_size: int | None = None,
     ) -> None:
-        self._length = check_int("length", length, minimum=0)
-        self._rank, self._world_size = resolve_rank(rank, world_size)
+        if num_replicas is not None and world_size is not None:
+            raise TypeError(
+                "DistributedSampler takes num_replicas (torch's name) or world_size, not both: "
+                f"got num_replicas={num_replicas!r}, world_size={world_size!r}"
+            )
+        source = _length_source(length)
+        self._source = _data_source(source)
+        self._length = _current_length(source)
+        self._rank, self._world_size = resolve_rank(
+            rank, world_size if num_replicas is None else num_replicas
+        )
         self._shuffle = check_bool("shuffle", shuffle)
         self._seed = check_seed(seed)
         self._drop_last = check_bool("drop_last", drop_last)
@@ -259,9 +314,9 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
         return len(self) * self._world_size
 
     @property
-    def dataset(self) -> range:  # type: ignore[override]
-        """``range(length)``: the indices shared out (torch's attribute holds the dataset)."""
-        return range(self._length)
+    def dataset(self) -> Sized:  # type: ignore[override]
+        """The dataset given (torch's attribute), or ``range(length)`` for a length."""
+        return self._source
 
     @property
     def seed(self) -> int:  # type: ignore[override]

@@ -351,3 +351,94 @@ def test_batch_sampler_validation() -> None:
     assert list(unsized) == [[0, 1], [2]]
     with pytest.raises(TypeError, match="sampler"):
         len(unsized)
+
+
+class _Source(tud.Dataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_the_samplers_take_torch_s_arguments_in_torch_s_order() -> None:
+    """A script's ``from torch.utils.data import DistributedSampler, RandomSampler`` swapped
+    for aioloader's: torch's calls work, with torch's lengths (the unshuffled orders torch's
+    exactly). ``DistributedSampler(ds, num_replicas=2)`` and ``RandomSampler(ds,
+    replacement=True, num_samples=5)`` used to raise TypeError."""
+    ds = _Source(10)
+    for drop_last in (False, True):
+        for rank in (0, 1, 2):
+            ours = DistributedSampler(ds, 3, rank, False, 0, drop_last)
+            theirs = tud.DistributedSampler(ds, 3, rank, False, 0, drop_last)
+            assert (list(ours), len(ours)) == (list(theirs), len(theirs))
+            assert ours.dataset is ds and ours.num_replicas == 3
+    keyword = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=5)
+    assert (len(keyword), keyword.num_samples, keyword.total_size) == (5, 5, 10)
+    for args, kwargs in [
+        ((True, 5), {}),
+        ((), {"replacement": True}),
+        ((), {"num_samples": 25}),
+        ((False, 3, torch.Generator()), {}),
+    ]:
+        ours_random = RandomSampler(ds, *args, **kwargs)
+        theirs_random = tud.RandomSampler(ds, *args, **kwargs)
+        assert len(ours_random) == len(theirs_random) == len(list(ours_random))
+        assert ours_random.num_samples == theirs_random.num_samples
+        assert ours_random.replacement == theirs_random.replacement
+    with pytest.raises(TypeError, match=r"num_replicas \(torch's name\) or world_size, not both"):
+        DistributedSampler(ds, 2, 0, world_size=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"replacement": 1}, {"num_samples": 0}, {"num_samples": -2}, {"num_samples": 2.0}],
+)
+def test_random_sampler_refuses_what_torch_s_refuses_in_its_words(
+    kwargs: dict[str, object],
+) -> None:
+    with pytest.raises((TypeError, ValueError)) as theirs:
+        tud.RandomSampler(_Source(4), **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(type(theirs.value)) as ours:
+        RandomSampler(_Source(4), **kwargs)  # type: ignore[arg-type]
+    assert str(ours.value) == str(theirs.value)
+
+
+@FAST
+@given(
+    st.integers(min_value=1, max_value=40), st.integers(min_value=1, max_value=100), st.booleans()
+)
+def test_num_samples_and_replacement_draw_as_torch_does(
+    n: int, num_samples: int, replacement: bool
+) -> None:
+    """From the epoch's generator (seed and epoch: repeatable, each epoch its own), drawn as
+    torch draws from its generator: with a generator assigned, torch's very indices, and the
+    generator left in the same state."""
+    ours = RandomSampler(n, replacement, num_samples, seed=3)
+    first = list(ours)
+    assert len(first) == num_samples == len(ours)
+    assert all(0 <= i < n for i in first)
+    if not replacement:  # whole permutations, then part of one: each index as often
+        counts = Counter(first)
+        assert {counts[i] for i in range(n)} <= {num_samples // n, -(-num_samples // n)}
+    assert list(ours) == first  # the same epoch again
+    mine, theirs_gen = torch.Generator(), torch.Generator()
+    mine.manual_seed(11)
+    theirs_gen.manual_seed(11)
+    ours.generator = mine
+    theirs = tud.RandomSampler(range(n), replacement, num_samples, generator=theirs_gen)
+    assert list(ours) == list(theirs)
+    assert torch.equal(mine.get_state(), theirs_gen.get_state())
+
+
+def test_epochs_with_replacement_differ_and_repeat() -> None:
+    sampler = RandomSampler(50, replacement=True, num_samples=64, seed=1)
+    zero = list(sampler)
+    sampler.set_epoch(1)
+    one = list(sampler)
+    sampler.set_epoch(0)
+    assert list(sampler) == zero != one
+    assert len(set(zero)) < 50  # drawn with replacement: some twice, some not at all

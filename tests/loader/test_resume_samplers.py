@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
+import aioloader
 from aioloader import DataLoader
 
 N = 30
@@ -25,6 +26,10 @@ def samplers(g: torch.Generator) -> dict[str, dict[str, Any]]:
         "random": {"sampler": tud.RandomSampler(data, generator=g), "batch_size": 4},
         "with replacement": {
             "sampler": tud.RandomSampler(data, replacement=True, num_samples=25, generator=g),
+            "batch_size": 4,
+        },
+        "ours, with replacement": {  # seeded: its epoch's order, whatever g
+            "sampler": aioloader.RandomSampler(data, True, 25, seed=5),
             "batch_size": 4,
         },
         "subset": {"sampler": tud.SubsetRandomSampler(range(5, 25), generator=g), "batch_size": 3},
