@@ -149,9 +149,9 @@ def _slow_start(stats: LoaderStatistics) -> str | None:
     if w.server == "fresh standby" and w.server_s >= w.startup_s:
         return (
             f"{said}, {w.server_s:.1f} s of it waiting for the fork server started in reserve "
-            f"as aioloader was imported, a fresh interpreter ({w.server_why}) that was still "
-            "importing torch: import aioloader before CUDA is initialised and before other "
-            "threads start (a fork of this process needs no imports), or earlier"
+            f"as aioloader was imported, a fresh interpreter ({w.server_why}), to be ready (its "
+            "imports, and the main module's): import aioloader earlier (in a notebook, in a "
+            "cell before the loader's), or build the loader later"
         )
     if w.server == "standby" and w.server_s >= w.startup_s:
         return (

@@ -35,14 +35,13 @@ import inspect
 import multiprocessing.forkserver as stdlib_forkserver
 import os
 import select
-import signal
 import socket
 import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing import connection, resource_tracker, spawn, util
+from multiprocessing import connection, resource_tracker, util
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ __all__ = [
     "FORK_SAFE_THREADS",
     "PRELOAD",
     "ForkedServer",
+    "ensure_resource_tracker",
     "may_have_exited",
     "fork_server",
     "install",
@@ -60,7 +60,6 @@ __all__ = [
     "server_lock",
     "server_preload",
     "server_protocol_known",
-    "spawn_server",
     "start_stdlib_server",
     "uninstall",
     "unsafe_to_fork",
@@ -270,51 +269,6 @@ def _listening() -> tuple[str, socket.socket]:
     return address, listener
 
 
-def spawn_server(
-    entry: str, keep: tuple[int, ...] = (), extra: tuple[int, ...] = ()
-) -> ForkedServer:
-    """Start a fresh interpreter that becomes a fork server speaking the stdlib's protocol,
-    where forking this process is not safe (a fork and an exec, as the stdlib starts its own):
-    it runs ``entry(listener_fd, alive_r, *keep, *extra)`` (a function named
-    ``"module:function"``), with this process's ``sys.path`` and interpreter flags, SIGINT
-    ignored from its start (the entry decides how it takes it later), and
-    ``AIOLOADER_STANDBY=0`` in its environment (it makes no standby of its own as it imports
-    aioloader). It keeps only those descriptors and its standard streams.
-
-    Raises:
-        OSError: The listening socket, the pipe or the process could not be made; nothing
-            is left open.
-    """
-    module, _, function = entry.partition(":")
-    code = (  # SIGINT: blocked from its start (below), ignored before it is let through
-        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-        "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
-        f"sys.path[:] = {sys.path!r}; os.environ['AIOLOADER_STANDBY'] = '0'; "
-        f"from {module} import {function}; {function}(*map(int, sys.argv[1:]))"
-    )
-    address, listener = _listening()
-    with listener:
-        alive_r, alive_w = os.pipe()
-        # Blocked in this thread, it is blocked in the child from its first instruction:
-        # Ctrl-C in the terminal (the whole process group) while it starts is dropped there.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-        try:
-            fds = (listener.fileno(), alive_r, *keep)
-            executable = spawn.get_executable()
-            args = [
-                executable, *util._args_from_interpreter_flags(),  # type: ignore[attr-defined]
-                "-c", code, *map(str, (*fds, *extra)),
-            ]  # fmt: skip
-            pid = util.spawnv_passfds(executable, args, fds)  # type: ignore[arg-type]
-        except BaseException:
-            os.close(alive_w)
-            raise
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            os.close(alive_r)
-    return ForkedServer(address, alive_w, pid)
-
-
 def running_server_pid() -> int | None:
     """The pid of multiprocessing's fork server in this process, if one runs (one of ours, or
     the stdlib's fresh interpreter)."""
@@ -346,7 +300,7 @@ def start_stdlib_server(environ: Mapping[str, str] | None = None) -> None:
     process's environment (set in it while the server starts, then put back). Where it cannot
     be started (no room for a process), nothing happens here: the first worker start tries
     again and raises."""
-    resource_tracker.ensure_running()  # first: it would keep ``environ`` for its life
+    ensure_resource_tracker()  # first: it would keep ``environ`` for its life
     before = {name: os.environ.get(name) for name in environ or {}}
     os.environ.update(environ or {})
     try:
@@ -358,6 +312,36 @@ def start_stdlib_server(environ: Mapping[str, str] | None = None) -> None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+_TRACKER_MAIN = "from multiprocessing.resource_tracker import main"
+_tracker_start = threading.Lock()
+
+
+def ensure_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker where it does not run, as a process group of
+    its own: its command, as the stdlib spawns it, is prefixed with leaving this process's
+    group. A Jupyter kernel, shutting down, signals the processes of its group and waits until
+    they are gone; the tracker ignores SIGTERM, so it was killed at last and, unreaped, held
+    the shutdown 2.5 s, until the kernel itself was killed, its exit hooks unrun (found by
+    review: every notebook whose loader had workers). A tracker already running is left as
+    it is. The spawn function is wrapped only for this call; another thread's spawn meanwhile
+    goes through it unchanged."""
+    spawning: Any = util  # (typeshed's signature for it is narrower than the stdlib's calls)
+    with _tracker_start:
+        real = spawning.spawnv_passfds
+
+        def own_group(path: str, args: list[str], passfds: Any) -> int:
+            if args and args[-1].startswith(_TRACKER_MAIN):
+                args = [*args[:-1], f"import os; os.setpgid(0, 0); {args[-1]}"]
+            pid: int = real(path, args, passfds)
+            return pid
+
+        spawning.spawnv_passfds = own_group
+        try:
+            resource_tracker.ensure_running()
+        finally:
+            spawning.spawnv_passfds = real
 
 
 def may_have_exited(pid: int) -> bool:
@@ -374,7 +358,7 @@ def may_have_exited(pid: int) -> bool:
 
 def install(forked: ForkedServer) -> None:
     """Make ``forked`` the stdlib's fork server, which every forkserver context then uses."""
-    resource_tracker.ensure_running()  # its descriptor goes to the server with each request
+    ensure_resource_tracker()  # its descriptor goes to the server with each request
     server: Any = stdlib_forkserver._forkserver
     server._forkserver_address = forked.address
     server._forkserver_alive_fd = forked.alive_w

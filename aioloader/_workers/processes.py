@@ -25,7 +25,6 @@ import contextlib
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.util
-import os
 import pickle
 import signal
 import time
@@ -42,11 +41,12 @@ from .._base.recorders import WorkerRecorder
 from .byvalue import dumps_job, inherited_tokens, start_args
 from .children import blocking, exits, hang_up, hold_signals
 from .descriptors import out_of_descriptors, too_many_open_files
+from .environ import ParentEnviron, environ_now
 from .ledger import LEDGER
 from .mainmodule import workers_main
 from .serverstart import died_starting_note, note_server, prepare_forkserver
 from .slots import Slots
-from .worker import ParentEnviron, worker_main
+from .worker import worker_main
 
 __all__ = [
     "CANCEL_GRACE",
@@ -157,7 +157,7 @@ class ProcessWorkers:
                     worker_id,
                     self.concurrency,
                     self._derive(self._seed, worker_id),
-                    ParentEnviron(dict(os.environ)) if self._served else None,
+                    ParentEnviron(environ_now()) if self._served else None,
                     self._start,
                     torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
                     held,

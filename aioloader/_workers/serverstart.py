@@ -188,11 +188,9 @@ def _start() -> ServerStart:
         woken = standby.wake(run_main=again)
         if isinstance(woken, str):
             return ServerStart("interpreter", f"{why}; {woken}", main_again=again)
-        server, left = woken
-        _install(server)
-        why = "; ".join(filter(None, (why, fresh, left)))
-        how = "fresh standby" if fresh else "standby"
-        return ServerStart(how, why, time.perf_counter() - began, server.pid, main_again=again)
+        _install(woken)
+        how, why = ("fresh standby", f"{why}; {fresh}") if fresh else ("standby", why)
+        return ServerStart(how, why, time.perf_counter() - began, woken.pid, main_again=again)
 
 
 def _functions_and_classes(module: object) -> dict[str, object]:

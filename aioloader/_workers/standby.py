@@ -19,14 +19,14 @@ interpreter (the same semantics as the stdlib's server): it takes this process's
 unpickles are there. Modules that were still being imported when the standby was forked (the
 chain of imports that reached aioloader) are imported again, whole. The imports the standby
 already has (torch, NumPy, aioloader) are not paid again. If the main script's top level
-fails, the standby says why and exits; the stdlib's server is started instead. If it leaves a
-thread or a CUDA context behind, the standby serves all the same (the stdlib's server would be
-left so too) and says so. A top level that starts a loader is not run again
+fails, or leaves a thread or a CUDA context behind, the standby says why and exits; the
+stdlib's server is started instead (it never runs the main module: each of its workers runs it
+after its fork). A top level that starts a loader is not run again
 (``mainscript.running_unguarded``).
 
 Where forking is not safe as aioloader is imported in an interactive session (a notebook
 kernel's threads, which it always has; CUDA already initialised), the standby is a fresh
-interpreter instead (:func:`~.forkserver.spawn_server`), started then: it imports torch and
+interpreter instead (:func:`~.spawned.spawn_server`), started then: it imports torch and
 aioloader while the user goes on to the next cells, and, woken, does the same. Not in a script
 (``_interactive``): there, a library's threads or CUDA before the import are the exception, and
 the import can move (the verdict says so).
@@ -55,14 +55,10 @@ from multiprocessing import spawn
 from typing import Any
 
 from . import standin
-from .forkserver import (
-    ForkedServer,
-    fork_server,
-    server_protocol_known,
-    spawn_server,
-    unsafe_to_fork,
-)
-from .worker import adopt_environ, name_this_process
+from .environ import adopt_environ, environ_now
+from .forkserver import ForkedServer, fork_server, server_protocol_known, unsafe_to_fork
+from .spawned import spawn_server
+from .worker import name_this_process
 
 __all__ = [
     "ENV",
@@ -170,6 +166,7 @@ def fork_standby() -> None:
     except OSError as exc:
         _missing = f"no standby: its socket pair failed ({exc!r})"
         return
+    fresh = "" if why is None else f"when aioloader was imported, {why}"
     try:
         if why is None:
             server = fork_server(
@@ -182,15 +179,17 @@ def fork_standby() -> None:
             server = spawn_server(
                 f"{__name__}:serve_fresh", keep=(theirs.fileno(),), extra=(int(ignored),)
             )
-    except OSError as exc:  # a sandbox without fork, no room for its socket: import goes on
+        _standby = _Standby(server, ours, fresh)
+    except Exception as exc:  # a sandbox without fork, no room for its socket: import goes on
         ours.close()
         _missing = f"no standby: {'forking' if why is None else 'starting'} it failed ({exc!r})"
         return
+    except BaseException:  # interrupted: (spawn_server or fork_server left nothing running)
+        ours.close()
+        raise
     finally:
         theirs.close()
     _missing = "the standby was used or retired"
-    fresh = "" if why is None else f"when aioloader was imported, {why}"
-    _standby = _Standby(server, ours, fresh)
 
 
 def _interactive() -> bool:
@@ -230,19 +229,16 @@ def _wait(
     woken: Callable[[int, types.FrameType | None], Any] | int | None = None,
 ) -> None:
     """In the standby: wait to be woken (EOF: retired, or this process's parent exited), catch
-    up with the main module, and answer ``(True, note)`` (serving) or ``(False, why not)``
-    (then exit).
+    up with the main module, and answer None (serving) or why not (then exit): where the main
+    module's top level failed, or left a thread or a CUDA context here (workers forked from it
+    could inherit a lock held; the stdlib's server, started instead, never runs the main
+    module: each of its workers runs it after its fork).
 
-    Where running the main module again left a thread or a CUDA context here, it serves all
-    the same, and the note says so: the stdlib's server, the one left to start instead, would
-    run the same module and be left the same way (it used to refuse, and workers then paid a
-    fresh interpreter's imports for no gain in safety).
-
-    While it only waits, Ctrl-C is the application's (the standby, in its process group,
-    ignores it). Woken, it takes Ctrl-C as the parent does: the stdlib's server hands the
-    handler it found to every process it forks (the application's own forkserver children
-    too), and a main module that blocks while it runs again must not outlive its parent.
-    ``woken``: that handler, where it is not the one this process has now (a fresh standby)."""
+    While it only waits, Ctrl-C is the application's (the standby ignores it). Woken, it takes
+    Ctrl-C as the parent does: the stdlib's server hands the handler it found to every process
+    it forks (the application's own forkserver children too), and a main module that blocks
+    while it runs again must not outlive its parent. ``woken``: that handler, where it is not
+    the one this process has now (a fresh standby)."""
     waiting = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         preparation, run_main, environ = line.recv()
@@ -252,20 +248,15 @@ def _wait(
     try:
         adopt_environ(environ)
         _catch_up(preparation, partial, run_main)
-        left = unsafe_to_fork()
-        answer = (True, "") if left is None else (True, _LEFT.format(left))
+        why = unsafe_to_fork()
+        if why is not None:
+            why = f"the standby server could not serve: running the main module again, {why}"
     except BaseException as exc:  # the main module's top level failed here: say how
-        answer = (False, f"the standby server could not run the main module again: {exc!r}")
-    line.send(answer)
+        why = f"the standby server could not run the main module again: {exc!r}"
+    line.send(why)
     line.close()
-    if not answer[0]:
+    if why is not None:
         os._exit(0)
-
-
-_LEFT = (
-    "the standby serves with what running the main module again left there ({}), as the "
-    "stdlib's server would"
-)
 
 
 def _catch_up(preparation: dict[str, Any], partial: frozenset[str], run_main: bool) -> None:
@@ -299,10 +290,9 @@ def _catch_up(preparation: dict[str, Any], partial: frozenset[str], run_main: bo
         _catching_up = False
 
 
-def wake(*, run_main: bool = True) -> tuple[ForkedServer, str] | str:
-    """Wake the standby: the server, once it has caught up with the main module, and a note
-    ("" or what running the main module again left there); else why there is none to use (no
-    standby, or it could not catch up: then it has exited). With
+def wake(*, run_main: bool = True) -> ForkedServer | str:
+    """Wake the standby: the server, once it has caught up with the main module; else why there
+    is none to use (no standby, or it could not catch up: then it has exited). With
     ``run_main=False`` (a script that builds its loader at its top level, outside its
     ``__main__`` guard) it takes this process's path, arguments and directory but does not run
     the main script again, and neither do its workers: they have the main module as it was
@@ -317,13 +307,12 @@ def wake(*, run_main: bool = True) -> tuple[ForkedServer, str] | str:
         return _missing
     preparation = spawn.get_preparation_data("aioloader-fs")
     preparation["authkey"] = bytes(preparation["authkey"])  # pickles only into a new process
-    serving: bool
-    why: str
+    why: str | None
     try:
-        standby.line.send((preparation, run_main, dict(os.environ)))
-        serving, why = standby.line.recv()
+        standby.line.send((preparation, run_main, environ_now()))
+        why = standby.line.recv()
     except (EOFError, OSError) as exc:
-        serving, why = False, f"the standby server exited ({exc!r})"
+        why = f"the standby server exited ({exc!r})"
     except BaseException:  # interrupted (Ctrl-C) while it ran the main module: it goes too
         _missing = "the standby was stopped: waking it was interrupted"
         standby.line.close()
@@ -332,8 +321,8 @@ def wake(*, run_main: bool = True) -> tuple[ForkedServer, str] | str:
         standby.server.retire()
         raise
     standby.line.close()
-    if serving:
-        return standby.server, why
+    if why is None:
+        return standby.server
     standby.server.retire()
     return why
 

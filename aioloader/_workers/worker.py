@@ -35,13 +35,12 @@ import torch.utils.data
 from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
 from .byvalue import dumps_reply, forget_received
+from .environ import ParentEnviron
 from .pack import pack_tensors
 from .result import JobResult
 
 __all__ = [
-    "ParentEnviron",
     "WorkerInfo",
-    "adopt_environ",
     "become_worker",
     "call_job",
     "get_worker_info",
@@ -224,38 +223,6 @@ def _send(conn: Connection, payload: memoryview) -> None:
         _exit_now()
     finally:
         payload.release()
-
-
-@dataclass(frozen=True, slots=True)
-class ParentEnviron:
-    """The main process's environment variables as it starts a worker, for a worker forked from
-    a fork server: unpickled in the worker, they become its own (:func:`adopt_environ`).
-
-    A fork server keeps the environment it started with, and the stdlib hands each process it
-    forks the parent's path, working directory and main module but not its environment: a
-    variable the script set after the server started (a data root, a credential, for the
-    second loader a changed one) was missing in the workers, where torch's forked and spawned
-    workers have it. Sent before the worker's dataset, it is in place before the dataset is
-    unpickled (a ``__setstate__`` or a module imported on the way that reads it)."""
-
-    variables: dict[str, str]
-
-    def __reduce__(self) -> tuple[Callable[[dict[str, str]], ParentEnviron], tuple[Any, ...]]:
-        return _adopted, (self.variables,)
-
-
-def _adopted(variables: dict[str, str]) -> ParentEnviron:
-    adopt_environ(variables)
-    return ParentEnviron(variables)
-
-
-def adopt_environ(variables: dict[str, str]) -> None:
-    """Make this process's environment variables ``variables``, exactly."""
-    for name in [name for name in os.environ if name not in variables]:
-        del os.environ[name]
-    for name, value in variables.items():
-        if os.environ.get(name) != value:
-            os.environ[name] = value
 
 
 def worker_main(

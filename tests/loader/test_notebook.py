@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -144,3 +145,33 @@ def test_a_notebook_interrupts_an_epoch_runs_it_again_and_awaits_one(
     reply, printed = run_cell(kernel, AWAITED)
     assert reply["status"] == "ok", reply
     assert last_json(printed) == list(range(N))  # on the kernel's own loop
+
+
+EXIT_MARKED = """
+import atexit, os
+import aioloader
+atexit.register(lambda: open({marker!r}, "w").close())  # the kernel's exit hooks ran
+if {woken}:
+    loader = aioloader.DataLoader(list(range(4)), batch_size=2, num_workers=1)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+"""
+
+
+@pytest.mark.parametrize("woken", [False, True], ids=["imported", "woken"])
+def test_a_kernel_that_imported_aioloader_shuts_down_cleanly(tmp_path: Path, woken: bool) -> None:
+    """Found by review: a kernel shutting down sends SIGTERM to the processes of its group and
+    waits until they are gone; the standby (or the stdlib's server) died there unreaped, so the
+    kernel was killed 2.5 s later (exit code -15) and its exit hooks never ran. The standby
+    is a process group of its own now."""
+    marker = tmp_path / "exited"
+    manager, client = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    try:
+        code = EXIT_MARKED.format(marker=str(marker), woken=woken)
+        reply, _ = run_cell(client, code)
+        assert reply["status"] == "ok", reply
+    finally:
+        client.stop_channels()
+        process = manager.provisioner.process  # type: ignore[union-attr]
+        manager.shutdown_kernel()
+    assert process.returncode == 0
+    assert marker.exists()

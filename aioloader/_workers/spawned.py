@@ -1,0 +1,81 @@
+"""Fresh interpreters started as fork servers where forking this process is not safe, each a
+process group of its own.
+
+Owns: :func:`spawn_server` (a fork and an exec, as the stdlib starts its own server, of an
+interpreter that runs a given entry with a listening socket and an alive pipe, and then serves
+the stdlib's fork-server protocol: ``standby.serve_fresh``). Never: decides when one is started
+(``standby.py``), or forks this process (``forkserver.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from multiprocessing import spawn, util
+
+from .forkserver import ForkedServer, _listening
+
+__all__ = ["spawn_server"]
+
+
+def spawn_server(
+    entry: str, keep: tuple[int, ...] = (), extra: tuple[int, ...] = ()
+) -> ForkedServer:
+    """Start a fresh interpreter that becomes a fork server speaking the stdlib's protocol,
+    where forking this process is not safe (a fork and an exec, as the stdlib starts its own):
+    it runs ``entry(listener_fd, alive_r, *keep, *extra)`` (a function named
+    ``"module:function"``), with this process's ``sys.path`` (its text entries) and
+    interpreter flags, ``AIOLOADER_STANDBY=0`` in its environment (it makes no standby of its
+    own as it imports aioloader), and only those descriptors and its standard streams.
+
+    It is a process group of its own: a Jupyter kernel signals the processes of its group as
+    it shuts down (SIGTERM, then waits for them to be gone: a child killed and not reaped held
+    its shutdown 2.5 s, until it was killed, its exit hooks unrun; found by review), and sends
+    its interrupt (SIGINT) to the whole group. Until it has left this one (its first
+    statement, after the interpreter's start), both are blocked in it (blocked in this thread
+    as it is spawned, so from its first instruction) and then dropped; SIGINT stays ignored
+    (the entry decides how it takes it later).
+
+    Raises:
+        OSError: The listening socket, the pipe or the process could not be made. Nothing is
+            left open or running, whatever is raised (a Ctrl-C held while it was spawned
+            too: the child is killed and reaped).
+    """
+    module, _, function = entry.partition(":")
+    path = [os.fsdecode(p) for p in sys.path if isinstance(p, str | bytes | os.PathLike)]
+    code = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); os.setpgid(0, 0); "
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM]); "
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL); "
+        f"sys.path[:] = {path!r}; os.environ['AIOLOADER_STANDBY'] = '0'; "
+        f"from {module} import {function}; {function}(*map(int, sys.argv[1:]))"
+    )
+    address, listener = _listening()
+    with listener:
+        alive_r, alive_w = os.pipe()
+        pid: int | None = None
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
+        try:
+            try:
+                fds = (listener.fileno(), alive_r, *keep)
+                executable = spawn.get_executable()
+                args = [
+                    executable, *util._args_from_interpreter_flags(),  # type: ignore[attr-defined]
+                    "-c", code, *map(str, (*fds, *extra)),
+                ]  # fmt: skip
+                pid = util.spawnv_passfds(executable, args, fds)  # type: ignore[arg-type]
+            finally:
+                os.close(alive_r)
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C held raises here
+        except BaseException:
+            os.close(alive_w)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+            raise
+    return ForkedServer(address, alive_w, pid)
