@@ -250,6 +250,7 @@ def test_ctrl_c_as_a_fresh_standby_starts_is_the_application_s_alone(tmp_path: P
 
 SPAWN_INTERRUPTED = """
 import os, signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job has it ignored)
 if __name__ == "__main__":
     sys.ps1 = ">>> "  # an interactive session: a fresh standby
     threading.Thread(target=threading.Event().wait, daemon=True).start()
