@@ -36,12 +36,16 @@ def spawn_server(
     its interrupt (SIGINT) to the whole group. Until it has left this one (its first
     statement, after the interpreter's start), both are blocked in it (blocked in this thread
     as it is spawned, so from its first instruction) and then dropped; SIGINT stays ignored
-    (the entry decides how it takes it later).
+    (the entry decides how it takes it later). A background group at a terminal, it ignores
+    SIGTTOU, so that a warning it prints under ``stty tostop`` does not stop it. (The
+    processes it forks go back to this process's group: ``standby.serve_fresh``.)
 
     Raises:
         OSError: The listening socket, the pipe or the process could not be made. Nothing is
-            left open or running, whatever is raised (a Ctrl-C held while it was spawned
-            too: the child is killed and reaped).
+            left open or running, whatever is raised (a Ctrl-C this thread held while it was
+            spawned too: the child is killed and reaped). Left: a Ctrl-C another thread takes
+            in the few milliseconds of the spawn is raised inside it, and the child is lost
+            (it exits once its imports are done and it reads the closed line; a zombie).
     """
     module, _, function = entry.partition(":")
     path = [os.fsdecode(p) for p in sys.path if isinstance(p, str | bytes | os.PathLike)]
@@ -50,6 +54,7 @@ def spawn_server(
         "signal.signal(signal.SIGTERM, signal.SIG_IGN); os.setpgid(0, 0); "
         "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM]); "
         "signal.signal(signal.SIGTERM, signal.SIG_DFL); "
+        "signal.signal(signal.SIGTTOU, signal.SIG_IGN); "
         f"sys.path[:] = {path!r}; os.environ['AIOLOADER_STANDBY'] = '0'; "
         f"from {module} import {function}; {function}(*map(int, sys.argv[1:]))"
     )

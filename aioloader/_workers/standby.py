@@ -177,7 +177,9 @@ def fork_standby() -> None:
         else:
             ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # (a background job)
             server = spawn_server(
-                f"{__name__}:serve_fresh", keep=(theirs.fileno(),), extra=(int(ignored),)
+                f"{__name__}:serve_fresh",
+                keep=(theirs.fileno(),),
+                extra=(int(ignored), os.getpgrp()),
             )
         _standby = _Standby(server, ours, fresh)
     except Exception as exc:  # a sandbox without fork, no room for its socket: import goes on
@@ -206,14 +208,23 @@ def _interactive() -> bool:
     return callable(get_ipython) and get_ipython() is not None
 
 
-def serve_fresh(listener_fd: int, alive_r: int, line_fd: int, int_ignored: int) -> None:
+def serve_fresh(listener_fd: int, alive_r: int, line_fd: int, int_ignored: int, group: int) -> None:
     """In a fresh standby (its entry, from :func:`fork_standby`, with torch and aioloader
     imported by now): wait to be woken, then serve, as a forked standby does, taking Ctrl-C
     as the application took it as the standby was started (Python's handler, or ignored:
-    ``int_ignored``). Never returns."""
+    ``int_ignored``). Never returns.
+
+    It stays a process group of its own (``spawned.py``), but every process it forks (the
+    workers, the application's own forkserver processes) goes back to the application's,
+    ``group``, as the stdlib's server's children are in it: they get a kernel's interrupt and
+    its SIGTERM as it shuts down (then this server reaps them), and at a terminal they are in
+    the foreground (found by review: with them in the server's group, a worker's print under
+    ``stty tostop`` stopped them all, and the application's own processes outlived the
+    kernel)."""
     try:
         woken = signal.SIG_IGN if int_ignored else signal.default_int_handler
         _wait(multiprocessing.connection.Connection(line_fd), frozenset(), woken)
+        os.register_at_fork(after_in_child=lambda: _rejoin(group))
         # Named only now: the native threads its imports started (unnamed pools, which take
         # the process's name) must read as such to the check that it is safe to fork.
         name_this_process("aioloader-sb")
@@ -221,6 +232,14 @@ def serve_fresh(listener_fd: int, alive_r: int, line_fd: int, int_ignored: int) 
         stdlib_forkserver.main(listener_fd, alive_r, [])
     finally:
         os._exit(0)
+
+
+def _rejoin(group: int) -> None:
+    """In a process a fresh standby forked: the application's process group, and SIGTTOU as
+    it was (the standby ignores it)."""
+    signal.signal(signal.SIGTTOU, signal.SIG_DFL)
+    with contextlib.suppress(OSError):  # the application's group is gone: it exited
+        os.setpgid(0, group)
 
 
 def _wait(

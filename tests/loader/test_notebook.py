@@ -148,21 +148,30 @@ def test_a_notebook_interrupts_an_epoch_runs_it_again_and_awaits_one(
 
 
 EXIT_MARKED = """
-import atexit, os
+import atexit, os, torch
 import aioloader
 atexit.register(lambda: open({marker!r}, "w").close())  # the kernel's exit hooks ran
-if {woken}:
-    loader = aioloader.DataLoader(list(range(4)), batch_size=2, num_workers=1)
-    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+class Pids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return os.getpid()
+
+if {woken}:  # workers alive as the kernel shuts down, in its process group (its interrupt)
+    loader = aioloader.DataLoader(Pids(), batch_size=2, num_workers=2, persistent_workers=True)
+    pids = {{pid for batch in loader for pid in batch.tolist()}}
+    assert len(pids) == 2 and {{os.getpgid(pid) for pid in pids}} == {{os.getpgrp()}}, pids
 """
 
 
 @pytest.mark.parametrize("woken", [False, True], ids=["imported", "woken"])
 def test_a_kernel_that_imported_aioloader_shuts_down_cleanly(tmp_path: Path, woken: bool) -> None:
     """Found by review: a kernel shutting down sends SIGTERM to the processes of its group and
-    waits until they are gone; the standby (or the stdlib's server) died there unreaped, so the
-    kernel was killed 2.5 s later (exit code -15) and its exit hooks never ran. The standby
-    is a process group of its own now."""
+    waits until they are gone; the fresh standby (or the stdlib's server), and the resource
+    tracker, died there unreaped, so the kernel was killed 2.5 s later (exit code -15) and its
+    exit hooks never ran. Both are process groups of their own now; the workers the standby
+    forks are in the kernel's (they get its interrupt), and it reaps them."""
     marker = tmp_path / "exited"
     manager, client = start_new_kernel(kernel_name="python3", startup_timeout=60)
     try:
