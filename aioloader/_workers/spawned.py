@@ -43,12 +43,16 @@ def spawn_server(
     Raises:
         OSError: The listening socket, the pipe or the process could not be made. Nothing is
             left open or running, whatever is raised (a Ctrl-C this thread held while it was
-            spawned too: the child is killed and reaped). Left: a Ctrl-C another thread takes
-            in the few milliseconds of the spawn is raised inside it, and the child is lost
-            (it exits once its imports are done and it reads the closed line; a zombie).
+            spawned too: the child is killed and reaped). A Ctrl-C another thread takes
+            meanwhile is raised inside the stdlib's spawn call, after the child exists but
+            before its pid is returned: the child is then found among this process's children
+            by a token in its command, and killed and reaped too
+            (found by review: it was lost, a zombie for the rest of the session).
     """
     module, _, function = entry.partition(":")
     path = [os.fsdecode(p) for p in sys.path if isinstance(p, str | bytes | os.PathLike)]
+    address, listener = _listening()
+    token = f"aioloader-standby-{os.urandom(8).hex()}"  # (what finds it, should its pid be lost)
     code = (
         "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
         "signal.signal(signal.SIGTERM, signal.SIG_IGN); os.setpgid(0, 0); "
@@ -57,8 +61,8 @@ def spawn_server(
         "signal.signal(signal.SIGTTOU, signal.SIG_IGN); "
         f"sys.path[:] = {path!r}; os.environ['AIOLOADER_STANDBY'] = '0'; "
         f"from {module} import {function}; {function}(*map(int, sys.argv[1:]))"
+        f"  # {token}"
     )
-    address, listener = _listening()
     with listener:
         alive_r, alive_w = os.pipe()
         pid: int | None = None
@@ -77,10 +81,26 @@ def spawn_server(
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C held raises here
         except BaseException:
             os.close(alive_w)
-            if pid is not None:
+            for child in [pid] if pid is not None else _children_running(token):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(child, signal.SIGKILL)
                 with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, 0)
+                    os.waitpid(child, 0)
             raise
     return ForkedServer(address, alive_w, pid)
+
+
+def _children_running(token: str) -> list[int]:
+    """This process's children whose command line holds ``token``, from ``/proc``."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent == me:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if token.encode() in f.read():
+                        found.append(int(entry))
+    return found

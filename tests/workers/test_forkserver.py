@@ -289,6 +289,47 @@ def test_ctrl_c_as_the_fresh_standby_is_spawned_leaves_nothing(tmp_path: Path) -
     assert done.stdout == "interrupted\nNone False []\n"  # killed and reaped, nothing open
 
 
+SPAWN_INTERRUPTED_ELSEWHERE = """
+import os, signal, sys, threading, time, _posixsubprocess
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job has it ignored)
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # it takes the signal
+import aioloader
+from aioloader._workers.spawned import spawn_server
+
+real, spawned = _posixsubprocess.fork_exec, []
+
+def fork_exec(*args):  # a Ctrl-C to the process (a terminal's, a kernel's) as the child starts
+    spawned.append(real(*args))
+    os.kill(os.getpid(), signal.SIGINT)  # blocked in this thread: another thread takes it
+    time.sleep(0.05)
+    return spawned[-1]
+
+_posixsubprocess.fork_exec = fork_exec
+line, theirs = os.pipe()  # (the standby's wake line, as fork_standby makes it)
+before = set(os.listdir("/proc/self/fd"))
+try:
+    spawn_server("aioloader._workers.standby:serve_fresh", (theirs,), (0, os.getpgrp()))
+except KeyboardInterrupt:
+    print("interrupted")
+_posixsubprocess.fork_exec = real
+print(os.path.exists(f"/proc/{spawned[0]}"), sorted(set(os.listdir("/proc/self/fd")) - before))
+"""
+
+
+def test_a_ctrl_c_another_thread_takes_as_the_standby_is_spawned_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """Found by the second review: raised inside the stdlib's spawn call, it lost the pid; the
+    child is found by its command line now, killed and reaped."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(SPAWN_INTERRUPTED_ELSEWHERE))
+    done = subprocess.run(
+        [sys.executable, "job.py"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-2000:]
+    assert done.stdout == "interrupted\nFalse []\n"
+
+
 WOKEN_ENVIRON = """
 import os, sys, torch.utils.data
 import aioloader
