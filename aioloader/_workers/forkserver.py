@@ -52,6 +52,7 @@ __all__ = [
     "FORK_SAFE_THREADS",
     "PRELOAD",
     "ForkedServer",
+    "children_of",
     "ensure_resource_tracker",
     "may_have_exited",
     "fork_server",
@@ -168,8 +169,9 @@ def _exits_within(pid: int, seconds: float) -> bool:
         os.close(pidfd)
 
 
-def _has_live_children(pid: int) -> bool:
-    """Whether a process whose parent is ``pid`` is alive (not a zombie), from ``/proc``."""
+def children_of(pid: int) -> Iterator[tuple[int, str]]:
+    """``(pid, state)`` of each process whose parent is ``pid`` (state ``"Z"``: a zombie),
+    from ``/proc``."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -178,9 +180,13 @@ def _has_live_children(pid: int) -> bool:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            return True
-    return False
+        if int(fields[1]) == pid:
+            yield int(entry), fields[0]
+
+
+def _has_live_children(pid: int) -> bool:
+    """Whether a process whose parent is ``pid`` is alive (not a zombie)."""
+    return any(state != "Z" for _, state in children_of(pid))
 
 
 def _serve_in_child(

@@ -15,7 +15,7 @@ import signal
 import sys
 from multiprocessing import spawn, util
 
-from .forkserver import ForkedServer, _listening
+from .forkserver import ForkedServer, _listening, children_of
 
 __all__ = ["spawn_server"]
 
@@ -91,16 +91,10 @@ def spawn_server(
 
 
 def _children_running(token: str) -> list[int]:
-    """This process's children whose command line holds ``token``, from ``/proc``."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if parent == me:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if token.encode() in f.read():
-                        found.append(int(entry))
+    """This process's children whose command line holds ``token``."""
+    found = []
+    for pid, _ in children_of(os.getpid()):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if token.encode() in f.read():
+                found.append(pid)
     return found

@@ -353,23 +353,12 @@ def test_batch_sampler_validation() -> None:
         len(unsized)
 
 
-class _Source(tud.Dataset[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
 def test_the_samplers_take_torch_s_arguments_in_torch_s_order() -> None:
     """A script's ``from torch.utils.data import DistributedSampler, RandomSampler`` swapped
     for aioloader's: torch's calls work, with torch's lengths (the unshuffled orders torch's
     exactly). ``DistributedSampler(ds, num_replicas=2)`` and ``RandomSampler(ds,
     replacement=True, num_samples=5)`` used to raise TypeError."""
-    ds = _Source(10)
+    ds = _Dataset(10)
     for drop_last in (False, True):
         for rank in (0, 1, 2):
             ours = DistributedSampler(ds, 3, rank, False, 0, drop_last)
@@ -401,9 +390,9 @@ def test_random_sampler_refuses_what_torch_s_refuses_in_its_words(
     kwargs: dict[str, object],
 ) -> None:
     with pytest.raises((TypeError, ValueError)) as theirs:
-        tud.RandomSampler(_Source(4), **kwargs)  # type: ignore[arg-type]
+        tud.RandomSampler(_Dataset(4), **kwargs)  # type: ignore[arg-type]
     with pytest.raises(type(theirs.value)) as ours:
-        RandomSampler(_Source(4), **kwargs)  # type: ignore[arg-type]
+        RandomSampler(_Dataset(4), **kwargs)  # type: ignore[arg-type]
     assert str(ours.value) == str(theirs.value)
 
 

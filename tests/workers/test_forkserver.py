@@ -280,11 +280,7 @@ print(standby._standby, os.path.exists(f"/proc/{spawned[0]}"), left)
 def test_ctrl_c_as_the_fresh_standby_is_spawned_leaves_nothing(tmp_path: Path) -> None:
     """Found by review: the Ctrl-C held while the standby was spawned was raised once it was,
     and the child was left running, known to nobody, with both ends of its pipe open here."""
-    (tmp_path / "job.py").write_text(textwrap.dedent(SPAWN_INTERRUPTED))
-    done = subprocess.run(
-        [sys.executable, "job.py"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = run_script(tmp_path, {"job.py": SPAWN_INTERRUPTED}, "job.py")
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-2000:]
     assert done.stdout == "interrupted\nNone False []\n"  # killed and reaped, nothing open
 
@@ -321,11 +317,7 @@ def test_a_ctrl_c_another_thread_takes_as_the_standby_is_spawned_leaves_nothing(
 ) -> None:
     """Found by the second review: raised inside the stdlib's spawn call, it lost the pid; the
     child is found by its command line now, killed and reaped."""
-    (tmp_path / "job.py").write_text(textwrap.dedent(SPAWN_INTERRUPTED_ELSEWHERE))
-    done = subprocess.run(
-        [sys.executable, "job.py"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    done = run_script(tmp_path, {"job.py": SPAWN_INTERRUPTED_ELSEWHERE}, "job.py")
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-2000:]
     assert done.stdout == "interrupted\nFalse []\n"
 
