@@ -2,19 +2,28 @@
 generator an epoch's order is drawn from.
 
 Owns: :func:`map_order` (the sampler and batch sampler, built as torch builds them),
-:func:`epoch_takers` (which samplers an epoch tells its number) and :func:`order_generator`
-(the generator a sampler draws its order from, whose state replays an epoch). Never: the samplers
-themselves (``sampler.py``); no event loop, no I/O, no threads.
+:func:`epoch_takers` (which samplers an epoch tells its number), :func:`owner_epoch` (the
+epoch a sampler's owner chose) and :func:`order_generator` (the generator a sampler draws its
+order from, whose state replays an epoch). Never: the samplers themselves (``sampler.py``); no
+event loop, no I/O, no threads.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+from .sampler import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    begin_epoch,
+    chosen_epoch,
+)
 
 __all__ = [
     "GENERATOR_SAMPLERS",
@@ -22,6 +31,7 @@ __all__ = [
     "epoch_takers",
     "map_order",
     "order_generator",
+    "owner_epoch",
 ]
 
 #: The batch samplers whose batches are their sampler's indices in lists of ``batch_size``
@@ -75,21 +85,43 @@ def map_order(
 def epoch_takers(
     sampler: object, batch_sampler: object, *, given: bool
 ) -> list[Callable[[int], object]]:
-    """The ``set_epoch`` methods an epoch calls with its number: those of aioloader's own
-    samplers (given, or inside a plain batch sampler), whose order is the loader's epoch's;
-    and, when the epoch was given (``loader.set_epoch``), any sampler's. torch's loader
-    calls none: a torch sampler's epoch is its owner's to set (the ``DistributedSampler``
-    idiom; Lightning sets the one it injects), and the loader's own count would undo theirs
-    (Lightning, rebuilding loaders each epoch, would see epoch 1's order again and again)."""
-    ours = (SequentialSampler, RandomSampler, DistributedSampler)
-    plain: Any = batch_sampler if type(batch_sampler) in PLAIN_BATCHERS else None
-    inner = None if plain is None else plain.sampler
-    takers: dict[int, Callable[[int], object]] = {}  # one call each (a sampler may be both)
+    """What an epoch tells its number: aioloader's own samplers (given, or inside a plain
+    batch sampler), whose order is the loader's epoch's (:func:`begin_epoch`, called last: a
+    user's ``set_epoch`` that forwards to ours is overruled, not taken as the owner's
+    choice); and, when the epoch was given (``loader.set_epoch``), any other's ``set_epoch``.
+    torch's loader calls none: a torch sampler's epoch is its owner's to set (the
+    ``DistributedSampler`` idiom; Lightning sets the one it injects), and the loader's own
+    count would undo theirs (Lightning, rebuilding loaders each epoch, would see epoch 1's
+    order again and again). Our ``BatchSampler`` only forwards to its sampler: not called."""
+    inner = _plain_inner(batch_sampler)
+    theirs: dict[int, Callable[[int], object]] = {}  # one call each (a sampler may be both)
+    ours: dict[int, Callable[[int], object]] = {}
     for obj in (sampler, inner, batch_sampler):
         set_epoch = getattr(obj, "set_epoch", None)
-        if callable(set_epoch) and (given or isinstance(obj, ours)):
-            takers[id(obj)] = set_epoch
-    return list(takers.values())
+        if isinstance(obj, (SequentialSampler, RandomSampler, DistributedSampler)):
+            ours[id(obj)] = functools.partial(begin_epoch, obj)
+        elif callable(set_epoch) and given and not isinstance(obj, BatchSampler):
+            theirs[id(obj)] = set_epoch
+    return [*theirs.values(), *ours.values()]
+
+
+def owner_epoch(sampler: object, batch_sampler: object) -> int | None:
+    """The epoch the owner of the loader's sampler (aioloader's; given, or inside a plain batch
+    sampler) chose with its ``set_epoch`` since the loader last began an epoch, or None: the
+    loader runs it next (torch's idiom, ``sampler.set_epoch(epoch)`` before each epoch, then
+    gives each epoch its owner's order, a loader rebuilt each epoch included)."""
+    inner = _plain_inner(batch_sampler)
+    for obj in (sampler, inner):
+        chosen = chosen_epoch(obj)
+        if chosen is not None:
+            return chosen
+    return None
+
+
+def _plain_inner(batch_sampler: object) -> object:
+    """A plain batch sampler's sampler, or None."""
+    plain: Any = batch_sampler if type(batch_sampler) in PLAIN_BATCHERS else None
+    return None if plain is None else plain.sampler
 
 
 def order_generator(order: object) -> torch.Generator | None:

@@ -24,6 +24,8 @@ from .sharding import resolve_rank, shard, shard_length
 
 __all__ = [
     "batches_of",
+    "begin_epoch",
+    "chosen_epoch",
     "BatchSampler",
     "DistributedSampler",
     "RandomSampler",
@@ -140,6 +142,7 @@ class RandomSampler(torch_data.RandomSampler):
             seed = draw_seed(generator)
         self._seed = check_seed(seed)
         self._epoch = 0
+        self._chosen: int | None = None  # by the owner's set_epoch, for a loader to begin
         # torch's attributes (``num_samples`` is its property, over ``_num_samples``)
         self.data_source = _data_source(self._length)
         self.replacement = replacement
@@ -169,7 +172,9 @@ class RandomSampler(torch_data.RandomSampler):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields.
+        """Select the epoch whose order the next iteration yields. A loader reading this
+        sampler runs that epoch next, and counts on from it (torch's idiom, calling it before
+        each epoch, gives the epochs called for; see :func:`begin_epoch`).
 
         Args:
             epoch: The epoch number.
@@ -178,7 +183,7 @@ class RandomSampler(torch_data.RandomSampler):
             TypeError: If ``epoch`` is not an int.
             ValueError: If ``epoch`` is negative.
         """
-        self._epoch = check_int("epoch", epoch, minimum=0)
+        self._epoch = self._chosen = check_int("epoch", epoch, minimum=0)
 
     @property
     def num_samples(self) -> int:
@@ -285,6 +290,7 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
         self._seed = check_seed(seed)
         self._drop_last = check_bool("drop_last", drop_last)
         self._epoch = 0
+        self._chosen: int | None = None  # as RandomSampler's
 
     # torch's attributes, read-only here (fixed at construction; the epoch by set_epoch)
 
@@ -339,7 +345,8 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch; call it with the same value on every rank.
+        """Select the epoch; call it with the same value on every rank. A loader reading this
+        sampler runs that epoch next, and counts on from it (as :meth:`RandomSampler.set_epoch`).
 
         Args:
             epoch: The epoch number.
@@ -348,7 +355,7 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
             TypeError: If ``epoch`` is not an int.
             ValueError: If ``epoch`` is negative.
         """
-        self._epoch = check_int("epoch", epoch, minimum=0)
+        self._epoch = self._chosen = check_int("epoch", epoch, minimum=0)
 
     def __iter__(self) -> Iterator[int]:
         if self._shuffle:
@@ -428,3 +435,16 @@ class BatchSampler(torch_data.BatchSampler):
             raise TypeError(f"sampler has no len(): {type(self._sampler).__name__}")
         n = len(self._sampler)
         return n // self._batch_size if self._drop_last else -(-n // self._batch_size)
+
+
+def chosen_epoch(sampler: object) -> int | None:
+    """The epoch the owner of aioloader's shuffling sampler chose with ``set_epoch`` since a
+    loader last began an epoch with it, or None (another sampler: None)."""
+    return sampler._chosen if isinstance(sampler, (RandomSampler, DistributedSampler)) else None
+
+
+def begin_epoch(sampler: object, epoch: int) -> None:
+    """A loader begins its epoch ``epoch`` with ``sampler`` (aioloader's): the order is that
+    epoch's, and an epoch its owner chose is taken (:func:`chosen_epoch` is None again)."""
+    if isinstance(sampler, (RandomSampler, DistributedSampler)):
+        sampler._epoch, sampler._chosen = check_int("epoch", epoch, minimum=0), None

@@ -26,6 +26,7 @@ from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics
 from .._base.verdict import verdict
 from .._data.epochs import claim_epochs
+from .._data.order import owner_epoch
 from .._data.source import InWorkers, dataset_length
 from .._workers.rayspec import RayWorkers
 from .arguments import Arguments, non_negative_int
@@ -335,17 +336,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
             LoaderStateError: A state loaded with :meth:`load_state_dict` is of another epoch
                 (setting this one would drop it silently).
         """
-        epoch = non_negative_int("epoch", epoch)
-        if self._resume is not None:
-            if epoch != self._resume.epoch:
-                raise LoaderStateError(
-                    f"the state loaded with load_state_dict() goes on with epoch "
-                    f"{self._resume.epoch}; set_epoch({epoch}) would drop it (call "
-                    f"set_epoch({self._resume.epoch}), or none, to resume)"
-                )
-        elif self._state.progress is not None and not self._state.progress.finished:
-            self._state.progress = None  # left by a break: the next epoch starts afresh
-        self._next_epoch = epoch
+        self._choose_epoch(non_negative_int("epoch", epoch), "set_epoch")
         self._epoch_given = True
 
     # -- progress and statistics ---------------------------------------------------------------
@@ -397,6 +388,9 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
                 "iterate the loader inside its scope: `async with loader: async for batch in "
                 "loader: ...` (or use a plain `for` loop, which runs its own scope)"
             )
+        chosen = owner_epoch(self._plan.sampler, self._plan.batch_sampler)
+        if chosen is not None:  # torch's idiom: the sampler's set_epoch before each epoch
+            self._choose_epoch(chosen, "sampler.set_epoch")
         number, self._next_epoch = self._next_epoch, self._next_epoch + 1
         given, self._epoch_given = self._epoch_given, False
         resume, self._resume = self._resume, None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Protocol
 
+from .._base.exceptions import LoaderStateError
+from .._data.order import owner_epoch
 from .._workers.offload import ThreadOffload
 from .checkpoint import EpochState, dumps_checked, fresh_state, restore_sampler
 from .plain import PlainIterator
@@ -48,6 +50,8 @@ class ResumableLoader(Protocol):
     def seed(self) -> int | None: ...
 
     def _end_running_epoch(self) -> None: ...
+
+    def _choose_epoch(self, epoch: int, by: str) -> None: ...
 
     def _offload(self) -> ThreadOffload: ...
 
@@ -100,7 +104,8 @@ class Resumable:
         else:
             progress = self._state.progress
             if progress is None or progress.finished:
-                state = fresh_state(self._plan, self._next_epoch)
+                chosen = owner_epoch(self._plan.sampler, self._plan.batch_sampler)
+                state = fresh_state(self._plan, self._next_epoch if chosen is None else chosen)
             else:
                 state, resumable = progress.state(), progress.resumable
         check_place(self._plan, state, resumable=resumable)
@@ -199,6 +204,23 @@ class Resumable:
                 return
             restore_sampler(plan, resume.sampler, loading=True)
             self._resume, self._loaded = resume, loaded
+
+    def _choose_epoch(self: ResumableLoader, epoch: int, by: str) -> None:
+        """The next iteration runs ``epoch``, chosen by ``by`` (``set_epoch``, or the sampler's).
+
+        Raises:
+            LoaderStateError: A loaded state is of another epoch.
+        """
+        if self._resume is not None:
+            if epoch != self._resume.epoch:
+                raise LoaderStateError(
+                    f"the state loaded with load_state_dict() goes on with epoch "
+                    f"{self._resume.epoch}; {by}({epoch}) would drop it (call "
+                    f"{by}({self._resume.epoch}), or none, to resume)"
+                )
+        elif self._state.progress is not None and not self._state.progress.finished:
+            self._state.progress = None  # left by a break: the next epoch starts afresh
+        self._next_epoch = epoch
 
     def _end_running_epoch(self: ResumableLoader) -> None:
         """End the epoch in progress, if any (from the thread that calls the loader)."""

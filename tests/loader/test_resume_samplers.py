@@ -263,3 +263,70 @@ def test_an_order_drawn_from_an_assigned_generator_is_not_resumed_elastically() 
     resumed.sampler.generator = torch.Generator().manual_seed(5)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="drawn from a generator"):
         resumed.load_state_dict(state)
+
+
+def _ours(kind: str) -> tud.Sampler[int]:
+    data = list(range(N))
+    if kind == "distributed":
+        return aioloader.DistributedSampler(data, num_replicas=2, rank=1, seed=4)
+    return aioloader.RandomSampler(data, seed=4)
+
+
+def _flat(loader: Any) -> list[int]:
+    return [x for batch in loader for x in batch.tolist()]
+
+
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["one loader", "a loader per epoch"])
+@pytest.mark.parametrize("kind", ["distributed", "random"])
+def test_our_samplers_epoch_set_by_its_owner_is_the_epoch_the_loader_runs(
+    kind: str, rebuilt: bool
+) -> None:
+    """torch's idiom, ``sampler.set_epoch(epoch)`` before each epoch, with our sampler gives
+    what torch's loader gives over it: the owner's epochs, repeated when set again, from
+    loaders rebuilt each epoch too. Before, the loader's own count overruled the owner (a
+    loader per epoch read epoch 0's order every epoch; a restart at epoch 2 read epoch 0's)."""
+    chosen = (2, 2, 5, 0)
+    results = []
+    for cls in (tud.DataLoader, DataLoader):
+        sampler = _ours(kind)
+        loader = cls(list(range(N)), batch_size=4, sampler=sampler)
+        orders = []
+        for epoch in chosen:
+            sampler.set_epoch(epoch)
+            if rebuilt:
+                loader = cls(list(range(N)), batch_size=4, sampler=sampler)
+            orders.append(_flat(loader))
+        results.append(orders)
+    assert results[0] == results[1]
+    assert results[1][0] == results[1][1] != results[1][2] != results[1][3]
+    if not rebuilt:  # the loader counts on from the owner's last choice: epochs 1 and 2
+        assert [_flat(loader), _flat(loader)] == [_order(kind, 1), _order(kind, 2)]
+
+
+def _order(kind: str, epoch: int) -> list[int]:
+    sampler = _ours(kind)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_an_epoch_its_owner_chose_is_the_states_and_must_agree_with_a_loaded_one() -> None:
+    """Between epochs, the state is the start of the epoch the sampler's owner chose. A loaded
+    state of another epoch is not dropped silently: the iteration raises, naming both."""
+    sampler = _ours("distributed")
+    loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
+    sampler.set_epoch(3)
+    assert loader.state_dict()["epoch"] == 3
+    iterator = iter(loader)
+    first = [next(iterator).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    rest = [batch.tolist() for batch in iterator]
+    assert [x for b in first + rest for x in b] == _order("distributed", 3)
+
+    resumed_sampler = _ours("distributed")
+    resumed = DataLoader(list(range(N)), batch_size=4, sampler=resumed_sampler)
+    resumed.load_state_dict(state)
+    resumed_sampler.set_epoch(0)  # a training loop that restarts its count
+    with pytest.raises(aioloader.LoaderStateError, match=r"epoch 3; sampler\.set_epoch\(0\)"):
+        iter(resumed)
+    resumed_sampler.set_epoch(3)  # the idiom, from the checkpoint's epoch
+    assert [batch.tolist() for batch in resumed] == rest
