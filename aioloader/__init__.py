@@ -3,6 +3,22 @@
 Import everything from here; the ``_modules`` behind it are private.
 """
 
+# torch's own datasets, samplers and helpers, under the names a torch user imports them by
+# (``from torch.utils.data import DataLoader, Dataset, random_split``): switching is changing
+# the import line. They are torch's objects, not copies; the DataLoader, the four samplers of
+# torch's names, default_collate/default_convert and get_worker_info below are ours.
+from torch.utils.data import ChainDataset as ChainDataset
+from torch.utils.data import ConcatDataset as ConcatDataset
+from torch.utils.data import Dataset as Dataset
+from torch.utils.data import IterableDataset as IterableDataset
+from torch.utils.data import Sampler as Sampler
+from torch.utils.data import StackDataset as StackDataset
+from torch.utils.data import Subset as Subset
+from torch.utils.data import SubsetRandomSampler as SubsetRandomSampler
+from torch.utils.data import TensorDataset as TensorDataset
+from torch.utils.data import WeightedRandomSampler as WeightedRandomSampler
+from torch.utils.data import random_split as random_split
+
 from ._base.exceptions import AioLoaderError as AioLoaderError
 from ._base.exceptions import LoaderStateError as LoaderStateError
 from ._base.exceptions import LoaderTimeout as LoaderTimeout
@@ -60,11 +76,15 @@ __all__ = [
     "BatchCostStatistics",
     "BatchSampler",
     "BatcherStatistics",
+    "ChainDataset",
+    "ConcatDataset",
     "ConsumerStatistics",
     "DataLoader",
+    "Dataset",
     "DistributedSampler",
     "DynamicBatcher",
     "Interleaved",
+    "IterableDataset",
     "LatencySummary",
     "LoaderStateError",
     "LoaderStatistics",
@@ -77,9 +97,15 @@ __all__ = [
     "RayWorkers",
     "RemoteError",
     "RetryPolicy",
+    "Sampler",
     "SequentialSampler",
+    "StackDataset",
     "StageStatistics",
+    "Subset",
+    "SubsetRandomSampler",
+    "TensorDataset",
     "TransientError",
+    "WeightedRandomSampler",
     "WorkerCrashed",
     "WorkerInfo",
     "WorkerStatistics",
@@ -89,6 +115,7 @@ __all__ = [
     "interleave",
     "merge_states",
     "pad_collate",
+    "random_split",
 ]
 
 

@@ -45,11 +45,64 @@ def defining_files(name: str) -> list[Path]:
     return top_level_definitions().get(name, [])
 
 
+#: torch's DataPipes (deprecated with torchdata's) and a private name: not re-exported.
+NOT_OURS = {
+    "DFIterDataPipe",
+    "DataChunk",
+    "IterDataPipe",
+    "MapDataPipe",
+    "argument_validation",
+    "functional_datapipe",
+    "guaranteed_datapipes_determinism",
+    "non_deterministic",
+    "runtime_validation",
+    "runtime_validation_disabled",
+    "_DatasetKind",
+}
+
+
+def torchs_own() -> set[str]:
+    """The public names that are torch's own objects, re-exported."""
+    return {n for n in aioloader.__all__ if getattr(aioloader, n).__module__.startswith("torch.")}
+
+
+def test_every_name_a_torch_user_imports_from_torch_utils_data_is_here() -> None:
+    """Switching is changing the import line: ``from torch.utils.data import DataLoader,
+    Dataset, random_split`` becomes ``from aioloader import ...``. Where the name is ours (the
+    loader, its samplers, collation, ``get_worker_info``) it is a subclass of torch's class or
+    a function of torch's signature; the rest are torch's objects themselves."""
+    import torch.utils.data as tud
+
+    wanted = set(tud.__all__) - NOT_OURS
+    assert wanted <= set(aioloader.__all__), sorted(wanted - set(aioloader.__all__))
+    own = torchs_own()
+    assert own == wanted - {
+        "BatchSampler",
+        "DataLoader",
+        "DistributedSampler",
+        "RandomSampler",
+        "SequentialSampler",
+        "default_collate",
+        "default_convert",
+        "get_worker_info",
+    }
+    for name in wanted:
+        ours, theirs = getattr(aioloader, name), getattr(tud, name)
+        if name in own:
+            assert ours is theirs, name
+        elif inspect.isclass(theirs):
+            assert issubclass(ours, theirs), name
+        else:
+            assert list(inspect.signature(ours).parameters) == list(
+                inspect.signature(theirs).parameters
+            ), name
+
+
 def test_public_names_come_from_private_modules_and_say_aioloader() -> None:
     """Defined in a private wing (``aioloader/_wing/module.py``), re-exported by the facade;
     they report ``aioloader`` as their module (as anyio's and trio's do), so reprs and pickles
-    name what users import."""
-    for name in aioloader.__all__:
+    name what users import. torch's own objects, re-exported, keep theirs."""
+    for name in sorted(set(aioloader.__all__) - torchs_own()):
         obj = getattr(aioloader, name)
         defined = obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
         sources = defining_files(defined.__name__)

@@ -697,3 +697,71 @@ async def test_async_epochs_in_one_scope_equal_torch() -> None:
         for _ in range(3):
             got = [batch async for batch in loader]
             assert_same(got, list(torch_loader))
+
+
+class Squares(tud.Dataset[tuple[int, int]]):
+    """A user's dataset, as a torch script defines it (the class itself is torch's)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, i * i
+
+
+class Countdown(tud.IterableDataset[int]):
+    """A user's stream, split between workers by torch's ``get_worker_info``."""
+
+    def __iter__(self) -> Iterator[int]:
+        info = tud.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(30 - start, 0, -step))
+
+
+def a_torch_script(data: Any, num_workers: int) -> list[Any]:
+    """What a training script does with ``torch.utils.data`` (``data``): every name it uses is
+    read from the module its import line names, so swapping the line swaps them all."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    train, val = data.random_split(Squares(), [0.75, 0.25], generator=g)
+    both = data.ConcatDataset([train, data.Subset(Squares(), range(5))])
+    pairs = data.TensorDataset(torch.arange(6), torch.arange(6) * 10)
+    weights = [1.0 + (i % 3) for i in range(len(both))]
+    sampler = data.WeightedRandomSampler(weights, 24, generator=torch.Generator().manual_seed(2))
+    out = []
+    for loader in (
+        data.DataLoader(both, batch_size=5, sampler=sampler, num_workers=num_workers),
+        data.DataLoader(val, batch_size=4, num_workers=num_workers),
+        data.DataLoader(pairs, batch_size=4, num_workers=num_workers),
+        data.DataLoader(data.StackDataset(val, val), batch_size=3, num_workers=num_workers),
+        data.DataLoader(
+            data.ChainDataset([Countdown(), Countdown()]), batch_size=7, num_workers=num_workers
+        ),
+        data.DataLoader(
+            both,
+            batch_sampler=data.BatchSampler(
+                data.SubsetRandomSampler(range(10), generator=torch.Generator().manual_seed(3)),
+                4,
+                drop_last=False,
+            ),
+        ),
+    ):
+        out.append(list(loader))
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_torch_script_with_its_import_line_swapped_gives_torchs_batches(
+    num_workers: int,
+) -> None:
+    """``from torch.utils.data import DataLoader, Dataset, random_split, ...`` swapped for
+    ``from aioloader import ...``: the datasets, splits and samplers it names are torch's own,
+    and the batches are torch's, with worker processes too (``IterableDataset`` streams split
+    by ``torch.utils.data.get_worker_info`` in them). (``shuffle=True`` is left out: our
+    shuffled order is seeded per epoch, so that it resumes; it is not torch's.)"""
+    theirs = a_torch_script(tud, num_workers)
+    ours = a_torch_script(aioloader, num_workers)
+    assert len(ours) == len(theirs) == 6
+    for k, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):
+        assert_same(mine, torchs, f"loader {k}")
+    assert sum(len(batch) for batch in theirs[4]) == 60  # each stream once, whatever the workers
