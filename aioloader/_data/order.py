@@ -16,14 +16,8 @@ from typing import Any
 
 import torch
 
-from .sampler import (
-    BatchSampler,
-    DistributedSampler,
-    RandomSampler,
-    SequentialSampler,
-    begin_epoch,
-    chosen_epoch,
-)
+from .._base.checks import check_int
+from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 __all__ = [
     "GENERATOR_SAMPLERS",
@@ -31,6 +25,7 @@ __all__ = [
     "epoch_takers",
     "map_order",
     "order_generator",
+    "owned_epoch",
     "owner_epoch",
 ]
 
@@ -86,36 +81,52 @@ def epoch_takers(
     sampler: object, batch_sampler: object, *, given: bool
 ) -> list[Callable[[int], object]]:
     """What an epoch tells its number: aioloader's own samplers (given, or inside a plain
-    batch sampler), whose order is the loader's epoch's (:func:`begin_epoch`, called last: a
-    user's ``set_epoch`` that forwards to ours is overruled, not taken as the owner's
-    choice); and, when the epoch was given (``loader.set_epoch``), any other's ``set_epoch``.
-    torch's loader calls none: a torch sampler's epoch is its owner's to set (the
-    ``DistributedSampler`` idiom; Lightning sets the one it injects), and the loader's own
-    count would undo theirs (Lightning, rebuilding loaders each epoch, would see epoch 1's
-    order again and again). Our ``BatchSampler`` only forwards to its sampler: not called."""
+    batch sampler), whose order is the loader's epoch's unless their owner has called their
+    ``set_epoch`` (:func:`owned_epoch`: then the epoch is the owner's, as a torch sampler's
+    is); and, when the epoch was given (``loader.set_epoch``), any sampler. torch's loader
+    calls none: a torch sampler's epoch is its owner's to set (the ``DistributedSampler``
+    idiom; Lightning sets the one it injects), and the loader's own count would undo theirs
+    (Lightning, rebuilding loaders each epoch, would see epoch 1's order again and again).
+    Our ``BatchSampler`` only forwards to its sampler: not called."""
     inner = _plain_inner(batch_sampler)
-    theirs: dict[int, Callable[[int], object]] = {}  # one call each (a sampler may be both)
-    ours: dict[int, Callable[[int], object]] = {}
+    takers: dict[int, Callable[[int], object]] = {}  # one call each (a sampler may be both)
     for obj in (sampler, inner, batch_sampler):
         set_epoch = getattr(obj, "set_epoch", None)
         if isinstance(obj, (SequentialSampler, RandomSampler, DistributedSampler)):
-            ours[id(obj)] = functools.partial(begin_epoch, obj)
+            if given or owned_epoch(obj) is None:  # not as its owner: it stays the loader's
+                takers[id(obj)] = functools.partial(_begin_epoch, obj)
         elif callable(set_epoch) and given and not isinstance(obj, BatchSampler):
-            theirs[id(obj)] = set_epoch
-    return [*theirs.values(), *ours.values()]
+            takers[id(obj)] = set_epoch
+    return list(takers.values())
 
 
 def owner_epoch(sampler: object, batch_sampler: object) -> int | None:
-    """The epoch the owner of the loader's sampler (aioloader's; given, or inside a plain batch
-    sampler) chose with its ``set_epoch`` since the loader last began an epoch, or None: the
-    loader runs it next (torch's idiom, ``sampler.set_epoch(epoch)`` before each epoch, then
-    gives each epoch its owner's order, a loader rebuilt each epoch included)."""
-    inner = _plain_inner(batch_sampler)
-    for obj in (sampler, inner):
-        chosen = chosen_epoch(obj)
-        if chosen is not None:
-            return chosen
+    """The epoch of the loader's sampler (aioloader's; given, or inside a plain batch
+    sampler) where its owner has called its ``set_epoch``, or None. A loader runs it, read
+    as each epoch draws its order, as torch's loader draws it from its sampler then: torch's
+    idiom, ``sampler.set_epoch(epoch)`` before each epoch, gives torch's epochs."""
+    for obj in (sampler, _plain_inner(batch_sampler)):
+        epoch = owned_epoch(obj)
+        if epoch is not None:
+            return epoch
     return None
+
+
+def owned_epoch(sampler: object) -> int | None:
+    """The epoch of one of aioloader's shuffling samplers whose owner has called its
+    ``set_epoch``, or None (not called yet, or another sampler). (The samplers' own module
+    keeps the flag; this module decides what it means for a loader.)"""
+    if isinstance(sampler, (RandomSampler, DistributedSampler)) and sampler._owned:
+        return sampler._epoch
+    return None
+
+
+def _begin_epoch(
+    sampler: RandomSampler | DistributedSampler | SequentialSampler, epoch: int
+) -> None:
+    """A loader's epoch ``epoch`` draws its order from ``sampler``: that epoch's."""
+    if isinstance(sampler, (RandomSampler, DistributedSampler)):
+        sampler._epoch = check_int("epoch", epoch, minimum=0)
 
 
 def _plain_inner(batch_sampler: object) -> object:

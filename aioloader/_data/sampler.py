@@ -24,8 +24,6 @@ from .sharding import resolve_rank, shard, shard_length
 
 __all__ = [
     "batches_of",
-    "begin_epoch",
-    "chosen_epoch",
     "BatchSampler",
     "DistributedSampler",
     "RandomSampler",
@@ -142,7 +140,7 @@ class RandomSampler(torch_data.RandomSampler):
             seed = draw_seed(generator)
         self._seed = check_seed(seed)
         self._epoch = 0
-        self._chosen: int | None = None  # by the owner's set_epoch, for a loader to begin
+        self._owned = False  # set_epoch was called: the epoch is its owner's, not a loader's
         # torch's attributes (``num_samples`` is its property, over ``_num_samples``)
         self.data_source = _data_source(self._length)
         self.replacement = replacement
@@ -172,9 +170,10 @@ class RandomSampler(torch_data.RandomSampler):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields. A loader reading this
-        sampler runs that epoch next, and counts on from it (torch's idiom, calling it before
-        each epoch, gives the epochs called for; see :func:`begin_epoch`).
+        """Select the epoch whose order the next iteration yields. From the first call on, the
+        epoch is its caller's, as a torch sampler's is: a loader reading this sampler runs
+        the epoch it has as each epoch draws its order, and no longer sets it (until then the
+        loader gives it the loader's own count).
 
         Args:
             epoch: The epoch number.
@@ -183,7 +182,7 @@ class RandomSampler(torch_data.RandomSampler):
             TypeError: If ``epoch`` is not an int.
             ValueError: If ``epoch`` is negative.
         """
-        self._epoch = self._chosen = check_int("epoch", epoch, minimum=0)
+        self._epoch, self._owned = check_int("epoch", epoch, minimum=0), True
 
     @property
     def num_samples(self) -> int:
@@ -290,7 +289,7 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
         self._seed = check_seed(seed)
         self._drop_last = check_bool("drop_last", drop_last)
         self._epoch = 0
-        self._chosen: int | None = None  # as RandomSampler's
+        self._owned = False  # as RandomSampler's
 
     # torch's attributes, read-only here (fixed at construction; the epoch by set_epoch)
 
@@ -345,8 +344,8 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch; call it with the same value on every rank. A loader reading this
-        sampler runs that epoch next, and counts on from it (as :meth:`RandomSampler.set_epoch`).
+        """Select the epoch; call it with the same value on every rank. From the first call on,
+        the epoch is its caller's (as :meth:`RandomSampler.set_epoch`).
 
         Args:
             epoch: The epoch number.
@@ -355,7 +354,7 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
             TypeError: If ``epoch`` is not an int.
             ValueError: If ``epoch`` is negative.
         """
-        self._epoch = self._chosen = check_int("epoch", epoch, minimum=0)
+        self._epoch, self._owned = check_int("epoch", epoch, minimum=0), True
 
     def __iter__(self) -> Iterator[int]:
         if self._shuffle:
@@ -435,16 +434,3 @@ class BatchSampler(torch_data.BatchSampler):
             raise TypeError(f"sampler has no len(): {type(self._sampler).__name__}")
         n = len(self._sampler)
         return n // self._batch_size if self._drop_last else -(-n // self._batch_size)
-
-
-def chosen_epoch(sampler: object) -> int | None:
-    """The epoch the owner of aioloader's shuffling sampler chose with ``set_epoch`` since a
-    loader last began an epoch with it, or None (another sampler: None)."""
-    return sampler._chosen if isinstance(sampler, (RandomSampler, DistributedSampler)) else None
-
-
-def begin_epoch(sampler: object, epoch: int) -> None:
-    """A loader begins its epoch ``epoch`` with ``sampler`` (aioloader's): the order is that
-    epoch's, and an epoch its owner chose is taken (:func:`chosen_epoch` is None again)."""
-    if isinstance(sampler, (RandomSampler, DistributedSampler)):
-        sampler._epoch, sampler._chosen = check_int("epoch", epoch, minimum=0), None

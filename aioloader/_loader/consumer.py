@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals
 from .._base.inline import ROUND_EVERY_S
 from .._data.epochs import OpensEpochs
-from .._data.order import epoch_takers
+from .._data.order import epoch_takers, owner_epoch
 from .._data.resume import Mark
 from .._data.source import InWorkers, MapSource
 from .._device.stage import Staged, hand_out
@@ -108,6 +108,9 @@ class EpochIterator(Generic[T_Batch]):
         resume = self._resume
         batches: Iterator[tuple[int, list[int]]] | None = None
         if plan.kind.is_map:
+            owned = owner_epoch(plan.sampler, plan.batch_sampler)
+            if owned is not None and owned != self._number and not self._epoch_given:
+                self._renumber(owned)  # set after iter(): torch's loader draws the order now
             for taker in epoch_takers(plan.sampler, plan.batch_sampler, given=self._epoch_given):
                 taker(self._number)
             self.progress.begin_order(plan, resume)  # a user's sampler's generator: saved
@@ -139,6 +142,30 @@ class EpochIterator(Generic[T_Batch]):
                 taken,
                 patient=own_thread,
             )
+
+    def _renumber(self, epoch: int) -> None:
+        """Run epoch ``epoch``, which the sampler's owner chose after this iterator was made.
+
+        Raises:
+            LoaderStateError: A loaded state of another epoch was to go on here (it is
+                dropped: the owner's order is not the state's).
+        """
+        if self._resume is not None:
+            raise LoaderStateError(
+                f"the state loaded with load_state_dict() goes on with epoch "
+                f"{self._resume.epoch}; sampler.set_epoch({epoch}), called after iter(loader), "
+                "dropped it (call it before, with the state's epoch, to resume)"
+            )
+        self._number = epoch
+        self.progress = Progress(fresh_state(self._plan, epoch))
+        self.shown.close()
+        self.shown = self._state.shown = EpochProgress(
+            epoch,
+            epoch_samples(self._plan),
+            self._state.stats.consumer,
+            self.progress,
+            draw=self._plan.arguments.progress,
+        )
 
     def _on_demand(self, own_thread: bool) -> bool:
         """Whether this epoch's batches are made in the consumer's calls for them: the plan

@@ -388,9 +388,9 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
                 "iterate the loader inside its scope: `async with loader: async for batch in "
                 "loader: ...` (or use a plain `for` loop, which runs its own scope)"
             )
-        chosen = owner_epoch(self._plan.sampler, self._plan.batch_sampler)
-        if chosen is not None:  # torch's idiom: the sampler's set_epoch before each epoch
-            self._choose_epoch(chosen, "sampler.set_epoch")
+        owned = owner_epoch(self._plan.sampler, self._plan.batch_sampler)
+        if owned is not None and not self._epoch_given:  # torch's idiom: sampler.set_epoch
+            self._choose_epoch(owned, "sampler.set_epoch")
         number, self._next_epoch = self._next_epoch, self._next_epoch + 1
         given, self._epoch_given = self._epoch_given, False
         resume, self._resume = self._resume, None

@@ -39,6 +39,7 @@ class ResumableLoader(Protocol):
     _copied: bool
     _dropped: BaseException | None
     _next_epoch: int
+    _epoch_given: bool
 
     @property
     def _scope(self) -> Scope | None: ...
@@ -68,6 +69,7 @@ class Resumable:
     _copied = False  # a copy whose plan is still the original's (see ``_refresh_plan``)
     _dropped: BaseException | None = None  # why a loaded state was dropped, not yet raised
     _next_epoch: int
+    _epoch_given: bool  # set_epoch chose the next epoch (not a sampler's owner)
 
     def state_dict(self: ResumableLoader) -> dict[str, Any]:
         """Where the loader stands: the batches of the current epoch its consumer has taken (a
@@ -103,9 +105,14 @@ class Resumable:
             state = self._resume
         else:
             progress = self._state.progress
-            if progress is None or progress.finished:
-                chosen = owner_epoch(self._plan.sampler, self._plan.batch_sampler)
-                state = fresh_state(self._plan, self._next_epoch if chosen is None else chosen)
+            last = None if progress is None else progress.base.epoch
+            plan = self._plan
+            owned = None if self._epoch_given else owner_epoch(plan.sampler, plan.batch_sampler)
+            if owned is not None and owned != last:  # the owner chose the next: its start
+                state = fresh_state(plan, owned)
+            elif progress is None or progress.finished:
+                after = self._next_epoch if owned is None or last is None else last + 1
+                state = fresh_state(plan, after)
             else:
                 state, resumable = progress.state(), progress.resumable
         check_place(self._plan, state, resumable=resumable)

@@ -4,6 +4,7 @@ one drawing from torch's global generator is named, once batches of it were take
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from collections.abc import Callable
@@ -282,25 +283,32 @@ def test_our_samplers_epoch_set_by_its_owner_is_the_epoch_the_loader_runs(
     kind: str, rebuilt: bool
 ) -> None:
     """torch's idiom, ``sampler.set_epoch(epoch)`` before each epoch, with our sampler gives
-    what torch's loader gives over it: the owner's epochs, repeated when set again, from
-    loaders rebuilt each epoch too. Before, the loader's own count overruled the owner (a
-    loader per epoch read epoch 0's order every epoch; a restart at epoch 2 read epoch 0's)."""
-    chosen = (2, 2, 5, 0)
+    what torch's loader gives over it: the owner's epochs, repeated when set again or not set
+    (the epoch is the owner's from the first call on), from loaders rebuilt each epoch too.
+    Before, the loader's own count overruled the owner (a loader per epoch read epoch 0's
+    order every epoch; a restart at epoch 2 read epoch 0's)."""
+    chosen = (2, 2, 5, None, 0, None)  # None: no call before that epoch
     results = []
     for cls in (tud.DataLoader, DataLoader):
         sampler = _ours(kind)
         loader = cls(list(range(N)), batch_size=4, sampler=sampler)
         orders = []
         for epoch in chosen:
-            sampler.set_epoch(epoch)
+            if epoch is not None:
+                sampler.set_epoch(epoch)
             if rebuilt:
                 loader = cls(list(range(N)), batch_size=4, sampler=sampler)
             orders.append(_flat(loader))
         results.append(orders)
     assert results[0] == results[1]
-    assert results[1][0] == results[1][1] != results[1][2] != results[1][3]
-    if not rebuilt:  # the loader counts on from the owner's last choice: epochs 1 and 2
-        assert [_flat(loader), _flat(loader)] == [_order(kind, 1), _order(kind, 2)]
+    assert results[1] == [_order(kind, e) for e in (2, 2, 5, 5, 0, 0)]
+    assert results[1][0] != results[1][2] != results[1][4]
+
+
+def test_without_its_owner_our_sampler_takes_the_loaders_count() -> None:
+    sampler = _ours("random")
+    loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
+    assert [_flat(loader) for _ in range(3)] == [_order("random", e) for e in range(3)]
 
 
 def _order(kind: str, epoch: int) -> list[int]:
@@ -309,11 +317,45 @@ def _order(kind: str, epoch: int) -> list[int]:
     return list(sampler)
 
 
+def test_an_epoch_set_after_iter_is_the_epochs_as_in_torch() -> None:
+    """Lightning calls ``iter(loader)`` before it sets the sampler's epoch (found by review:
+    a Lightning run resumed from a checkpoint read epoch 0's order in its first epoch). torch
+    draws the order at the first batch; so do we."""
+    results = []
+    for cls in (tud.DataLoader, DataLoader):
+        sampler = _ours("random")
+        loader = cls(list(range(N)), batch_size=4, sampler=sampler)
+        iterator = iter(loader)
+        sampler.set_epoch(3)
+        first = [x for batch in iterator for x in batch.tolist()]
+        results.append((first, _flat(loader)))
+    assert results[0] == results[1] == (_order("random", 3), _order("random", 3))
+    assert "epoch 3" in loader.progress()
+
+
+def test_two_loaders_over_one_sampler_both_run_its_owners_epoch() -> None:
+    """Found by review: the first loader to begin an epoch took the owner's choice, and a
+    second over the same sampler (``copy.copy``, an evaluation pass) ran its own count."""
+    results = []
+    for cls in (tud.DataLoader, DataLoader):
+        sampler = _ours("distributed")
+        a = cls(list(range(N)), batch_size=4, sampler=sampler)
+        b = copy.copy(a)
+        rows = []
+        for epoch in (1, 2):
+            sampler.set_epoch(epoch)
+            rows.append((_flat(a), _flat(b)))
+        results.append(rows)
+    assert results[0] == results[1]
+    assert results[1] == [(_order("distributed", e),) * 2 for e in (1, 2)]
+
+
 def test_an_epoch_its_owner_chose_is_the_states_and_must_agree_with_a_loaded_one() -> None:
-    """Between epochs, the state is the start of the epoch the sampler's owner chose. A loaded
-    state of another epoch is not dropped silently: the iteration raises, naming both."""
+    """Between epochs, and after a ``break``, the state is the start of the epoch the
+    sampler's owner chose. A loaded state of another epoch is not dropped silently: the
+    iteration raises, naming both, and the state is kept for the next."""
     sampler = _ours("distributed")
-    loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
+    loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler, seed=5)
     sampler.set_epoch(3)
     assert loader.state_dict()["epoch"] == 3
     iterator = iter(loader)
@@ -321,6 +363,20 @@ def test_an_epoch_its_owner_chose_is_the_states_and_must_agree_with_a_loaded_one
     state = loader.state_dict()
     rest = [batch.tolist() for batch in iterator]
     assert [x for b in first + rest for x in b] == _order("distributed", 3)
+    assert loader.state_dict()["epoch"] == 4  # after epoch 3, before the owner's next call
+    sampler.set_epoch(6)
+    assert loader.state_dict()["epoch"] == 6
+    for _batch in loader:
+        break  # a break in epoch 6 (a state of its middle), then the owner goes on to 7
+    assert loader.state_dict()["epoch"] == 6
+    assert loader.state_dict() != DataLoader(
+        list(range(N)), batch_size=4, sampler=_ours("distributed"), seed=5
+    ).state_dict() | {"epoch": 6}
+    sampler.set_epoch(7)
+    assert loader.state_dict()["epoch"] == 7
+    assert loader.state_dict() == DataLoader(
+        list(range(N)), batch_size=4, sampler=_ours("distributed"), seed=5
+    ).state_dict() | {"epoch": 7}
 
     resumed_sampler = _ours("distributed")
     resumed = DataLoader(list(range(N)), batch_size=4, sampler=resumed_sampler)
