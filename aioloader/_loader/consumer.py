@@ -31,7 +31,7 @@ from .._pipeline.epoch import Epoch
 from .._pipeline.items import Raised, Received
 from .._workers.offload import ThreadOffload
 from .checkpoint import EpochState, Progress, fresh_state
-from .progress import EpochProgress, epoch_samples
+from .progress import EpochProgress, epoch_samples, past_length
 from .resuming import resumed_batches
 from .scope import LoaderState, Running, Scope
 
@@ -51,17 +51,9 @@ class EpochIterator(Generic[T_Batch]):
         self._state = state
         self._plan = scope.plan
         self._scope = scope
-        self._number = number
         self._epoch_given = given  # by set_epoch: any sampler is told (epoch_takers)
         self._resume = resume  # a loaded state of this epoch: it goes on from there
-        self.progress = Progress(resume if resume is not None else fresh_state(scope.plan, number))
-        self.shown = EpochProgress(
-            number,
-            epoch_samples(scope.plan),
-            state.stats.consumer,
-            self.progress,
-            draw=scope.plan.arguments.progress,
-        )
+        self._number, self.progress, self.shown = self._numbered(number)
         self._running: Running | None = None
         self._went_round = 0.0  # when a batch made here last let the loop go round first
         self._demand: OnDemand | None = None  # the epoch's batches made in the calls for them
@@ -143,29 +135,26 @@ class EpochIterator(Generic[T_Batch]):
                 patient=own_thread,
             )
 
-    def _renumber(self, epoch: int) -> None:
-        """Run epoch ``epoch``, which the sampler's owner chose after this iterator was made.
+    def _numbered(self, number: int) -> tuple[int, Progress, EpochProgress]:
+        """The epoch's number, its record (from the loaded state, if any) and its progress."""
+        plan, resume, draw = self._plan, self._resume, self._plan.arguments.progress
+        progress = Progress(resume if resume is not None else fresh_state(plan, number))
+        consumer = self._state.stats.consumer
+        shown = EpochProgress(number, epoch_samples(plan), consumer, progress, draw=draw)
+        return number, progress, shown
 
-        Raises:
-            LoaderStateError: A loaded state of another epoch was to go on here (it is
-                dropped: the owner's order is not the state's).
-        """
+    def _renumber(self, epoch: int) -> None:
+        """Run epoch ``epoch``, its sampler's owner's choice made after this iterator was (it
+        raises ``LoaderStateError`` where a loaded state of another epoch was to go on)."""
         if self._resume is not None:
             raise LoaderStateError(
                 f"the state loaded with load_state_dict() goes on with epoch "
                 f"{self._resume.epoch}; sampler.set_epoch({epoch}), called after iter(loader), "
                 "dropped it (call it before, with the state's epoch, to resume)"
             )
-        self._number = epoch
-        self.progress = Progress(fresh_state(self._plan, epoch))
         self.shown.close()
-        self.shown = self._state.shown = EpochProgress(
-            epoch,
-            epoch_samples(self._plan),
-            self._state.stats.consumer,
-            self.progress,
-            draw=self._plan.arguments.progress,
-        )
+        self._number, self.progress, self.shown = self._numbered(epoch)
+        self._state.shown = self.shown
 
     def _on_demand(self, own_thread: bool) -> bool:
         """Whether this epoch's batches are made in the consumer's calls for them: the plan
@@ -393,26 +382,9 @@ class EpochIterator(Generic[T_Batch]):
         self._yielded += 1
         reported, warning = self._state.iterable_len, None
         if reported is not None and self._yielded > reported and not self._plan.kind.is_map:
-            warning = self._past_length(reported)
+            warning = past_length(self._plan, reported, self._yielded)
         self._last_yield = time.perf_counter()
         return Received(batch, warning, marks, None)
-
-    def _past_length(self, reported: int) -> str:
-        """torch's warning, for the consumer to give where it takes the batch: an iterable
-        yielded more than ``len(loader)`` said it would (as torch does, the dataset's length
-        is compared with the batches yielded)."""
-        plan = self._plan
-        text = (
-            f"Length of IterableDataset {plan.dataset!r} was reported to be {reported} (when "
-            f"accessing len(dataloader)), but {self._yielded} samples have been fetched."
-        )
-        if plan.num_workers > 0:
-            text += (
-                " For multiprocessing data-loading, this could be caused by not properly "
-                "configuring the IterableDataset replica at each worker (each worker iterates "
-                "its own copy: shard it with get_worker_info())."
-            )
-        return text
 
     def close_stream(self) -> None:
         self._closed = True

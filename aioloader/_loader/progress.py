@@ -3,8 +3,8 @@
 Owns: :class:`EpochProgress`, what one epoch has handed its consumer (samples, rate, the share
 of the time the consumer waited for data), drawn with tqdm when it is installed, else with the
 plain bar of ``_base/progress.py`` (redrawn on a terminal, one line per epoch elsewhere), on
-stderr. Never: prints unless asked (``progress=True``); reads the pipeline (the consumer's side
-tells it what it took).
+stderr; and torch's warning for an iterable past the length it reported. Never: prints unless
+asked (``progress=True``); reads the pipeline (the consumer's side tells it what it took).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .checkpoint import Progress as Record
     from .plan import LoaderPlan
 
-__all__ = ["EpochProgress", "epoch_samples"]
+__all__ = ["EpochProgress", "epoch_samples", "past_length"]
 
 
 class EpochProgress:
@@ -127,3 +127,20 @@ def epoch_samples(plan: LoaderPlan) -> int | None:
         return None
     size = plan.batch_size
     return n - n % size if size and plan.arguments.drop_last else n
+
+
+def past_length(plan: LoaderPlan, reported: int, yielded: int) -> str:
+    """torch's warning, for the consumer to give where it takes the batch: an iterable
+    yielded more than ``len(loader)`` said it would (as torch does, the dataset's length
+    is compared with the batches yielded)."""
+    text = (
+        f"Length of IterableDataset {plan.dataset!r} was reported to be {reported} (when "
+        f"accessing len(dataloader)), but {yielded} samples have been fetched."
+    )
+    if plan.num_workers > 0:
+        text += (
+            " For multiprocessing data-loading, this could be caused by not properly "
+            "configuring the IterableDataset replica at each worker (each worker iterates "
+            "its own copy: shard it with get_worker_info())."
+        )
+    return text
