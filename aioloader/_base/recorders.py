@@ -33,6 +33,7 @@ class WorkerRecorder:
         "bytes_sent",
         "crashes",
         "jobs",
+        "main_left_unsafe",
         "processes",
         "restarts",
         "server",
@@ -52,6 +53,7 @@ class WorkerRecorder:
         self.server = ""
         self.server_why = ""
         self.server_s = 0.0
+        self.main_left_unsafe = False
 
     def snapshot(self) -> WorkerStatistics:
         return WorkerStatistics(
@@ -65,6 +67,7 @@ class WorkerRecorder:
             self.server,
             self.server_why,
             self.server_s,
+            self.main_left_unsafe,
         )
 
 

@@ -118,6 +118,11 @@ class WorkerStatistics:
             one; for the standby, the time it took to run the main module again, that is to
             import what the main module imports after aioloader (for a fresh standby, also
             what was left of its own imports). Not part of ``startup_s``.
+        main_left_unsafe: With ``"interpreter"``: the server forked in reserve as aioloader
+            was imported did not serve because the main module's top level, which it runs
+            again (as torch's spawn and forkserver workers do), started a thread or
+            initialised CUDA there; under the script's ``if __name__ == "__main__":`` guard,
+            they would not run again.
     """
 
     processes: int
@@ -130,6 +135,7 @@ class WorkerStatistics:
     server: str = ""
     server_why: str = ""
     server_s: float = 0.0
+    main_left_unsafe: bool = False
 
 
 @dataclass(frozen=True, slots=True)

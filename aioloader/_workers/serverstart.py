@@ -81,6 +81,8 @@ class ServerStart:
             where the loader was built at the script's top level, outside its ``__main__``
             guard (running it again would come back there); its workers are then sent the
             script's functions and classes by value, as a notebook's.
+        main_left_unsafe: For ``"interpreter"``: the standby did not serve because the main
+            module's top level, run again there, started a thread or initialised CUDA.
     """
 
     how: str
@@ -89,6 +91,7 @@ class ServerStart:
     pid: int | None = None
     main: dict[str, object] | None = None
     main_again: bool = True
+    main_left_unsafe: bool = False
 
     @property
     def slow(self) -> bool:
@@ -154,6 +157,7 @@ def note_server(stats: WorkerRecorder) -> None:
     global _unclaimed_s
     if _started is not None:
         stats.server, stats.server_why = _started.how, _started.why
+        stats.main_left_unsafe = _started.main_left_unsafe
         stats.server_s += _unclaimed_s
         _unclaimed_s = 0.0
 
@@ -186,8 +190,11 @@ def _start() -> ServerStart:
         again = not running_unguarded()
         fresh = standby.fresh()
         woken = standby.wake(run_main=again)
-        if isinstance(woken, str):
-            return ServerStart("interpreter", f"{why}; {woken}", main_again=again)
+        if isinstance(woken, standby.Refused):
+            unsafe = woken.main_left_unsafe
+            return ServerStart(
+                "interpreter", f"{why}; {woken.why}", main_again=again, main_left_unsafe=unsafe
+            )
         _install(woken)
         how, why = ("fresh standby", f"{why}; {fresh}") if fresh else ("standby", why)
         return ServerStart(how, why, time.perf_counter() - began, woken.pid, main_again=again)

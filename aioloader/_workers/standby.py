@@ -62,6 +62,7 @@ from .worker import name_this_process
 
 __all__ = [
     "ENV",
+    "Refused",
     "UNKNOWN_PROTOCOL",
     "fork_standby",
     "fresh",
@@ -79,6 +80,21 @@ class _Standby:
     server: ForkedServer
     line: multiprocessing.connection.Connection  # this process's end of the wake line
     fresh: str = ""  # a fresh interpreter: why it was not forked ("" where forked)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why the standby does not serve.
+
+    Attributes:
+        why: In words, for ``server_why``.
+        main_left_unsafe: Running the main module's top level again in it started a thread or
+            initialised CUDA there (a thread or CUDA started outside the script's ``__main__``
+            guard): what the script can move, where the other reasons are not.
+    """
+
+    why: str
+    main_left_unsafe: bool = False
 
 
 _standby: _Standby | None = None
@@ -264,17 +280,19 @@ def _wait(
     except EOFError:
         os._exit(0)
     signal.signal(signal.SIGINT, waiting if woken is None else woken)
+    refused: Refused | None = None
     try:
         adopt_environ(environ)
         _catch_up(preparation, partial, run_main)
         why = unsafe_to_fork()
         if why is not None:
             why = f"the standby server could not serve: running the main module again, {why}"
+            refused = Refused(why, main_left_unsafe=True)
     except BaseException as exc:  # the main module's top level failed here: say how
-        why = f"the standby server could not run the main module again: {exc!r}"
-    line.send(why)
+        refused = Refused(f"the standby server could not run the main module again: {exc!r}")
+    line.send(refused)
     line.close()
-    if why is not None:
+    if refused is not None:
         os._exit(0)
 
 
@@ -309,7 +327,7 @@ def _catch_up(preparation: dict[str, Any], partial: frozenset[str], run_main: bo
         _catching_up = False
 
 
-def wake(*, run_main: bool = True) -> ForkedServer | str:
+def wake(*, run_main: bool = True) -> ForkedServer | Refused:
     """Wake the standby: the server, once it has caught up with the main module; else why there
     is none to use (no standby, or it could not catch up: then it has exited). With
     ``run_main=False`` (a script that builds its loader at its top level, outside its
@@ -323,15 +341,15 @@ def wake(*, run_main: bool = True) -> ForkedServer | str:
     global _standby, _missing
     standby, _standby = _standby, None
     if standby is None:
-        return _missing
+        return Refused(_missing)
     preparation = spawn.get_preparation_data("aioloader-fs")
     preparation["authkey"] = bytes(preparation["authkey"])  # pickles only into a new process
-    why: str | None
+    refused: Refused | None
     try:
         standby.line.send((preparation, run_main, environ_now()))
-        why = standby.line.recv()
+        refused = standby.line.recv()
     except (EOFError, OSError) as exc:
-        why = f"the standby server exited ({exc!r})"
+        refused = Refused(f"the standby server exited ({exc!r})")
     except BaseException:  # interrupted (Ctrl-C) while it ran the main module: it goes too
         _missing = "the standby was stopped: waking it was interrupted"
         standby.line.close()
@@ -340,10 +358,10 @@ def wake(*, run_main: bool = True) -> ForkedServer | str:
         standby.server.retire()
         raise
     standby.line.close()
-    if why is None:
+    if refused is None:
         return standby.server
     standby.server.retire()
-    return why
+    return refused
 
 
 def fresh() -> str:

@@ -175,6 +175,12 @@ async def test_a_slow_worker_start_is_named_with_why_and_what_to_do() -> None:
     assert f"starting the 2 worker processes took {slow.startup_s:.1f} s" in said, said
     assert "(this process had 3 Python threads)" in said
     assert "import aioloader before CUDA is initialised" in said
+    # The standby refused because the main module's top level, run again in it, started a
+    # thread: importing earlier would not help; the guard does.
+    unguarded = dataclasses.replace(slow, main_left_unsafe=True)
+    said = verdict(dataclasses.replace(stats, workers=unguarded))
+    assert "starts a thread or initialises CUDA; do that under `if __name__ ==" in said, said
+    assert "import aioloader before" not in said and "persistent_workers=True" in said
     forked = dataclasses.replace(slow, server="forked", server_why="")
     said = verdict(dataclasses.replace(stats, workers=forked))
     assert "took" in said and "persistent_workers=True" in said and "CUDA" not in said

@@ -656,7 +656,8 @@ threading.Thread(target=threading.Event().wait, daemon=True).start()  # at the t
 if __name__ == "__main__":
     loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
     assert [b.tolist() for b in loader] == [[0, 1]]
-    print(loader.statistics().workers.server, "|", loader.statistics().workers.server_why)
+    workers = loader.statistics().workers
+    print(workers.server, "|", workers.server_why, "|", workers.main_left_unsafe)
 """
 
 
@@ -666,12 +667,13 @@ def test_a_standby_left_unsafe_by_the_main_module_refuses_and_says_why(tmp_path:
     each of its workers does, after its fork."""
     done = run_script(tmp_path, {"threads.py": THREADS_AT_IMPORT}, "threads.py")
     assert (done.returncode, done.stderr) == (0, "")
-    how, why = done.stdout.strip().split(" | ")
+    how, why, main_left_unsafe = done.stdout.strip().split(" | ")
     assert how == "interpreter"
     assert why == (
         "this process had 2 Python threads; the standby server could not serve: running the "
         "main module again, this process had 2 Python threads"
     )
+    assert main_left_unsafe == "True"  # the verdict's advice: the __main__ guard
 
 
 NO_FORK = """
@@ -694,7 +696,8 @@ if __name__ == "__main__":
     threading.Thread(target=threading.Event().wait, daemon=True).start()
     loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
     assert [b.tolist() for b in loader] == [[0, 1]]
-    print(loader.statistics().workers.server, "|", loader.statistics().workers.server_why)
+    workers = loader.statistics().workers
+    print(workers.server, "|", workers.server_why, "|", workers.main_left_unsafe)
 """
 
 
@@ -703,7 +706,7 @@ def test_a_standby_that_cannot_be_forked_leaves_the_import_alone(tmp_path: Path)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == (
         "interpreter | this process had 2 Python threads; no standby: forking it failed "
-        "(PermissionError(1, 'fork is not allowed here'))\n"
+        "(PermissionError(1, 'fork is not allowed here')) | False\n"
     )
 
 
