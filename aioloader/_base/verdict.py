@@ -139,12 +139,16 @@ def _slow_start(stats: LoaderStatistics) -> str | None:
         if kept
         else "keep them across epochs (persistent_workers=True)"
     )
-    if w.server == "interpreter" and w.main_left_unsafe:
+    if w.main_left_unsafe:  # the standby ran the main module again: a thread or CUDA began
+        how = (
+            "their fork server was a fresh interpreter importing torch and the main module"
+            if w.server == "interpreter"
+            else "each ran the main module's top level after its fork"
+        )
         return (
-            f"{said}: their fork server was a fresh interpreter importing torch and the main "
-            f"module ({w.server_why}): the main module's top level, which the server forked "
-            "in reserve runs again (as torch's spawn and forkserver workers do), starts a "
-            'thread or initialises CUDA; do that under `if __name__ == "__main__":`'
+            f"{said}: {how} ({w.server_why}): that top level, which the server forked in "
+            "reserve runs again (as torch's spawn and forkserver workers do), starts a thread "
+            'or initialises CUDA; do that under `if __name__ == "__main__":`'
             + ("" if kept else ", or keep the workers across epochs (persistent_workers=True)")
         )
     if w.server == "interpreter":

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from .._base.recorders import WorkerRecorder
 from . import standby, standin
+from .catchup import running_main_again
 from .forkserver import (
     PRELOAD,
     ForkedServer,
@@ -195,9 +196,19 @@ def _start() -> ServerStart:
             return ServerStart(
                 "interpreter", f"{why}; {woken.why}", main_again=again, main_left_unsafe=unsafe
             )
-        _install(woken)
+        _install(woken.server)
         how, why = ("fresh standby", f"{why}; {fresh}") if fresh else ("standby", why)
-        return ServerStart(how, why, time.perf_counter() - began, woken.pid, main_again=again)
+        if woken.instead is not None:  # its reserve serves: each worker runs the main module
+            reserve = "its reserve serves, each worker running the main module"
+            why = f"{why}; {woken.instead.why}; {reserve}"
+        return ServerStart(
+            how,
+            why,
+            time.perf_counter() - began,
+            woken.server.pid,
+            main_again=again,
+            main_left_unsafe=woken.instead is not None,
+        )
 
 
 def _functions_and_classes(module: object) -> dict[str, object]:
@@ -225,7 +236,7 @@ def prepare_forkserver(context: str | multiprocessing.context.BaseContext) -> No
     ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
     if ctx.get_start_method() != "forkserver":
         return
-    if standby.running_main_again():
+    if running_main_again():
         raise RuntimeError(
             "aioloader: a loader with worker processes was started while a fork server ran "
             "the main module again to find its classes (as spawn and forkserver do): put the "

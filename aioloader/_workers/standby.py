@@ -16,13 +16,12 @@ Woken, it catches up with the main module as ``multiprocessing.spawn`` does for 
 interpreter (the same semantics as the stdlib's server): it takes this process's ``sys.path``,
 ``sys.argv`` and working directory, and runs the main script once more as ``__mp_main__`` (its
 ``if __name__ == "__main__":`` block does not run), so that the classes and functions a worker
-unpickles are there. Modules that were still being imported when the standby was forked (the
-chain of imports that reached aioloader) are imported again, whole. The imports the standby
-already has (torch, NumPy, aioloader) are not paid again. If the main script's top level
-fails, or leaves a thread or a CUDA context behind, the standby says why and exits; the
-stdlib's server is started instead (it never runs the main module: each of its workers runs it
-after its fork). A top level that starts a loader is not run again
-(``mainscript.running_unguarded``).
+unpickles are there (``catchup.py``). The imports the standby already has (torch, NumPy,
+aioloader) are not paid again. If the main script's top level fails, the standby says why and
+exits, and the stdlib's server is started instead; if it leaves a thread or a CUDA context
+behind, a second standby forked beside it (the reserve) serves instead, each of its workers
+running the main module after its fork, as the stdlib's server's do. A top level that starts a
+loader is not run again (``mainscript.running_unguarded``).
 
 Where forking is not safe as aioloader is imported in an interactive session (a notebook
 kernel's threads, which it always has; CUDA already initialised), the standby is a fresh
@@ -54,7 +53,7 @@ from dataclasses import dataclass
 from multiprocessing import spawn
 from typing import Any
 
-from . import standin
+from .catchup import MainRun, Refused, catch_up, modules_being_imported, running_main_again
 from .environ import adopt_environ, environ_now
 from .forkserver import ForkedServer, fork_server, server_protocol_known, unsafe_to_fork
 from .spawned import spawn_server
@@ -64,10 +63,10 @@ __all__ = [
     "ENV",
     "Refused",
     "UNKNOWN_PROTOCOL",
+    "Woken",
     "fork_standby",
     "fresh",
     "retire",
-    "running_main_again",
     "serve_fresh",
     "wake",
 ]
@@ -82,24 +81,13 @@ class _Standby:
     fresh: str = ""  # a fresh interpreter: why it was not forked ("" where forked)
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """Why the standby does not serve.
-
-    Attributes:
-        why: In words, for ``server_why``.
-        main_left_unsafe: Running the main module's top level again in it started a thread or
-            initialised CUDA there (a thread or CUDA started outside the script's ``__main__``
-            guard): what the script can move, where the other reasons are not.
-    """
-
-    why: str
-    main_left_unsafe: bool = False
-
-
 _standby: _Standby | None = None
+#: A second forked standby, beside the first: where running the main module again left the
+#: first with a thread or a CUDA context, it serves instead, each worker running the main
+#: module after its fork (as the stdlib's server's workers do) but with torch imported already.
+#: Forked from the same image, it shares its pages with the first.
+_reserve: _Standby | None = None
 _missing = "no standby: aioloader has not been imported"  # why there is none, once it was
-_catching_up = False  # in the standby, while the main module runs again
 UNKNOWN_PROTOCOL = (
     f"Python {sys.version.split()[0]}'s fork server is not one a forked server can be handed "
     "to (3.11 to 3.13 only)"
@@ -109,22 +97,16 @@ UNKNOWN_PROTOCOL = (
 def _forget_in_child() -> None:
     """In a child forked from this process (a server of ours, or the application's own fork):
     the standby is its parent's, and its copies of the standby's descriptors go."""
-    global _standby
-    standby, _standby = _standby, None
-    if standby is not None:
-        standby.line.close()
-        with contextlib.suppress(OSError):
-            os.close(standby.server.alive_w)
+    global _standby, _reserve
+    for standby in (_standby, _reserve):
+        if standby is not None:
+            standby.line.close()
+            with contextlib.suppress(OSError):
+                os.close(standby.server.alive_w)
+    _standby = _reserve = None
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def running_main_again() -> bool:
-    """Whether this process is a fork server (the standby, or the stdlib's) or a spawned worker
-    running the main module again: a loader started from there (a script's unguarded top
-    level) must not start workers. The stdlib marks its own with ``_inheriting``."""
-    return _catching_up or bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
 def _a_multiprocessing_child() -> bool:
@@ -141,20 +123,6 @@ def _a_multiprocessing_child() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def _modules_being_imported() -> frozenset[str]:
-    """The modules whose top level is running now (the chain of imports that reached here),
-    aioloader's own left out: in the standby they stay half-imported for good."""
-    names = set()
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "<module>":
-            name = frame.f_globals.get("__name__", "")
-            if name != "__main__" and name.partition(".")[0] != "aioloader":
-                names.add(name)
-        frame = frame.f_back
-    return frozenset(names)
 
 
 def fork_standby() -> None:
@@ -176,7 +144,7 @@ def fork_standby() -> None:
     if why is not None and (sys.platform != "linux" or not _interactive()):
         _missing = f"no standby: when aioloader was imported, {why}"
         return
-    partial = _modules_being_imported()
+    partial = modules_being_imported()
     try:
         ours, theirs = multiprocessing.Pipe()
     except OSError as exc:
@@ -208,6 +176,31 @@ def fork_standby() -> None:
     finally:
         theirs.close()
     _missing = "the standby was used or retired"
+    if why is None:
+        _fork_reserve(partial)
+
+
+def _fork_reserve(partial: frozenset[str]) -> None:
+    """Fork :data:`_reserve` (after the first standby: its descriptors are not the reserve's),
+    where that can be done; a failure leaves the first alone."""
+    global _reserve
+    try:
+        ours, theirs = multiprocessing.Pipe()
+    except OSError:
+        return
+    try:
+        server = fork_server(
+            "aioloader-sb", keep=(theirs.fileno(),), before_serving=lambda: _wait(theirs, partial)
+        )
+        _reserve = _Standby(server, ours)
+    except Exception:  # (the first standby serves alone)
+        ours.close()
+    except BaseException:  # interrupted: the first goes too, and the interruption goes on
+        ours.close()
+        retire()
+        raise
+    finally:
+        theirs.close()
 
 
 def _interactive() -> bool:
@@ -276,14 +269,14 @@ def _wait(
     the one this process has now (a fresh standby)."""
     waiting = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        preparation, run_main, environ = line.recv()
+        preparation, main, environ = line.recv()
     except EOFError:
         os._exit(0)
     signal.signal(signal.SIGINT, waiting if woken is None else woken)
     refused: Refused | None = None
     try:
         adopt_environ(environ)
-        _catch_up(preparation, partial, run_main)
+        catch_up(preparation, partial, main)
         why = unsafe_to_fork()
         if why is not None:
             why = f"the standby server could not serve: running the main module again, {why}"
@@ -296,57 +289,61 @@ def _wait(
         os._exit(0)
 
 
-def _catch_up(preparation: dict[str, Any], partial: frozenset[str], run_main: bool) -> None:
-    """Become what a fresh interpreter prepared by ``multiprocessing.spawn`` would be: the parent's
-    path, arguments and directory, and its main module run again as ``__mp_main__`` (unless
-    ``run_main`` is False: then the main module stays as it was forked, and is marked as the
-    script the workers are told of, so that they do not run it either)."""
-    global _catching_up
-    for name in [*sys.modules]:
-        # A half-imported module goes, and so do its submodules: those imported before the
-        # fork hold the half-built package (``from . import x`` inside its __init__).
-        if name in partial or any(name.startswith(f"{package}.") for package in partial):
-            del sys.modules[name]
-    if not run_main:  # a worker runs the script unless __main__ is it (its file, or module)
-        standin.stand_in(standin.encode(preparation))
-        preparation.pop("init_main_from_path", None)
-        preparation.pop("init_main_from_name", None)
-        spawn.prepare(preparation)
-        return
-    by_name = preparation.get("init_main_from_name")
-    if preparation.get("init_main_from_path") or (
-        by_name and by_name != "__main__" and not by_name.endswith(".__main__")
-    ):
-        # spawn.prepare runs the main module only where ``__main__`` is not it already: the
-        # half-run original must not count as it.
-        sys.modules["__main__"] = types.ModuleType("__main__")
-    _catching_up = True
-    try:
-        spawn.prepare(preparation)
-    finally:
-        _catching_up = False
+@dataclass(frozen=True, slots=True)
+class Woken:
+    """A standby that serves.
+
+    Attributes:
+        server: The server.
+        instead: Where it is the reserve: why the first standby did not serve (running the
+            main module again started a thread or initialised CUDA there); the reserve's
+            workers each run the main module after their fork.
+    """
+
+    server: ForkedServer
+    instead: Refused | None = None
 
 
-def wake(*, run_main: bool = True) -> ForkedServer | Refused:
+def wake(*, run_main: bool = True) -> Woken | Refused:
     """Wake the standby: the server, once it has caught up with the main module; else why there
     is none to use (no standby, or it could not catch up: then it has exited). With
     ``run_main=False`` (a script that builds its loader at its top level, outside its
     ``__main__`` guard) it takes this process's path, arguments and directory but does not run
     the main script again, and neither do its workers: they have the main module as it was
-    when aioloader was imported.
+    when aioloader was imported. Where running the main module again left the standby with a
+    thread or a CUDA context, the reserve serves instead (see :data:`_reserve`).
 
     Blocks while the standby runs the main module's imports again (those it did not have);
-    interrupted meanwhile (Ctrl-C), the standby is killed and reaped, and the interruption
-    goes on."""
-    global _standby, _missing
+    interrupted meanwhile (Ctrl-C), the standby (and the reserve) is killed and reaped, and
+    the interruption goes on."""
+    global _standby, _reserve
     standby, _standby = _standby, None
     if standby is None:
+        retire()
         return Refused(_missing)
+    try:
+        woken = _rouse(standby, "here" if run_main else "nowhere")
+    except BaseException:
+        retire()
+        raise
+    reserve, _reserve = _reserve, None
+    if reserve is None:
+        return woken
+    if isinstance(woken, Refused) and woken.main_left_unsafe:
+        served = _rouse(reserve, "in workers")
+        return served if isinstance(served, Refused) else Woken(served.server, woken)
+    _retire(reserve, None)
+    return woken
+
+
+def _rouse(standby: _Standby, main: MainRun) -> Woken | Refused:
+    """Wake ``standby`` (see :func:`wake`), the main module run again where ``main`` says."""
+    global _missing
     preparation = spawn.get_preparation_data("aioloader-fs")
     preparation["authkey"] = bytes(preparation["authkey"])  # pickles only into a new process
     refused: Refused | None
     try:
-        standby.line.send((preparation, run_main, environ_now()))
+        standby.line.send((preparation, main, environ_now()))
         refused = standby.line.recv()
     except (EOFError, OSError) as exc:
         refused = Refused(f"the standby server exited ({exc!r})")
@@ -359,7 +356,7 @@ def wake(*, run_main: bool = True) -> ForkedServer | Refused:
         raise
     standby.line.close()
     if refused is None:
-        return standby.server
+        return Woken(standby.server)
     standby.server.retire()
     return refused
 
@@ -371,15 +368,21 @@ def fresh() -> str:
 
 
 def retire(wait: float | None = None) -> None:
-    """Let the standby go (a server forked from this process now replaces it, or the process
-    exits), and reap it: once it has exited, or if it does within ``wait`` seconds. A fresh
-    one, which has nothing of this process's, is killed (it may still be importing torch)."""
-    global _standby
-    standby, _standby = _standby, None
-    if standby is not None:
-        with contextlib.suppress(OSError):
-            standby.line.close()  # EOF on its line: it exits
-        if standby.fresh:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(standby.server.pid, signal.SIGKILL)
-        standby.server.retire(wait)
+    """Let the standby (and the reserve) go (a server forked from this process now replaces
+    it, or the process exits), and reap it: once it has exited, or if it does within ``wait``
+    seconds. A fresh one, which has nothing of this process's, is killed (it may still be
+    importing torch)."""
+    global _standby, _reserve
+    standby, reserve, _standby, _reserve = _standby, _reserve, None, None
+    for each in (standby, reserve):
+        if each is not None:
+            _retire(each, wait)
+
+
+def _retire(standby: _Standby, wait: float | None) -> None:
+    with contextlib.suppress(OSError):
+        standby.line.close()  # EOF on its line: it exits
+    if standby.fresh:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(standby.server.pid, signal.SIGKILL)
+    standby.server.retire(wait)

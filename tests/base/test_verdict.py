@@ -181,6 +181,10 @@ async def test_a_slow_worker_start_is_named_with_why_and_what_to_do() -> None:
     said = verdict(dataclasses.replace(stats, workers=unguarded))
     assert "starts a thread or initialises CUDA; do that under `if __name__ ==" in said, said
     assert "import aioloader before" not in said and "persistent_workers=True" in said
+    reserve = dataclasses.replace(unguarded, server="standby")  # its workers ran the module
+    said = verdict(dataclasses.replace(stats, workers=reserve))
+    assert "each ran the main module's top level after its fork" in said, said
+    assert "starts a thread or initialises CUDA; do that under `if __name__ ==" in said
     forked = dataclasses.replace(slow, server="forked", server_why="")
     said = verdict(dataclasses.replace(stats, workers=forked))
     assert "took" in said and "persistent_workers=True" in said and "CUDA" not in said

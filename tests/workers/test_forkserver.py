@@ -643,37 +643,43 @@ def test_a_half_imported_packages_submodules_are_imported_again_and_ctrl_c_is_ke
 
 
 THREADS_AT_IMPORT = """
-import threading, torch.utils.data, aioloader
+import os, threading, torch.utils.data, aioloader
 
 class Ids(torch.utils.data.Dataset):
     def __len__(self):
         return 2
     def __getitem__(self, i):
-        return i
+        names = sorted(t.name for t in threading.enumerate())
+        return i, os.getpid(), "metrics" in names  # the top level ran in this worker
 
-threading.Thread(target=threading.Event().wait, daemon=True).start()  # at the top level
+threading.Thread(target=threading.Event().wait, daemon=True, name="metrics").start()
 
 if __name__ == "__main__":
-    loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
-    assert [b.tolist() for b in loader] == [[0, 1]]
+    loader = aioloader.DataLoader(Ids(), batch_size=None, num_workers=2)
+    got = list(loader)
+    assert [i for i, _, _ in got] == [0, 1], got
+    assert {pid for _, pid, _ in got} != {os.getpid()} and all(ran for *_, ran in got), got
     workers = loader.statistics().workers
     print(workers.server, "|", workers.server_why, "|", workers.main_left_unsafe)
 """
 
 
-def test_a_standby_left_unsafe_by_the_main_module_refuses_and_says_why(tmp_path: Path) -> None:
-    """Workers forked from it could inherit a lock that thread holds (a review's script hung
-    so, when one session let it serve). The stdlib's server does not run the main module:
-    each of its workers does, after its fork."""
+def test_a_standby_left_unsafe_by_the_main_module_gives_way_to_its_reserve(tmp_path: Path) -> None:
+    """Running the main module's top level again started a thread in the standby: workers
+    forked from it could inherit a lock that thread holds (a review's script hung so, when one
+    session let it serve). The reserve, forked beside it at import, serves instead, each
+    worker running the main module after its fork, as the stdlib's server's workers do (the
+    thread runs in each), without the stdlib's fresh interpreter (2 s here)."""
     done = run_script(tmp_path, {"threads.py": THREADS_AT_IMPORT}, "threads.py")
     assert (done.returncode, done.stderr) == (0, "")
     how, why, main_left_unsafe = done.stdout.strip().split(" | ")
-    assert how == "interpreter"
+    assert how == "standby"
     assert why == (
         "this process had 2 Python threads; the standby server could not serve: running the "
-        "main module again, this process had 2 Python threads"
+        "main module again, this process had 2 Python threads; its reserve serves, each "
+        "worker running the main module"
     )
-    assert main_left_unsafe == "True"  # the verdict's advice: the __main__ guard
+    assert main_left_unsafe == "True"
 
 
 NO_FORK = """
