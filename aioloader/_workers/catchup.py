@@ -9,6 +9,8 @@ Never: waits, forks or serves (``standby.py``).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import multiprocessing
 import sys
 import types
@@ -66,11 +68,16 @@ def modules_being_imported() -> frozenset[str]:
     return frozenset(names)
 
 
-def catch_up(preparation: dict[str, Any], partial: frozenset[str], main: MainRun) -> None:
+def catch_up(
+    preparation: dict[str, Any], partial: frozenset[str], main: MainRun, preload: list[str]
+) -> None:
     """Become what a fresh interpreter prepared by ``multiprocessing.spawn`` would be: the
     parent's path, arguments and directory; the modules ``partial`` (half-imported when this
     process was forked) imported again, whole, when next imported; and the main module run
-    again as ``__mp_main__`` where ``main`` says (see :data:`MainRun`)."""
+    again as ``__mp_main__`` where ``main`` says (see :data:`MainRun`). Where it runs in the
+    workers, the modules of the application's ``set_forkserver_preload`` list (``preload``)
+    are imported here first, as the stdlib's server imports them (one that fails is left out,
+    as there): its workers do not import them again (found by review)."""
     global _catching_up
     for name in [*sys.modules]:
         # A half-imported module goes, and so do its submodules: those imported before the
@@ -91,6 +98,10 @@ def catch_up(preparation: dict[str, Any], partial: frozenset[str], main: MainRun
         preparation.pop("init_main_from_path", None)
         preparation.pop("init_main_from_name", None)
         spawn.prepare(preparation)
+        for name in preload if main == "in workers" else ():
+            if name != "__main__":
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(name)
         return
     _catching_up = True
     try:

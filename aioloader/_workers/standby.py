@@ -55,7 +55,13 @@ from typing import Any
 
 from .catchup import MainRun, Refused, catch_up, modules_being_imported, running_main_again
 from .environ import adopt_environ, environ_now
-from .forkserver import ForkedServer, fork_server, server_protocol_known, unsafe_to_fork
+from .forkserver import (
+    ForkedServer,
+    fork_server,
+    server_preload,
+    server_protocol_known,
+    unsafe_to_fork,
+)
 from .spawned import spawn_server
 from .worker import name_this_process
 
@@ -269,14 +275,14 @@ def _wait(
     the one this process has now (a fresh standby)."""
     waiting = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        preparation, main, environ = line.recv()
+        preparation, main, environ, preload = line.recv()
     except EOFError:
         os._exit(0)
     signal.signal(signal.SIGINT, waiting if woken is None else woken)
     refused: Refused | None = None
     try:
         adopt_environ(environ)
-        catch_up(preparation, partial, main)
+        catch_up(preparation, partial, main, preload)
         why = unsafe_to_fork()
         if why is not None:
             why = f"the standby server could not serve: running the main module again, {why}"
@@ -331,7 +337,9 @@ def wake(*, run_main: bool = True) -> Woken | Refused:
         return woken
     if isinstance(woken, Refused) and woken.main_left_unsafe:
         served = _rouse(reserve, "in workers")
-        return served if isinstance(served, Refused) else Woken(served.server, woken)
+        if isinstance(served, Refused):  # the first's reason is kept: what the script can move
+            return Refused(f"{woken.why}; its reserve could not serve: {served.why}", True)
+        return Woken(served.server, woken)
     _retire(reserve, None)
     return woken
 
@@ -343,7 +351,7 @@ def _rouse(standby: _Standby, main: MainRun) -> Woken | Refused:
     preparation["authkey"] = bytes(preparation["authkey"])  # pickles only into a new process
     refused: Refused | None
     try:
-        standby.line.send((preparation, main, environ_now()))
+        standby.line.send((preparation, main, environ_now(), server_preload()))
         refused = standby.line.recv()
     except (EOFError, OSError) as exc:
         refused = Refused(f"the standby server exited ({exc!r})")

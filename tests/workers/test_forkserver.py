@@ -682,6 +682,78 @@ def test_a_standby_left_unsafe_by_the_main_module_gives_way_to_its_reserve(tmp_p
     assert main_left_unsafe == "True"
 
 
+PRELOADED = """
+import os, multiprocessing, threading, torch.utils.data, aioloader
+import heavy  # after aioloader: the standbys do not have it
+
+multiprocessing.set_forkserver_preload(["heavy"])
+
+class Pids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        return os.getpid()
+
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # at the top level
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(Pids(), batch_size=None, num_workers=2)
+    workers = set(loader)
+    imported = {int(line) for line in open("imported")}
+    assert os.getpid() in imported and not workers & imported, (workers, imported)
+    print(loader.statistics().workers.server)
+"""
+
+HEAVY = """
+import os
+with open("imported", "a") as f:
+    f.write(f"{os.getpid()}\\n")
+"""
+
+
+def test_the_reserve_imports_the_applications_preload_list_as_the_stdlibs_server_does(
+    tmp_path: Path,
+) -> None:
+    """Found by review: its workers each imported the modules the script asked the server to
+    preload (``set_forkserver_preload``), which the stdlib's server had imported once."""
+    done = run_script(tmp_path, {"pre.py": PRELOADED, "heavy.py": HEAVY}, "pre.py")
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", "standby\n")
+
+
+RESERVE_GONE = """
+import os, signal, threading, torch.utils.data, aioloader
+from aioloader._workers import standby
+
+if __name__ == "__main__":
+    os.kill(standby._reserve.server.pid, signal.SIGKILL)  # the OOM killer, say
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        return i
+
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # at the top level
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(Ids(), batch_size=2, num_workers=1)
+    assert [b.tolist() for b in loader] == [[0, 1]]
+    workers = loader.statistics().workers
+    print(workers.server, "|", workers.server_why, "|", workers.main_left_unsafe)
+"""
+
+
+def test_without_its_reserve_the_standby_s_reason_is_kept(tmp_path: Path) -> None:
+    """Found by review: the reserve's refusal replaced the first standby's, and with it the
+    verdict's advice (the ``__main__`` guard)."""
+    done = run_script(tmp_path, {"gone.py": RESERVE_GONE}, "gone.py")
+    assert (done.returncode, done.stderr) == (0, "")
+    how, why, main_left_unsafe = done.stdout.strip().split(" | ")
+    assert how == "interpreter" and main_left_unsafe == "True"
+    assert "the standby server could not serve: running the main module again" in why
+    assert "; its reserve could not serve: the standby server exited" in why
+
+
 NO_FORK = """
 import os, threading, torch.utils.data
 
