@@ -22,8 +22,10 @@ from tests.support import worker_fns
 from tests.support.helpers import Counting, flat
 from tests.support.ray_cluster import SECOND, RayCluster
 
-# One cluster for the module: under pytest-xdist (`--dist loadgroup`) these tests run in one
-# process, which alone starts a cluster, and in file order (the node-loss tests share its state).
+# One cluster for the module in each process that runs its tests: under pytest-xdist, `--dist
+# loadgroup` is meant to run them all in one process, in file order, but with pytest 9.2 the
+# group is lost (pytest-xdist#1386) and both processes start a cluster (the node-loss tests
+# bring their node back: `ensure_second`).
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.xdist_group("ray")]
 
 
