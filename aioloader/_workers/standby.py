@@ -159,11 +159,7 @@ def fork_standby() -> None:
     fresh = "" if why is None else f"when aioloader was imported, {why}"
     try:
         if why is None:
-            server = fork_server(
-                "aioloader-sb",
-                keep=(theirs.fileno(),),
-                before_serving=lambda: _wait(theirs, partial),
-            )
+            server = _fork(theirs, partial)
         else:
             ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # (a background job)
             server = spawn_server(
@@ -186,6 +182,13 @@ def fork_standby() -> None:
         _fork_reserve(partial)
 
 
+def _fork(line: multiprocessing.connection.Connection, partial: frozenset[str]) -> ForkedServer:
+    """Fork a standby that waits on its end of ``line`` (the standby and the reserve alike)."""
+    return fork_server(
+        "aioloader-sb", keep=(line.fileno(),), before_serving=lambda: _wait(line, partial)
+    )
+
+
 def _fork_reserve(partial: frozenset[str]) -> None:
     """Fork :data:`_reserve` (after the first standby: its descriptors are not the reserve's),
     where that can be done; a failure leaves the first alone."""
@@ -195,10 +198,7 @@ def _fork_reserve(partial: frozenset[str]) -> None:
     except OSError:
         return
     try:
-        server = fork_server(
-            "aioloader-sb", keep=(theirs.fileno(),), before_serving=lambda: _wait(theirs, partial)
-        )
-        _reserve = _Standby(server, ours)
+        _reserve = _Standby(_fork(theirs, partial), ours)
     except Exception:  # (the first standby serves alone)
         ours.close()
     except BaseException:  # interrupted: the first goes too, and the interruption goes on
