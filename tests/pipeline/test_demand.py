@@ -327,13 +327,19 @@ class AsyncBatched(AsyncRecorded):
 
 
 async def test_a_get_many_that_returns_at_once_is_awaited_in_the_consumers_call() -> None:
-    ds = AsyncBatched(64)
-    async with aioloader.DataLoader(ds, batch_size=8) as dl:
-        await made_in_the_calls(dl, ds)  # from the first epoch: its slices are not timed yet
-        ds.sleep = 0.0005  # 4 ms a batch: the stages take over after three, and keep it
-        got, here = await consumer_reads(dl, ds)
-        assert got == list(range(64)) and here == 8 * SLOW_IN_A_ROW
-        assert await consumer_reads(dl, ds) == [list(range(64)), 0]
+    for _ in range(5):  # a loaded machine may time a first epoch's slice slow (CI, once): anew
+        ds = AsyncBatched(64)
+        async with aioloader.DataLoader(ds, batch_size=8) as dl:
+            await made_in_the_calls(dl, ds)  # from the first epoch: its slices are not timed yet
+            ds.sleep = 0.0005  # 4 ms a batch: the stages take over after three, and keep it
+            got, here = await consumer_reads(dl, ds)
+            assert got == list(range(64))
+            if here == 0:  # that epoch's slices were timed slow: it went to the stages at once
+                continue
+            assert here == 8 * SLOW_IN_A_ROW
+            assert await consumer_reads(dl, ds) == [list(range(64)), 0]
+            return
+    raise AssertionError("no epoch's batches were made in the consumer's calls")
 
 
 async def test_sources_files_warm_is_read_in_the_consumers_call(tmp_path: Any) -> None:
