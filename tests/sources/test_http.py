@@ -5,6 +5,7 @@ session's lifetime."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import pickle
@@ -332,12 +333,21 @@ async def test_session_lives_exactly_as_long_as_the_loaders_scope(
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
+async def cancel_when_set(event: asyncio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
 async def test_a_cancelled_fetch_leaves_the_dataset_usable(fault_server: FaultServer) -> None:
     fault_server.plan.once(fault_server.path(1), Fault.STALL)
     async with aioloader.sources.urls([fault_server.url(1)]) as ds:
-        with anyio.move_on_after(0.1) as scope:
-            await ds.get(0)
-        assert scope.cancelled_caught
+        # Cancelled once the server holds the request (a fixed delay could end before the
+        # request arrived on a loaded machine, leaving the stall to the second get).
+        with anyio.fail_after(10), anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_when_set, fault_server.stalled, scope)
+                await ds.get(0)
+        assert scope.cancelled_caught and fault_server.faults[Fault.STALL] == 1
         assert await ds.get(0) == body(1)
 
 

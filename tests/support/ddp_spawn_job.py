@@ -1,10 +1,11 @@
-"""Run by ``tests/data/test_ranks.py``: a loader with ``distributed=True`` built in the parent,
+"""Run by ``tests/data/test_ranks.py``: loaders with ``distributed=True`` built in the parent,
 before any process group exists, and handed to ``torch.multiprocessing.spawn``'s two children
-(pickled, as ``mp.spawn`` sends its arguments), each of which then starts the group (gloo,
-through a file in ``argv[1]``) and reads an epoch. Each child writes what it read, what
-``len(loader)`` said and the rank its ``state_dict()`` named to ``argv[1]/rank-<r>.json``.
+(pickled, as ``mp.spawn`` sends its arguments). Each child, for each case in turn, starts a
+group (gloo, through a file in the case's folder ``argv[1]/<case>``), reads an epoch and
+destroys the group. It writes what it read, what ``len(loader)`` said and the rank its
+``state_dict()`` named to ``argv[1]/<case>/rank-<r>.json``.
 
-``argv[2]``, the case:
+``argv[2]``, the cases, comma-separated (run in one pair of children, to start them once):
 - ``map``: a list of 20, shuffled; ``stream``: an async generator of 20.
 - ``resumed``: the map case, 3 batches of 2 taken in the parent and its state loaded again
   there, before the group exists: the ranks share the 14 samples left. ``resumed-copy``: each
@@ -158,11 +159,8 @@ def scoped(rank: int, folder: str) -> None:
     Path(folder, f"rank-{rank}.json").write_text(json.dumps(record))
 
 
-if __name__ == "__main__":
-    folder, kind = sys.argv[1], sys.argv[2]
-    if kind == "scoped":
-        folder = str(Path(folder, "scoped"))
-        Path(folder).mkdir()
+def prepare(kind: str, folder: str) -> aioloader.DataLoader[list[int]] | None:
+    """The loader of ``kind``, built (and read from, or loaded) before any group exists."""
     loader = None if kind in ("given", "scoped") else build(kind, folder)
     if kind == "stream-loaded":
         assert loader is not None
@@ -176,4 +174,20 @@ if __name__ == "__main__":
     elif kind == "map":
         assert loader is not None
         assert len(loader) == SAMPLES // 2  # no group yet: rank 0 of 1, all of it
-    mp.spawn(train, args=(loader, folder, kind), nprocs=2)
+    return loader
+
+
+def train_each(
+    rank: int, loaders: dict[str, aioloader.DataLoader[list[int]] | None], folder: str
+) -> None:
+    for kind, loader in loaders.items():  # one group after another, each in its own folder
+        train(rank, loader, str(Path(folder, kind)), kind)
+
+
+if __name__ == "__main__":
+    folder, kinds = sys.argv[1], sys.argv[2].split(",")
+    loaders = {}
+    for kind in kinds:
+        Path(folder, kind).mkdir()
+        loaders[kind] = prepare(kind, str(Path(folder, kind)))
+    mp.spawn(train_each, args=(loaders, folder), nprocs=2)  # all of them pickled together

@@ -147,6 +147,7 @@ class FaultServer:
         headers: The request headers of the last request of each path.
         ranges: Every ``Range`` header asked for, in order.
         active: Requests being handled now; ``max_active``: the most at once.
+        stalled: Set when a stall begins (a test that cancels a stalled request waits on it).
     """
 
     def __init__(self, n: int = 1000) -> None:
@@ -161,6 +162,7 @@ class FaultServer:
         self.max_active = 0
         self.port = 0
         self.objects: dict[int, bytes] = {}
+        self.stalled = asyncio.Event()
         self._stop = asyncio.Event()
         self._runner: web.AppRunner | None = None
 
@@ -236,6 +238,7 @@ class FaultServer:
         if fault.value.isdigit():
             return web.Response(status=int(fault), text=f"injected {fault}")
         if fault is Fault.STALL:
+            self.stalled.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.plan.stall_s)
             return await handler(request)  # the client is usually gone by now

@@ -1,9 +1,10 @@
-"""Lightning's mid-epoch resume, as a user runs it: ``python lightning_resume_job.py LOADER
+"""Lightning's mid-epoch resume, as a user runs it: ``python lightning_resume_job.py LOADERS
 first OUT`` trains 23 steps of two 16-batch epochs and saves a checkpoint every 5 steps (the
-one at step 20 is 4 batches into the second epoch); ``... LOADER second OUT`` starts a new
-process from that checkpoint and trains to the end. Lightning saves a loader's
-``state_dict()`` in its checkpoints, and loads it, when the loader has both methods. Each run
-writes the batches it trained on to ``OUT/<loader>-<phase>.json``."""
+one at step 20 is 4 batches into the second epoch); ``... LOADERS second OUT`` starts a new
+process from that checkpoint and trains to the end. ``LOADERS`` names the loaders,
+comma-separated: each is run in turn, with a checkpoint folder of its own. Lightning saves a
+loader's ``state_dict()`` in its checkpoints, and loads it, when the loader has both methods.
+Each run writes the batches it trained on to ``OUT/<loader>-<phase>.json``."""
 
 from __future__ import annotations
 
@@ -53,8 +54,7 @@ class Recorder(L.LightningModule):
         return LOADERS[self.name](Numbers(), batch_size=4, shuffle=True, num_workers=workers)
 
 
-if __name__ == "__main__":
-    name, phase, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+def run(name: str, phase: str, out: Path) -> None:
     checkpoints = out / f"checkpoints-{name}"
     module = Recorder(name)
     quiet: dict[str, Any] = {"logger": False, "enable_progress_bar": False}
@@ -68,3 +68,9 @@ if __name__ == "__main__":
         trainer = L.Trainer(max_epochs=2, enable_checkpointing=False, **quiet)
         trainer.fit(module, ckpt_path=step20)
     (out / f"{name}-{phase}.json").write_text(json.dumps(module.seen))
+
+
+if __name__ == "__main__":
+    names, phase, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    for name in names.split(","):  # one process a phase: each loader's state is its own
+        run(name, phase, out)
