@@ -24,6 +24,7 @@ from ._base.exceptions import LoaderStateError as LoaderStateError
 from ._base.exceptions import LoaderTimeout as LoaderTimeout
 from ._base.exceptions import Overloaded as Overloaded
 from ._base.exceptions import RemoteError as RemoteError
+from ._base.exceptions import StrayCancellation as StrayCancellation
 from ._base.exceptions import TransientError as TransientError
 from ._base.exceptions import WorkerCrashed as WorkerCrashed
 from ._base.public import report_public_module as _report_public_module
@@ -101,6 +102,7 @@ __all__ = [
     "SequentialSampler",
     "StackDataset",
     "StageStatistics",
+    "StrayCancellation",
     "Subset",
     "SubsetRandomSampler",
     "TensorDataset",

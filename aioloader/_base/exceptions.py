@@ -14,11 +14,22 @@ Hierarchy::
           ├── LoaderTimeout           (also TimeoutError, RuntimeError) no batch within `timeout`
           ├── WorkerCrashed           (also RuntimeError) a worker process died mid-job
           ├── RemoteError             a worker's exception that could not be pickled
-          └── Overloaded              (also RuntimeError) a batcher's queue is full: request refused
+          ├── Overloaded              (also RuntimeError) a batcher's queue is full: request refused
+          └── StrayCancellation       (also RuntimeError) user code raised CancelledError while
+                                      nothing cancelled the loader or batcher
+
+The one wrapper: a ``CancelledError`` that user code raises of its own (it awaited a task or
+future that something else cancelled; a function on a thread raised
+``concurrent.futures.CancelledError``, which asyncio turns into its own) is not an exception
+the loader can pass on as the sample's: in a task group it reads as the group's cancellation,
+ends every stage and reaches the caller as a bare ``BrokenResourceError``, or cancels the task
+that hosts a batcher. It becomes :class:`StrayCancellation`, raised from it, and fails that
+sample, batch or request alone (see :func:`stray_cancellation`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import os
@@ -32,6 +43,7 @@ __all__ = [
     "LoaderTimeout",
     "Overloaded",
     "RemoteError",
+    "StrayCancellation",
     "TransientError",
     "WorkerCrashed",
 ]
@@ -126,6 +138,36 @@ class Overloaded(AioLoaderError, RuntimeError):
     requests were already waiting (admission control: a fast, clear refusal rather than
     unbounded latency). A server typically answers it with HTTP 503 and a ``Retry-After``.
     """
+
+
+class StrayCancellation(AioLoaderError, RuntimeError):
+    """User code (a dataset's read, a stream, a transform, collate, a batcher's model) raised
+    ``CancelledError`` while nothing had cancelled the task that called it: a task or future it
+    awaited was cancelled by something else, or a function run on a thread raised
+    ``concurrent.futures.CancelledError``. It fails that sample (within ``max_failures``),
+    batch or request as any error of the user's does; the ``CancelledError`` is its
+    ``__cause__``."""
+
+
+def stray_cancellation(exc: BaseException, what: str) -> StrayCancellation | None:
+    """``exc``, caught around a call of user code named by ``what``, as the error to pass on
+    instead: a :class:`StrayCancellation` when ``exc`` is a ``CancelledError`` and this task is
+    not being cancelled (``Task.cancelling()``: anyio's cancel scopes, a timeout and a
+    cancelled host task all cancel through it); None when ``exc`` is this task's cancellation
+    (or no ``CancelledError``), which goes on as it is."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return None
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        return None
+    error = StrayCancellation(
+        f"{what} raised CancelledError, but nothing had cancelled the task awaiting it: a task "
+        "or future it awaited was cancelled by something else (or, on a thread, it raised "
+        "concurrent.futures.CancelledError, which asyncio turns into its own); taken as its "
+        "failure, not as a cancellation"
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _describe_signal(name: str) -> str:

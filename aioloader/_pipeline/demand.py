@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate
+from .._base.exceptions import annotate, stray_cancellation
 from .._base.inline import INLINE_BELOW_S, SEQUENTIAL_BELOW_S, SLOW_IN_A_ROW
 from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
@@ -55,7 +55,7 @@ from .._data.source import MapSource
 from .._workers.job import collate_only, run_batch
 from .._workers.offload import ThreadOffload
 from .config import PipelineConfig
-from .fetch import Attempts, FailureBudget, Pace
+from .fetch import READ, Attempts, FailureBudget, Pace
 from .flow import nbytes_of
 from .items import Raised
 
@@ -197,12 +197,13 @@ class OnDemand:
                     samples = await get_many(ids)
                 else:
                     samples = [await get(index := i) for i in ids]
-            except Exception as exc:
+            except BaseException as exc:
+                failure = exc if isinstance(exc, Exception) else stray_cancellation(exc, READ)
+                if failure is None:  # cancelled: this batch is the next call's
+                    self._next = (seq, ids)
+                    raise
                 key = ids if get_many is not None else index
-                item = self._read_failed(exc, seq, ids, began, key)
-            except BaseException:  # cancelled: this batch is the next call's
-                self._next = (seq, ids)
-                raise
+                item = self._read_failed(failure, seq, ids, began, key)
             else:
                 item = self._made(seq, ids, samples, began)
             item = self._settle(seq, ids, item)

@@ -35,6 +35,7 @@ Never: decides order or sharding itself (``_data/sampler.py``, ``_data/sharding.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -44,7 +45,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._base.exceptions import annotate, first_leaf
+from .._base.exceptions import annotate, first_leaf, stray_cancellation
 from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
 from .._data.sharding import StreamShare
@@ -340,6 +341,11 @@ class Epoch(TransformStage, OutputStage):
                         except StopAsyncIteration:
                             op.abandon()  # the end of the stream: no fetch
                             break
+                        except asyncio.CancelledError as cancel:
+                            stray = stray_cancellation(cancel, "the stream")
+                            if stray is None:
+                                raise
+                            raise stray from cancel
                 except Exception as exc:
                     annotate(exc, "source", epoch=self.number, batch=seq, index=position)
                     # Raised in its turn, after the batches before it (the partial one is lost).

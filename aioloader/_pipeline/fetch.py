@@ -10,6 +10,7 @@ and which skipped keys the statistics keep. Never: decides what a sample is or w
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,16 +18,19 @@ from typing import Any
 
 import anyio
 
-from .._base.exceptions import annotate
+from .._base.exceptions import annotate, stray_cancellation
 from .._base.inline import INLINE_BELOW_S, SEQUENTIAL_BELOW_S, Recent
 from .._base.recorders import Recorders, StageRecorder
 from .._base.retry import RetryPolicy
 
-__all__ = ["Attempts", "FailureBudget", "Pace"]
+__all__ = ["READ", "Attempts", "FailureBudget", "Pace"]
 
 logger = logging.getLogger("aioloader")
 
 _MAX_SKIPPED_KEPT = 1000  # skipped sample ids remembered for the statistics
+
+READ = "the dataset's read"
+"""What a :class:`~aioloader.StrayCancellation` from a read says raised it."""
 
 
 class Pace:
@@ -144,11 +148,22 @@ class Attempts:
             await anyio.sleep(retry.backoff(failures, self._rng))
 
     async def _call(self, call: Callable[[], Awaitable[Any]]) -> Any:
-        """One attempt under the per-sample timeout (no cancel scope when there is none)."""
-        if self._timeout is None:
-            return await call()
-        with anyio.move_on_after(self._timeout) as deadline:
-            result = await call()
+        """One attempt under the per-sample timeout (no cancel scope when there is none).
+
+        Raises:
+            StrayCancellation: The read raised ``CancelledError`` of its own (see
+                :func:`~aioloader._base.exceptions.stray_cancellation`).
+        """
+        try:
+            if self._timeout is None:
+                return await call()
+            with anyio.move_on_after(self._timeout) as deadline:
+                result = await call()
+        except asyncio.CancelledError as exc:
+            stray = stray_cancellation(exc, READ)
+            if stray is None:
+                raise
+            raise stray from exc
         if deadline.cancelled_caught:  # ours, not a timeout of the dataset's own
             raise TimeoutError(f"aioloader: sample_timeout={self._timeout}s exceeded")
         return result

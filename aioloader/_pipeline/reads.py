@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 
+from .._base.exceptions import stray_cancellation
 from .._base.recorders import Recorders
 from .._data.source import MapSource
-from .fetch import Attempts, FailureBudget, Pace
+from .fetch import READ, Attempts, FailureBudget, Pace
 from .flow import ByteBudget, nbytes_of, nbytes_of_all
 from .items import Batch
 
@@ -85,9 +86,12 @@ class Reads:
             for position in range(start, stop):
                 try:
                     samples[position] = await get(ids[position])
-                except Exception as exc:
+                except BaseException as exc:
+                    failure = exc if isinstance(exc, Exception) else stray_cancellation(exc, READ)
+                    if failure is None:
+                        raise  # cancelled
                     rec.failed += 1
-                    error = attempts.failed(exc, ids[position], batch.seq)
+                    error = attempts.failed(failure, ids[position], batch.seq)
                     self._skip_or_end(batch, position, error)
                 else:
                     ok += 1

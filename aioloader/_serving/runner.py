@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate
+from .._base.exceptions import annotate, stray_cancellation
 from .._base.inline import (
     INLINE_BELOW_S,
     SERVING_PROBE_EVERY,
@@ -41,6 +41,9 @@ from .._workers.processes import ProcessWorkers
 from .policy import split_outputs
 
 __all__ = ["BatchRunner", "device_plan_of"]
+
+STAGES = {"collate": "collate_fn", "device": "the device stage", "model": "model_fn"}
+"""What each stage calls, as a :class:`~aioloader.StrayCancellation` names it."""
 
 
 def device_plan_of(
@@ -169,6 +172,9 @@ class BatchRunner:
             ValueError: ``split_fn`` gave a different number of outputs than items.
             Exception: What collation, the model or the split raised (original type), with a
                 note naming the stage (``collate``, ``model``, ``split``) and batch ``seq``.
+            StrayCancellation: The model (or collation) raised ``CancelledError`` of its own
+                (it awaited something another task cancelled): this batch's failure, not the
+                batcher's cancellation.
 
         Cancellation: a thread call already running is waited for and its result dropped
         (``_workers/offload.py``); a worker job likewise, up to its grace
@@ -185,9 +191,14 @@ class BatchRunner:
             output = await self._call_model(batch)
             stage = "split"
             outputs = split_outputs(self.split_fn, output, n)
-        except Exception as exc:
-            annotate(exc, stage, batch=seq, detail=f"every caller of this batch of {n} gets it")
-            raise
+        except BaseException as exc:
+            failure = exc if isinstance(exc, Exception) else stray_cancellation(exc, STAGES[stage])
+            if failure is None:
+                raise  # cancelled
+            annotate(failure, stage, batch=seq, detail=f"every caller of this batch of {n} gets it")
+            if failure is exc:
+                raise
+            raise failure from exc
         return outputs
 
     async def _collate(self, items: list[Any]) -> Any:

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from .._base.exceptions import stray_cancellation
 from .._base.inline import Recent
 
 __all__ = ["ThreadOffload", "timed", "wait_thread_future"]
@@ -42,13 +43,19 @@ async def wait_thread_future(future: Future[R]) -> R:
 
     Raises:
         Exception: Whatever the call raised.
+        StrayCancellation: The call raised ``concurrent.futures.CancelledError``, which
+            asyncio's wrapper turns into its own ``CancelledError``: the call's failure, not
+            this task's cancellation.
 
     Cancellation: a call not yet started is withdrawn; a running one is waited for (shielded)
     and its result dropped; then ``CancelledError`` goes on.
     """
     try:
         return await asyncio.wrap_future(future)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as exc:
+        stray = stray_cancellation(exc, "a function run on a thread")
+        if stray is not None:  # the call's own (or its future withdrawn by someone else)
+            raise stray from (None if future.cancelled() else future.exception())
         if not future.cancel():
             waiter = asyncio.wrap_future(future)
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
