@@ -30,6 +30,7 @@ from .._base.exceptions import LoaderStateError, Overloaded
 from .._data.collate import default_collate
 from .._workers.serverstart import start_method_of
 from .dispatch import Dispatcher
+from .owner import Owner
 from .pending import BatchLimits, PendingQueue, bucket_of, cost_of
 from .policy import BatchPolicy, check_arguments, check_timeout, default_split, rearm_after_timer
 from .request import DONE, GONE, RUNNING, WAITING, Request
@@ -217,6 +218,7 @@ class DynamicBatcher:
         self._stack: contextlib.AsyncExitStack | None = None
         self._cancel_scope: anyio.CancelScope | None = None
         self._dispatch: Dispatcher | None = None  # the runner tasks of the current (or last) scope
+        self._owner: Owner | None = None  # the loop and task that opened the current scope
 
     # -- scope -----------------------------------------------------------------------------------
 
@@ -232,6 +234,7 @@ class DynamicBatcher:
         """
         if self._state in ("open", "closing"):
             raise LoaderStateError("this batcher's scope is already open; it cannot be re-entered")
+        owner = Owner()
         self._queue = PendingQueue(self.max_queue, self.limits)
         self._rec = self._recorder()
         self._dispatch = dispatch = Dispatcher(
@@ -256,7 +259,7 @@ class DynamicBatcher:
             with anyio.CancelScope(shield=True):
                 await stack.aclose()
             raise
-        self._stack, self._cancel_scope = stack, tg.cancel_scope
+        self._stack, self._cancel_scope, self._owner = stack, tg.cancel_scope, owner
         self._state = "open"
         return self
 
@@ -269,12 +272,18 @@ class DynamicBatcher:
         """Close the scope: drain or cancel the requests not yet served (see the class), then
         wait for every task, thread and process of the batcher.
 
+        Raises:
+            LoaderStateError: Another task than the one that opened the scope closes it (the
+                scope stays open).
+
         Cancellation: a drain that is cancelled turns into a cancel; the tasks, threads and
         processes are still waited for, and every admitted caller still gets an outcome.
         """
         stack, scope, dispatch = self._stack, self._cancel_scope, self._dispatch
         if self._state != "open" or stack is None or scope is None or dispatch is None:
             return
+        if self._owner is not None:
+            self._owner.check_exit()
         self._state = "closing"
         if self.on_exit == "cancel" or exc_type is not None:
             dispatch.cancel_waiting()
@@ -323,7 +332,8 @@ class DynamicBatcher:
             TimeoutError: The deadline passed before the outcome (a queued request is withdrawn;
                 a running one's result is dropped).
             LoaderStateError: The batcher's scope is not open (or is closing), or it closed
-                with ``on_exit="cancel"`` (or was cancelled) before this request was served.
+                with ``on_exit="cancel"`` (or was cancelled) before this request was served, or
+                this is another event loop than the scope's (see ``_serving/owner.py``).
             ValueError: ``timeout`` is not a positive number or None, or ``cost_fn`` returned
                 a negative or non-finite cost.
             TypeError: ``cost_fn`` returned something other than a number, or ``bucket_fn``
@@ -335,7 +345,8 @@ class DynamicBatcher:
         Cancellation: a queued request is withdrawn (it never reaches the model); in a batch
         already running, its result is dropped. Other callers are unaffected.
         """
-        if self._state != "open":
+        owner = self._owner
+        if self._state != "open" or owner is None:
             where = "is closing" if self._state == "closing" else "is not open"
             raise LoaderStateError(
                 f"DynamicBatcher.submit(): the batcher's scope {where}; submit inside "
@@ -346,6 +357,7 @@ class DynamicBatcher:
         bucket = None if self.bucket_fn is None else bucket_of(self.bucket_fn, item)
         now = self._clock()
         loop = asyncio.get_running_loop()
+        owner.check_loop(loop)
         deadline = math.inf if limit is None else now + limit
         request = Request(item, now, deadline, loop.create_future(), cost, bucket)
         try:

@@ -613,6 +613,55 @@ async def test_submit_outside_the_scope_and_reentry() -> None:
         assert batcher.statistics().submitted == 1
 
 
+async def test_another_loop_is_refused_at_once_and_run_coroutine_threadsafe_serves() -> None:
+    """Found by review: a submit from another thread's loop hung (its future was resolved from
+    the batcher's thread, which never woke the caller's loop)."""
+    batcher = lists(lambda b: [x * 10 for x in b])
+    loop = asyncio.get_running_loop()
+
+    def from_another_loop() -> tuple[str, int]:
+        async def refused() -> str:
+            try:
+                await batcher.submit(1)
+            except aioloader.LoaderStateError as exc:
+                return str(exc)
+            return "served"
+
+        said = asyncio.run(refused())
+        handed_over = asyncio.run_coroutine_threadsafe(batcher.submit(2), loop)
+        return said, handed_over.result(timeout=10)
+
+    with anyio.fail_after(20):
+        async with batcher:
+            said, served = await anyio.to_thread.run_sync(from_another_loop)
+    assert "another event loop" in said and "run_coroutine_threadsafe" in said
+    assert served == 20
+    assert batcher.statistics().submitted == 1  # the refused one was never admitted
+
+
+async def test_the_scope_is_closed_by_the_task_that_opened_it() -> None:
+    """Another task's close is refused with the remedy (anyio's own message named no batcher);
+    the scope stays open, serving, and its own task closes it."""
+    batcher = lists(lambda b: b)
+    opened, close = anyio.Event(), anyio.Event()
+
+    async def owner() -> None:
+        async with batcher:
+            opened.set()
+            await close.wait()
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(owner)
+            await opened.wait()
+            with pytest.raises(aioloader.LoaderStateError, match="closed by the task that opened"):
+                await batcher.__aexit__(None, None, None)
+            assert await batcher.submit(3) == 3  # still open, and serving
+            close.set()
+    with pytest.raises(aioloader.LoaderStateError, match="is not open"):
+        await batcher.submit(4)
+
+
 async def test_preferred_sizes_shape_the_batches_cut_from_a_backlog() -> None:
     model = Gated()
     batcher = lists(model, max_batch_size=8, preferred_batch_sizes=(2, 4))
