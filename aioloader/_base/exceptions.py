@@ -13,7 +13,8 @@ Hierarchy::
           ├── LoaderStateError        (also RuntimeError) the loader is used outside its scope
           ├── LoaderTimeout           (also TimeoutError, RuntimeError) no batch within `timeout`
           ├── WorkerCrashed           (also RuntimeError) a worker process died mid-job
-          ├── RemoteError             a worker's exception that could not be pickled
+          ├── RemoteError             (also RuntimeError) a worker's exception that could not be
+                                      pickled (torch raises RuntimeError for one it cannot rebuild)
           ├── Overloaded              (also RuntimeError) a batcher's queue is full: request refused
           └── StrayCancellation       (also RuntimeError) user code raised CancelledError while
                                       nothing cancelled the loader or batcher
@@ -127,7 +128,7 @@ class WorkerCrashed(AioLoaderError, RuntimeError):
         )
 
 
-class RemoteError(AioLoaderError):
+class RemoteError(AioLoaderError, RuntimeError):
     """Stands for an exception raised in a worker process that could not be pickled back: its
     message is the original type's qualified name and message, and its notes carry the
     original's notes and the worker's traceback."""

@@ -380,17 +380,20 @@ class BatchSampler(torch_data.BatchSampler):
         drop_last: Drop the last batch if it is short.
 
     Raises:
-        TypeError: If ``sampler`` is not iterable, ``batch_size`` is not an int
-            or ``drop_last`` is not a bool.
-        ValueError: If ``batch_size`` is not positive.
+        TypeError: If ``sampler`` is not iterable.
+        ValueError: If ``batch_size`` is not a positive int or ``drop_last`` is not a bool
+            (torch's type and words).
     """
 
     def __init__(self, sampler: Iterable[int], batch_size: int, drop_last: bool) -> None:
         if not isinstance(sampler, Iterable):
             raise TypeError(f"sampler must be an iterable of indices, got {sampler!r}")
         self._sampler = sampler
-        self._batch_size = check_int("batch_size", batch_size, minimum=1)
-        self._drop_last = check_bool("drop_last", drop_last)
+        self._batch_size = _positive_batch_size(batch_size)
+        if not isinstance(drop_last, bool):
+            msg = f"drop_last should be a boolean value, but got drop_last={drop_last}"
+            raise ValueError(msg)  # noqa: TRY004  # torch's type
+        self._drop_last = drop_last
 
     @property
     def sampler(self) -> Iterable[int]:  # type: ignore[override]  # fixed at construction
@@ -405,7 +408,7 @@ class BatchSampler(torch_data.BatchSampler):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        self._batch_size = check_int("batch_size", value, minimum=1)
+        self._batch_size = _positive_batch_size(value)
 
     @property
     def drop_last(self) -> bool:
@@ -434,3 +437,12 @@ class BatchSampler(torch_data.BatchSampler):
             raise TypeError(f"sampler has no len(): {type(self._sampler).__name__}")
         n = len(self._sampler)
         return n // self._batch_size if self._drop_last else -(-n // self._batch_size)
+
+
+def _positive_batch_size(batch_size: object) -> int:
+    """``batch_size``, checked as torch's ``BatchSampler`` checks it (a ``ValueError``)."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(
+            f"batch_size should be a positive integer value, but got batch_size={batch_size}"
+        )
+    return batch_size

@@ -134,9 +134,8 @@ class LoaderPlan:
     @property
     def work_inline_below(self) -> float | None:
         """Fast transforms and collation run inline with ``num_workers=0`` (as torch runs them
-        in the calling thread), unless a ``worker_init_fn`` set up the worker thread."""
-        a = self.arguments
-        return INLINE_BELOW_S if a.num_workers == 0 and a.worker_init_fn is None else None
+        in the calling thread; ``worker_init_fn`` is not called there, as in torch)."""
+        return INLINE_BELOW_S if self.arguments.num_workers == 0 else None
 
     @property
     def on_demand_allowed(self) -> bool:

@@ -110,7 +110,9 @@ class Scope:
             self.work = ThreadOffload(
                 plan.worker_threads,
                 "worker",
-                worker_init_fn=worker_init_fn,
+                # torch never calls it without worker processes (its own example reads
+                # get_worker_info(), None there); thread workers (worker_mode="thread") do
+                worker_init_fn=worker_init_fn if plan.num_workers else None,
                 inline_below=plan.work_inline_below,
             )
         self.io: ThreadOffload | None = None

@@ -765,3 +765,34 @@ def test_a_torch_script_with_its_import_line_swapped_gives_torchs_batches(
     for k, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):
         assert_same(mine, torchs, f"loader {k}")
     assert sum(len(batch) for batch in theirs[4]) == 60  # each stream once, whatever the workers
+
+
+class Range(tud.IterableDataset[int]):
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.end))
+
+
+def split_range(worker_id: int) -> None:
+    """torch's documented ``worker_init_fn``: each worker takes its part of the range."""
+    info = tud.get_worker_info()
+    assert info is not None, "worker_init_fn called outside a worker"
+    dataset = info.dataset
+    per = math.ceil((dataset.end - dataset.start) / info.num_workers)
+    dataset.start += worker_id * per
+    dataset.end = min(dataset.start + per, dataset.end)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_worker_init_fn_runs_in_worker_processes_only(num_workers: int) -> None:
+    """Found by review: with ``num_workers=0`` ours called it on its own thread, where torch's
+    own example fails (``get_worker_info()`` is None), and a pool thread's failed initializer
+    ended the epoch with ``BrokenThreadPool``."""
+    batches = [
+        sorted(int(x) for batch in cls(Range(3, 11), num_workers=num_workers,
+                                       worker_init_fn=split_range) for x in batch)
+        for cls in (tud.DataLoader, aioloader.DataLoader)
+    ]  # fmt: skip
+    assert batches[0] == batches[1] == list(range(3, 11))
