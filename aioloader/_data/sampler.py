@@ -1,24 +1,25 @@
 """Index samplers: which dataset indices an epoch visits, in what order, in which batches.
 
-Owns: the sequential, random and distributed samplers and the batch sampler that groups their
-indices. Each is a subclass of torch's sampler of the same name, with torch's attributes, so
-code that asks ``isinstance(loader.sampler, RandomSampler)`` (Lightning, deciding whether a
-loader shuffles and which ``DistributedSampler`` to inject under DDP) gets torch's answer;
-torch's ``__init__`` is not run (each sampler here has its own arguments and order). Never:
-picks a loader's sampler (``order.py``), derives seeds (``seeds``) or decides a rank's share
-(``sharding``); no event loop, no I/O, no threads.
+Owns: the sequential, random and distributed samplers (the batch sampler that groups their
+indices is ``batching.py``'s, re-exported here). Each is a subclass of torch's sampler of the
+same name, with torch's attributes, so code that asks ``isinstance(loader.sampler,
+RandomSampler)`` (Lightning, deciding whether a loader shuffles and which
+``DistributedSampler`` to inject under DDP) gets torch's answer; torch's ``__init__`` is not
+run (each sampler here has its own arguments and order). Never: picks a loader's sampler
+(``order.py``), derives seeds (``seeds``) or decides a rank's share (``sharding``); no event
+loop, no I/O, no threads.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterator, Sized
 from typing import TypeVar
 
 import torch
 import torch.utils.data as torch_data
 
 from .._base.checks import check_bool, check_int, check_seed
+from .batching import BatchSampler, batches_of
 from .seeds import derive_seed, draw_seed, epoch_permutation
 from .sharding import resolve_rank, shard, shard_length
 
@@ -205,16 +206,6 @@ class RandomSampler(torch_data.RandomSampler):
         return self.num_samples
 
 
-def batches_of(sampler: Iterable[int], batch_size: int, drop_last: bool) -> Iterator[list[int]]:
-    """``sampler``'s indices in lists of ``batch_size``, the last short one dropped when
-    ``drop_last``: what torch's ``BatchSampler`` yields, a batch per C-level slice."""
-    indices = iter(sampler)
-    while batch := list(itertools.islice(indices, batch_size)):
-        if len(batch) < batch_size and drop_last:
-            return
-        yield batch
-
-
 def _drawn_as_torch(
     n: int, num_samples: int, replacement: bool, generator: torch.Generator
 ) -> Iterator[int]:
@@ -366,83 +357,3 @@ class DistributedSampler(torch_data.DistributedSampler):  # type: ignore[type-ar
 
     def __len__(self) -> int:
         return shard_length(self._length, self._world_size, self._drop_last)
-
-
-class BatchSampler(torch_data.BatchSampler):
-    """Groups the indices of another sampler into lists of ``batch_size``.
-
-    Behaves like torch's ``BatchSampler``: every batch has ``batch_size``
-    indices except possibly the last, which is dropped when ``drop_last``.
-
-    Args:
-        sampler: Any iterable of indices; ``len()`` needs it to be sized.
-        batch_size: The number of indices per batch.
-        drop_last: Drop the last batch if it is short.
-
-    Raises:
-        TypeError: If ``sampler`` is not iterable.
-        ValueError: If ``batch_size`` is not a positive int or ``drop_last`` is not a bool
-            (torch's type and words).
-    """
-
-    def __init__(self, sampler: Iterable[int], batch_size: int, drop_last: bool) -> None:
-        if not isinstance(sampler, Iterable):
-            raise TypeError(f"sampler must be an iterable of indices, got {sampler!r}")
-        self._sampler = sampler
-        self._batch_size = _positive_batch_size(batch_size)
-        if not isinstance(drop_last, bool):
-            msg = f"drop_last should be a boolean value, but got drop_last={drop_last}"
-            raise ValueError(msg)  # noqa: TRY004  # torch's type
-        self._drop_last = drop_last
-
-    @property
-    def sampler(self) -> Iterable[int]:  # type: ignore[override]  # fixed at construction
-        """The wrapped sampler."""
-        return self._sampler
-
-    @property
-    def batch_size(self) -> int:
-        """The number of indices per full batch; setting it (checked) takes effect at the next
-        iteration, as with torch's."""
-        return self._batch_size
-
-    @batch_size.setter
-    def batch_size(self, value: int) -> None:
-        self._batch_size = _positive_batch_size(value)
-
-    @property
-    def drop_last(self) -> bool:
-        """Whether a short last batch is dropped (settable, as ``batch_size``)."""
-        return self._drop_last
-
-    @drop_last.setter
-    def drop_last(self, value: bool) -> None:
-        self._drop_last = check_bool("drop_last", value)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Forward the epoch to the wrapped sampler if it has ``set_epoch``.
-
-        Args:
-            epoch: The epoch number.
-        """
-        set_epoch = getattr(self._sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return batches_of(self._sampler, self._batch_size, self._drop_last)
-
-    def __len__(self) -> int:
-        if not isinstance(self._sampler, Sized):
-            raise TypeError(f"sampler has no len(): {type(self._sampler).__name__}")
-        n = len(self._sampler)
-        return n // self._batch_size if self._drop_last else -(-n // self._batch_size)
-
-
-def _positive_batch_size(batch_size: object) -> int:
-    """``batch_size``, checked as torch's ``BatchSampler`` checks it (a ``ValueError``)."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-        raise ValueError(
-            f"batch_size should be a positive integer value, but got batch_size={batch_size}"
-        )
-    return batch_size
