@@ -117,7 +117,7 @@ def test_no_private_name_is_imported_from_outside_its_folder() -> None:
 # Files allowed past 400 lines, and why (each one a single concept that reads top to bottom).
 LONG_FILES = {
     "aioloader/_loader/loader.py": "torch's DataLoader surface: signature, docstring, attributes",
-    "aioloader/_serving/batcher.py": "DynamicBatcher's surface: its arguments, their docs, its scope",
+    "aioloader/_serving/batcher.py": "DynamicBatcher's surface: arguments, their docs, its scope",
     # aioloader bench's workloads, moved whole from their scripts (each a workload's data, its
     # configurations, their checks and its own tables): the next candidates for splitting.
     "aioloader/_bench/cpu.py": "a workload: CPU-heavy transforms and the drop-in Dataset (main)",

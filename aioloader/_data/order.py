@@ -124,9 +124,12 @@ def owned_epoch(sampler: object) -> int | None:
 def _begin_epoch(
     sampler: RandomSampler | DistributedSampler | SequentialSampler, epoch: int
 ) -> None:
-    """A loader's epoch ``epoch`` draws its order from ``sampler``: that epoch's."""
+    """A loader's epoch ``epoch`` draws its order from ``sampler``: that epoch's (and from now
+    on a random sampler's epochs are the loader's to set: it takes no next one itself)."""
     if isinstance(sampler, (RandomSampler, DistributedSampler)):
         sampler._epoch = check_int("epoch", epoch, minimum=0)
+    if isinstance(sampler, RandomSampler):
+        sampler._driven = True
 
 
 def _plain_inner(batch_sampler: object) -> object:

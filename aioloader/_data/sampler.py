@@ -94,13 +94,19 @@ class RandomSampler(torch_data.RandomSampler):
     from its generator (``num_samples`` indices, with replacement in draws of 32; without,
     whole permutations and part of one).
 
+    Its epoch is a loader's, or its owner's once ``set_epoch`` is called. Iterated by other
+    code (a batch sampler of the user's own, a torch ``DataLoader``, a plain ``list()``), each
+    iteration takes the next epoch, so each gives a new order, as torch's sampler draws a new
+    one at each iteration.
+
     Args:
         length: The dataset length, or the dataset itself (its length is read each epoch).
         replacement: Draw indices with replacement (torch's meaning).
         num_samples: Indices an epoch yields; None for the dataset's length.
-        generator: Used once, at construction, to draw the base seed when
-            ``seed`` is None. If both are None, the base seed is drawn from torch's
-            default generator, so ``torch.manual_seed`` makes runs repeatable.
+        generator: Used once, to draw the base seed when ``seed`` is None, as the first
+            order is drawn (or ``seed`` first read), as torch's draws its order at iteration.
+            If both are None, the base seed is drawn from torch's default generator then, so
+            ``torch.manual_seed`` called before the first epoch makes runs repeatable.
         seed: The base seed. If given, ``generator`` is ignored.
 
     The ``generator`` attribute keeps torch's meaning: it reads None until one is assigned,
@@ -137,11 +143,11 @@ class RandomSampler(torch_data.RandomSampler):
             )
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
-        if seed is None:
-            seed = draw_seed(generator)
-        self._seed = check_seed(seed)
+        self._seed = None if seed is None else check_seed(seed)
+        self._seed_from = generator  # what the seed is drawn from, at its first use
         self._epoch = 0
         self._owned = False  # set_epoch was called: the epoch is its owner's, not a loader's
+        self._driven = False  # a loader sets its epoch (order.py): it takes no next one itself
         # torch's attributes (``num_samples`` is its property, over ``_num_samples``)
         self.data_source = _data_source(self._length)
         self.replacement = replacement
@@ -162,7 +168,10 @@ class RandomSampler(torch_data.RandomSampler):
 
     @property
     def seed(self) -> int:
-        """The base seed that, with the epoch, determines the order."""
+        """The base seed that, with the epoch, determines the order (drawn at its first use
+        when none was given)."""
+        if self._seed is None:
+            self._seed = draw_seed(self._seed_from)
         return self._seed
 
     @property
@@ -194,12 +203,15 @@ class RandomSampler(torch_data.RandomSampler):
 
     def __iter__(self) -> Iterator[int]:
         n = _current_length(self._length)
+        seed, epoch = self.seed, self._epoch
+        if not (self._owned or self._driven):  # nobody sets its epoch: the next one follows
+            self._epoch += 1
         if self._drawn_from is None and not self.replacement and self._num_samples is None:
-            return iter(epoch_permutation(n, self._seed, self._epoch))
+            return iter(epoch_permutation(n, seed, epoch))
         generator = self._drawn_from
         if generator is None:
             generator = torch.Generator()
-            generator.manual_seed(derive_seed(self._seed, self._epoch))
+            generator.manual_seed(derive_seed(seed, epoch))
         return _drawn_as_torch(n, self.num_samples, self.replacement, generator)
 
     def __len__(self) -> int:

@@ -132,13 +132,16 @@ def test_random_default_epoch_is_zero() -> None:
 @FAST
 @given(st.integers(min_value=0, max_value=2**32))
 def test_random_unseeded_follows_torch_manual_seed(torch_seed: int) -> None:
+    """The seed is drawn as the first order is (torch draws at iteration): a
+    ``torch.manual_seed`` after the sampler was built still makes the run repeatable (found by
+    review: drawn at construction, it did not)."""
+    a, b = RandomSampler(100), RandomSampler(100)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed)
-        a = RandomSampler(100)
+        first = list(a)
         torch.manual_seed(torch_seed)
-        b = RandomSampler(100)
+        assert list(b) == first
     assert a.seed == b.seed
-    assert list(a) == list(b)
 
 
 @FAST
@@ -417,6 +420,7 @@ def test_num_samples_and_replacement_draw_as_torch_does(
     torch draws from its generator: with a generator assigned, torch's very indices, and the
     generator left in the same state."""
     ours = RandomSampler(n, replacement, num_samples, seed=3)
+    ours.set_epoch(0)  # its owner's: the same epoch at each iteration
     first = list(ours)
     assert len(first) == num_samples == len(ours)
     assert all(0 <= i < n for i in first)

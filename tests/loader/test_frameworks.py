@@ -67,7 +67,9 @@ def test_a_generator_assigned_to_the_random_sampler_draws_its_order_as_torchs() 
     sampler = aioloader.RandomSampler(data, seed=7)
     seeded = list(sampler)
     assert sampler.generator is None  # the generator given at construction only draws a seed
-    assert list(sampler) == seeded  # the seed's order: the same every time for an epoch
+    assert list(sampler) != seeded  # iterated again: the next epoch, as torch's draws anew
+    sampler.set_epoch(0)
+    assert list(sampler) == seeded  # the seed's order for an epoch: the same every time
     sampler.generator = torch.Generator().manual_seed(11)
     theirs = torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(11))
     assert [list(sampler), list(sampler)] == [list(theirs), list(theirs)]

@@ -796,3 +796,43 @@ def test_worker_init_fn_runs_in_worker_processes_only(num_workers: int) -> None:
         for cls in (tud.DataLoader, aioloader.DataLoader)
     ]  # fmt: skip
     assert batches[0] == batches[1] == list(range(3, 11))
+
+
+class Buckets:
+    """A batch sampler of the user's own over a sampler (bucketing, grouping): the loader
+    cannot reach the sampler inside to give it its epoch."""
+
+    def __init__(self, sampler: Iterable[int], size: int) -> None:
+        self.sampler, self.size = sampler, size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = list(self.sampler)
+        return (order[i : i + self.size] for i in range(0, len(order), self.size))
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("lib", [tud, aioloader], ids=["torch", "aioloader"])
+def test_a_random_sampler_the_loader_cannot_reach_shuffles_each_epoch(lib: Any) -> None:
+    """Found by review: inside a batch sampler of the user's own, ours gave the same order
+    every epoch (its epoch only moved when a loader set it); torch's draws a new one at each
+    iteration."""
+    data = list(range(16))
+    loader = lib.DataLoader(data, batch_sampler=Buckets(lib.RandomSampler(data), 4))
+    epochs = [[int(x) for batch in loader for x in batch] for _ in range(3)]
+    assert all(sorted(epoch) == data for epoch in epochs)
+    assert len({tuple(epoch) for epoch in epochs}) == 3
+
+
+@pytest.mark.parametrize("lib", [tud, aioloader], ids=["torch", "aioloader"])
+def test_torch_manual_seed_after_the_loader_is_built_repeats_the_order(lib: Any) -> None:
+    """Found by review: ours drew its order's seed as the loader was built, so a script that
+    seeds after building its loaders shuffled differently at each run."""
+    runs = []
+    for _ in range(2):
+        loader = lib.DataLoader(list(range(16)), batch_size=16, shuffle=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            runs.append([batch.tolist() for batch in loader])
+    assert runs[0] == runs[1]

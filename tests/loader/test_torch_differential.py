@@ -269,6 +269,17 @@ def own_shuffle(loader: aioloader.DataLoader[Any]) -> bool:
     return isinstance(loader.sampler, aioloader.RandomSampler)
 
 
+def made_with_seed_7(make: Callable[[], Any], warned: list[str]) -> tuple[str, Any]:
+    """``outcome(make)`` with torch's default generator seeded 7 as it is built and as its
+    shuffled order's seed is drawn (at its first use, as torch draws at an epoch's start)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        made = outcome(make, warned)
+        if made[0] == "ok" and own_shuffle(made[1]):
+            assert isinstance(made[1].sampler.seed, int)
+    return made
+
+
 @settings(
     max_examples=100,
     deadline=None,
@@ -282,11 +293,9 @@ def test_every_combination_of_arguments_behaves_as_torchs(
     warned_torch: list[str] = []
     warned_ours: list[str] = []
     made_torch = outcome(lambda: tud.DataLoader(dataset(), **kwargs, **stateful()), warned_torch)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7)  # a base seed drawn from torch's default generator, as torch's
-        made_ours = outcome(
-            lambda: aioloader.DataLoader(dataset(), **kwargs, **stateful()), warned_ours
-        )
+    made_ours = made_with_seed_7(
+        lambda: aioloader.DataLoader(dataset(), **kwargs, **stateful()), warned_ours
+    )
     if made_ours[0] == "ok" and made_torch[0] == "ok" and own_shuffle(made_ours[1]):
         # Our shuffled order is ours (a seed per epoch, so that it resumes), not torch's:
         # torch's loader replays it, as our sampler gives it for each epoch.
@@ -319,11 +328,9 @@ def test_every_combination_of_arguments_behaves_as_torchs(
     stop_torchs_workers(getattr(theirs, "_iterator", None))  # persistent workers'
     # ``async for`` (its own path: a batch made in ``__anext__``, or by the stages) gives the
     # first epoch again, from a loader made as ours was.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7)
-        again = outcome(
-            lambda: aioloader.DataLoader(dataset(), **kwargs, **stateful()), warned_ours
-        )
+    again = made_with_seed_7(
+        lambda: aioloader.DataLoader(dataset(), **kwargs, **stateful()), warned_ours
+    )
     got = outcome(lambda: asyncio.run(drain_async(again[1])), warned_ours)[1]
     assert_same_epoch(got, epochs[0], kwargs, "async for, epoch 0")
     # The same warnings, once each (torch gives some at each epoch, ours once a loader).
