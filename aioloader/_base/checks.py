@@ -78,9 +78,9 @@ def check_seconds(name: str, value: object) -> float:
         ValueError: If it is not positive and finite.
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a positive number of seconds, got {value!r}")
+        raise TypeError(f"{name} must be a positive, finite number of seconds, got {value!r}")
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
     return float(value)
 
 

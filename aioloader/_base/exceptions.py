@@ -205,8 +205,11 @@ def annotate(
 
     One note per failure: where an earlier call already wrote one (the read that failed names
     its sample; the stage that received the failure knows the batch and the epoch), that note
-    is completed with what it lacked, the earlier fields kept. The fields travel with the
-    exception (its ``__dict__``), through a worker's pipe too.
+    is completed with what it lacked, the earlier fields kept. An exception object raised
+    again for another batch or epoch (a model that keeps its load error and raises it at
+    every call) is another failure: its note is written anew, not left naming the first
+    (found by review). The fields travel with the exception (its ``__dict__``), through a
+    worker's pipe too.
 
     Args:
         exc: The exception to annotate; its type and traceback are left as they are.
@@ -225,7 +228,9 @@ def annotate(
     earlier = getattr(exc, _WHERE, None)
     notes = getattr(exc, "__notes__", None)
     if isinstance(earlier, dict) and notes and earlier.get("note") in notes:
-        fields = {k: v if earlier.get(k) in (None, "") else earlier[k] for k, v in fields.items()}
+        if not _another_failure(earlier, fields):
+            kept = {k: v for k, v in earlier.items() if v not in (None, "")}
+            fields = {k: kept.get(k, v) for k, v in fields.items()}
         fields["note"] = _where_note(fields)
         notes[notes.index(earlier["note"])] = fields["note"]
     else:
@@ -234,6 +239,15 @@ def annotate(
     with contextlib.suppress(AttributeError):  # an exception type without a __dict__
         setattr(exc, _WHERE, fields)
     return exc
+
+
+def _another_failure(earlier: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a note's fields and a new call's name two failures: another batch or epoch
+    (a stage or sample may be named otherwise by the two calls of one failure)."""
+    return any(
+        earlier.get(k) is not None and now[k] is not None and earlier[k] != now[k]
+        for k in ("batch", "epoch")
+    )
 
 
 def _where_note(fields: dict[str, Any]) -> str:

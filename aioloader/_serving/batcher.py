@@ -32,7 +32,14 @@ from .._workers.serverstart import start_method_of
 from .dispatch import Dispatcher
 from .owner import Owner
 from .pending import BatchLimits, PendingQueue, bucket_of, cost_of
-from .policy import BatchPolicy, check_arguments, check_timeout, default_split, rearm_after_timer
+from .policy import (
+    BatchPolicy,
+    check_arguments,
+    check_timeout,
+    default_split,
+    rearm_after_timer,
+    sizes_of,
+)
 from .request import DONE, GONE, RUNNING, WAITING, Request
 from .runner import BatchRunner, device_plan_of
 from .stats import BatcherRecorder, BatcherStatistics
@@ -174,7 +181,7 @@ class DynamicBatcher:
         padded_cost: bool = False,
         bucket_fn: Callable[[Any], Hashable] | None = None,
     ) -> None:
-        self.policy = BatchPolicy(max_batch_size, max_delay, tuple(preferred_batch_sizes))
+        self.policy = BatchPolicy(max_batch_size, max_delay, sizes_of(preferred_batch_sizes))
         start_method = start_method_of(multiprocessing_context, serving=True)
         check_arguments(
             model_fn=model_fn,
@@ -186,6 +193,7 @@ class DynamicBatcher:
             collate_in_thread=collate_in_thread,
             num_workers=num_workers,
             on_exit=on_exit,
+            pin_memory=pin_memory,
             clock=clock,
             cost_fn=cost_fn,
             bucket_fn=bucket_fn,

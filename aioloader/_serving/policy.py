@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._base.checks import check_int, check_seconds
+from .._base.checks import check_bool, check_int, check_seconds
 from .pending import PendingQueue
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Decision",
     "default_split",
     "rearm_after_timer",
+    "sizes_of",
     "split_outputs",
 ]
 
@@ -68,12 +69,9 @@ class BatchPolicy:
 
     def __post_init__(self) -> None:
         check_int("max_batch_size", self.max_batch_size, minimum=1)
-        if (
-            isinstance(self.max_delay, bool)
-            or not isinstance(self.max_delay, int | float)
-            or not math.isfinite(self.max_delay)
-            or self.max_delay < 0
-        ):
+        if isinstance(self.max_delay, bool) or not isinstance(self.max_delay, int | float):
+            raise TypeError(f"max_delay must be a number of seconds, got {self.max_delay!r}")
+        if not math.isfinite(self.max_delay) or self.max_delay < 0:
             raise ValueError(
                 f"max_delay must be a finite number of seconds >= 0, got {self.max_delay!r}"
             )
@@ -265,9 +263,10 @@ def check_arguments(
     max_concurrent_batches: object,
     collate_fn: object,
     split_fn: object,
-    collate_in_thread: bool,
+    collate_in_thread: object,
     num_workers: object,
     on_exit: object,
+    pin_memory: object = False,
     clock: object,
     cost_fn: object = None,
     bucket_fn: object = None,
@@ -302,10 +301,23 @@ def check_arguments(
                 raise ValueError(f"{name} needs cost_fn (the cost of one request)")
     check_int("max_concurrent_batches", max_concurrent_batches, minimum=1)
     check_int("num_workers", num_workers, minimum=0)
+    check_bool("collate_in_thread", collate_in_thread)
+    check_bool("pin_memory", pin_memory)
     if num_workers and collate_in_thread:
         raise ValueError("collate_in_thread=True and num_workers > 0 exclude each other")
     if on_exit not in ("drain", "cancel"):
         raise ValueError(f"on_exit must be 'drain' or 'cancel', got {on_exit!r}")
+
+
+def sizes_of(preferred: object) -> tuple[int, ...]:
+    """``preferred_batch_sizes`` as a tuple (:class:`BatchPolicy` checks each size).
+
+    Raises:
+        TypeError: Not an iterable of sizes (one int, a string); the message names it.
+    """
+    if isinstance(preferred, str | bytes) or not isinstance(preferred, Iterable):
+        raise TypeError(f"preferred_batch_sizes must be a sequence of ints, got {preferred!r}")
+    return tuple(preferred)
 
 
 def check_timeout(name: str, value: object) -> float | None:

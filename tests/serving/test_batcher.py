@@ -264,6 +264,12 @@ def test_default_split_names_what_does_not_fit() -> None:
         ({"multiprocessing_context": "fork"}, ValueError, "multiprocessing_context"),
         ({"on_exit": "wait"}, ValueError, "on_exit"),
         ({"clock": 1.0}, TypeError, "clock"),
+        # found by review: unnamed, or accepted
+        ({"preferred_batch_sizes": 5}, TypeError, "preferred_batch_sizes"),
+        ({"max_delay": "0.1"}, TypeError, "max_delay"),
+        ({"timeout": math.inf}, ValueError, "timeout must be a positive, finite"),
+        ({"collate_in_thread": "yes"}, TypeError, "collate_in_thread"),
+        ({"pin_memory": "yes"}, TypeError, "pin_memory"),
     ],
 )
 def test_bad_arguments_name_the_argument(
@@ -787,3 +793,22 @@ async def test_host_device_transform_runs_where_collation_runs() -> None:
     async with batcher:
         assert (await batcher.submit(torch.tensor([1]))).item() == 2
     assert threads and all(name.startswith("aioloader-batcher") for name in threads)
+
+
+async def test_an_exception_raised_again_names_the_batch_it_failed_this_time() -> None:
+    """Found by review: a model that keeps its load error and raises it at every call: the
+    note still named batch 0 and its one caller at batch 2 with two."""
+    kept = RuntimeError("the model did not load")
+
+    def model(batch: list[int]) -> list[int]:
+        raise kept
+
+    async with lists(model, max_batch_size=2) as batcher:
+        for expected in (
+            "batch 0 (every caller of this batch of 1 gets it)",
+            "batch 1 (every caller of this batch of 1 gets it)",
+        ):
+            with pytest.raises(RuntimeError) as caught:
+                await batcher.submit(1)
+            (note,) = [n for n in caught.value.__notes__ if n.startswith("aioloader: failed")]
+            assert note.endswith(expected), note
