@@ -181,10 +181,7 @@ class Dispatcher:
             request.state = RUNNING
             rec.waited(started - request.enqueued_at)
         try:
-            outputs = await self._work.run([r.item for r in requests], seq)
-        except Exception as exc:  # noted with the stage and batch: every caller gets it
-            for request in requests:
-                self._settle(request, None, exc)
+            outcomes = await self._work.run_each([r.item for r in requests], seq)
         except BaseException:
             error = LoaderStateError(
                 f"the batcher closed (on_exit='cancel', or its scope failed or was cancelled) "
@@ -194,8 +191,10 @@ class Dispatcher:
                 self._settle(request, None, error)
             raise
         else:
-            for position, (request, out) in enumerate(zip(requests, outputs, strict=True)):
-                if isinstance(out, Exception):
+            for position, (request, (ok, out)) in enumerate(zip(requests, outcomes, strict=True)):
+                if not ok:  # noted with the stage and batch (or part) it failed in
+                    self._settle(request, None, out)
+                elif isinstance(out, Exception):
                     annotate(out, "model", batch=seq, detail=f"request {position} of {n} only")
                     self._settle(request, None, out)
                 else:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate, stray_cancellation
+from .._base.exceptions import LoaderTimeout, WorkerCrashed, annotate, stray_cancellation
 from .._base.inline import (
     INLINE_BELOW_S,
     SERVING_PROBE_EVERY,
@@ -44,6 +44,13 @@ __all__ = ["BatchRunner", "device_plan_of"]
 
 STAGES = {"collate": "collate_fn", "device": "the device stage", "model": "model_fn"}
 """What each stage calls, as a :class:`~aioloader.StrayCancellation` names it."""
+
+Outcome = tuple[bool, Any]
+"""``(True, output)`` or ``(False, error)``: one request's."""
+
+
+class _Uncollatable(Exception):  # a signal between two methods, never raised out
+    """Collation refused a part of several requests: :meth:`BatchRunner.run_each` splits it."""
 
 
 def device_plan_of(
@@ -165,7 +172,32 @@ class BatchRunner:
         one = self.concurrency == 1 and self.device is None and not self.async_model
         self._place = _ModelPlace(self.clock) if one else None
 
-    async def run(self, items: list[Any], seq: int) -> Sequence[Any]:
+    async def run_each(self, items: list[Any], seq: int, whole: int | None = None) -> list[Outcome]:
+        """One outcome per item of batch ``seq``, in order.
+
+        A batch that collation refuses (requests whose shapes do not stack, one that cannot be
+        pickled to a collation process) is split in halves, each run on its own (one model
+        call each), down to single requests: only a request that cannot be collated alone
+        fails, with collation's error, and the others are served, as a server that checks
+        each request's input serves them (found by review: one bad input failed every caller
+        of its batch). A later failure (device stage, model, split) is every caller's of the
+        part it happened in. ``whole``: the batch's size, for the notes of its parts.
+
+        Raises: nothing of a part's (its failure is each of its requests' outcome).
+
+        Cancellation: as :meth:`run`.
+        """
+        try:
+            outputs = await self.run(items, seq, whole=whole)
+        except _Uncollatable:
+            whole, half = whole or len(items), len(items) // 2
+            first = await self.run_each(items[:half], seq, whole)
+            return first + await self.run_each(items[half:], seq, whole)
+        except Exception as exc:
+            return [(False, exc)] * len(items)
+        return [(True, out) for out in outputs]
+
+    async def run(self, items: list[Any], seq: int, *, whole: int | None = None) -> Sequence[Any]:
         """Collate ``items``, run the model, split its output: one output per item.
 
         Raises:
@@ -183,7 +215,12 @@ class BatchRunner:
         n = len(items)
         stage = "collate"
         try:
-            batch = await self._collate(items)
+            try:
+                batch = await self._collate(items)
+            except Exception as exc:  # a worker lost (or not placed) is no request's fault
+                if n > 1 and not isinstance(exc, WorkerCrashed | LoaderTimeout):
+                    raise _Uncollatable from exc
+                raise
             if self._stage is not None:
                 stage = "device"
                 batch = await self._stage.stage(batch)
@@ -193,9 +230,9 @@ class BatchRunner:
             outputs = split_outputs(self.split_fn, output, n)
         except BaseException as exc:
             failure = exc if isinstance(exc, Exception) else stray_cancellation(exc, STAGES[stage])
-            if failure is None:
-                raise  # cancelled
-            annotate(failure, stage, batch=seq, detail=f"every caller of this batch of {n} gets it")
+            if failure is None or isinstance(failure, _Uncollatable):
+                raise  # cancelled, or to be split
+            annotate(failure, stage, batch=seq, detail=_who(n, whole))
             if failure is exc:
                 raise
             raise failure from exc
@@ -223,6 +260,16 @@ class BatchRunner:
         if inspect.isawaitable(output):  # an async model, or a plain function returning one
             output = await output
         return output
+
+
+def _who(n: int, whole: int | None) -> str:
+    """Who gets a failure of a part of ``n`` requests of a batch of ``whole`` (None: the
+    batch itself)."""
+    if whole is None:
+        return f"every caller of this batch of {n} gets it"
+    if n == 1:
+        return f"this request only: the batch of {whole} was split, as it would not collate"
+    return f"every caller of this part of {n} gets it (the batch of {whole} would not collate)"
 
 
 def _call_ready(model_fn: Callable[[Any], Any], batch: Any) -> Any:

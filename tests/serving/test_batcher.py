@@ -380,12 +380,37 @@ async def test_a_split_with_the_wrong_count_fails_every_caller_of_the_batch() ->
 
 
 async def test_collate_failure_names_the_stage() -> None:
-    batcher = aioloader.DynamicBatcher(lambda b: b, max_batch_size=2, max_delay=60.0)
+    batcher = aioloader.DynamicBatcher(lambda b: b, max_batch_size=1, max_delay=60.0)
     async with batcher:
-        got = await gather(batcher, [torch.zeros(2), torch.zeros(3)])
+        got = await gather(batcher, [object()])
     error = next(iter(got.values()))
-    assert isinstance(error, RuntimeError) and "different shapes" in str(error)
+    assert isinstance(error, TypeError)
     assert any("stage 'collate'" in n for n in error.__notes__)
+
+
+async def test_a_batch_that_will_not_collate_is_split_and_only_the_bad_request_fails() -> None:
+    """Found by review: one client's malformed input (a shape that does not stack, an object
+    that cannot be collated) failed every caller batched with it. The batch is split in
+    halves down to single requests: the rest are served, in parts that collate."""
+    calls: list[int] = []
+
+    def model(batch: torch.Tensor) -> torch.Tensor:
+        calls.append(len(batch))
+        return batch.sum(dim=1)
+
+    items = [torch.ones(3), torch.ones(3), torch.ones(4), object(), torch.ones(3)]
+    batcher = aioloader.DynamicBatcher(model, max_batch_size=5, max_delay=60.0)
+    async with batcher:
+        got = await gather(batcher, items)
+    outcomes = [got[item] for item in items]
+    assert [float(x) for x in outcomes[:3]] == [3.0, 3.0, 4.0] and float(outcomes[4]) == 3.0
+    error = outcomes[3]
+    assert isinstance(error, TypeError)
+    (note,) = [n for n in error.__notes__ if n.startswith("aioloader: failed")]
+    assert "stage 'collate'" in note and "this request only" in note and "batch of 5" in note
+    assert sum(calls) == 4 and len(calls) >= 2  # each served once, in parts
+    stats = batcher.statistics()
+    assert (stats.completed, stats.failed) == (4, 1)
 
 
 async def test_a_caller_cancelled_before_its_batch_starts_is_withdrawn() -> None:
