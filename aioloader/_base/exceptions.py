@@ -158,14 +158,24 @@ def stray_cancellation(exc: BaseException, what: str) -> StrayCancellation | Non
     (or no ``CancelledError``), which goes on as it is."""
     if not isinstance(exc, asyncio.CancelledError):
         return None
-    task = asyncio.current_task()
-    if task is None or task.cancelling():
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no loop here: a plain call's own
+        task = None
+    if task is not None and task.cancelling():
         return None
+    return raised_of_its_own(exc, what)
+
+
+def raised_of_its_own(exc: asyncio.CancelledError, what: str) -> StrayCancellation:
+    """The :class:`StrayCancellation` for a ``CancelledError`` that a plain (not async) call
+    of user code raised: never a cancellation, which reaches a task only where it awaits
+    (found by review: a ``collate_fn`` run inline that raised it cut the epoch short)."""
     error = StrayCancellation(
-        f"{what} raised CancelledError, but nothing had cancelled the task awaiting it: a task "
-        "or future it awaited was cancelled by something else (or, on a thread, it raised "
-        "concurrent.futures.CancelledError, which asyncio turns into its own); taken as its "
-        "failure, not as a cancellation"
+        f"{what} raised CancelledError of its own, nothing having cancelled the task that "
+        "called it: a task or future it waited on was cancelled by something else (or, on a "
+        "thread, it raised concurrent.futures.CancelledError, which asyncio turns into its "
+        "own); taken as its failure, not as a cancellation"
     )
     error.__cause__ = exc
     return error

@@ -33,9 +33,12 @@ pools do: ``_workers/offload.py``, ``_workers/placed.py``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from .exceptions import raised_of_its_own
 
 __all__ = [
     "FILES_SLOW_BELOW_S",
@@ -88,10 +91,17 @@ class Recent:
         return self.seconds is None or self.seconds < limit
 
     def call(self, fn: Callable[..., R], *args: object) -> R:
-        """``fn(*args)``, here and now, its duration added (a failed call's too)."""
+        """``fn(*args)``, here and now, its duration added (a failed call's too).
+
+        Raises:
+            StrayCancellation: ``fn`` raised ``CancelledError`` (a plain call's own: see
+                :func:`~aioloader._base.exceptions.raised_of_its_own`).
+        """
         started = time.perf_counter()
         try:
             return fn(*args)
+        except asyncio.CancelledError as exc:
+            raise raised_of_its_own(exc, "a function run inline") from exc
         finally:
             self.add(time.perf_counter() - started)
 

@@ -13,8 +13,6 @@ from collections.abc import Iterable, Iterator, Sized
 
 import torch.utils.data as torch_data
 
-from .._base.checks import check_bool
-
 __all__ = ["BatchSampler", "batches_of"]
 
 
@@ -50,10 +48,7 @@ class BatchSampler(torch_data.BatchSampler):
             raise TypeError(f"sampler must be an iterable of indices, got {sampler!r}")
         self._sampler = sampler
         self._batch_size = _positive_batch_size(batch_size)
-        if not isinstance(drop_last, bool):
-            msg = f"drop_last should be a boolean value, but got drop_last={drop_last}"  # type: ignore[unreachable]
-            raise ValueError(msg)  # noqa: TRY004  # torch's type
-        self._drop_last = drop_last
+        self._drop_last = _bool_drop_last(drop_last)
 
     @property
     def sampler(self) -> Iterable[int]:  # type: ignore[override]  # fixed at construction
@@ -77,7 +72,7 @@ class BatchSampler(torch_data.BatchSampler):
 
     @drop_last.setter
     def drop_last(self, value: bool) -> None:
-        self._drop_last = check_bool("drop_last", value)
+        self._drop_last = _bool_drop_last(value)
 
     def set_epoch(self, epoch: int) -> None:
         """Forward the epoch to the wrapped sampler if it has ``set_epoch``.
@@ -106,3 +101,11 @@ def _positive_batch_size(batch_size: object) -> int:
             f"batch_size should be a positive integer value, but got batch_size={batch_size}"
         )
     return batch_size
+
+
+def _bool_drop_last(drop_last: object) -> bool:
+    """``drop_last``, checked as torch's ``BatchSampler`` checks it (a ``ValueError``)."""
+    if not isinstance(drop_last, bool):
+        msg = f"drop_last should be a boolean value, but got drop_last={drop_last}"
+        raise ValueError(msg)  # noqa: TRY004  # torch's type
+    return drop_last

@@ -80,15 +80,15 @@ def map_order(
 def epoch_takers(
     sampler: object, batch_sampler: object, *, given: bool
 ) -> list[Callable[[int], object]]:
-    """What an epoch tells its number: aioloader's own samplers (given, or inside a plain
-    batch sampler), whose order is the loader's epoch's unless their owner has called their
+    """What an epoch tells its number: aioloader's own samplers (given, or inside a batch
+    sampler), whose order is the loader's epoch's unless their owner has called their
     ``set_epoch`` (:func:`owned_epoch`: then the epoch is the owner's, as a torch sampler's
     is); and, when the epoch was given (``loader.set_epoch``), any sampler. torch's loader
     calls none: a torch sampler's epoch is its owner's to set (the ``DistributedSampler``
     idiom; Lightning sets the one it injects), and the loader's own count would undo theirs
     (Lightning, rebuilding loaders each epoch, would see epoch 1's order again and again).
     Our ``BatchSampler`` only forwards to its sampler: not called."""
-    inner = _plain_inner(batch_sampler)
+    inner = _inner(batch_sampler)
     takers: dict[int, Callable[[int], object]] = {}  # one call each (a sampler may be both)
     for obj in (sampler, inner, batch_sampler):
         set_epoch = getattr(obj, "set_epoch", None)
@@ -101,11 +101,11 @@ def epoch_takers(
 
 
 def owner_epoch(sampler: object, batch_sampler: object) -> int | None:
-    """The epoch of the loader's sampler (aioloader's; given, or inside a plain batch
+    """The epoch of the loader's sampler (aioloader's; given, or inside a batch
     sampler) where its owner has called its ``set_epoch``, or None. A loader runs it, read
     as each epoch draws its order, as torch's loader draws it from its sampler then: torch's
     idiom, ``sampler.set_epoch(epoch)`` before each epoch, gives torch's epochs."""
-    for obj in (sampler, _plain_inner(batch_sampler)):
+    for obj in (sampler, _inner(batch_sampler)):
         epoch = owned_epoch(obj)
         if epoch is not None:
             return epoch
@@ -132,10 +132,13 @@ def _begin_epoch(
         sampler._driven = True
 
 
-def _plain_inner(batch_sampler: object) -> object:
-    """A plain batch sampler's sampler, or None."""
-    plain: Any = batch_sampler if type(batch_sampler) in PLAIN_BATCHERS else None
-    return None if plain is None else plain.sampler
+def _inner(batch_sampler: object) -> object:
+    """A batch sampler's sampler (torch's ``BatchSampler``, ours, or a subclass: the sampler a
+    resume replays, ``_loader/resuming.py``), or None. Its epoch is the loader's to set, so
+    that an epoch resumed replays the order it began (found by review: inside a subclass, ours
+    was never set, took a new order at each iteration, and a resume read samples twice)."""
+    inner: Any = batch_sampler if isinstance(batch_sampler, torch.utils.data.BatchSampler) else None
+    return None if inner is None else getattr(inner, "sampler", None)
 
 
 def order_generator(order: object) -> torch.Generator | None:

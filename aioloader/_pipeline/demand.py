@@ -43,11 +43,12 @@ consumer's end does: ``_loader/consumer.py``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate, stray_cancellation
+from .._base.exceptions import annotate, raised_of_its_own, stray_cancellation
 from .._base.inline import INLINE_BELOW_S, SEQUENTIAL_BELOW_S, SLOW_IN_A_ROW
 from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
@@ -168,8 +169,9 @@ class OnDemand:
             began = time.perf_counter()
             try:
                 samples = read(ids)
-            except Exception as exc:  # its note names the sample already
-                item = self._read_failed(exc, seq, ids, began, ids)
+            except (Exception, asyncio.CancelledError) as exc:  # its note names the sample
+                failure = exc if isinstance(exc, Exception) else raised_of_its_own(exc, READ)
+                item = self._read_failed(failure, seq, ids, began, ids)
             else:
                 item = self._made(seq, ids, samples, began)
             item = self._settle(seq, ids, item)
@@ -304,9 +306,10 @@ class OnDemand:
                 size = len(result.transformed)
             else:
                 value, size = result.batch, result.size
-        except Exception as exc:
-            annotate(exc, "collate", epoch=self.number, batch=seq, index=ids)  # or completes it
-            return Raised(exc, (*self._taken_empty(), (seq, 0, None)))
+        except (Exception, asyncio.CancelledError) as exc:
+            failure = exc if isinstance(exc, Exception) else raised_of_its_own(exc, "collate_fn")
+            annotate(failure, "collate", epoch=self.number, batch=seq, index=ids)  # or completes
+            return Raised(failure, (*self._taken_empty(), (seq, 0, None)))
         nbytes = nbytes_of(value)
         if nbytes > stats.max_bytes_held:
             stats.max_bytes_held = nbytes

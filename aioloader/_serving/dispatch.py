@@ -14,6 +14,7 @@ or how big (:mod:`aioloader._serving.policy`), runs collate/model/split itself
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,8 @@ from .runner import BatchRunner
 from .stats import BatcherRecorder
 
 __all__ = ["CUT_TURNS", "Dispatcher"]
+
+logger = logging.getLogger("aioloader")
 
 CUT_TURNS = 2
 """Loop turns a batch cut by ``max_delay`` waits, so that the requests which the turn the delay
@@ -181,7 +184,8 @@ class Dispatcher:
             request.state = RUNNING
             rec.waited(started - request.enqueued_at)
         try:
-            outcomes = await self._work.run_each([r.item for r in requests], seq)
+            items = [r.item for r in requests]
+            outcomes = await self._work.run_each(items, seq, None, self._split)
         except BaseException:
             error = LoaderStateError(
                 f"the batcher closed (on_exit='cancel', or its scope failed or was cancelled) "
@@ -201,6 +205,20 @@ class Dispatcher:
                     self._settle(request, out, None)
         finally:
             rec.batch_finished(self._clock() - started)
+
+    def _split(self, size: int, error: BaseException) -> None:
+        """A part of ``size`` requests would not collate and was split: counted, and said once
+        a scope (a batcher that splits every batch serves at a fraction of its rate)."""
+        self._rec.split += 1
+        if self._rec.split == 1:
+            logger.warning(
+                "aioloader: DynamicBatcher: a batch of %d requests would not collate (%s: %s); "
+                "it is split in halves down to the requests that collate together, a model "
+                "call each part. If inputs differ in shape, pad them in collate_fn or batch "
+                "by shape with bucket_fn=lambda x: tuple(x.shape); statistics().split counts "
+                "the splits",
+                size, type(error).__name__, error,
+            )  # fmt: skip
 
     def _settle(self, request: Request, value: Any, error: BaseException | None) -> None:
         if request.state != RUNNING:  # its caller left: the result is dropped

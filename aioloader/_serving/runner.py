@@ -172,7 +172,13 @@ class BatchRunner:
         one = self.concurrency == 1 and self.device is None and not self.async_model
         self._place = _ModelPlace(self.clock) if one else None
 
-    async def run_each(self, items: list[Any], seq: int, whole: int | None = None) -> list[Outcome]:
+    async def run_each(
+        self,
+        items: list[Any],
+        seq: int,
+        whole: int | None = None,
+        on_split: Callable[[int, BaseException], object] | None = None,
+    ) -> list[Outcome]:
         """One outcome per item of batch ``seq``, in order.
 
         A batch that collation refuses (requests whose shapes do not stack, one that cannot be
@@ -181,7 +187,8 @@ class BatchRunner:
         fails, with collation's error, and the others are served, as a server that checks
         each request's input serves them (found by review: one bad input failed every caller
         of its batch). A later failure (device stage, model, split) is every caller's of the
-        part it happened in. ``whole``: the batch's size, for the notes of its parts.
+        part it happened in. ``whole``: the batch's size, for the notes of its parts;
+        ``on_split(size, error)``: told of each part split, with collation's error.
 
         Raises: nothing of a part's (its failure is each of its requests' outcome).
 
@@ -189,10 +196,12 @@ class BatchRunner:
         """
         try:
             outputs = await self.run(items, seq, whole=whole)
-        except _Uncollatable:
+        except _Uncollatable as split:
+            if on_split is not None:
+                on_split(len(items), split.__cause__ or split)
             whole, half = whole or len(items), len(items) // 2
-            first = await self.run_each(items[:half], seq, whole)
-            return first + await self.run_each(items[half:], seq, whole)
+            first = await self.run_each(items[:half], seq, whole, on_split)
+            return first + await self.run_each(items[half:], seq, whole, on_split)
         except Exception as exc:
             return [(False, exc)] * len(items)
         return [(True, out) for out in outputs]

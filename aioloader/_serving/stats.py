@@ -92,6 +92,8 @@ class BatcherStatistics:
         workers: The collation processes' counters (None without ``num_workers``).
         cost: What the batches cost (None without ``cost_fn``).
         buckets: Buckets with a request waiting now (1 or 0 without ``bucket_fn``).
+        split: Times a batch (or a part of one) that would not collate was split in two, each
+            a model call more (``batches`` and ``batch_sizes`` count the batch as cut).
     """
 
     submitted: int
@@ -114,6 +116,7 @@ class BatcherStatistics:
     workers: WorkerStatistics | None = None
     cost: BatchCostStatistics | None = None
     buckets: int = 0
+    split: int = 0
 
     @property
     def pending(self) -> int:
@@ -136,7 +139,8 @@ class BatcherStatistics:
             f"  queue: {self.queued} waiting now, peak {self.max_queued}/{self.max_queue};"
             f" batches running: {self.running}, peak {self.max_running}",
             f"  {self.batches:,} batches, mean size {self.mean_batch_size:.1f};"
-            f" sizes (size:batches) {sizes}",
+            f" sizes (size:batches) {sizes}"
+            + (f"; split {self.split:,} times (would not collate)" if self.split else ""),
             f"  {'ms':<12}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}{'count':>9}",
         ]
         for name, s in (
@@ -180,6 +184,7 @@ class BatcherRecorder:
         "rejected",
         "running",
         "sizes",
+        "split",
         "started",
         "stopped",
         "submitted",
@@ -191,7 +196,7 @@ class BatcherRecorder:
         self.stopped: float | None = None
         self.submitted = self.completed = self.failed = 0
         self.rejected = self.expired = self.cancelled = 0
-        self.batches = self.running = self.max_running = 0
+        self.batches = self.running = self.max_running = self.split = 0
         self.sizes: Counter[int] = Counter()
         self._queue_waits: deque[float] = deque(maxlen=_RESERVOIR)
         self._latencies: deque[float] = deque(maxlen=_RESERVOIR)
@@ -243,6 +248,7 @@ class BatcherRecorder:
             max_running=self.max_running,
             batches=self.batches,
             batch_sizes=tuple(sorted(self.sizes.items())),
+            split=self.split,
             queue_wait=LatencySummary.of(self._queue_waits, len(self._queue_waits)),
             latency=LatencySummary.of(self._latencies, self.completed + self.failed),
             batch_time=LatencySummary.of(self._batch_times, self.batches - self.running),

@@ -17,6 +17,7 @@ Two shapes of job:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import random
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate
+from .._base.exceptions import annotate, raised_of_its_own
 from .._base.retry import RetryPolicy
 from .._base.stateful import StatefulPass
 from .result import Failure, JobResult
@@ -53,6 +54,8 @@ def _transform_all(
             transformed.append(transform(sample))
         except Exception as exc:
             failures.append((position, "transform", exc))
+        except asyncio.CancelledError as exc:  # a plain call's own: this sample's failure
+            failures.append((position, "transform", raised_of_its_own(exc, "the transform")))
     return transformed, failures
 
 

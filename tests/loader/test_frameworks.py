@@ -56,7 +56,7 @@ def test_a_batch_samplers_size_can_be_set_as_torchs_and_is_checked() -> None:
     assert list(batches) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="batch_size"):
         batches.batch_size = 0
-    with pytest.raises(TypeError, match="drop_last"):
+    with pytest.raises(ValueError, match="drop_last should be a boolean"):  # as at construction
         batches.drop_last = "yes"  # type: ignore[assignment]
 
 

@@ -386,3 +386,29 @@ def test_an_epoch_its_owner_chose_is_the_states_and_must_agree_with_a_loaded_one
         iter(resumed)
     resumed_sampler.set_epoch(3)  # the idiom, from the checkpoint's epoch
     assert [batch.tolist() for batch in resumed] == rest
+
+
+class LoggingBatches(torch.utils.data.BatchSampler):
+    """A batch sampler of the user's own, over ours: a subclass (logs, say)."""
+
+
+def test_ours_inside_a_batch_sampler_subclass_resumes_every_sample_once() -> None:
+    """Found by review: once our sampler took the next epoch at each iteration where no
+    loader set it, inside a subclass of ``BatchSampler`` it was never set, and a resume read
+    another order: samples twice, others never. Its epoch is now the loader's there too."""
+    data = list(range(12))
+
+    def loader() -> aioloader.DataLoader[torch.Tensor]:
+        sampler = aioloader.RandomSampler(data, seed=1)
+        return aioloader.DataLoader(data, batch_sampler=LoggingBatches(sampler, 3, False))
+
+    first = loader()
+    epochs = [[int(x) for batch in first for x in batch] for _ in range(2)]
+    assert epochs[0] != epochs[1] and all(sorted(e) == data for e in epochs)
+    iterator = iter(first)
+    taken = [int(x) for _, batch in zip(range(2), iterator, strict=False) for x in batch]
+    state = first.state_dict()
+    iterator.close()
+    again = loader()  # a new process's: loaded, it goes on with epoch 2
+    again.load_state_dict(state)
+    assert sorted(taken + [int(x) for batch in again for x in batch]) == data

@@ -236,3 +236,86 @@ async def test_a_blocking_model_that_raises_cancelled_fails_only_its_batch(
                 ):
                     await batcher.submit(BAD)
                 assert await batcher.submit(4) == 40
+
+
+# -- plain (not async) calls ---------------------------------------------------------------
+
+
+def collate_raising(batch: list[int]) -> list[int]:
+    if BAD in batch:
+        raise asyncio.CancelledError  # a .result() of a cancelled asyncio future
+    return batch
+
+
+def transform_raising(sample: int) -> int:
+    if sample == BAD:
+        raise asyncio.CancelledError
+    return sample
+
+
+class GetitemRaising(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if index == BAD:
+            raise asyncio.CancelledError
+        return index
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"collate_fn": collate_raising},
+        {"collate_fn": collate_raising, "prefetch": 2},  # made by the stages, inline
+        {"transform": transform_raising},
+        {"transform": transform_raising, "prefetch": 2},
+        {"dataset": GetitemRaising()},
+        {"dataset": GetitemRaising(), "prefetch": 2},
+    ],
+    ids=["collate", "collate-staged", "transform", "transform-staged", "getitem", "getitem-staged"],
+)
+@pytest.mark.parametrize("way", ["async for", "for"])
+async def test_a_plain_call_that_raises_cancelled_fails_its_batch_and_the_epoch_goes_on(
+    kwargs: dict[str, Any], way: str
+) -> None:
+    """Found by review: run inline, a ``collate_fn`` (or transform, or ``__getitem__``) that
+    raised ``CancelledError`` cut the epoch short silently, or reached ``async for`` bare. A
+    plain call never receives a cancellation: it is always its own."""
+    args = {"dataset": list(range(8)), "batch_size": 2, **kwargs}
+    args.setdefault("collate_fn", list)
+    dl = aioloader.DataLoader(**args)
+    got: list[Any] = []
+
+    def plain() -> None:
+        got.extend(outcomes_of(iter(dl)))
+
+    if way == "for":
+        await anyio.to_thread.run_sync(plain)
+    else:
+        with anyio.fail_after(20):
+            async with dl:
+                iterator = aiter(dl)
+                while True:
+                    try:
+                        got.append(await anext(iterator))
+                    except StopAsyncIteration:
+                        break
+                    except Exception as exc:
+                        got.append(exc)
+    assert [g for g in got if not isinstance(g, Exception)] == [[0, 1], [4, 5], [6, 7]]
+    (error,) = [g for g in got if isinstance(g, Exception)]
+    assert isinstance(error, aioloader.StrayCancellation), repr(error)
+    assert "batch 1" in notes(error)
+
+
+def outcomes_of(iterator: Any) -> list[Any]:
+    """Each batch, or the exception raised in its place; the epoch goes on after one."""
+    out: list[Any] = []
+    while True:
+        try:
+            out.append(next(iterator))
+        except StopIteration:
+            return out
+        except Exception as exc:
+            out.append(exc)

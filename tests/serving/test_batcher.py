@@ -388,7 +388,9 @@ async def test_collate_failure_names_the_stage() -> None:
     assert any("stage 'collate'" in n for n in error.__notes__)
 
 
-async def test_a_batch_that_will_not_collate_is_split_and_only_the_bad_request_fails() -> None:
+async def test_a_batch_that_will_not_collate_is_split_and_only_the_bad_request_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Found by review: one client's malformed input (a shape that does not stack, an object
     that cannot be collated) failed every caller batched with it. The batch is split in
     halves down to single requests: the rest are served, in parts that collate."""
@@ -410,7 +412,12 @@ async def test_a_batch_that_will_not_collate_is_split_and_only_the_bad_request_f
     assert "stage 'collate'" in note and "this request only" in note and "batch of 5" in note
     assert sum(calls) == 4 and len(calls) >= 2  # each served once, in parts
     stats = batcher.statistics()
-    assert (stats.completed, stats.failed) == (4, 1)
+    assert (stats.completed, stats.failed, stats.batches) == (4, 1, 1)
+    # parts: one more than splits; each part a model call, but the bad request's alone
+    assert stats.split == len(calls) >= 2
+    (warning,) = [r for r in caplog.records if "would not collate" in r.getMessage()]
+    assert "bucket_fn" in warning.getMessage() and warning.levelname == "WARNING"
+    assert f"split {stats.split} times" in repr(stats)
 
 
 async def test_a_caller_cancelled_before_its_batch_starts_is_withdrawn() -> None:
