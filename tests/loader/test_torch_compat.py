@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -836,3 +837,15 @@ def test_torch_manual_seed_after_the_loader_is_built_repeats_the_order(lib: Any)
             torch.manual_seed(5)
             runs.append([batch.tolist() for batch in loader])
     assert runs[0] == runs[1]
+
+
+def test_pin_memory_device_is_warned_as_deprecated_in_torchs_words() -> None:
+    """Found by review: torch warns that ``pin_memory_device`` is deprecated; ours was
+    silent."""
+    said = []
+    for cls in (tud.DataLoader, aioloader.DataLoader):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(cls(list(range(4)), pin_memory=True, pin_memory_device="cpu"))
+        said.append({str(w.message) for w in caught if "pin_memory_device" in str(w.message)})
+    assert said[0] == said[1] and len(said[0]) == 1
