@@ -235,7 +235,8 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
     ``ValueError`` for a wrong type of its integers); aioloader's follow ``_base/checks.py``'s
     rule: a wrong type raises ``TypeError``, a wrong value ``ValueError``.
 
-    Warns (``UserWarning``, at ``stacklevel``): more worker processes than CPUs; an option of
+    Warns (``UserWarning``, at ``stacklevel``): ``pin_memory_device`` (deprecated, as torch
+    says); more worker processes than CPUs; an option of
     the fetches in this process given for a blocking dataset read in worker processes.
 
     Raises:
@@ -298,14 +299,21 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
             f"worker_mode={a.worker_mode!r} has no effect with num_workers=0: batches are made "
             "in this process (as torch's num_workers=0); pass num_workers=N for N Ray actors",
             UserWarning,
-            stacklevel=stacklevel,
+            stacklevel=stacklevel - 1,  # from here, not a helper: one frame less
+        )
+    if a.pin_memory and a.pin_memory_device:  # torch's warning, in its words
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the "
+            f"device,ignore pin_memory_device='{a.pin_memory_device}'.",
+            UserWarning,
+            stacklevel=stacklevel - 1,
         )
     if ray is not None and a.multiprocessing_context is not None:
         warnings.warn(
             f"multiprocessing_context={a.multiprocessing_context!r} has no effect with Ray "
             "workers: Ray starts its actors' processes itself",
             UserWarning,
-            stacklevel=stacklevel,
+            stacklevel=stacklevel - 1,
         )
 
     batch_size = None if a.batch_sampler is not None else a.batch_size  # torch's convention

@@ -320,13 +320,6 @@ def plan_loader(
         )
     unbatched = batch_size is None and a.batch_sampler is None
     collate_fn = a.collate_fn or (default_convert if unbatched else default_collate)
-    if a.pin_memory and a.pin_memory_device:  # torch's warning, in its words
-        warnings.warn(
-            "pin_memory_device is deprecated, the current accelerator will be used as the "
-            f"device,ignore pin_memory_device='{a.pin_memory_device}'.",
-            UserWarning,
-            stacklevel=stacklevel,
-        )
     devices = device_plan(
         target, pin_memory=a.pin_memory, transform=a.device_transform, stacklevel=stacklevel
     )

@@ -1,6 +1,7 @@
 """The main process's side of a worker process at the operating system's level: the signals held
 across a fork, a pipe hung up so that every copy of it sees EOF, a pipe put back in blocking
-mode, and waiting for a process to exit until it can be reaped.
+mode, waiting for a process to exit until it can be reaped, and the shared-memory names a
+reaped one left.
 
 Never: starts or stops a process by itself (``processes.py`` decides when).
 """
@@ -15,8 +16,11 @@ import socket
 from multiprocessing.connection import Connection
 
 import anyio
+import torch.multiprocessing
 
-__all__ = ["blocking", "exits", "hang_up", "hold_signals"]
+__all__ = ["blocking", "exits", "hang_up", "hold_signals", "remove_left_segments"]
+
+_SHM = "/dev/shm"
 
 
 def hold_signals() -> frozenset[int]:
@@ -58,3 +62,22 @@ def blocking(conn: Connection) -> None:
     """Blocking mode again: uvloop makes a socket it polls non-blocking, and ``Connection``'s
     whole-message reads and writes then fail part-way on a message over the socket's buffer."""
     os.set_blocking(conn.fileno(), True)
+
+
+def remove_left_segments(pid: int | None) -> int:
+    """Unlink the shared-memory names that torch's ``file_descriptor`` strategy left behind
+    for worker ``pid``, which has exited; return how many. That strategy unlinks each segment
+    as it makes it (the descriptor is what is sent), so a name of a reaped process's is one it
+    was stopped between making and unlinking: nothing refers to it, and it would stay until
+    the machine restarts (seen once in a CI run, under load). The ``file_system`` strategy's
+    names stay while another process maps them: left alone."""
+    if pid is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
+        return 0
+    prefix, removed = f"torch_{pid}_", 0
+    with contextlib.suppress(OSError):  # no /dev/shm here
+        for name in os.listdir(_SHM):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    os.unlink(os.path.join(_SHM, name))
+                    removed += 1
+    return removed

@@ -39,7 +39,7 @@ import torch.multiprocessing  # registers torch's shared-memory reductions
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
 from .byvalue import dumps_job, inherited_tokens, start_args
-from .children import blocking, exits, hang_up, hold_signals
+from .children import blocking, exits, hang_up, hold_signals, remove_left_segments
 from .descriptors import out_of_descriptors, too_many_open_files
 from .environ import ParentEnviron, environ_now
 from .ledger import LEDGER
@@ -242,6 +242,7 @@ class ProcessWorkers:
             process.close()
         worker.stopped = True
         LEDGER.forget(worker.pid)  # its blocks: mappings here live on only in their views
+        remove_left_segments(worker.pid)
 
     async def aclose(self) -> None:
         """Stop every worker: close its pipe, wait for it to exit, terminate it if it does not.

@@ -849,3 +849,5 @@ def test_pin_memory_device_is_warned_as_deprecated_in_torchs_words() -> None:
             list(cls(list(range(4)), pin_memory=True, pin_memory_device="cpu"))
         said.append({str(w.message) for w in caught if "pin_memory_device" in str(w.message)})
     assert said[0] == said[1] and len(said[0]) == 1
+    (ours,) = [w for w in caught if "pin_memory_device" in str(w.message)]
+    assert ours.filename == __file__  # the line that built the loader

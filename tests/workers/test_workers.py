@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import aioloader
+from aioloader._workers.children import remove_left_segments
 from aioloader._workers.serverstart import prepare_forkserver
 from tests.support import worker_fns
 from tests.support.helpers import Counting, flat, open_fds
@@ -252,6 +253,28 @@ async def test_leaving_the_scope_leaves_no_process_fd_or_shared_memory(how: str)
     assert open_fds() == fds
     assert len(workers) == 2  # the workers were seen: a name one of them made counts
     assert shm(workers) == segments
+
+
+def test_a_reaped_workers_left_segment_names_are_removed_under_file_descriptor() -> None:
+    """A CI run under load once found a ``torch_<worker pid>_...`` name in ``/dev/shm`` after
+    the scope closed: the ``file_descriptor`` strategy unlinks each segment as it makes it,
+    so a name left is a stopped worker's half-made one, which nothing refers to."""
+    child = multiprocessing.get_context("fork").Process(target=os.getpid)
+    child.start()
+    child.join()  # a pid that has exited, as a reaped worker's
+    left = Path("/dev/shm", f"torch_{child.pid}_1234_1")
+    left.write_bytes(b"x")
+    try:
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        try:  # the names of that strategy stay while another process maps them
+            assert remove_left_segments(child.pid) == 0 and left.exists()
+        finally:
+            torch.multiprocessing.set_sharing_strategy(strategy)
+        assert strategy == "file_descriptor"
+        assert remove_left_segments(child.pid) == 1 and not left.exists()
+    finally:
+        left.unlink(missing_ok=True)
 
 
 def test_plain_for_with_worker_processes() -> None:
