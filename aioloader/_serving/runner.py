@@ -42,7 +42,9 @@ from .policy import split_outputs
 
 __all__ = ["BatchRunner", "device_plan_of"]
 
-STAGES = {"collate": "collate_fn", "device": "the device stage", "model": "model_fn"}
+STAGES = {
+    "collate": "collate_fn", "device": "the device stage", "model": "model_fn", "split": "split_fn"
+}  # fmt: skip
 """What each stage calls, as a :class:`~aioloader.StrayCancellation` names it."""
 
 Outcome = tuple[bool, Any]

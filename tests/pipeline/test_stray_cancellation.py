@@ -319,3 +319,18 @@ def outcomes_of(iterator: Any) -> list[Any]:
             return out
         except Exception as exc:
             out.append(exc)
+
+
+async def test_a_split_fn_that_raises_cancelled_fails_its_batch() -> None:
+    """Every stage's name is known to the message (found by reading: ``split`` was not)."""
+
+    def split(output: list[int], n: int) -> list[int]:
+        raise asyncio.CancelledError
+
+    batcher = aioloader.DynamicBatcher(
+        lambda b: b, collate_fn=list, split_fn=split, max_batch_size=1, max_delay=0
+    )
+    with anyio.fail_after(20):
+        async with batcher:
+            with pytest.raises(aioloader.StrayCancellation, match="split_fn raised"):
+                await batcher.submit(1)
