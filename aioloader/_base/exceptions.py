@@ -167,6 +167,14 @@ def stray_cancellation(exc: BaseException, what: str) -> StrayCancellation | Non
     return raised_of_its_own(exc, what)
 
 
+def as_failure(exc: BaseException, what: str) -> Exception | None:
+    """What ``exc``, caught (as ``BaseException``) around awaited user code named by ``what``,
+    fails: itself when an ``Exception``; a :class:`StrayCancellation` for a ``CancelledError``
+    of its own (:func:`stray_cancellation`). None: this task's cancellation, or another
+    ``BaseException`` (``KeyboardInterrupt``), which the caller lets go on."""
+    return exc if isinstance(exc, Exception) else stray_cancellation(exc, what)
+
+
 def raised_of_its_own(exc: asyncio.CancelledError, what: str) -> StrayCancellation:
     """The :class:`StrayCancellation` for a ``CancelledError`` that a plain (not async) call
     of user code raised: never a cancellation, which reaches a task only where it awaits

@@ -228,7 +228,7 @@ class Arguments:
     progress: bool = False
 
 
-def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
+def check_arguments(a: Arguments, *, stacklevel: int = 3) -> Checked:
     """Check the arguments of :class:`~aioloader.DataLoader`.
 
     torch's own arguments fail as torch's do (its tests match the words, and torch raises
@@ -299,21 +299,21 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
             f"worker_mode={a.worker_mode!r} has no effect with num_workers=0: batches are made "
             "in this process (as torch's num_workers=0); pass num_workers=N for N Ray actors",
             UserWarning,
-            stacklevel=stacklevel - 1,  # from here, not a helper: one frame less
+            stacklevel=stacklevel,
         )
     if a.pin_memory and a.pin_memory_device:  # torch's warning, in its words
         warnings.warn(
             "pin_memory_device is deprecated, the current accelerator will be used as the "
             f"device,ignore pin_memory_device='{a.pin_memory_device}'.",
             UserWarning,
-            stacklevel=stacklevel - 1,
+            stacklevel=stacklevel,
         )
     if ray is not None and a.multiprocessing_context is not None:
         warnings.warn(
             f"multiprocessing_context={a.multiprocessing_context!r} has no effect with Ray "
             "workers: Ray starts its actors' processes itself",
             UserWarning,
-            stacklevel=stacklevel - 1,
+            stacklevel=stacklevel,
         )
 
     batch_size = None if a.batch_sampler is not None else a.batch_size  # torch's convention
@@ -336,9 +336,9 @@ def check_arguments(a: Arguments, *, stacklevel: int = 4) -> Checked:
             # Ray's jobs go by cloudpickle: lambdas and the script's own functions too
             check_picklable(name, fn, dumps=_cloudpickle_dumps(), to="Ray workers")
     if ray is None:  # Ray's actors run on the cluster's CPUs, not this machine's
-        _warn_if_more_workers_than_cpus(num_workers, stacklevel)
+        _warn_if_more_workers_than_cpus(num_workers, stacklevel + 1)
     if kind.is_blocking and in_workers:
-        _warn_of_options_without_effect(a, kind, stacklevel, ray is not None)
+        _warn_of_options_without_effect(a, kind, stacklevel + 1, ray is not None)
     return Checked(kind, batch_size, prefetch, start_method, target, ray)
 
 

@@ -292,7 +292,7 @@ def plan_loader(
     Raises:
         TypeError, ValueError: As :func:`~aioloader._loader.arguments.check_arguments`.
     """
-    checked = check_arguments(a, stacklevel=stacklevel + 2)
+    checked = check_arguments(a, stacklevel=stacklevel + 1)
     kind, batch_size, prefetch, start_method, target, ray = checked
     if a.distributed and earlier is not None and not follow:  # only following changes a share
         rank, world_size = earlier.rank, earlier.world_size

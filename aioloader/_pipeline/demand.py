@@ -48,7 +48,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate, raised_of_its_own, stray_cancellation
+from .._base.exceptions import annotate, as_failure, raised_of_its_own
 from .._base.inline import INLINE_BELOW_S, SEQUENTIAL_BELOW_S, SLOW_IN_A_ROW
 from .._base.recorders import Recorders
 from .._data.resume import Mark, Taken
@@ -200,7 +200,7 @@ class OnDemand:
                 else:
                     samples = [await get(index := i) for i in ids]
             except BaseException as exc:
-                failure = exc if isinstance(exc, Exception) else stray_cancellation(exc, READ)
+                failure = as_failure(exc, READ)
                 if failure is None:  # cancelled: this batch is the next call's
                     self._next = (seq, ids)
                     raise

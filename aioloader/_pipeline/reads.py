@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .._base.exceptions import stray_cancellation
+from .._base.exceptions import as_failure
 from .._base.recorders import Recorders
 from .._data.source import MapSource
 from .fetch import READ, Attempts, FailureBudget, Pace
@@ -87,7 +87,7 @@ class Reads:
                 try:
                     samples[position] = await get(ids[position])
                 except BaseException as exc:
-                    failure = exc if isinstance(exc, Exception) else stray_cancellation(exc, READ)
+                    failure = as_failure(exc, READ)
                     if failure is None:
                         raise  # cancelled
                     rec.failed += 1

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base.exceptions import LoaderTimeout, WorkerCrashed, annotate, stray_cancellation
+from .._base.exceptions import LoaderTimeout, WorkerCrashed, annotate, as_failure
 from .._base.inline import (
     INLINE_BELOW_S,
     SERVING_PROBE_EVERY,
@@ -240,7 +240,7 @@ class BatchRunner:
             stage = "split"
             outputs = split_outputs(self.split_fn, output, n)
         except BaseException as exc:
-            failure = exc if isinstance(exc, Exception) else stray_cancellation(exc, STAGES[stage])
+            failure = as_failure(exc, STAGES[stage])
             if failure is None or isinstance(failure, _Uncollatable):
                 raise  # cancelled, or to be split
             annotate(failure, stage, batch=seq, detail=_who(n, whole))
