@@ -39,6 +39,7 @@ class WorkerRecorder:
         "server",
         "server_s",
         "server_why",
+        "start_bytes",
         "startup_s",
     )
 
@@ -54,6 +55,7 @@ class WorkerRecorder:
         self.server_why = ""
         self.server_s = 0.0
         self.main_left_unsafe = False
+        self.start_bytes = 0
 
     def snapshot(self) -> WorkerStatistics:
         return WorkerStatistics(
@@ -68,6 +70,7 @@ class WorkerRecorder:
             self.server_why,
             self.server_s,
             self.main_left_unsafe,
+            self.start_bytes,
         )
 
 

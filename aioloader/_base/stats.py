@@ -123,6 +123,11 @@ class WorkerStatistics:
             again (as torch's spawn and forkserver workers do), started a thread or
             initialised CUDA there; under the script's ``if __name__ == "__main__":`` guard,
             they would not run again.
+        start_bytes: The start arguments (the dataset, ``worker_init_fn``) as pickled once
+            for the workers that last started together; 0 where each worker's start pickled
+            its own (a dataset holding a tensor, which each worker is handed as shared memory,
+            or a descriptor), where the workers were forked from this process, and for Ray
+            workers.
     """
 
     processes: int
@@ -136,6 +141,7 @@ class WorkerStatistics:
     server_why: str = ""
     server_s: float = 0.0
     main_left_unsafe: bool = False
+    start_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,8 +172,9 @@ def _slow_start(stats: LoaderStatistics) -> str | None:
             "aioloader. Import aioloader after the heavy imports (torchvision, transformers, "
             "your own packages), as the last of the imports at the top of the script"
         )
+    pickled = f" (they pickle to {w.start_bytes / 2**20:.0f} MiB)" if w.start_bytes >= 2**20 else ""
     return f"{said}: {keep}, or lighten worker_init_fn and the dataset each " + (
         "actor receives (each is a Python process Ray starts, which imports torch)"
         if w.server == "ray"
-        else "worker receives"
+        else f"worker receives{pickled}"
     )

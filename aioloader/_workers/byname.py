@@ -56,12 +56,12 @@ def sent_by_name(value: object, main_has: MainRule, *, starting: bool = False) -
 
 
 @contextlib.contextmanager
-def as_a_process_starts() -> Iterator[None]:
+def as_a_process_starts(stand_in: object = None) -> Iterator[None]:
     """Pickling as a process's start pickles: what hands a descriptor to it (a shared
-    ``Value``'s memory) is handed nothing, and what pickles only then (a multiprocessing lock)
-    pickles."""
+    ``Value``'s memory) is handed nothing (or to ``stand_in``'s ``DupFd``), and what pickles
+    only then (a multiprocessing lock) pickles."""
     previous = multiprocessing.context.get_spawning_popen()
-    multiprocessing.context.set_spawning_popen(_NoProcess())  # type: ignore[arg-type]
+    multiprocessing.context.set_spawning_popen(stand_in or _NoProcess())  # type: ignore[arg-type]
     try:
         yield
     finally:
@@ -114,13 +114,15 @@ class _Scan(pickle.Pickler):
 ACTING = ("torch", "socket", "multiprocessing.connection")
 
 
-def forking_reducers(*, skipping: tuple[str, ...] = ()) -> dict[type, Any]:
+def forking_reducers(
+    *, skipping: tuple[str, ...] = (), instead: Callable[[Any], Any] = _skip
+) -> dict[type, Any]:
     """``ForkingPickler``'s reductions, those of types from the modules ``skipping`` names
-    reducing to nothing."""
+    replaced by ``instead`` (by default, reducing to nothing)."""
     extra: dict[type, Any] = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
     for kind in extra:
         if kind.__module__.startswith(skipping):
-            extra[kind] = _skip
+            extra[kind] = instead
     return extra
 
 

@@ -28,7 +28,7 @@ import multiprocessing.util
 import pickle
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -38,7 +38,7 @@ import torch.multiprocessing  # registers torch's shared-memory reductions
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
-from .byvalue import dumps_job, inherited_tokens, start_args
+from .byvalue import dumps_job, inherited_tokens
 from .children import blocking, exits, hang_up, hold_signals, remove_left_segments
 from .descriptors import out_of_descriptors, too_many_open_files
 from .environ import ParentEnviron, environ_now
@@ -46,6 +46,7 @@ from .ledger import LEDGER
 from .mainmodule import workers_main
 from .serverstart import died_starting_note, note_server, prepare_forkserver
 from .slots import Slots
+from .startonce import StartArguments
 from .worker import worker_main
 
 __all__ = [
@@ -109,27 +110,26 @@ class ProcessWorkers:
         self._main_has = workers_main(self._ctx)
         self._forked = self._ctx.get_start_method() == "fork"
         self._served = self._ctx.get_start_method() == "forkserver"  # environ: see ParentEnviron
-        # A forked worker has them as they are when it starts; others are sent them (byvalue.py)
-        self._start = (
-            (worker_init_fn, dataset)
-            if self._forked
-            else start_args(worker_init_fn, dataset, self._main_has)
-        )
-        self._seed = seed
-        self._derive = derive
+        self._start = StartArguments(worker_init_fn, dataset, self._main_has, self._forked)
+        self._seed, self._derive = seed, derive
         self._stats = stats
         self._slots: Slots[_Worker] = Slots(workers)  # the worker in each slot, the idle ones
 
     # -- life ------------------------------------------------------------------------------------
 
-    def _spawn(self, worker_id: int) -> _Worker:
+    def _spawn_together(self, ids: Iterable[int]) -> list[_Worker]:
+        """The workers ``ids`` started, sent the start arguments as they are now."""
+        with self._start.now() as start:
+            return [self._spawn(i, start) for i in ids]
+
+    def _spawn(self, worker_id: int, start: object) -> _Worker:
         prepare_forkserver(self._ctx)
         # The worker shares this process's temporary folder (a ``Process`` takes it from here
         # as it is made): the sockets torch's reductions listen on to hand over a batch's
         # descriptor go there, and this process removes it at exit, a killed worker's too.
         multiprocessing.util.get_temp_dir()
         try:
-            return self._start_process(worker_id)
+            return self._start_process(worker_id, start)
         except Exception as exc:
             if self._dataset is not None and _is_pickling_error(exc):
                 exc.add_note(
@@ -141,7 +141,7 @@ class ProcessWorkers:
                 )
             raise
 
-    def _start_process(self, worker_id: int) -> _Worker:
+    def _start_process(self, worker_id: int, start: object) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
         # A process forked from this one (this worker, with "fork"; a later worker of any pool)
         # must not hold our end: this worker would never see EOF should this process die.
@@ -158,7 +158,7 @@ class ProcessWorkers:
                     self.concurrency,
                     self._derive(self._seed, worker_id),
                     ParentEnviron(environ_now()) if self._served else None,
-                    self._start,
+                    start,
                     torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
                     held,
                 ),
@@ -189,7 +189,7 @@ class ProcessWorkers:
             Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
         """
         started = time.perf_counter()
-        self._slots.now = [self._spawn(i) for i in range(self.concurrency)]
+        self._slots.now = self._spawn_together(range(self.concurrency))
         try:
             async with anyio.create_task_group() as tg:
                 for worker in self._slots.now:
@@ -201,6 +201,7 @@ class ProcessWorkers:
             raise error from None
         self._slots.all_idle()
         self._stats.startup_s = time.perf_counter() - started
+        self._stats.start_bytes = self._start.once_bytes
         self._stats.processes = self.concurrency
         if self._ctx.get_start_method() == "forkserver":
             note_server(self._stats)
@@ -212,7 +213,7 @@ class ProcessWorkers:
         stopped worker, to be replaced on next use.
         """
         await self._stop(worker, grace=0.0)
-        fresh = self._spawn(worker.id)
+        [fresh] = self._spawn_together([worker.id])
         try:
             await self._ready(fresh)
         except BaseException:

@@ -188,6 +188,13 @@ async def test_a_slow_worker_start_is_named_with_why_and_what_to_do() -> None:
     forked = dataclasses.replace(slow, server="forked", server_why="")
     said = verdict(dataclasses.replace(stats, workers=forked))
     assert "took" in said and "persistent_workers=True" in said and "CUDA" not in said
+    assert "MiB" not in said  # nothing said of a small dataset's pickle
+    heavy = dataclasses.replace(forked, start_bytes=57 << 20)  # ImageNet's list of paths
+    said = verdict(dataclasses.replace(stats, workers=heavy))
+    assert (
+        "lighten worker_init_fn and the dataset each worker receives (they pickle to 57 MiB)"
+        in said
+    ), said
     quick = dataclasses.replace(slow, startup_s=0.02)
     assert "starting" not in verdict(dataclasses.replace(stats, workers=quick))
     # A standby that took long to catch up (imports after aioloader's): said, with the cure;

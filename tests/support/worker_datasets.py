@@ -4,10 +4,12 @@ so each worker process can be sent its own copy."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -434,3 +436,48 @@ def eight_and_ten_fail(sample: int) -> int:
     if sample in (8, 10):
         raise ValueError(f"sample {sample}")
     return sample
+
+
+class CountsItsPickles(torch.utils.data.Dataset[dict[str, Any]]):
+    """Counts, in the process that pickles it, how often it is pickled; sample ``i`` says
+    which copy read it (a digest of ``payload``), in which process, and whether that process
+    still holds a start file open (``startonce.py``'s are named ``aioloader-start``)."""
+
+    pickled = 0
+
+    def __init__(self, length: int, payload: bytes, held: object = None) -> None:
+        self.length = length
+        self.payload = payload
+        self.held = held  # a tensor or a shared Value: what a pickle hands to one process
+
+    def __getstate__(self) -> dict[str, Any]:
+        type(self).pickled += 1
+        return self.__dict__
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        held: Any = self.held
+        if held is None:
+            held = -1
+        elif isinstance(held, torch.Tensor):
+            held = int(held.sum())
+        elif held is not None:
+            held = held.value  # type: ignore[attr-defined]  # a multiprocessing Value
+        return {
+            "index": index,
+            "digest": zlib.crc32(self.payload),
+            "pid": os.getpid(),
+            "start_files": start_files(),
+            "held": held,
+        }
+
+
+def start_files() -> int:
+    """The start files (``startonce.py``) this process holds open."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sum("aioloader-start" in link for link in links)

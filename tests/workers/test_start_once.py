@@ -1,0 +1,121 @@
+"""The workers a pool starts together share one pickle of their start arguments (the dataset
+and ``worker_init_fn``: ``_workers/startonce.py``), a large one through a file in memory, where
+one pickle serves them all; where it holds what a pickle hands to one process (a tensor torch
+shares, a multiprocessing ``Value``), each worker is pickled its own, as before."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+import aioloader
+from aioloader._workers.startonce import IN_FILE_FROM
+from tests.support import worker_datasets as wd
+
+LARGE = IN_FILE_FROM + 12345
+
+# More workers than this box's 2 CPUs: the pickle is shared by more than two
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create . worker processes")
+
+
+@pytest.fixture(autouse=True)
+def _count_afresh() -> None:
+    wd.CountsItsPickles.pickled = 0
+
+
+def rows(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for batch in batches:
+        for k in range(len(batch["index"])):
+            row = {key: value[k] for key, value in batch.items()}
+            out.append({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in row.items()})
+    return out
+
+
+@pytest.mark.parametrize("size", [1000, LARGE], ids=["in the start", "in a file"])
+def test_one_pickle_serves_every_worker_of_a_start(size: int) -> None:
+    payload = os.urandom(size)
+    dl = aioloader.DataLoader(wd.CountsItsPickles(48, payload), batch_size=4, num_workers=4)
+    batches = []
+    for batch in dl:
+        batches.append(batch)
+        assert wd.start_files() == 0  # let go of once the workers had it
+    got = rows(batches)
+    assert [r["index"] for r in got] == list(range(48))
+    assert {r["digest"] for r in got} == {zlib.crc32(payload)}
+    assert {r["start_files"] for r in got} == {0}  # each worker let go once it had its copy
+    assert wd.CountsItsPickles.pickled == 1  # not once per worker
+    assert size <= dl.statistics().workers.start_bytes < size + 1000  # type: ignore[union-attr]
+
+
+def test_each_epoch_s_workers_get_the_dataset_as_it_is_then() -> None:
+    dataset = wd.CountsItsPickles(16, b"a" * LARGE)
+    dl = aioloader.DataLoader(dataset, batch_size=4, num_workers=2)
+    first = rows(list(dl))
+    dataset.payload = b"b" * LARGE  # as a script changes its dataset between epochs
+    second = rows(list(dl))
+    assert {r["digest"] for r in first} == {zlib.crc32(b"a" * LARGE)}
+    assert {r["digest"] for r in second} == {zlib.crc32(b"b" * LARGE)}
+    assert wd.CountsItsPickles.pickled == 2
+
+
+def test_a_replaced_worker_gets_the_dataset_as_it_is_when_it_starts() -> None:
+    dataset = wd.CountsItsPickles(16, b"a" * LARGE)
+    dl = aioloader.DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True)
+    try:
+        first = rows(list(dl))
+        killed = first[-1]["pid"]
+        os.kill(killed, signal.SIGKILL)  # between epochs, as an OOM kill would
+        time.sleep(0.2)
+        dataset.payload = b"b" * LARGE
+        second = rows(list(dl))
+    finally:
+        dl.close()
+    assert [r["index"] for r in second] == list(range(16))
+    digests = {r["pid"]: r["digest"] for r in second}
+    kept = {r["pid"] for r in first} - {killed}
+    assert all(digests[pid] == zlib.crc32(b"a" * LARGE) for pid in kept if pid in digests)
+    fresh = set(digests) - {r["pid"] for r in first}
+    assert fresh and all(digests[pid] == zlib.crc32(b"b" * LARGE) for pid in fresh)
+    assert wd.CountsItsPickles.pickled == 2  # the start's, and the replacement's own
+
+
+@pytest.mark.parametrize("held", ["tensor", "shared Value"])
+def test_what_a_pickle_hands_to_one_process_is_pickled_for_each_worker(held: str) -> None:
+    value: Any = (
+        torch.arange(5)
+        if held == "tensor"
+        else multiprocessing.get_context("forkserver").Value("i", 10)
+    )
+    dataset = wd.CountsItsPickles(24, b"x" * LARGE, held=value)
+    dl = aioloader.DataLoader(dataset, batch_size=4, num_workers=3)
+    got = rows(list(dl))
+    assert [r["index"] for r in got] == list(range(24))
+    assert {r["held"] for r in got} == {10}
+    assert {r["digest"] for r in got} == {zlib.crc32(b"x" * LARGE)}
+    # Each worker's own pickle (beside the try at one for all, stopped at the value held)
+    assert wd.CountsItsPickles.pickled >= 3
+    assert dl.statistics().workers.start_bytes == 0  # type: ignore[union-attr]
+    if held == "tensor":
+        assert value.is_shared()  # moved to shared memory, as torch's reductions do
+
+
+def test_spawned_workers_read_the_start_file_too() -> None:
+    payload = os.urandom(LARGE)
+    dl = aioloader.DataLoader(
+        wd.CountsItsPickles(8, payload),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context="spawn",
+    )
+    got = rows(list(dl))
+    assert {r["digest"] for r in got} == {zlib.crc32(payload)}
+    assert {r["start_files"] for r in got} == {0}
+    assert wd.CountsItsPickles.pickled == 1
