@@ -12,7 +12,9 @@ ends. torch uses its default context (fork
 on Linux), aioloader its own (forkserver). ``--metrics-thread`` starts a daemon thread in the
 script before its loader, as a metrics or logging thread does: the process is then no longer
 safe to fork, and aioloader's workers come from its standby fork server (or, without one, the
-stdlib's fresh interpreter).
+stdlib's fresh interpreter). ``--holding paths`` (ImageNet's 1.28 million (path, class) pairs,
+as ``ImageFolder`` holds them) or ``--holding array`` (a 256 MiB NumPy array) gives the dataset
+something to carry to the workers: torch's forked workers inherit it, aioloader's are sent it.
 
 Configurations: ``torch-nw2``, ``torch-nw2-persistent``, ``aio-nw2``, ``aio-nw2-persistent``;
 each is run ``--runs`` times (default 3), the configurations interleaved, every run in a fresh
@@ -131,6 +133,8 @@ import torch
 
 
 class CheapDataset(torch.utils.data.Dataset):
+    def __init__(self):
+{holding}
     def __len__(self):
         return {items}
 
@@ -168,8 +172,25 @@ METRICS_THREAD = """\
 """
 
 
-def script_text(loader: str, persistent: bool, body: str, thread: bool = False) -> str:
+# --holding: what the dataset holds, built in the main process as a dataset's __init__ builds
+# it (torch's forked workers inherit it; workers not forked from the script are sent it)
+HOLDING = {
+    "nothing": "        pass\n",
+    # ImageNet's training list, as ImageFolder holds it: 1.28 million (path, class) pairs
+    "paths": (
+        '        self.samples = [(f"/data/train/n{i % 1000:08d}/{i:08d}.JPEG", i % 1000)\n'
+        "                        for i in range(1_281_167)]\n"
+    ),
+    # 256 MiB of features (or CIFAR's images) in one NumPy array
+    "array": "        import numpy\n        self.features = numpy.ones(32 << 20)\n",
+}
+
+
+def script_text(
+    loader: str, persistent: bool, body: str, thread: bool = False, holding: str = "nothing"
+) -> str:
     return SCRIPT.format(
+        holding=HOLDING[holding],
         thread=METRICS_THREAD if thread else "",
         import_line=LOADER_IMPORTS[loader],
         items=ITEMS,
@@ -425,6 +446,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="start a daemon thread in the script before its loader (as a metrics thread does)",
     )
+    parser.add_argument(
+        "--holding",
+        choices=sorted(HOLDING),
+        default="nothing",
+        help="what the dataset holds: nothing, ImageNet's 1.28 million (path, class) pairs, or "
+        "a 256 MiB NumPy array",
+    )
     args = parser.parse_args(argv)
     if args.runs <= 0 or args.timeout <= 0 or args.exit_timeout <= 0 or args.exit_runs < 0:
         parser.error("--runs, --timeout and --exit-timeout must be positive, --exit-runs >= 0")
@@ -465,14 +493,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(
             f"script: {ITEMS} samples, batch {BATCH_SIZE}, num_workers=2, {EPOCHS} epochs of a "
-            f"plain `for`; {args.runs} runs per configuration, interleaved",
+            f"plain `for`, the dataset holding {args.holding}; {args.runs} runs per "
+            "configuration, interleaved",
             flush=True,
         )
         for config in configs:
             path = Path(tmp) / config.name / "script.py"
             path.parent.mkdir()
             path.write_text(
-                script_text(config.loader, config.persistent, RUN_BODY, args.metrics_thread)
+                script_text(
+                    config.loader, config.persistent, RUN_BODY, args.metrics_thread, args.holding
+                )
             )
         for k in range(args.runs):
             for config in configs:
@@ -501,7 +532,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for config in configs:
                 path = Path(tmp) / config.name / "exit.py"
                 path.write_text(
-                    script_text(config.loader, config.persistent, EXIT_BODY, args.metrics_thread)
+                    script_text(
+                        config.loader,
+                        config.persistent,
+                        EXIT_BODY,
+                        args.metrics_thread,
+                        args.holding,
+                    )
                 )
             for k in range(args.exit_runs):
                 for config, (_, runs) in zip(configs, rows, strict=True):

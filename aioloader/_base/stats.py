@@ -124,9 +124,9 @@ class WorkerStatistics:
             initialised CUDA there; under the script's ``if __name__ == "__main__":`` guard,
             they would not run again.
         start_bytes: The start arguments (the dataset, ``worker_init_fn``) as pickled once
-            for the workers that last started together; 0 where each worker's start pickled
-            its own (a dataset holding a tensor, which each worker is handed as shared memory,
-            or a descriptor), where the workers were forked from this process, and for Ray
+            for the workers that last started together (its out-of-band NumPy buffers
+            included; not the tensors, sockets and descriptors each worker's start pickles
+            for itself); 0 where the workers were forked from this process, and for Ray
             workers.
     """
 

@@ -11,7 +11,7 @@ value here, with cloudpickle; everything in it that a worker finds by name still
 Owns: deciding what must go by value (with ``byname.py``'s scan, which pickles into nothing;
 which of the main module's own a worker has is ``mainmodule.py``'s), a job's functions sent
 to each worker once (:func:`dumps_job`), the start arguments pickled once for a start's
-workers (:func:`dumps_once`) or by value inside each worker's start (:class:`StartArgs`:
+workers (:func:`start_pickler`) or by value inside each worker's start (:class:`StartArgs`:
 tensors through shared memory, as pickle by name sends them), and a
 worker's replies (:func:`dumps_reply`: an instance of a class that came by value arrives as the
 caller's own class). Never: sends by value what a worker finds by name.
@@ -20,9 +20,9 @@ Costs: a by-value function is pickled for each worker as its first job is sent (
 epoch's workers get its state then, as torch's forked ones do) and once at construction, to
 fail there.
 The start arguments are pickled once for the workers a pool starts together
-(:func:`dumps_once`, ``startonce.py``); only where that cannot serve them all are they scanned
-and pickled for each worker's start (about 0.6 s each for a dataset that holds ImageNet's 1.28
-million paths, on a 2-core box).
+(:func:`start_pickler`, ``startonce.py``: 0.65 s for a dataset that holds ImageNet's 1.28
+million paths, on a 2-core box); only where they do not pickle are they scanned and pickled
+for each worker's start, which says why.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import itertools
 import pickle
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -55,7 +55,6 @@ __all__ = [
     "StartArgs",
     "check_worker_init_fn",
     "dumps_job",
-    "dumps_once",
     "dumps_reply",
     "forget_received",
     "inherited",
@@ -65,6 +64,7 @@ __all__ = [
     "sendable",
     "sent_by_name",
     "start_args",
+    "start_pickler",
 ]
 
 _tokens = itertools.count()
@@ -159,12 +159,13 @@ def _receive_start(blob: bytes) -> Any:
     return received_start(blob, by_value=True)
 
 
-def received_start(blob: bytes | memoryview, *, by_value: bool) -> Any:
-    """In a worker: its start arguments, from their pickle (``by_value``: something in it
-    came by value, so the worker's replies go by value too: :func:`dumps_reply`)."""
+def received_start(blob: bytes | memoryview, buffers: Sequence[Any] = (), *, by_value: bool) -> Any:
+    """In a worker: its start arguments, from their pickle and its out-of-band ``buffers``
+    (``by_value``: something in it came by value, so the worker's replies go by value too:
+    :func:`dumps_reply`)."""
     global _by_value_here
     _by_value_here = _by_value_here or by_value
-    return pickle.loads(blob)
+    return pickle.loads(blob, buffers=buffers)
 
 
 def portable(value: Any, main_has: MainRule) -> Any:
@@ -236,22 +237,18 @@ def start_args(
         ) from exc
 
 
-def dumps_once(start: object, main_has: MainRule) -> tuple[memoryview, bool] | None:
-    """The start arguments ``start`` pickled once for any number of workers, by name where
-    a worker finds them so and by value where not, and whether anything went by value; None
-    where one pickle cannot serve several processes: it holds what acts as it reduces (a
-    tensor torch moves to shared memory and counts once per pickle, a socket, a connection,
-    a descriptor handed to one process's start), or does not pickle at all (each worker's own
-    start pickles it then, and says why: :func:`start_args`). The pickle stops at the first
-    such value, before it acts."""
-    buffer = io.BytesIO()
-    pickler = _Pickler(buffer, main_has, sharing=False, once=True)
-    try:
-        with as_a_process_starts(_OneProcessStart()):
-            pickler.dump(start)
-    except Exception:  # each worker's own pickle says why, as it did without this
-        return None
-    return buffer.getbuffer(), pickler.by_value
+def start_pickler(
+    file: io.BytesIO,
+    main_has: MainRule,
+    *,
+    acting: Callable[[Any], Any],
+    out_of_band: Callable[[pickle.PickleBuffer], None],
+) -> Any:
+    """A pickler of start arguments for several workers at once: by name where a worker
+    finds them so, by value where not (its ``by_value`` says whether it sent any), what acts
+    as it reduces (a tensor, a socket, a connection: :data:`byname.ACTING`) reduced by
+    ``acting`` instead, and buffers given to ``out_of_band``."""
+    return _Pickler(file, main_has, sharing=False, acting=acting, out_of_band=out_of_band)
 
 
 def check_worker_init_fn(worker_init_fn: object, main_has: MainRule) -> None:
@@ -337,7 +334,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         *,
         sharing: bool,
         trial: bool = False,
-        once: bool = False,
+        acting: Callable[[Any], Any] | None = None,
+        out_of_band: Callable[[pickle.PickleBuffer], None] | None = None,
     ) -> None:
         self.main_has = main_has
         self.by_value = False  # whether it sent a function or class by value
@@ -347,33 +345,15 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         table.pop(io.TextIOWrapper, None)
         if sharing or trial:  # a trial runs as a process's start would, but moves nothing
             table.update(forking_reducers(skipping=ACTING if trial else ()))
-        elif once:  # stops at what acts as it reduces, before it acts
-            table.update(forking_reducers(skipping=ACTING, instead=_one_process_only))
+        elif acting is not None:  # what acts as it reduces: reduced by ``acting`` instead
+            table.update(forking_reducers(skipping=ACTING, instead=acting))
         # Before the pickler's own start, which reads it (cloudpickle's class attribute, a
         # ChainMap, would hide a later one; and a ChainMap's lookups run in Python, per object)
         self.dispatch_table = table
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=out_of_band)
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, types.FunctionType | type) or found_by_name(obj, self.main_has):
             return NotImplemented
         self.by_value = True
         return super().reducer_override(obj)
-
-
-class _OneProcessOnly(Exception):
-    """What is being pickled is handed to one process only (its pickle acts as it reduces)."""
-
-
-def _one_process_only(_: object) -> Any:
-    raise _OneProcessOnly
-
-
-class _OneProcessStart:
-    """Stands for the start of every process a pickle goes to: a descriptor is handed to one
-    process's start, so a pickle that hands one serves that process only."""
-
-    def duplicate_for_child(self, fd: int) -> int:
-        raise _OneProcessOnly
-
-    DupFd = duplicate_for_child  # multiprocessing's name

@@ -119,11 +119,12 @@ class ProcessWorkers:
 
     def _spawn_together(self, ids: Iterable[int]) -> list[_Worker]:
         """The workers ``ids`` started, sent the start arguments as they are now."""
+        prepare_forkserver(self._ctx)  # forked before the start's files open: it keeps files
         with self._start.now() as start:
+            self._stats.start_bytes = self._start.once_bytes
             return [self._spawn(i, start) for i in ids]
 
     def _spawn(self, worker_id: int, start: object) -> _Worker:
-        prepare_forkserver(self._ctx)
         # The worker shares this process's temporary folder (a ``Process`` takes it from here
         # as it is made): the sockets torch's reductions listen on to hand over a batch's
         # descriptor go there, and this process removes it at exit, a killed worker's too.
@@ -201,7 +202,6 @@ class ProcessWorkers:
             raise error from None
         self._slots.all_idle()
         self._stats.startup_s = time.perf_counter() - started
-        self._stats.start_bytes = self._start.once_bytes
         self._stats.processes = self.concurrency
         if self._ctx.get_start_method() == "forkserver":
             note_server(self._stats)

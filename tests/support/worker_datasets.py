@@ -481,3 +481,39 @@ def start_files() -> int:
         with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
             links.append(os.readlink(f"/proc/self/fd/{fd}"))
     return sum("aioloader-start" in link for link in links)
+
+
+class HoldsArrays(torch.utils.data.Dataset[dict[str, Any]]):
+    """Holds NumPy arrays, as a dataset of features or labels does; sample ``i`` says what its
+    worker's copies are like: whether each is writable, their sums, whether the large one is
+    mapped from a start file (``startonce.py``), and what the worker found in ``large[1]``
+    before writing its own id there (a write shared with another worker would show)."""
+
+    def __init__(self, length: int, large: np.ndarray[Any, Any]) -> None:
+        self.length = length
+        self.large = large
+        self.frozen = np.arange(1000, dtype=np.int64)
+        self.frozen.flags.writeable = False
+        self.empty = np.empty((0, 3), dtype=np.float32)
+        self.strided = np.arange(100, dtype=np.int16)[::2]  # not contiguous: goes in the pickle
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        info = torch.utils.data.get_worker_info()
+        found = int(self.large[1])
+        self.large[1] = 100 + (info.id if info is not None else -1)
+        with open("/proc/self/maps") as maps:
+            mapped = any("aioloader-start" in line for line in maps)
+        return {
+            "index": index,
+            "worker": -1 if info is None else info.id,
+            "found": found,
+            "large_sum": int(self.large[2:].sum()),
+            "frozen_writable": bool(self.frozen.flags.writeable),
+            "frozen_sum": int(self.frozen.sum()),
+            "empty_shape": "x".join(map(str, self.empty.shape)),
+            "strided_sum": int(self.strided.sum()),
+            "mapped": mapped,
+        }

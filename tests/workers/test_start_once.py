@@ -12,6 +12,7 @@ import time
 import zlib
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,7 +75,7 @@ def test_a_replaced_worker_gets_the_dataset_as_it_is_when_it_starts() -> None:
         killed = first[-1]["pid"]
         os.kill(killed, signal.SIGKILL)  # between epochs, as an OOM kill would
         time.sleep(0.2)
-        dataset.payload = b"b" * LARGE
+        dataset.payload = b"b" * 2 * LARGE
         second = rows(list(dl))
     finally:
         dl.close()
@@ -83,28 +84,39 @@ def test_a_replaced_worker_gets_the_dataset_as_it_is_when_it_starts() -> None:
     kept = {r["pid"] for r in first} - {killed}
     assert all(digests[pid] == zlib.crc32(b"a" * LARGE) for pid in kept if pid in digests)
     fresh = set(digests) - {r["pid"] for r in first}
-    assert fresh and all(digests[pid] == zlib.crc32(b"b" * LARGE) for pid in fresh)
+    assert fresh and all(digests[pid] == zlib.crc32(b"b" * 2 * LARGE) for pid in fresh)
     assert wd.CountsItsPickles.pickled == 2  # the start's, and the replacement's own
+    assert dl.statistics().workers.start_bytes > 2 * LARGE  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("held", ["tensor", "shared Value"])
-def test_what_a_pickle_hands_to_one_process_is_pickled_for_each_worker(held: str) -> None:
+def test_what_a_pickle_hands_to_one_process_is_pickled_in_each_worker_s_start(held: str) -> None:
+    """A tensor (torch moves it to shared memory and counts it once per pickle) or a
+    multiprocessing ``Value`` (its memory's descriptor is handed to one process's start) is
+    pickled in each worker's start; the rest of the dataset once for them all."""
     value: Any = (
-        torch.arange(5)
+        torch.full((5,), 2)
         if held == "tensor"
         else multiprocessing.get_context("forkserver").Value("i", 10)
     )
     dataset = wd.CountsItsPickles(24, b"x" * LARGE, held=value)
-    dl = aioloader.DataLoader(dataset, batch_size=4, num_workers=3)
-    got = rows(list(dl))
-    assert [r["index"] for r in got] == list(range(24))
-    assert {r["held"] for r in got} == {10}
-    assert {r["digest"] for r in got} == {zlib.crc32(b"x" * LARGE)}
-    # Each worker's own pickle (beside the try at one for all, stopped at the value held)
-    assert wd.CountsItsPickles.pickled >= 3
-    assert dl.statistics().workers.start_bytes == 0  # type: ignore[union-attr]
-    if held == "tensor":
-        assert value.is_shared()  # moved to shared memory, as torch's reductions do
+    dl = aioloader.DataLoader(dataset, batch_size=4, num_workers=3, persistent_workers=True)
+    try:
+        first = rows(list(dl))
+        # Shared with the workers, as torch's spawn and forkserver workers share it
+        if held == "tensor":
+            assert value.is_shared()
+            value += 1
+        else:
+            value.value = 15
+        second = rows(list(dl))
+    finally:
+        dl.close()
+    assert [r["index"] for r in first] == [r["index"] for r in second] == list(range(24))
+    assert {r["held"] for r in first} == {10} and {r["held"] for r in second} == {15}
+    assert {r["digest"] for r in first + second} == {zlib.crc32(b"x" * LARGE)}
+    assert wd.CountsItsPickles.pickled == 1
+    assert dl.statistics().workers.start_bytes > LARGE  # type: ignore[union-attr]
 
 
 def test_spawned_workers_read_the_start_file_too() -> None:
@@ -119,3 +131,35 @@ def test_spawned_workers_read_the_start_file_too() -> None:
     assert {r["digest"] for r in got} == {zlib.crc32(payload)}
     assert {r["start_files"] for r in got} == {0}
     assert wd.CountsItsPickles.pickled == 1
+
+
+def test_numpy_arrays_are_shared_copy_on_write_as_forked_workers_share_them() -> None:
+    large = np.arange(LARGE // 8, dtype=np.int64)  # over IN_FILE_FROM: in its own file
+    expected_sum = int(large[2:].sum())
+    dl = aioloader.DataLoader(wd.HoldsArrays(40, large), batch_size=4, num_workers=2)
+    got = rows(list(dl))
+    assert [r["index"] for r in got] == list(range(40))
+    # Mapped from the start file, not copied; writable, each worker's writes its own
+    assert {r["mapped"] for r in got} == {True}
+    for r in got:
+        assert r["found"] in (1, 100 + r["worker"]), r  # another worker's write never shows
+    assert int(large[1]) == 1  # nor this process's copy
+    assert {r["large_sum"] for r in got} == {expected_sum}
+    # A read-only array stays read-only; empty and strided arrays arrive whole
+    assert {r["frozen_writable"] for r in got} == {False}
+    assert {r["frozen_sum"] for r in got} == {sum(range(1000))}
+    assert {r["empty_shape"] for r in got} == {"0x3"}
+    assert {r["strided_sum"] for r in got} == {sum(range(0, 100, 2))}
+    assert dl.statistics().workers.start_bytes >= large.nbytes  # type: ignore[union-attr]
+
+
+def test_small_numpy_arrays_go_in_the_start_and_stay_writable() -> None:
+    dl = aioloader.DataLoader(
+        wd.HoldsArrays(8, np.arange(64, dtype=np.int64)), batch_size=4, num_workers=2
+    )
+    got = rows(list(dl))
+    assert {r["mapped"] for r in got} == {False}  # copied into each worker's start
+    for r in got:
+        assert r["found"] in (1, 100 + r["worker"]), r
+    assert {r["frozen_writable"] for r in got} == {False}
+    assert {r["large_sum"] for r in got} == {sum(range(2, 64))}
