@@ -10,12 +10,14 @@ where torch's forked workers inherit the list. A dataset holding a 256 MiB array
 labels, CIFAR's images) put a private copy of it in each worker: the process tree's PSS with
 2 workers was 1,034 MiB, against torch's 513 (538 now).
 
-When one pickle serves every worker (:func:`byvalue.dumps_once`): when nothing in it acts as
-it reduces: a tensor torch moves to shared memory (counted once per pickle), a socket or a
-connection, a descriptor handed to one process's start. Otherwise each worker's start pickles
-its own, as it did before.
+What one pickle cannot serve (:func:`dumps_once`): what acts as it reduces, a tensor torch
+moves to shared memory (counted once per pickle), a socket or a connection, a descriptor a
+value hands to one process's start (a multiprocessing ``Value``'s memory). Those go in the
+pickle as references by index, and each worker's start pickles them for itself, with torch's
+and multiprocessing's reductions, as the whole start was pickled before. A start that does not
+pickle at all is pickled per worker (``byvalue.start_args``), which names what fails.
 
-Owns: :class:`OnceStart`: the pickle's file and its out-of-band buffers' file
+Owns: :func:`dumps_once`, :class:`StartArguments`, :class:`OnceStart`: the pickle's file and its out-of-band buffers' file
 (``memfd_create``: anonymous, gone once the last process lets go of it), each handed to each
 worker's start as a descriptor; parts under :data:`IN_FILE_FROM` go with the start itself.
 Never: keeps a file here past the start (the pool closes them once its workers have theirs);
