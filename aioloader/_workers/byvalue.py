@@ -242,7 +242,7 @@ def start_pickler(
     main_has: MainRule,
     *,
     acting: Callable[[Any], Any],
-    out_of_band: Callable[[pickle.PickleBuffer], None],
+    out_of_band: Callable[[pickle.PickleBuffer], object],
 ) -> Any:
     """A pickler of start arguments for several workers at once: by name where a worker
     finds them so, by value where not (its ``by_value`` says whether it sent any), what acts
@@ -335,7 +335,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         sharing: bool,
         trial: bool = False,
         acting: Callable[[Any], Any] | None = None,
-        out_of_band: Callable[[pickle.PickleBuffer], None] | None = None,
+        out_of_band: Callable[[pickle.PickleBuffer], object] | None = None,
     ) -> None:
         self.main_has = main_has
         self.by_value = False  # whether it sent a function or class by value

@@ -516,4 +516,5 @@ class HoldsArrays(torch.utils.data.Dataset[dict[str, Any]]):
             "empty_shape": "x".join(map(str, self.empty.shape)),
             "strided_sum": int(self.strided.sum()),
             "mapped": mapped,
+            "boxes": len(getattr(self, "boxes", ())),
         }
