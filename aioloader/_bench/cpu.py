@@ -21,11 +21,13 @@ reports:
   ``/proc/<pid>/smaps_rollup``, what psutil's ``memory_full_info().pss`` reports: a shared page
   divided among the processes mapping it), sampled every 0.2 s;
 * ``main CPU s`` / ``workers CPU s``: CPU-seconds of this process (the transform itself with
-  ``num_workers=0``; otherwise the loader's own overhead plus the checks) and of its worker
-  processes, over both epochs (reaped children only: aioloader's workers are children of its
-  fork server, so they read 0 here and their CPU shows as ``other CPU``);
+  ``num_workers=0``; otherwise the loader's own overhead plus the checks) and of the rest of
+  its process tree (its worker processes, and aioloader's fork server's), over both epochs:
+  the larger of the reaped children's and the tree's sampled every 50 ms (a worker that exits
+  loses its last poll's worth);
 * ``other CPU``: the share of the machine's CPU used meanwhile by processes outside this
-  benchmark (steal included): on a shared machine, rows with a high figure are slowed by it;
+  benchmark's tree (steal included): on a shared machine, rows with a high figure are slowed
+  by it;
 * before the configurations, one small aioloader loader with a worker starts the process-wide
   fork server (as the resource tracker is started), as a training script's first loader would:
   its start is in ``bench_startup.py``'s figures, not in a row here;

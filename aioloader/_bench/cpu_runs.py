@@ -74,10 +74,12 @@ class CpuMeter:
     """CPU used while the ``with`` block runs: ``main_s`` by this process (all its threads),
     ``children_s`` by its child processes (counted once they have exited and been reaped), and
     ``other`` the share of the machine's capacity used by every *other* process (other work on a
-    shared machine makes every figure noisier)."""
+    shared machine makes every figure noisier); :meth:`other_than` the same beside a better
+    count of this process tree's CPU."""
 
     def __enter__(self) -> CpuMeter:
         self.main_s = self.children_s = self.other = math.nan
+        self.busy_s = self.capacity_s = math.nan
         self._wall = time.perf_counter()
         self._busy = _machine_busy_s()
         self._times = os.times()
@@ -91,9 +93,15 @@ class CpuMeter:
         self.children_s = (after.children_user - before.children_user) + (
             after.children_system - before.children_system
         )
-        capacity = wall * (os.cpu_count() or 1)
-        other = busy - self.main_s - self.children_s
-        self.other = max(0.0, other / capacity) if capacity > 0 else math.nan
+        self.busy_s, self.capacity_s = busy, wall * (os.cpu_count() or 1)
+        self.other = self.other_than(self.main_s + self.children_s)
+
+    def other_than(self, tree_s: float) -> float:
+        """The share of the machine's capacity used by processes outside a tree that used
+        ``tree_s`` CPU-seconds while the block ran."""
+        if not self.capacity_s > 0:
+            return math.nan
+        return max(0.0, (self.busy_s - tree_s) / self.capacity_s)
 
 
 # -- the configurations ------------------------------------------------------------------------
@@ -296,22 +304,23 @@ def measure(name: str, runner: Runner, workload: Workload, reference_probe_s: fl
         errors.append(f"{len(left)} child processes still alive {EXIT_WAIT_S:g} s after closing")
     if not errors and len(timing.ends) != EPOCHS:
         errors.append(f"ran {len(timing.ends)} epochs, not {EPOCHS}")
+    # Two lower bounds of the tree's CPU time: this process's and its reaped children's (torch's
+    # workers, to their exit; not aioloader's, which its fork server reaps) and the one sampled
+    # over the whole tree (every worker, less each one's last poll before it exits).
+    tree_cpu_s = max(cpu.main_s + cpu.children_s, memory.cpu_s)
     result = CpuResult(
         name,
         workload.items,
         timing=timing,
         main_cpu_s=cpu.main_s,
-        worker_cpu_s=cpu.children_s,
-        other_load=cpu.other,
+        worker_cpu_s=tree_cpu_s - cpu.main_s,
+        other_load=cpu.other_than(tree_cpu_s),
         speed=reference_probe_s / statistics.mean((probe_before, speed_probe())),
         error="; ".join(errors) or None,
         statistics=stats,
     )
     result.record_memory(memory)
-    # Two lower bounds of the tree's CPU time: this process's and its reaped children's (torch's
-    # workers, to their exit; not aioloader's, which its fork server reaps) and the one sampled
-    # over the whole tree (every worker, less each one's last poll before it exits).
-    result.cpu_s = max(cpu.main_s + cpu.children_s, memory.cpu_s)
+    result.cpu_s = tree_cpu_s
     return result
 
 
