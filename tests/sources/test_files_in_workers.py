@@ -20,6 +20,7 @@ import aioloader.sources._filereader as filereader
 from aioloader.sources import files
 from aioloader.sources._filereader import FileReader
 from aioloader.sources._keyed import Keyed, KeyedReader
+from tests.support import worker_datasets as wd
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc/self/io (Linux)"
@@ -260,3 +261,37 @@ def test_the_reader_keeps_links_odd_names_and_negative_indices(root: Path) -> No
     assert [via.key(i) for i in range(len(via))] == linked.keys
     assert via[0] == (root / linked.keys[0]).read_bytes()
     assert via.path(0) == os.path.realpath(root / "c2" / linked.keys[0].split("/")[1])
+
+
+def big_listing(n: int = 40_000) -> FileReader:
+    keys = [f"train/n{i % 1000:08d}/img_{i:08d}.JPEG" for i in range(n)]
+    keys[5] = "caf\udce9/\u00e9t\u00e9.bin"  # not UTF-8 (surrogateescape), and not ASCII
+    return FileReader("/data", keys, ["/data/" + key for key in keys])
+
+
+def test_the_listing_pickles_whole_by_every_protocol_and_copies() -> None:
+    reader = big_listing()
+    wanted = [reader.key(i) for i in (0, 5, 39_999, -1)]
+    buffers: list[pickle.PickleBuffer] = []
+    out_of_band = pickle.dumps(reader, protocol=5, buffer_callback=buffers.append)
+    assert len(out_of_band) < 10_000 and len(buffers) == 2  # the keys and their offsets
+    copies = [
+        pickle.loads(out_of_band, buffers=buffers),
+        *(pickle.loads(pickle.dumps(reader, protocol=p)) for p in range(2, 6)),
+        __import__("copy").deepcopy(reader),
+    ]
+    for copy in copies:
+        assert len(copy) == 40_000
+        assert [copy.key(i) for i in (0, 5, 39_999, -1)] == wanted
+        assert copy.path(5) == "/data/" + wanted[1]
+
+
+def test_a_start_s_workers_share_one_mapping_of_the_listing() -> None:
+    """The keys and their offsets go out of band: every worker of a start maps them from one
+    file in memory, where each unpickled a copy of its own."""
+    reader = big_listing()
+    dl = aioloader.DataLoader(wd.ListingKeys(reader, 24), batch_size=4, num_workers=2)
+    got = [(key, files, mapped) for b in dl for key, files, mapped in zip(*b.values(), strict=True)]
+    assert [key for key, _, _ in got] == [reader.key(i * 7) for i in range(24)]
+    assert {int(files) for _, files, _ in got} == {40_000}
+    assert {bool(mapped) for _, _, mapped in got} == {True}

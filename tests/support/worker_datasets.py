@@ -518,3 +518,20 @@ class HoldsArrays(torch.utils.data.Dataset[dict[str, Any]]):
             "mapped": mapped,
             "boxes": len(getattr(self, "boxes", ())),
         }
+
+
+class ListingKeys(torch.utils.data.Dataset[dict[str, Any]]):
+    """Sample ``i`` is key ``i * 7`` of a ``FileReader`` listing (``sources.files``' workers'
+    dataset), with whether this process maps a start file (``startonce.py``)."""
+
+    def __init__(self, reader: Any, length: int) -> None:
+        self.reader = reader
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        with open("/proc/self/maps") as maps:
+            mapped = any("aioloader-start" in line for line in maps)
+        return {"key": self.reader.key(index * 7), "files": len(self.reader), "mapped": mapped}
