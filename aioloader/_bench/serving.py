@@ -77,6 +77,7 @@ import uvloop
 from aioloader._bench.harness import Result, report
 from aioloader._bench.harness_script import add_quick, quick_defaults
 from aioloader._bench.serving_load import SIZE_BINS, Level, measure
+from aioloader._bench.serving_ray import available
 from aioloader._bench.serving_server import MAX_BATCH, MAX_DELAY, MODES, serve
 
 
@@ -161,9 +162,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-timeout", type=float, default=3.0)
     parser.add_argument("--serve", choices=tuple(MODES), help=argparse.SUPPRESS)
     parser.add_argument(
-        "--modes", nargs="+", choices=tuple(MODES), default=list(MODES), help="servers to run"
+        "--modes",
+        nargs="+",
+        choices=tuple(MODES),
+        help="servers to run (default: all; Ray Serve's where it imports)",
     )
     args = parser.parse_args(argv)
+    if args.modes is None and not args.serve:
+        args.modes = [mode for mode in MODES if mode != "ray"]
+        if available():
+            args.modes.append("ray")
+        else:
+            print(f"{MODES['ray']}: not run: Ray Serve does not import here (ray[serve])")
     quick_defaults(args, rates=([150, 600], [100, 300, 600, 900]), window=(0.5, 3.0))
     return args
 

@@ -24,15 +24,18 @@ import torch
 from aiohttp import web
 
 from aioloader import DynamicBatcher
-from aioloader._bench.serving_ray import available, ray_batched
+from aioloader._bench.serving_ray import ray_batched
 
 FEATURES = 512
 MAX_BATCH, MAX_DELAY = 32, 0.005
 GPU_FIXED_S, GPU_PER_ROW_S = 0.004, 0.0001
 SWITCH_INTERVAL_S = 0.0005
-MODES = {"batcher": "(a) batcher", "serial": "(b) per-request", "naive": "(c) naive batch"}
-if available():
-    MODES["ray"] = "(d) ray batch"
+MODES = {
+    "batcher": "(a) batcher",
+    "serial": "(b) per-request",
+    "naive": "(c) naive batch",
+    "ray": "(d) ray batch",  # where Ray Serve imports (``serving_ray.available``)
+}
 
 
 def build_model(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
