@@ -483,6 +483,13 @@ def start_files() -> int:
     return sum("aioloader-start" in link for link in links)
 
 
+def maps_a_start_file() -> bool:
+    """Whether this process maps a start file (``startonce.py``: a buffers' file stays mapped
+    while an array from it lives)."""
+    with open("/proc/self/maps") as maps:
+        return any("aioloader-start" in line for line in maps)
+
+
 class HoldsArrays(torch.utils.data.Dataset[dict[str, Any]]):
     """Holds NumPy arrays, as a dataset of features or labels does; sample ``i`` says what its
     worker's copies are like: whether each is writable, their sums, whether the large one is
@@ -504,8 +511,7 @@ class HoldsArrays(torch.utils.data.Dataset[dict[str, Any]]):
         info = torch.utils.data.get_worker_info()
         found = int(self.large[1])
         self.large[1] = 100 + (info.id if info is not None else -1)
-        with open("/proc/self/maps") as maps:
-            mapped = any("aioloader-start" in line for line in maps)
+        mapped = maps_a_start_file()
         return {
             "index": index,
             "worker": -1 if info is None else info.id,
@@ -532,6 +538,5 @@ class ListingKeys(torch.utils.data.Dataset[dict[str, Any]]):
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        with open("/proc/self/maps") as maps:
-            mapped = any("aioloader-start" in line for line in maps)
-        return {"key": self.reader.key(index * 7), "files": len(self.reader), "mapped": mapped}
+        key = self.reader.key(index * 7)
+        return {"key": key, "files": len(self.reader), "mapped": maps_a_start_file()}
