@@ -41,6 +41,8 @@ class WorkerRecorder:
         "server_why",
         "start_bytes",
         "startup_s",
+        "template_pid",
+        "template_why",
     )
 
     def __init__(self) -> None:
@@ -56,6 +58,8 @@ class WorkerRecorder:
         self.server_s = 0.0
         self.main_left_unsafe = False
         self.start_bytes = 0
+        self.template_pid = 0
+        self.template_why = ""
 
     def snapshot(self) -> WorkerStatistics:
         return WorkerStatistics(
@@ -71,6 +75,8 @@ class WorkerRecorder:
             self.server_s,
             self.main_left_unsafe,
             self.start_bytes,
+            self.template_pid,
+            self.template_why,
         )
 
 

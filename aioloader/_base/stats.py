@@ -128,6 +128,14 @@ class WorkerStatistics:
             included; not the tensors, sockets and descriptors each worker's start pickles
             for itself); 0 where the workers were forked from this process, and for Ray
             workers.
+        template_pid: The template those workers were forked from: a process that unpickled
+            the start arguments once, whose pages they share copy-on-write (0: none; each
+            unpickled its own copy).
+        template_why: Why there was none: ``"one worker starting"`` (a replacement), ``"they
+            pickle to under 1 MiB"``, ``"AIOLOADER_TEMPLATE=0"``, ``"start method spawn"``,
+            or what unpickling them did that forked workers must not share (``"unpickling
+            them opened /data/train.h5"``, a thread, an error); ``""`` with a template, with
+            workers forked from this process and for Ray workers.
     """
 
     processes: int
@@ -142,6 +150,8 @@ class WorkerStatistics:
     server_s: float = 0.0
     main_left_unsafe: bool = False
     start_bytes: int = 0
+    template_pid: int = 0
+    template_why: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +285,12 @@ class LoaderStatistics:
                 why = f" ({w.server_why})" if w.server_why else ""
                 ready = f", ready in {w.server_s:.2f}s" if w.server_s else ""
                 lines.append(f"  fork server: {w.server}{ready}{why}")
+            if w.start_bytes >= 2**20:
+                size = f"  start arguments: {w.start_bytes / 2**20:.0f} MiB pickled once, "
+                if w.template_pid:
+                    lines.append(size + f"unpickled once, by a template (pid {w.template_pid})")
+                else:
+                    lines.append(size + f"unpickled by each worker ({w.template_why})")
         lines.append(
             "  (busy: the share of the stage's slots' time its work took; in flight and queued: "
             "the most at once / the limit, - for none; no room: time it waited for the next "

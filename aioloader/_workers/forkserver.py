@@ -41,11 +41,12 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing import connection, resource_tracker, util
+from multiprocessing import connection, util
 from typing import Any
 
 import torch
 
+from .tracker import ensure_resource_tracker
 from .worker import name_this_process
 
 __all__ = [
@@ -53,10 +54,11 @@ __all__ = [
     "PRELOAD",
     "ForkedServer",
     "children_of",
-    "ensure_resource_tracker",
     "may_have_exited",
+    "ServerClient",
     "fork_server",
     "install",
+    "listening",
     "running_server_pid",
     "server_lock",
     "server_preload",
@@ -242,7 +244,7 @@ def fork_server(
     Raises:
         OSError: The fork (or the listening socket) failed; nothing is left open.
     """
-    address, listener = _listening()
+    address, listener = listening()
     with listener:
         alive_r, alive_w = os.pipe()
         for stream in (sys.stdout, sys.stderr):  # else the children print it again
@@ -260,7 +262,7 @@ def fork_server(
     return ForkedServer(address, alive_w, pid)
 
 
-def _listening() -> tuple[str, socket.socket]:
+def listening() -> tuple[str, socket.socket]:
     """A socket listening where a fork server's clients connect (as the stdlib's server's)."""
     address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
     listener = socket.socket(socket.AF_UNIX)
@@ -273,6 +275,20 @@ def _listening() -> tuple[str, socket.socket]:
         listener.close()
         raise
     return address, listener
+
+
+class ServerClient(stdlib_forkserver.ForkServer):
+    """The stdlib's fork-server client, pointed at a server of ours that runs already (a
+    start's template, ``template.py``): where it listens, and the alive pipe's write end
+    each process it forks is handed. Its ``connect_to_new_process`` asks that server."""
+
+    def __init__(self, address: str, alive_w: int) -> None:
+        super().__init__()
+        self._forkserver_address = address
+        self._forkserver_alive_fd = alive_w
+
+    def ensure_running(self) -> None:  # it runs: it answered; the tracker may not yet
+        ensure_resource_tracker()
 
 
 def running_server_pid() -> int | None:
@@ -318,36 +334,6 @@ def start_stdlib_server(environ: Mapping[str, str] | None = None) -> None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-_TRACKER_MAIN = "from multiprocessing.resource_tracker import main"
-_tracker_start = threading.Lock()
-
-
-def ensure_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker where it does not run, as a process group of
-    its own: its command, as the stdlib spawns it, is prefixed with leaving this process's
-    group. A Jupyter kernel, shutting down, signals the processes of its group and waits until
-    they are gone; the tracker ignores SIGTERM, so it was killed at last and, unreaped, held
-    the shutdown 2.5 s, until the kernel itself was killed, its exit hooks unrun (found by
-    review: every notebook whose loader had workers). A tracker already running is left as
-    it is. The spawn function is wrapped only for this call; another thread's spawn meanwhile
-    goes through it unchanged."""
-    spawning: Any = util  # (typeshed's signature for it is narrower than the stdlib's calls)
-    with _tracker_start:
-        real = spawning.spawnv_passfds
-
-        def own_group(path: str, args: list[str], passfds: Any) -> int:
-            if args and args[-1].startswith(_TRACKER_MAIN):
-                args = [*args[:-1], f"import os; os.setpgid(0, 0); {args[-1]}"]
-            pid: int = real(path, args, passfds)
-            return pid
-
-        spawning.spawnv_passfds = own_group
-        try:
-            resource_tracker.ensure_running()
-        finally:
-            spawning.spawnv_passfds = real
 
 
 def may_have_exited(pid: int) -> bool:

@@ -28,26 +28,20 @@ import multiprocessing.util
 import pickle
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import anyio
-import torch.multiprocessing  # registers torch's shared-memory reductions
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
-from .byvalue import dumps_job, inherited_tokens
-from .children import blocking, exits, hang_up, hold_signals, remove_left_segments
+from .byvalue import dumps_job
+from .children import blocking, exits, hang_up, remove_left_segments
 from .descriptors import out_of_descriptors, too_many_open_files
-from .environ import ParentEnviron, environ_now
 from .ledger import LEDGER
-from .mainmodule import workers_main
-from .serverstart import died_starting_note, note_server, prepare_forkserver
+from .serverstart import died_starting_note, note_server
 from .slots import Slots
-from .startonce import StartArguments
-from .worker import worker_main
+from .starting import Starts, Worker
 
 __all__ = [
     "CANCEL_GRACE",
@@ -58,17 +52,6 @@ R = TypeVar("R")
 
 CANCEL_GRACE = 5.0  # seconds a cancelled job may still run before its worker is terminated
 _STOP_GRACE = 5.0  # seconds a worker may take to exit after its pipe closes
-
-
-@dataclass(eq=False, slots=True)
-class _Worker:
-    id: int
-    process: multiprocessing.process.BaseProcess
-    conn: Connection
-    pid: int = 0
-    alive: bool = True
-    stopped: bool = False  # its process is joined and closed
-    has: set[int] = field(default_factory=set)  # the ``ByValue`` tokens sent to it
 
 
 class ProcessWorkers:
@@ -105,78 +88,17 @@ class ProcessWorkers:
         self.per_worker = True  # each worker a process with its own copy (``_pool.WorkerPool``)
         self.inlines, self.depth = False, 1  # a round trip to a worker process, one at a time
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
-        self._dataset = dataset
-        prepare_forkserver(self._ctx)  # how they start: which of __main__'s own they have
-        self._main_has = workers_main(self._ctx)
-        self._forked = self._ctx.get_start_method() == "fork"
-        self._served = self._ctx.get_start_method() == "forkserver"  # environ: see ParentEnviron
-        self._start = StartArguments(worker_init_fn, dataset, self._main_has, self._forked)
-        self._seed, self._derive = seed, derive
         self._stats = stats
-        self._slots: Slots[_Worker] = Slots(workers)  # the worker in each slot, the idle ones
+        self._starts = Starts(
+            self._ctx, workers, seed, derive, worker_init_fn, dataset, stats,
+            lambda worker: self._stop(worker, grace=0.0),
+        )  # fmt: skip
+        self._main_has = self._starts.main_has
+        self._slots: Slots[Worker] = Slots(workers)  # the worker in each slot, the idle ones
 
     # -- life ------------------------------------------------------------------------------------
 
-    def _spawn_together(self, ids: Iterable[int]) -> list[_Worker]:
-        """The workers ``ids`` started, sent the start arguments as they are now."""
-        prepare_forkserver(self._ctx)  # forked before the start's files open: it keeps files
-        with self._start.now() as start:
-            self._stats.start_bytes = self._start.once_bytes
-            return [self._spawn(i, start) for i in ids]
-
-    def _spawn(self, worker_id: int, start: object) -> _Worker:
-        # The worker shares this process's temporary folder (a ``Process`` takes it from here
-        # as it is made): the sockets torch's reductions listen on to hand over a batch's
-        # descriptor go there, and this process removes it at exit, a killed worker's too.
-        multiprocessing.util.get_temp_dir()
-        try:
-            return self._start_process(worker_id, start)
-        except Exception as exc:
-            if self._dataset is not None and _is_pickling_error(exc):
-                exc.add_note(
-                    f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
-                    "each worker process and must pickle, as with torch's spawn and forkserver "
-                    "start methods; or pass multiprocessing_context='fork' (the workers then "
-                    "inherit it, as torch's forked workers do), or worker_mode='thread' to "
-                    "read it in this process"
-                )
-            raise
-
-    def _start_process(self, worker_id: int, start: object) -> _Worker:
-        ours, theirs = self._ctx.Pipe(duplex=True)
-        # A process forked from this one (this worker, with "fork"; a later worker of any pool)
-        # must not hold our end: this worker would never see EOF should this process die.
-        multiprocessing.util.register_after_fork(ours, Connection.close)
-        has = inherited_tokens() if self._forked else set()  # what it will have, unpickled
-        held: frozenset[int] | None = None
-        try:
-            held = hold_signals() if self._forked else None
-            process = self._ctx.Process(  # type: ignore[attr-defined]  # every context has one
-                target=worker_main,
-                args=(
-                    theirs,
-                    worker_id,
-                    self.concurrency,
-                    self._derive(self._seed, worker_id),
-                    ParentEnviron(environ_now()) if self._served else None,
-                    start,
-                    torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
-                    held,
-                ),
-                name=f"aioloader-worker-{worker_id}",
-                daemon=True,  # a last resort only: aclose() stops every worker deterministically
-            )
-            process.start()
-        except Exception:
-            ours.close()
-            raise
-        finally:
-            if held:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-            theirs.close()  # only the child holds its end: its death is EOF on ours
-        return _Worker(worker_id, process, ours, has=has)
-
-    async def _ready(self, worker: _Worker) -> None:
+    async def _ready(self, worker: Worker) -> None:
         ok, value = await self._reply(worker)
         if not ok:
             raise value  # worker_init_fn failed, with the worker's traceback in a note
@@ -190,7 +112,7 @@ class ProcessWorkers:
             Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
         """
         started = time.perf_counter()
-        self._slots.now = self._spawn_together(range(self.concurrency))
+        self._slots.now = await self._starts.together(range(self.concurrency))
         try:
             async with anyio.create_task_group() as tg:
                 for worker in self._slots.now:
@@ -206,14 +128,14 @@ class ProcessWorkers:
         if self._ctx.get_start_method() == "forkserver":
             note_server(self._stats)
 
-    async def _replace(self, worker: _Worker) -> _Worker:
+    async def _replace(self, worker: Worker) -> Worker:
         """A fresh process for a dead (or abandoned) worker's slot.
 
         Cancellation: a half-started replacement is stopped again; the slot keeps the old,
         stopped worker, to be replaced on next use.
         """
         await self._stop(worker, grace=0.0)
-        [fresh] = self._spawn_together([worker.id])
+        [fresh] = await self._starts.together([worker.id])
         try:
             await self._ready(fresh)
         except BaseException:
@@ -224,7 +146,7 @@ class ProcessWorkers:
         self._stats.restarts += 1
         return fresh
 
-    async def _stop(self, worker: _Worker, *, grace: float) -> None:
+    async def _stop(self, worker: Worker, *, grace: float) -> None:
         if worker.stopped:
             return
         worker.alive = False
@@ -244,6 +166,9 @@ class ProcessWorkers:
         worker.stopped = True
         LEDGER.forget(worker.pid)  # its blocks: mappings here live on only in their views
         remove_left_segments(worker.pid)
+        if worker.template is not None:
+            template, worker.template = worker.template, None
+            await template.release()
 
     async def aclose(self) -> None:
         """Stop every worker: close its pipe, wait for it to exit, terminate it if it does not.
@@ -259,7 +184,7 @@ class ProcessWorkers:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    async def _reply(self, worker: _Worker) -> tuple[bool, Any]:
+    async def _reply(self, worker: Worker) -> tuple[bool, Any]:
         """Await the worker's next message; a dead worker raises :class:`WorkerCrashed`."""
         await anyio.wait_readable(worker.conn.fileno())
         blocking(worker.conn)
@@ -277,7 +202,7 @@ class ProcessWorkers:
             raise
         return reply
 
-    async def _mark_dead(self, worker: _Worker) -> None:
+    async def _mark_dead(self, worker: Worker) -> None:
         """Its pipe broke: the process is dead or dying. Wait (briefly) until it can be reaped."""
         worker.alive = False
         if worker.stopped:
@@ -285,7 +210,7 @@ class ProcessWorkers:
         with anyio.CancelScope(shield=True):
             await exits(worker.process, within=1.0)
 
-    def _crashed(self, worker: _Worker) -> WorkerCrashed:
+    def _crashed(self, worker: Worker) -> WorkerCrashed:
         try:
             code = worker.process.exitcode
             pid = worker.pid or worker.process.pid or 0
@@ -324,7 +249,7 @@ class ProcessWorkers:
 
     async def _exchange(
         self,
-        worker: _Worker,
+        worker: Worker,
         fn: Callable[..., R],
         args: tuple[Any, ...],
         seed: int | None,
@@ -356,7 +281,7 @@ class ProcessWorkers:
                 del value
         return value  # type: ignore[no-any-return]
 
-    def _send(self, worker: _Worker, job: tuple[Callable[..., Any], tuple[Any, ...], Any]) -> None:
+    def _send(self, worker: Worker, job: tuple[Callable[..., Any], tuple[Any, ...], Any]) -> None:
         """Pickle ``job`` for ``worker`` (the blocks it may reuse, the values sent by value that
         it has already) and send it.
 
@@ -382,7 +307,7 @@ class ProcessWorkers:
             self._stats.bytes_sent += len(payload)
         worker.has |= sending
 
-    async def _drain_cancelled(self, worker: _Worker) -> None:
+    async def _drain_cancelled(self, worker: Worker) -> None:
         if not worker.alive:
             return
         with anyio.CancelScope(shield=True):
@@ -394,7 +319,3 @@ class ProcessWorkers:
 
 class _Gone(Exception):
     """A worker's pipe refused a job: the worker died while idle."""
-
-
-def _is_pickling_error(exc: BaseException) -> bool:
-    return isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))

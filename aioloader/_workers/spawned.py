@@ -15,7 +15,7 @@ import signal
 import sys
 from multiprocessing import spawn, util
 
-from .forkserver import ForkedServer, _listening, children_of
+from .forkserver import ForkedServer, children_of, listening
 
 __all__ = ["spawn_server"]
 
@@ -51,7 +51,7 @@ def spawn_server(
     """
     module, _, function = entry.partition(":")
     path = [os.fsdecode(p) for p in sys.path if isinstance(p, str | bytes | os.PathLike)]
-    address, listener = _listening()
+    address, listener = listening()
     token = f"aioloader-standby-{os.urandom(8).hex()}"  # (what finds it, should its pid be lost)
     code = (
         "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "

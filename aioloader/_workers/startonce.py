@@ -42,7 +42,14 @@ from typing import Any
 from .byname import as_a_process_starts
 from .byvalue import MainRule, received_start, start_args, start_pickler
 
-__all__ = ["IN_FILE_FROM", "OUT_OF_BAND_FROM", "OnceStart", "StartArguments"]
+__all__ = [
+    "IN_FILE_FROM",
+    "OUT_OF_BAND_FROM",
+    "Descriptor",
+    "OnceStart",
+    "StartArguments",
+    "Unreceived",
+]
 
 IN_FILE_FROM = 1 << 20  # bytes: a smaller pickle goes in each worker's start, copied
 # Bytes: a smaller array goes in the pickle. Out of band, each array costs a write here, a
@@ -154,7 +161,7 @@ class _EachProcessStart:
         return fd
 
     def DupFd(self, fd: int) -> _Referred:  # multiprocessing's name
-        return _Referred(self._refer(_Descriptor(fd)))
+        return _Referred(self._refer(Descriptor(fd)))
 
 
 class _Referred:
@@ -169,9 +176,9 @@ class _Referred:
         return self.reduced
 
 
-class _Descriptor:
-    """A descriptor that a value's pickle hands to a process's start: pickled in each worker's
-    start as multiprocessing hands one (``DupFd``: the worker detaches its own)."""
+class Descriptor:
+    """A descriptor that a value's pickle hands to a process's start: pickled in that start as
+    multiprocessing hands one (``DupFd``: the process detaches its own)."""
 
     __slots__ = ("fd",)
 
@@ -236,12 +243,41 @@ class OnceStart:
             buffers = (reduction.DupFd(buffers[0]), buffers[1])
         return _receive, (pickled, buffers, self._acting, self.by_value)
 
+    def unreceived(self) -> object:
+        """This, to be pickled in a process's start that unpickles the start arguments later
+        (:meth:`Unreceived.receive`), not as its start is unpickled."""
+        return _Later(self)
+
     def close(self) -> None:
         """Let go of the files here (each worker that has them keeps its own descriptors)."""
         for part in (self._pickle, self._buffers):
             if isinstance(part, tuple) and part[0] >= 0:
                 os.close(part[0])
         self._pickle = self._buffers = None
+
+
+class _Later:
+    __slots__ = ("once",)
+
+    def __init__(self, once: OnceStart) -> None:
+        self.once = once
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return Unreceived, self.once.__reduce__()[1]
+
+
+class Unreceived:
+    """In a process: start arguments whose files and acting values it has, not unpickled yet
+    (a template watches what unpickling them opens)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, *parts: Any) -> None:
+        self._parts = parts
+
+    def receive(self) -> Any:
+        """The start arguments, unpickled now (:func:`_receive`)."""
+        return _receive(*self._parts)
 
 
 Span = tuple[int, int, bool]  # where a part is in its file: offset, length, read-only

@@ -38,6 +38,7 @@ from .byvalue import dumps_reply, forget_received
 from .environ import ParentEnviron
 from .pack import pack_tensors
 from .result import JobResult
+from .startonce import Unreceived
 
 __all__ = [
     "WorkerInfo",
@@ -231,7 +232,7 @@ def worker_main(
     num_workers: int,
     seed: int,
     environ: ParentEnviron | None,
-    start: tuple[Callable[[int], object] | None, Any],
+    start: tuple[Callable[[int], object] | None, Any] | Unreceived,
     sharing_strategy: str | None = None,
     forked: frozenset[int] | None = None,
 ) -> None:
@@ -243,9 +244,10 @@ def worker_main(
 
     ``environ``: the main process's environment variables, already this worker's (set as it
     was unpickled: :class:`ParentEnviron`), for a worker from a fork server; None otherwise.
-    ``start`` is ``(worker_init_fn, dataset)``: ``dataset`` is this worker's copy of a blocking
-    dataset (None when the dataset runs in the main process); ``worker_init_fn`` sees it in
-    :func:`get_worker_info` and may change it.
+    ``start`` is ``(worker_init_fn, dataset)``, or their pickle (:class:`Unreceived`), unpickled
+    here (what that raises is sent back, as ``worker_init_fn``'s error is): ``dataset`` is this
+    worker's copy of a blocking dataset (None when the dataset runs in the main process);
+    ``worker_init_fn`` sees it in :func:`get_worker_info` and may change it.
     ``sharing_strategy`` is the main process's ``torch.multiprocessing`` sharing strategy as the
     worker started: the worker shares its tensors that way (a fork server started before the
     script set it would not know it).
@@ -263,9 +265,11 @@ def worker_main(
     name_this_process(f"aioloader-w{worker_id}")
     if sharing_strategy is not None:
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
-    worker_init_fn, dataset = start
-    become_worker(worker_id, num_workers, seed, dataset)
     try:
+        # A pickle of them for every worker starting now, or this worker's own (unpickled)
+        given = _received(start, worker_id) if isinstance(start, Unreceived) else start
+        worker_init_fn, dataset = given
+        become_worker(worker_id, num_workers, seed, dataset)
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException as exc:
@@ -280,6 +284,19 @@ def worker_main(
         payload = _run_job(job)
         del job  # nothing of a job (its raw samples) is kept while the next one is awaited
         _send(conn, payload)
+
+
+def _received(start: Unreceived, worker_id: int) -> Any:
+    """The start arguments unpickled; what that raises (a ``__setstate__``'s error, a module
+    this process cannot import) names the dataset and this worker."""
+    try:
+        return start.receive()
+    except BaseException as exc:
+        exc.add_note(
+            f"aioloader: raised in worker {worker_id} (pid {os.getpid()}) as it unpickled the "
+            "dataset and worker_init_fn it was sent"
+        )
+        raise
 
 
 def _drop_inherited_signal_handlers() -> None:

@@ -540,3 +540,67 @@ class ListingKeys(torch.utils.data.Dataset[dict[str, Any]]):
     def __getitem__(self, index: int) -> dict[str, Any]:
         key = self.reader.key(index * 7)
         return {"key": key, "files": len(self.reader), "mapped": maps_a_start_file()}
+
+
+class Unpickled(torch.utils.data.Dataset[dict[str, Any]]):
+    """Holds ``names`` (Python objects, as ``ImageFolder``'s list of paths); notes in the file
+    ``log`` each process that unpickled it (its pid), and as it is unpickled opens ``opens``
+    and keeps it, starts a thread (``thread``), sleeps ``sleep`` seconds or raises
+    (``raises``), as a ``__setstate__`` may. Sample ``i`` says which process read it, that
+    process's parent, and the ``tag`` its worker's copy holds (:func:`tag_by_worker`)."""
+
+    def __init__(
+        self,
+        length: int,
+        names: list[str],
+        log: str,
+        *,
+        opens: str | None = None,
+        thread: bool = False,
+        sleep: float = 0.0,
+        raises: bool = False,
+    ) -> None:
+        self.length, self.names, self.log = length, names, log
+        self.opens, self.thread, self.sleep, self.raises = opens, thread, sleep, raises
+        self.tag = -1
+        self.file: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "file": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        with open(self.log, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        if self.raises:
+            raise ValueError("Unpickled refuses to be unpickled")
+        if self.opens is not None:
+            self.file = open(self.opens, "rb")  # noqa: SIM115  # kept open, as an HDF5 file is
+        if self.thread:
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+        time.sleep(self.sleep)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "name": self.names[index * 7 % len(self.names)],
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "tag": self.tag,
+        }
+
+
+def tag_by_worker(worker_id: int) -> None:
+    """``worker_init_fn``: the worker's copy of the dataset is tagged with its id."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.tag = 100 + worker_id  # type: ignore[attr-defined]
+
+
+def unpicklers(log: str) -> list[int]:
+    """The pids that unpickled an :class:`Unpickled` logging to ``log``, in order."""
+    with open(log) as f:
+        return [int(line) for line in f.read().split()]

@@ -1,0 +1,190 @@
+"""Starting a pool's worker processes: each one's process, its pipe and its start arguments,
+the workers that start together sharing one pickle of those (``startonce.py``) and, where it
+serves, one template that unpickled them, from which each is forked (``template.py``).
+
+Owns: :class:`Worker` (a started worker, as the pool keeps it) and :class:`Starts`. Never:
+waits for a worker to be ready or stops one it did not start (``processes.py`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.context
+import multiprocessing.process
+import multiprocessing.util
+import pickle
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import anyio
+import torch.multiprocessing  # registers torch's shared-memory reductions
+
+from .._base.recorders import WorkerRecorder
+from .byvalue import inherited_tokens
+from .children import hold_signals
+from .environ import ParentEnviron, environ_now
+from .mainmodule import workers_main
+from .serverstart import prepare_forkserver
+from .startonce import OnceStart, StartArguments
+from .template import Template, TemplateWorker, template_why_not
+from .worker import worker_main
+
+__all__ = ["Starts", "Worker"]
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    """A started worker process: its slot's id, its process and the pool's end of its pipe."""
+
+    id: int
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    pid: int = 0
+    alive: bool = True
+    stopped: bool = False  # its process is joined and closed
+    has: set[int] = field(default_factory=set)  # the ``ByValue`` tokens sent to it
+    template: Template | None = None  # it was forked from its start's template
+
+
+class Starts:
+    """How a pool's workers start.
+
+    Args:
+        ctx: The multiprocessing context they start with.
+        concurrency: The pool's size (each worker's ``num_workers``).
+        seed, derive: Worker ``i`` is seeded with ``derive(seed, i)``.
+        worker_init_fn, dataset: The start arguments each worker is sent.
+        stats: Where the start arguments' size and the template are recorded.
+        stop: Stops a started worker (the pool's own stop, which releases its template).
+    """
+
+    def __init__(
+        self,
+        ctx: multiprocessing.context.BaseContext,
+        concurrency: int,
+        seed: int,
+        derive: Callable[..., int],
+        worker_init_fn: Callable[[int], object] | None,
+        dataset: object,
+        stats: WorkerRecorder,
+        stop: Callable[[Worker], Awaitable[None]],
+    ) -> None:
+        self._ctx, self._concurrency = ctx, concurrency
+        self._dataset = dataset
+        prepare_forkserver(ctx)  # how they start: which of __main__'s own they have
+        self.main_has = workers_main(ctx)
+        self._forked = ctx.get_start_method() == "fork"
+        self._served = ctx.get_start_method() == "forkserver"  # environ: see ParentEnviron
+        self._start = StartArguments(worker_init_fn, dataset, self.main_has, self._forked)
+        self._seed, self._derive = seed, derive
+        self._stats = stats
+        self._stop = stop
+
+    async def together(self, ids: Sequence[int]) -> list[Worker]:
+        """The workers ``ids`` started, sent the start arguments as they are now: forked from
+        one template that unpickled them, where that serves.
+
+        Raises:
+            TypeError: The start arguments do not pickle (a note names the dataset).
+            OSError: A process could not be started.
+
+        Cancellation: the workers already started are stopped (shielded) before it propagates.
+        """
+        prepare_forkserver(self._ctx)  # forked before the start's files open: it keeps files
+        with self._start.now() as start:
+            self._stats.start_bytes = self._start.once_bytes
+            template = await self._template(start, len(ids))
+            workers: list[Worker] = []
+            try:
+                for i in ids:
+                    workers.append(self._spawn(i, start, template))
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    for worker in workers:
+                        await self._stop(worker)
+                raise
+            finally:
+                if template is not None:
+                    await template.seal()  # it stops once these have
+            return workers
+
+    async def _template(self, start: object, workers: int) -> Template | None:
+        """A template holding ``start`` for ``workers`` workers, or None (and why, in the
+        statistics)."""
+        self._stats.template_pid = 0
+        self._stats.template_why = why = template_why_not(self._ctx, start, workers)
+        if why or not isinstance(start, OnceStart):
+            return None
+        template = await Template.start(self._ctx, start, ParentEnviron(environ_now()))
+        if isinstance(template, str):
+            self._stats.template_why = template
+            return None
+        self._stats.template_pid = template.pid or 0
+        return template
+
+    def _spawn(self, worker_id: int, start: object, template: Template | None) -> Worker:
+        # The worker shares this process's temporary folder (a ``Process`` takes it from here
+        # as it is made): the sockets torch's reductions listen on to hand over a batch's
+        # descriptor go there, and this process removes it at exit, a killed worker's too.
+        multiprocessing.util.get_temp_dir()
+        try:
+            return self._start_process(worker_id, start, template)
+        except Exception as exc:
+            if self._dataset is not None and _is_pickling_error(exc):
+                exc.add_note(
+                    f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
+                    "each worker process and must pickle, as with torch's spawn and forkserver "
+                    "start methods; or pass multiprocessing_context='fork' (the workers then "
+                    "inherit it, as torch's forked workers do), or worker_mode='thread' to "
+                    "read it in this process"
+                )
+            raise
+
+    def _start_process(self, worker_id: int, start: object, template: Template | None) -> Worker:
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        # A process forked from this one (this worker, with "fork"; a later worker of any pool)
+        # must not hold our end: this worker would never see EOF should this process die.
+        multiprocessing.util.register_after_fork(ours, Connection.close)
+        has = inherited_tokens() if self._forked else set()  # what it will have, unpickled
+        held: frozenset[int] | None = None
+        try:
+            held = hold_signals() if self._forked else None
+            process = (self._ctx.Process if template is None else TemplateWorker)(  # type: ignore[attr-defined]
+                target=worker_main,
+                args=(
+                    theirs,
+                    worker_id,
+                    self._concurrency,
+                    self._derive(self._seed, worker_id),
+                    ParentEnviron(environ_now()) if self._served else None,
+                    template.start_args if template else _unreceived(start),
+                    torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
+                    held,
+                ),
+                name=f"aioloader-worker-{worker_id}",
+                daemon=True,  # a last resort only: the pool stops every worker deterministically
+            )
+            with contextlib.nullcontext() if template is None else template.routing():
+                process.start()
+        except Exception:
+            ours.close()
+            raise
+        finally:
+            if held:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+            theirs.close()  # only the child holds its end: its death is EOF on ours
+        if template is not None:
+            template.adopt()
+        return Worker(worker_id, process, ours, has=has, template=template)
+
+
+def _unreceived(start: object) -> object:
+    """What a worker's start holds of ``start``: one pickle, unpickled as the worker starts
+    (where that raises, the worker says so: ``worker.py``), or each worker's own."""
+    return start.unreceived() if isinstance(start, OnceStart) else start
+
+
+def _is_pickling_error(exc: BaseException) -> bool:
+    return isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))
