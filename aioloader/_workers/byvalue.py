@@ -339,6 +339,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     ) -> None:
         self.main_has = main_has
         self.by_value = False  # whether it sent a function or class by value
+        self.kinds: set[type] = set()  # the types of the objects it reduced (not builtins')
         table = {**copyreg.dispatch_table, **cloudpickle.Pickler._dispatch_table}
         # An open text file is refused, as pickle by name refuses it (cloudpickle would read
         # it whole into a copy for every worker)
@@ -353,6 +354,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=out_of_band)
 
     def reducer_override(self, obj: Any) -> Any:
+        self.kinds.add(type(obj))
         if not isinstance(obj, types.FunctionType | type) or found_by_name(obj, self.main_has):
             return NotImplemented
         self.by_value = True

@@ -191,6 +191,9 @@ def _has_live_children(pid: int) -> bool:
     return any(state != "Z" for _, state in children_of(pid))
 
 
+_STDOUT, _STDERR = 1, 2
+
+
 def _serve_in_child(
     listener_fd: int, alive_r: int, alive_w: int, name: str, keep: tuple[int, ...],
     before_serving: Callable[[], None] | None,
@@ -203,7 +206,11 @@ def _serve_in_child(
     seeing EOF (a subprocess's stdin, this server's own alive pipe). They are pointed at
     /dev/null rather than closed: Python objects inherited with the memory still think they own
     their descriptors, and one collected later would close whatever reused the number (a
-    worker's pipe).
+    worker's pipe). But standard output and error: a worker prints and a dying worker's
+    traceback goes there, as from torch's workers and the stdlib's server's (they went to
+    /dev/null where this process's were pipes: a container's log, ``| tee``, a captured
+    subprocess; found as the template's print was tested). The server exits as this process
+    does, so their reader sees EOF then.
     """
     try:
         # Every object inherited from the application goes to the collector's permanent
@@ -218,7 +225,7 @@ def _serve_in_child(
         devnull = os.open(os.devnull, os.O_RDWR)
         for entry in os.listdir("/proc/self/fd"):
             fd = int(entry)
-            if fd in (listener_fd, alive_r, devnull, *keep):
+            if fd in (listener_fd, alive_r, devnull, *keep, _STDOUT, _STDERR):
                 continue
             with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
                 mode = os.fstat(fd).st_mode

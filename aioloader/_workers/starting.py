@@ -28,7 +28,7 @@ from .environ import ParentEnviron, environ_now
 from .mainmodule import workers_main
 from .serverstart import prepare_forkserver
 from .startonce import OnceStart, StartArguments
-from .template import Template, TemplateWorker, template_why_not
+from .template import Template, TemplateWorker, remember_refusal, template_why_not
 from .worker import worker_main
 
 __all__ = ["Starts", "Worker"]
@@ -95,7 +95,7 @@ class Starts:
         prepare_forkserver(self._ctx)  # forked before the start's files open: it keeps files
         with self._start.now() as start:
             self._stats.start_bytes = self._start.once_bytes
-            template = await self._template(start, len(ids))
+            template = await self._template(start, len(ids), whole=len(ids) == self._concurrency)
             workers: list[Worker] = []
             try:
                 for i in ids:
@@ -110,18 +110,21 @@ class Starts:
                     await template.seal()  # it stops once these have
             return workers
 
-    async def _template(self, start: object, workers: int) -> Template | None:
-        """A template holding ``start`` for ``workers`` workers, or None (and why, in the
-        statistics)."""
-        self._stats.template_pid = 0
-        self._stats.template_why = why = template_why_not(self._ctx, start, workers)
-        if why or not isinstance(start, OnceStart):
-            return None
-        template = await Template.start(self._ctx, start, ParentEnviron(environ_now()))
-        if isinstance(template, str):
-            self._stats.template_why = template
-            return None
-        self._stats.template_pid = template.pid or 0
+    async def _template(self, start: object, workers: int, *, whole: bool) -> Template | None:
+        """A template holding ``start`` for ``workers`` workers, or None; for a start of the
+        ``whole`` pool (not a replacement), which and why, in the statistics."""
+        why = template_why_not(self._ctx, start, workers, self._dataset)
+        template = None
+        if not why and isinstance(start, OnceStart):
+            started = await Template.start(self._ctx, start, ParentEnviron(environ_now()))
+            if isinstance(started, str):
+                why = started
+                remember_refusal(self._dataset, why)
+            else:
+                template = started
+        if whole:
+            self._stats.template_pid = 0 if template is None else template.pid or 0
+            self._stats.template_why = why
         return template
 
     def _spawn(self, worker_id: int, start: object, template: Template | None) -> Worker:

@@ -112,6 +112,7 @@ class _Pickled:
     buffers: list[pickle.PickleBuffer]  # its out-of-band buffers
     acting: list[object]  # what each worker's start pickles for itself, by index in the pickle
     by_value: bool  # something in it went by value
+    kinds: frozenset[type]  # the types of the objects in it (not builtins': reduced by them)
 
 
 def dumps_once(start: object, main_has: MainRule) -> _Pickled | None:
@@ -147,7 +148,7 @@ def dumps_once(start: object, main_has: MainRule) -> _Pickled | None:
             pickler.dump(start)
     except Exception:  # each worker's own pickle says why, as it did without this
         return None
-    return _Pickled(buffer.getbuffer(), buffers, acting, pickler.by_value)
+    return _Pickled(buffer.getbuffer(), buffers, acting, pickler.by_value, frozenset(pickler.kinds))
 
 
 class _EachProcessStart:
@@ -211,12 +212,13 @@ class OnceStart:
     until one writes to them, as a forked worker shares its parent's.
     """
 
-    __slots__ = ("_acting", "_buffers", "_pickle", "by_value", "size")
+    __slots__ = ("_acting", "_buffers", "_pickle", "by_value", "kinds", "size")
 
     def __init__(self, pickled: _Pickled) -> None:
         blob, raws = pickled.blob, [buffer.raw() for buffer in pickled.buffers]
         self.size = len(blob) + sum(len(raw) for raw in raws)
         self.by_value = pickled.by_value
+        self.kinds = pickled.kinds  # the types of the objects in it (not builtins')
         self._acting = pickled.acting
         pickle_file = _in_memory([blob])
         self._pickle: Any = bytes(blob) if pickle_file is None else (pickle_file[0], len(blob))

@@ -11,17 +11,21 @@ How: the template is a process of the start's own context (a fork of the fork se
 unpickles the start arguments, then serves the stdlib's fork-server protocol on a socket of
 its own. Each worker of the start is started through it (:class:`TemplateWorker`: the stdlib's
 forkserver ``Popen``, pointed at the template), and finds its start arguments in what it
-inherited (:func:`_held_start`). The template lives as long as its workers: this process
+inherited (``intemplate.py``). The template lives as long as its workers: this process
 holds its alive pipe until the last of them has been joined (its exit statuses reach this
 process through the template, as they do through a fork server).
 
 Where it is not used (the caller then starts each worker as before, each unpickling its own
 copy): a start of one worker (a replacement) or one whose pickle is small
 (``startonce.IN_FILE_FROM``); a start method other than forkserver; ``AIOLOADER_TEMPLATE=0``;
-and where unpickling the start arguments left the template unsafe to fork (:func:`_unsafe`): a
-descriptor it opened (an HDF5 or LMDB file a ``__setstate__`` opens, which must not be shared
-by forked processes), a thread it started, or an error (each worker's start then raises it,
-named, as before). :attr:`Template.why_not` says why.
+a class in the pickle that runs code of its own as it is unpickled, outside the standard
+library, NumPy, torch and a few packages that restore what was pickled (:func:`_own_code`: a
+``__setstate__`` that draws a random generator would draw it once, for every worker;
+``AIOLOADER_TEMPLATE=always`` lets it); and where unpickling the start arguments left the
+template unsafe to fork (:func:`_unsafe`): a descriptor it opened (an HDF5 or LMDB file a
+``__setstate__`` opens, which must not be shared by forked processes), a thread it started,
+or an error (each worker's start then raises it, named, as before). The pool's statistics
+say which (``template_why``); a refusal is remembered for the dataset's later starts.
 
 Never: forks a process with other threads or a CUDA context; keeps a template past its last
 worker; shares what a worker writes (a page written becomes that worker's own).
@@ -30,17 +34,16 @@ worker; shares what a worker writes (a page written becomes that worker's own).
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import multiprocessing.context
 import multiprocessing.forkserver as stdlib_forkserver
 import os
 import secrets
-import signal
+import sys
+import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 from multiprocessing import popen_forkserver, reduction, spawn, util
-from multiprocessing.connection import Connection
 from typing import Any
 
 import anyio
@@ -48,29 +51,73 @@ import torch.multiprocessing
 
 from .children import blocking, exits
 from .environ import ParentEnviron
-from .forkserver import ServerClient, listening, server_protocol_known, unsafe_to_fork
-from .startonce import IN_FILE_FROM, Descriptor, OnceStart, Unreceived
-from .worker import name_this_process
+from .forkserver import ServerClient, server_protocol_known
+from .intemplate import Held, serve
+from .startonce import IN_FILE_FROM, Descriptor, OnceStart
 
-__all__ = ["ENV", "Template", "TemplateWorker", "template_why_not"]
+__all__ = ["ENV", "Template", "TemplateWorker", "remember_refusal", "template_why_not"]
 
-ENV = "AIOLOADER_TEMPLATE"  # "0": no templates, each worker unpickles its own copy
+# "0": no templates, each worker unpickles its own copy; "always": a template also where a
+# class runs code of its own as it is unpickled (:func:`_own_code`), but for a file or thread
+ENV = "AIOLOADER_TEMPLATE"
 _STOP_GRACE = 5.0  # seconds the template may take to exit once its workers have
 
 
-def template_why_not(ctx: multiprocessing.context.BaseContext, once: object, workers: int) -> str:
-    """Why the workers starting now with start arguments ``once`` are not forked from a
-    template; ``""`` where they may be."""
+def template_why_not(
+    ctx: multiprocessing.context.BaseContext, once: object, workers: int, dataset: object
+) -> str:
+    """Why the ``workers`` starting now with start arguments ``once`` (``dataset`` among them)
+    are not forked from a template; ``""`` where they may be."""
     if workers < 2:
         return "one worker starting"
     if ctx.get_start_method() != "forkserver":
         return f"start method {ctx.get_start_method()}"
-    if os.environ.get(ENV, "1") == "0":
+    setting = os.environ.get(ENV, "")
+    if setting == "0":
         return f"{ENV}=0"
     if not isinstance(once, OnceStart) or once.size < IN_FILE_FROM:
         return f"they pickle to under {IN_FILE_FROM >> 20} MiB"  # unpickled in no time
     if not server_protocol_known():
         return "this Python's fork-server protocol is not one aioloader speaks"
+    with contextlib.suppress(TypeError):  # a dataset that cannot be a weak key
+        if refused := _refused.get(dataset):
+            return refused
+    return "" if setting == "always" else _own_code(once.kinds)
+
+
+def remember_refusal(dataset: object, why: str) -> None:
+    """A template refused ``dataset``'s start (it opened a file, started a thread): the
+    later starts of the same dataset (each epoch's, without persistent workers) do without
+    one, rather than unpickling it twice in turn."""
+    with contextlib.suppress(TypeError):
+        _refused[dataset] = why
+
+
+_refused: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+# Packages whose own unpickling code restores what was pickled, the same in any process (an
+# array, a tensor, a generator's state), and the standard library
+_RESTORING = frozenset({"aioloader", "cloudpickle", "numpy", "pandas", "PIL", "pyarrow", "scipy"})
+_RESTORING |= frozenset({"torch", "torchaudio", "torchdata", "torchvision"})
+
+
+def _own_code(kinds: frozenset[type]) -> str:
+    """Why unpickling objects of these types runs code of their own that may make what each
+    worker must have its own of (a ``__setstate__`` that draws a random generator, makes a
+    temporary folder): run in a template, it would run once for every worker of the start.
+    ``""`` where none does (their state is restored as it was pickled)."""
+    for kind in sorted(kinds, key=lambda kind: kind.__qualname__):
+        if "__qualname__" in vars(kind):  # a function's or a class's type: pickled by name
+            continue
+        for name in ("__setstate__", "__reduce_ex__", "__reduce__"):
+            owner = next((c for c in kind.__mro__ if name in vars(c)), object)
+            if owner is object:
+                continue
+            code = vars(owner)[name]
+            module = getattr(code, "__module__", None) or owner.__module__
+            top = module.partition(".")[0]
+            if top not in _RESTORING and top not in sys.stdlib_module_names:
+                return f"{kind.__qualname__} runs its own {name} as it is unpickled"
     return ""
 
 
@@ -133,6 +180,7 @@ class Template:
             their_reply.close()
             os.close(alive_r)
         template = cls(process, "", alive_w)
+        _live.add(template)
         try:
             await anyio.wait_readable(reply.fileno())
             blocking(reply)
@@ -157,8 +205,8 @@ class Template:
     @property
     def start_args(self) -> object:
         """What each worker's start holds in place of the start arguments: a reference to the
-        template's (:func:`_held_start`)."""
-        return _Held(self._token)
+        template's (``intemplate.Held``)."""
+        return Held(self._token)
 
     @contextlib.contextmanager
     def routing(self) -> Iterator[None]:
@@ -189,8 +237,9 @@ class Template:
 
     async def _stop(self) -> None:
         """Close its alive pipe (its EOF, once every worker forked from it has exited, ends
-        its serving), and reap it: terminated if it lingers."""
+        its serving), and reap it: killed if it lingers."""
         with anyio.CancelScope(shield=True):
+            _live.discard(self)
             if self._alive is not None:
                 os.close(self._alive)
                 self._alive = None
@@ -204,6 +253,27 @@ class Template:
 
 
 _route: ContextVar[ServerClient | None] = ContextVar("aioloader_template", default=None)
+
+
+_live: weakref.WeakSet[Template] = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    """In a process forked from this one (a fork-context process of the application's, torch's
+    fork workers): the templates' alive pipes' write ends pointed at /dev/null (not closed: a
+    Python object may still own the number), so that a template does not wait for that
+    process to exit before it stops (its pool waited 5 s, then killed it; found by review)."""
+    for template in list(_live):
+        alive, template._alive = template._alive, None
+        if alive is not None:
+            with contextlib.suppress(OSError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, alive)
+                os.close(devnull)
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 class TemplateWorker(multiprocessing.context.ForkServerProcess):
@@ -251,93 +321,3 @@ def _close(*fds: int) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-
-
-# -- in the template and its workers ------------------------------------------------------------
-
-_held: dict[str, object] = {}  # token: the start arguments, unpickled in the template
-
-
-class _Held:
-    """A worker's start arguments, as its template holds them: a name, pickled in its start."""
-
-    __slots__ = ("token",)
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return _held_start, (self.token,)
-
-
-def _held_start(token: str) -> object:
-    """In a worker forked from a template: the start arguments it inherited."""
-    try:
-        return _held[token]
-    except KeyError:
-        raise RuntimeError(
-            "aioloader: this worker was not forked from the template that holds its start arguments"
-        ) from None
-
-
-def serve(
-    reply: Connection,
-    alive: Any,
-    environ: ParentEnviron | None,
-    start: Unreceived,
-    token: str,
-    sharing_strategy: str,
-) -> None:
-    """The template process: unpickle the start arguments, then, where that left it safe to
-    fork, tell the main process where it listens and serve its workers' starts until its alive
-    pipe's EOF (the main process's end closed, and every worker forked from it gone).
-    ``environ`` is in place by now (applied as it was unpickled)."""
-    del environ
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process's Ctrl-C is its own
-    name_this_process("aioloader-tpl")
-    torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
-    alive_r = alive.detach()
-    before = _descriptors()
-    try:
-        held = start.receive()
-    except BaseException as exc:  # each worker's own start raises it, named
-        reply.send((False, f"unpickling them raised {type(exc).__name__}"))
-        return
-    del start
-    why = _unsafe(before)
-    if why:
-        reply.send((False, why))
-        return
-    _held[token] = held
-    del held
-    # What it holds goes to the collector's permanent generation: a collection in a worker
-    # would otherwise write to each object's header and copy every page of it
-    gc.freeze()
-    address, listener = listening()
-    reply.send((True, address))
-    reply.close()
-    stdlib_forkserver.main(listener.detach(), alive_r, [])
-
-
-def _descriptors() -> dict[int, str]:
-    """This process's open descriptors and what each is."""
-    found = {}
-    for entry in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # the listing's own, gone by now
-            found[int(entry)] = os.readlink(f"/proc/self/fd/{entry}")
-    return found
-
-
-def _unsafe(before: dict[int, str]) -> str:
-    """Why forking workers from this template could share what each worker must have its own
-    of: a descriptor opened since ``before`` (but the start's own files in memory) or a
-    thread; ``""`` where nothing was."""
-    opened = sorted(
-        path
-        for fd, path in _descriptors().items()
-        if before.get(fd) != path and not path.startswith("/memfd:aioloader-start")
-    )
-    if opened:
-        return f"unpickling them opened {', '.join(opened[:3])}"
-    why = unsafe_to_fork()
-    return f"after unpickling them, {why}" if why else ""

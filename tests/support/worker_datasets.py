@@ -4,6 +4,7 @@ so each worker process can be sent its own copy."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import random
@@ -545,9 +546,10 @@ class ListingKeys(torch.utils.data.Dataset[dict[str, Any]]):
 class Unpickled(torch.utils.data.Dataset[dict[str, Any]]):
     """Holds ``names`` (Python objects, as ``ImageFolder``'s list of paths); notes in the file
     ``log`` each process that unpickled it (its pid), and as it is unpickled opens ``opens``
-    and keeps it, starts a thread (``thread``), sleeps ``sleep`` seconds or raises
-    (``raises``), as a ``__setstate__`` may. Sample ``i`` says which process read it, that
-    process's parent, and the ``tag`` its worker's copy holds (:func:`tag_by_worker`)."""
+    and keeps it, starts a thread (``thread``; ``"raw"``: not through ``threading``), sleeps
+    ``sleep`` seconds, prints ``says`` or raises (``raises``), as a ``__setstate__`` may.
+    Sample ``i`` says which process read it, that process's parent, and the ``tag`` its
+    worker's copy holds (:func:`tag_by_worker`)."""
 
     def __init__(
         self,
@@ -556,11 +558,12 @@ class Unpickled(torch.utils.data.Dataset[dict[str, Any]]):
         log: str,
         *,
         opens: str | None = None,
-        thread: bool = False,
+        thread: bool | str = False,
         sleep: float = 0.0,
         raises: bool = False,
+        says: str = "",
     ) -> None:
-        self.length, self.names, self.log = length, names, log
+        self.length, self.names, self.log, self.says = length, names, log, says
         self.opens, self.thread, self.sleep, self.raises = opens, thread, sleep, raises
         self.tag = -1
         self.file: Any = None
@@ -572,11 +575,15 @@ class Unpickled(torch.utils.data.Dataset[dict[str, Any]]):
         self.__dict__.update(state)
         with open(self.log, "a") as log:
             log.write(f"{os.getpid()}\n")
+        if self.says:
+            print(self.says)
         if self.raises:
             raise ValueError("Unpickled refuses to be unpickled")
         if self.opens is not None:
             self.file = open(self.opens, "rb")  # noqa: SIM115  # kept open, as an HDF5 file is
-        if self.thread:
+        if self.thread == "raw":  # not threading's: its count does not see it
+            _thread.start_new_thread(time.sleep, (3600,))
+        elif self.thread:
             threading.Thread(target=threading.Event().wait, daemon=True).start()
         time.sleep(self.sleep)
 
@@ -604,3 +611,40 @@ def unpicklers(log: str) -> list[int]:
     """The pids that unpickled an :class:`Unpickled` logging to ``log``, in order."""
     with open(log) as f:
         return [int(line) for line in f.read().split()]
+
+
+class DrawsOnUnpickling(torch.utils.data.Dataset[dict[str, Any]]):
+    """Holds ``names``; draws a random generator of its own as it is unpickled, as a dataset
+    made for spawn workers may (each worker then draws its own). Sample ``i`` is a number it
+    drew, and the process that drew it."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"names": self.names}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.rng = np.random.default_rng()
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"index": index, "pid": os.getpid(), "drawn": int(self.rng.integers(1 << 62))}
+
+
+class HoldsGenerators(torch.utils.data.Dataset[dict[str, Any]]):
+    """Holds ``names``, a NumPy generator and a ``random.Random``, pickled with their state."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.rng = np.random.default_rng(7)
+        self.random = random.Random(7)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"index": index, "drawn": int(self.rng.integers(100)) + self.random.randrange(9)}

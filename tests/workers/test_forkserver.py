@@ -813,3 +813,42 @@ def test_waiting_for_a_server_to_exit_takes_a_descriptor_past_select_s_range() -
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+PRINTS = """
+import sys, threading, torch.utils.data
+import aioloader
+
+class Prints(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        print(f"out {i}", flush=True)
+        print(f"err {i}", file=sys.stderr, flush=True)
+        return i
+
+if __name__ == "__main__":
+    if "thread" in sys.argv:  # forking is unsafe now: the standby forked at import serves
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    loader = aioloader.DataLoader(Prints(), batch_size=2, num_workers=2)
+    print([b.tolist() for b in loader], loader.statistics().workers.server, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["forked", "standby"])
+def test_what_workers_print_reaches_this_process_s_output_and_error_pipes(
+    tmp_path: Path, how: str
+) -> None:
+    """A worker's prints (and a dying worker's traceback) go where this process's go, as from
+    torch's workers, where its output and error are pipes (a container's log, ``| tee``, a
+    captured subprocess): the server had pointed them at /dev/null."""
+    script = tmp_path / "prints.py"
+    script.write_text(PRINTS)
+    args = [sys.executable, str(script), *(["thread"] if how == "standby" else [])]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == f"[[0, 1], [2, 3]] {how}"
+    assert sorted(lines[:-1]) == [f"out {i}" for i in range(4)]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("err ")]
+    assert sorted(errors) == [f"err {i}" for i in range(4)]

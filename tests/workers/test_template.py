@@ -5,8 +5,11 @@ opened a file or started a thread, each worker unpickles its own, as before."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,14 @@ from tests.support import worker_datasets as wd
 from tests.support.worker_datasets import unpicklers
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create . worker processes")
+
+
+@pytest.fixture(autouse=True)
+def _unpickled_s_setstate_may_run_in_a_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Unpickled`` notes who unpickles it in a ``__setstate__`` of its own, which makes
+    nothing a worker must have its own of: let it (the default declines a class's own)."""
+    monkeypatch.setenv("AIOLOADER_TEMPLATE", "always")
+
 
 # ~26 MiB of str objects, 2 MiB pickled: over startonce.IN_FILE_FROM
 NAMES = [f"/data/train/n{k % 1000:08d}/n{k % 1000:08d}_{k}.JPEG" for k in range(60_000)]
@@ -66,7 +77,7 @@ def test_a_start_s_workers_are_forked_from_one_template_that_unpickled_the_datas
     assert "unpickled once, by a template" in str(dl.statistics())
 
 
-@pytest.mark.parametrize("template", ["1", "0"])
+@pytest.mark.parametrize("template", ["always", "0"])
 def test_the_workers_share_the_template_s_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str
 ) -> None:
@@ -81,7 +92,7 @@ def test_the_workers_share_the_template_s_copy(
     finally:
         dl.close()
     assert len(own) == 2
-    if template == "1":
+    if template == "always":
         assert workers_of(dl).template_pid
         assert max(own) < 25 * 2**20, own
     else:
@@ -90,7 +101,7 @@ def test_the_workers_share_the_template_s_copy(
         assert len(unpicklers(str(tmp_path / "unpickled"))) == 2
 
 
-@pytest.mark.parametrize("does", ["opens a file", "starts a thread"])
+@pytest.mark.parametrize("does", ["opens a file", "starts a thread", "starts a raw thread"])
 def test_a_dataset_that_opens_a_file_or_starts_a_thread_as_it_unpickles_is_each_worker_s_own(
     tmp_path: Path, does: str
 ) -> None:
@@ -100,7 +111,8 @@ def test_a_dataset_that_opens_a_file_or_starts_a_thread_as_it_unpickles_is_each_
     data.write_bytes(b"x" * 100)
     log = str(tmp_path / "unpickled")
     opens = str(data) if does == "opens a file" else None
-    dataset = wd.Unpickled(16, NAMES, log, opens=opens, thread=does == "starts a thread")
+    thread = {"starts a thread": True, "starts a raw thread": "raw"}.get(does, False)
+    dataset = wd.Unpickled(16, NAMES, log, opens=opens, thread=thread)
     dl = aioloader.DataLoader(dataset, batch_size=4, num_workers=2)
     got = rows(list(dl))
     stats = workers_of(dl)
@@ -108,12 +120,41 @@ def test_a_dataset_that_opens_a_file_or_starts_a_thread_as_it_unpickles_is_each_
     assert stats.template_pid == 0
     if opens:
         assert stats.template_why == f"unpickling them opened {data}"
+    elif thread == "raw":
+        assert stats.template_why == "unpickling them started 1 native thread(s)"
     else:
         assert stats.template_why == "after unpickling them, this process had 2 Python threads"
     workers = {r["pid"] for r in got}
     # the template tried, then each worker unpickled its own
     assert len(unpicklers(log)) == 3 and set(unpicklers(log)[1:]) == workers
     assert f"unpickled by each worker ({stats.template_why})" in str(dl.statistics())
+    # The next epoch's start does without one: the dataset is not unpickled twice in turn
+    again = rows(list(dl))
+    assert {r["pid"] for r in again}.isdisjoint(workers)
+    assert len(unpicklers(log)) == 5 and workers_of(dl).template_why == stats.template_why
+
+
+def test_a_process_the_application_forks_does_not_keep_a_template_alive(tmp_path: Path) -> None:
+    """A fork-context process of the application's (a checkpoint writer, torch's fork workers)
+    started while a template serves: it lets go of the template's alive pipe, so the template
+    stops with its workers (it held the epoch's end 5 s, then was killed; found by review)."""
+    dl = aioloader.DataLoader(
+        wd.Unpickled(16, NAMES, str(tmp_path / "log")), batch_size=2, num_workers=2
+    )
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    started = time.monotonic()
+    try:
+        for i, _ in enumerate(dl):
+            if i == 1:
+                child.start()
+        took = time.monotonic() - started
+        template = workers_of(dl).template_pid
+        assert template and not psutil.pid_exists(template)
+        assert took < 4.0  # the pool waits 5 s for a template before it kills it
+        assert child.is_alive()
+    finally:
+        child.terminate()
+        child.join()
 
 
 @pytest.mark.parametrize("names", [NAMES, NAMES[:10]], ids=["template", "small"])
@@ -190,3 +231,55 @@ async def test_cancelled_while_the_template_unpickles_leaves_no_process(tmp_path
     assert not psutil.pid_exists(template)
     after = {p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"}
     assert after <= before
+
+
+def test_a_class_that_runs_its_own_setstate_is_unpickled_by_each_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``__setstate__`` that draws a random generator gives each of torch's spawn workers its
+    own stream; run once, in a template, it would give every worker the same one (found by
+    review). By default such a class is unpickled by each worker, and the statistics name it;
+    a class of the standard library's or NumPy's (a generator pickled whole) goes in a
+    template, its state restored as it was pickled, as torch's spawn restores it."""
+    monkeypatch.delenv("AIOLOADER_TEMPLATE")
+    dl = aioloader.DataLoader(wd.DrawsOnUnpickling(NAMES), batch_size=4, num_workers=2)
+    got = rows(list(dl))
+    stats = workers_of(dl)
+    assert stats.template_pid == 0
+    assert stats.template_why == "DrawsOnUnpickling runs its own __setstate__ as it is unpickled"
+    streams: dict[int, set[int]] = {r["pid"]: set() for r in got}
+    for r in got:
+        streams[r["pid"]].add(r["drawn"])
+    first, second = streams.values()
+    assert not first & second  # each worker its own generator
+    # Restored whole: numpy's generator and the stdlib's Random, pickled with their state
+    kept = aioloader.DataLoader(wd.HoldsGenerators(NAMES), batch_size=4, num_workers=2)
+    rows(list(kept))
+    assert workers_of(kept).template_pid and workers_of(kept).template_why == ""
+
+
+def test_what_unpickling_prints_is_printed_once_not_again_by_each_fork(tmp_path: Path) -> None:
+    """Printed in the template to a pipe (block-buffered), it was still in the buffer as the
+    workers were forked, and each wrote it again (found by review)."""
+    script = tmp_path / "prints.py"
+    script.write_text(
+        "import aioloader\n"
+        "from tests.support import worker_datasets as wd\n"
+        "from tests.workers.test_template import NAMES\n"
+        "if __name__ == '__main__':\n"
+        f"    dataset = wd.Unpickled(8, NAMES, {str(tmp_path / 'log')!r}, says='unpickled!')\n"
+        "    loader = aioloader.DataLoader(dataset, batch_size=4, num_workers=3)\n"
+        "    assert len(list(loader)) == 2\n"
+        "    assert loader.statistics().workers.template_pid\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+        "AIOLOADER_TEMPLATE": "always",
+    }
+    env.pop("PYTHONUNBUFFERED", None)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["unpickled!"]
