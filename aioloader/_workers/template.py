@@ -129,13 +129,13 @@ class Template:
     workers have all been started; the last of those stops the template.
     """
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, address: str, alive: int):
+    def __init__(self, process: multiprocessing.process.BaseProcess, alive: int) -> None:
         self._process = process
-        self._server = ServerClient(address, alive)
-        self._alive: int | None = alive
+        self._alive: int | None = alive  # the alive pipe's write end
+        self._server: ServerClient | None = None  # once it listens
         self._token = ""
         self._users = 0
-        self._sealed = False
+        self._sealed = self._stopped = False
         self.pid = process.pid
 
     @classmethod
@@ -179,7 +179,7 @@ class Template:
         finally:
             their_reply.close()
             os.close(alive_r)
-        template = cls(process, "", alive_w)
+        template = cls(process, alive_w)
         _live.add(template)
         try:
             await anyio.wait_readable(reply.fileno())
@@ -198,7 +198,7 @@ class Template:
         if not ok:
             await template._stop()
             return str(said)
-        template._server = ServerClient(said, alive_w)
+        template._server = ServerClient(str(said), alive_w)
         template._token = token
         return template
 
@@ -211,7 +211,8 @@ class Template:
     @contextlib.contextmanager
     def routing(self) -> Iterator[None]:
         """:class:`TemplateWorker` processes started in the block are forked from this
-        template, and counted."""
+        template (the caller counts each: :meth:`adopt`)."""
+        assert self._server is not None, "routing() to a template that does not serve"
         routed = _route.set(self._server)
         try:
             yield
@@ -237,7 +238,10 @@ class Template:
 
     async def _stop(self) -> None:
         """Close its alive pipe (its EOF, once every worker forked from it has exited, ends
-        its serving), and reap it: killed if it lingers."""
+        its serving), and reap it: killed if it lingers. Once only."""
+        if self._stopped:
+            return
+        self._stopped = True
         with anyio.CancelScope(shield=True):
             _live.discard(self)
             if self._alive is not None:
