@@ -816,15 +816,17 @@ def test_waiting_for_a_server_to_exit_takes_a_descriptor_past_select_s_range() -
 
 
 PRINTS = """
-import sys, threading, torch.utils.data
+import os, sys, threading, torch.utils.data
 import aioloader
 
 class Prints(torch.utils.data.Dataset):
     def __len__(self):
         return 4
     def __getitem__(self, i):
-        print(f"out {i}", flush=True)
-        print(f"err {i}", file=sys.stderr, flush=True)
+        # One write each (a pipe's writes under PIPE_BUF are whole): two workers' prints,
+        # text and newline written apart, may interleave
+        os.write(1, f"out {i}\\n".encode())
+        os.write(2, f"err {i}\\n".encode())
         return i
 
 if __name__ == "__main__":
