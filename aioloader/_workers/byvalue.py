@@ -247,8 +247,9 @@ def start_pickler(
     """A pickler of start arguments for several workers at once: by name where a worker
     finds them so, by value where not (its ``by_value`` says whether it sent any), what acts
     as it reduces (a tensor, a socket, a connection: :data:`byname.ACTING`) reduced by
-    ``acting`` instead, and buffers given to ``out_of_band``."""
-    return _Pickler(file, main_has, sharing=False, acting=acting, out_of_band=out_of_band)
+    ``acting`` instead, and buffers given to ``out_of_band``; its ``kinds``, the types of the
+    objects it reduced (not the builtins' types it saves itself)."""
+    return _StartPickler(file, main_has, sharing=False, acting=acting, out_of_band=out_of_band)
 
 
 def check_worker_init_fn(worker_init_fn: object, main_has: MainRule) -> None:
@@ -339,7 +340,6 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     ) -> None:
         self.main_has = main_has
         self.by_value = False  # whether it sent a function or class by value
-        self.kinds: set[type] = set()  # the types of the objects it reduced (not builtins')
         table = {**copyreg.dispatch_table, **cloudpickle.Pickler._dispatch_table}
         # An open text file is refused, as pickle by name refuses it (cloudpickle would read
         # it whole into a copy for every worker)
@@ -354,8 +354,20 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=out_of_band)
 
     def reducer_override(self, obj: Any) -> Any:
-        self.kinds.add(type(obj))
         if not isinstance(obj, types.FunctionType | type) or found_by_name(obj, self.main_has):
             return NotImplemented
         self.by_value = True
+        return super().reducer_override(obj)
+
+
+class _StartPickler(_Pickler):
+    """A pickler of start arguments, noting the types of the objects it reduces (a template
+    declines a class that runs code of its own as it is unpickled: ``template.py``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kinds: set[type] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        self.kinds.add(type(obj))
         return super().reducer_override(obj)

@@ -57,7 +57,9 @@ __all__ = [
     "may_have_exited",
     "ServerClient",
     "fork_server",
+    "flush_stdio",
     "install",
+    "let_go_of",
     "listening",
     "running_server_pid",
     "server_lock",
@@ -146,14 +148,29 @@ class ForkedServer:
         """In a child forked from this process: point its copy of the alive pipe's write end
         at /dev/null (not closed: the stdlib's client, which may still send the number, finds
         a descriptor there), so that the child does not keep the server from its EOF."""
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.alive_w)
-            os.close(devnull)
+        let_go_of(self.alive_w)
 
     def forked_alive(self) -> bool:
         """Whether a process it forked (a worker, the application's own) is alive."""
         return _has_live_children(self.pid)
+
+
+def let_go_of(fd: int) -> None:
+    """Point ``fd`` (a pipe's write end this process inherited) at /dev/null, not closed: a
+    Python object that still owns the number finds a descriptor there, and the pipe's reader
+    no longer waits for this process to let go of it."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+
+
+def flush_stdio() -> None:
+    """Flush ``sys.stdout`` and ``sys.stderr`` before a fork: else each child writes what was
+    in their buffers again."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _exits_within(pid: int, seconds: float) -> bool:
@@ -254,9 +271,7 @@ def fork_server(
     address, listener = listening()
     with listener:
         alive_r, alive_w = os.pipe()
-        for stream in (sys.stdout, sys.stderr):  # else the children print it again
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_stdio()
         try:
             pid = os.fork()
         except BaseException:

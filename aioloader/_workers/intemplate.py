@@ -14,14 +14,13 @@ import gc
 import multiprocessing.forkserver as stdlib_forkserver
 import os
 import signal
-import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.multiprocessing
 
 from .environ import ParentEnviron
-from .forkserver import listening, unsafe_to_fork
+from .forkserver import flush_stdio, listening, unsafe_to_fork
 from .startonce import Unreceived
 from .worker import name_this_process
 
@@ -75,10 +74,8 @@ def serve(
     except BaseException as exc:  # each worker's own start raises it, named
         reply.send((False, f"unpickling them raised {type(exc).__name__}"))
         return
-    finally:  # else each worker forked from here would write what it printed again
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+    finally:
+        flush_stdio()  # what unpickling printed, before the workers are forked from here
     del start
     why = _unsafe(before, tasks)
     if why:

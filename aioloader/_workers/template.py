@@ -51,7 +51,7 @@ import torch.multiprocessing
 
 from .children import blocking, exits
 from .environ import ParentEnviron
-from .forkserver import ServerClient, server_protocol_known
+from .forkserver import ServerClient, let_go_of, server_protocol_known
 from .intemplate import Held, serve
 from .startonce import IN_FILE_FROM, Descriptor, OnceStart
 
@@ -129,11 +129,13 @@ class Template:
     workers have all been started; the last of those stops the template.
     """
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, alive: int) -> None:
+    def __init__(
+        self, process: multiprocessing.process.BaseProcess, alive: int, address: str, token: str
+    ) -> None:
         self._process = process
-        self._alive: int | None = alive  # the alive pipe's write end
-        self._server: ServerClient | None = None  # once it listens
-        self._token = ""
+        self._alive = alive  # the alive pipe's write end
+        self._server = ServerClient(address, alive)
+        self._token = token
         self._users = 0
         self._sealed = self._stopped = False
         self.pid = process.pid
@@ -157,6 +159,7 @@ class Template:
         token = secrets.token_hex(8)
         reply, their_reply = ctx.Pipe(duplex=False)
         alive_r, alive_w = os.pipe()
+        _alive_ends.add(alive_w)
         process = ctx.Process(  # type: ignore[attr-defined]  # every context has one
             target=serve,
             args=(
@@ -174,13 +177,12 @@ class Template:
             process.start()
         except BaseException:
             reply.close()
+            _alive_ends.discard(alive_w)
             os.close(alive_w)
             raise
         finally:
             their_reply.close()
             os.close(alive_r)
-        template = cls(process, alive_w)
-        _live.add(template)
         try:
             await anyio.wait_readable(reply.fileno())
             blocking(reply)
@@ -189,18 +191,15 @@ class Template:
             except (EOFError, OSError):
                 ok, said = False, "the template process died unpickling them"
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                process.kill()
-                await template._stop()
+            process.kill()
+            await _reap(process, alive_w)
             raise
         finally:
             reply.close()
         if not ok:
-            await template._stop()
+            await _reap(process, alive_w)
             return str(said)
-        template._server = ServerClient(str(said), alive_w)
-        template._token = token
-        return template
+        return cls(process, alive_w, str(said), token)
 
     @property
     def start_args(self) -> object:
@@ -212,7 +211,6 @@ class Template:
     def routing(self) -> Iterator[None]:
         """:class:`TemplateWorker` processes started in the block are forked from this
         template (the caller counts each: :meth:`adopt`)."""
-        assert self._server is not None, "routing() to a template that does not serve"
         routed = _route.set(self._server)
         try:
             yield
@@ -237,44 +235,39 @@ class Template:
             await self._stop()
 
     async def _stop(self) -> None:
-        """Close its alive pipe (its EOF, once every worker forked from it has exited, ends
-        its serving), and reap it: killed if it lingers. Once only."""
-        if self._stopped:
-            return
-        self._stopped = True
-        with anyio.CancelScope(shield=True):
-            _live.discard(self)
-            if self._alive is not None:
-                os.close(self._alive)
-                self._alive = None
-            process = self._process
-            if not await exits(process, within=_STOP_GRACE):
-                process.kill()
-                await exits(process, within=_STOP_GRACE)
-            process.join()
-            with contextlib.suppress(ValueError):
-                process.close()
+        if not self._stopped:
+            self._stopped = True
+            await _reap(self._process, self._alive)
+
+
+async def _reap(process: multiprocessing.process.BaseProcess, alive: int) -> None:
+    """Close a template's alive pipe (its EOF, once every worker forked from it has exited,
+    ends its serving), and reap it: killed if it lingers. Shielded from cancellation."""
+    with anyio.CancelScope(shield=True):
+        if alive in _alive_ends:  # not closed already
+            _alive_ends.discard(alive)
+            os.close(alive)
+        if not await exits(process, within=_STOP_GRACE):
+            process.kill()
+            await exits(process, within=_STOP_GRACE)
+        process.join()
+        with contextlib.suppress(ValueError):
+            process.close()
 
 
 _route: ContextVar[ServerClient | None] = ContextVar("aioloader_template", default=None)
 
-
-_live: weakref.WeakSet[Template] = weakref.WeakSet()
+_alive_ends: set[int] = set()  # the templates' alive pipes' write ends, open here
 
 
 def _let_go_in_child() -> None:
     """In a process forked from this one (a fork-context process of the application's, torch's
-    fork workers): the templates' alive pipes' write ends pointed at /dev/null (not closed: a
-    Python object may still own the number), so that a template does not wait for that
-    process to exit before it stops (its pool waited 5 s, then killed it; found by review)."""
-    for template in list(_live):
-        alive, template._alive = template._alive, None
-        if alive is not None:
-            with contextlib.suppress(OSError):
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, alive)
-                os.close(devnull)
-    _live.clear()
+    fork workers): the templates' alive pipes let go of, so that a template does not wait for
+    that process to exit before it stops (its pool waited 5 s, then killed it; found by
+    review)."""
+    for alive in _alive_ends:
+        let_go_of(alive)
+    _alive_ends.clear()
 
 
 os.register_at_fork(after_in_child=_let_go_in_child)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import time
 import zlib
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -74,7 +74,7 @@ def test_a_replaced_worker_gets_the_dataset_as_it_is_when_it_starts() -> None:
         first = rows(list(dl))
         killed = first[-1]["pid"]
         os.kill(killed, signal.SIGKILL)  # between epochs, as an OOM kill would
-        time.sleep(0.2)
+        psutil.Process(killed).wait(timeout=30)  # gone, reaped by its parent
         dataset.payload = b"b" * 2 * LARGE
         second = rows(list(dl))
     finally:
