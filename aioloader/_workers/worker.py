@@ -36,6 +36,7 @@ from .._base.exceptions import RemoteError
 from .blocks import OutputBlocks
 from .byvalue import dumps_reply, forget_received
 from .environ import ParentEnviron
+from .hangup import quiet_once_main_is_gone
 from .pack import pack_tensors
 from .result import JobResult
 from .startonce import Unreceived
@@ -263,6 +264,7 @@ def worker_main(
     if forked:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, forked)
     name_this_process(f"aioloader-w{worker_id}")
+    quiet_once_main_is_gone()
     if sharing_strategy is not None:
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
     try:
