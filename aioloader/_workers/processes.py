@@ -199,8 +199,20 @@ class ProcessWorkers:
         except Exception as exc:
             if out_of_descriptors():
                 raise too_many_open_files() from exc
+            # A tensor's descriptor is taken from the worker's resource sharer as the reply is
+            # unpickled: a worker killed since it sent the reply refuses (or hangs up) there
+            if isinstance(exc, (OSError, EOFError)) and await self._died(worker):
+                raise self._crashed(worker) from exc
             raise
         return reply
+
+    async def _died(self, worker: Worker) -> bool:
+        """Whether the worker has exited, or does within a second (then it is marked dead)."""
+        with anyio.CancelScope(shield=True):
+            if not await exits(worker.process, within=1.0):
+                return False
+        worker.alive = False
+        return True
 
     async def _mark_dead(self, worker: Worker) -> None:
         """Its pipe broke: the process is dead or dying. Wait (briefly) until it can be reaped."""
@@ -298,13 +310,19 @@ class ProcessWorkers:
             raise
         blocking(worker.conn)
         # A view of a BytesIO: let go now, not when a traceback is collected (a frame that
-        # views it, left in a cycle, crashed 3.12.1's gc: gh-111049)
+        # views it, left in a cycle, crashed 3.12.1's gc: gh-111049). The refusal's own frames
+        # (send_bytes') view it too: it is dropped as its handler ends, not kept as the
+        # context of what is raised.
         with payload:
             try:
                 worker.conn.send_bytes(payload)
             except OSError:
-                raise _Gone from None  # its traceback's frames would view the payload
-            self._stats.bytes_sent += len(payload)
+                refused = True
+            else:
+                refused = False
+                self._stats.bytes_sent += len(payload)
+        if refused:
+            raise _Gone
         worker.has |= sending
 
     async def _drain_cancelled(self, worker: Worker) -> None:

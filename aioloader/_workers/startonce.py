@@ -231,7 +231,10 @@ class OnceStart:
     def of(cls, start: object, main_has: MainRule) -> OnceStart | None:
         """``start`` pickled once, or None where it does not pickle (:func:`dumps_once`)."""
         pickled = dumps_once(start, main_has)
-        return None if pickled is None else cls(pickled)
+        if pickled is None:
+            return None
+        with pickled.blob:  # a view of a BytesIO: let go here, even by an error (gh-111049)
+            return cls(pickled)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         # A file goes as its descriptor, which DupFd hands to the process whose start pickles
@@ -303,10 +306,10 @@ def _in_memory(parts: list[memoryview]) -> tuple[int, list[Span]] | None:
     try:
         os.ftruncate(fd, end)
         for part, (offset, _, _) in zip(parts, spans, strict=True):
-            view = part.cast("B")
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view, offset = view[written:], offset + written
+            with part.cast("B") as whole:  # no view left in an error's frames (gh-111049)
+                done = 0
+                while done < len(whole):
+                    done += os.pwrite(fd, whole[done:], offset + done)
     except BaseException:
         os.close(fd)
         raise

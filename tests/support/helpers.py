@@ -191,3 +191,33 @@ def stop_and_resume(make: Any, stop: int) -> tuple[list[Any], list[Any], list[An
         resumed.load_state_dict(state)
         rest = list(resumed)
     return full, first, rest, state
+
+
+def views_kept(exc: BaseException) -> list[str]:
+    """The unreleased memoryviews that the frames of ``exc``'s tracebacks (its context and
+    cause too) still hold, named by function and local."""
+    kept: list[str] = []
+    chain: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while chain:
+        link = chain.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        tb = link.__traceback__
+        while tb is not None:
+            for name, value in tb.tb_frame.f_locals.items():
+                if isinstance(value, memoryview) and not released(value):
+                    kept.append(f"{tb.tb_frame.f_code.co_name}: {name}")
+            tb = tb.tb_next
+        chain += [link.__context__, link.__cause__]
+    return kept
+
+
+def released(view: memoryview) -> bool:
+    """Whether ``view`` was released (it holds no buffer any more)."""
+    try:
+        view.nbytes  # noqa: B018  # raises once released
+    except ValueError:
+        return True
+    return False

@@ -376,11 +376,11 @@ def test_an_iterable_worker_killed_while_idle_ends_the_epoch_with_its_crash() ->
             next(it)
         except StopIteration:
             break
-        except Exception as exc:  # a reply cut short by the kill may fail on its own first
+        except Exception as exc:  # a reply cut short by the kill is a crash too
             errors.append(type(exc).__name__)
     else:
         pytest.fail(f"the epoch did not end after its workers died: {errors[:5]}")
-    assert errors[-1] == "WorkerCrashed" and len(errors) <= 3
+    assert set(errors) == {"WorkerCrashed"} and len(errors) <= 3, errors
     del it
     gc.collect()
 

@@ -297,7 +297,8 @@ real, spawned = _posixsubprocess.fork_exec, []
 def fork_exec(*args):  # a Ctrl-C to the process (a terminal's, a kernel's) as the child starts
     spawned.append(real(*args))
     os.kill(os.getpid(), signal.SIGINT)  # blocked in this thread: another thread takes it
-    time.sleep(0.05)
+    for _ in range(500):  # raised here once that thread has run (on a busy machine: later)
+        time.sleep(0.01)
     return spawned[-1]
 
 _posixsubprocess.fork_exec = fork_exec

@@ -5,6 +5,7 @@ shares, a multiprocessing ``Value``), each worker is pickled its own, as before.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import signal
@@ -17,8 +18,10 @@ import pytest
 import torch
 
 import aioloader
+from aioloader._workers import startonce
 from aioloader._workers.startonce import IN_FILE_FROM
 from tests.support import worker_datasets as wd
+from tests.support.helpers import views_kept
 
 LARGE = IN_FILE_FROM + 12345
 
@@ -167,3 +170,20 @@ def test_small_numpy_arrays_go_in_the_pickle_and_stay_writable() -> None:
     assert {r["large_sum"] for r in got} == {sum(range(2, 64))}
     assert {r["boxes"] for r in got} == {100_000}
     assert dl.statistics().workers.start_bytes > IN_FILE_FROM  # type: ignore[union-attr]
+
+
+def test_a_start_file_that_cannot_be_written_leaves_no_view_of_the_pickle_in_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pickle is a view of a ``BytesIO``; an error's frames that keep one (in a reference
+    cycle) crashed CPython 3.12.1's garbage collector (gh-111049). A write into the start's
+    file in memory that fails (the memory cgroup full) raises with every view let go."""
+
+    def full(fd: int, data: Any, offset: int) -> int:
+        del data  # os.pwrite, in C, keeps no frame
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(startonce.os, "pwrite", full)
+    with pytest.raises(OSError, match="No space left") as caught:
+        startonce.OnceStart.of((None, bytes(IN_FILE_FROM)), lambda _: False)
+    assert views_kept(caught.value) == []

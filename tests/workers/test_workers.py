@@ -7,6 +7,7 @@ import functools
 import gc
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 import threading
@@ -15,6 +16,7 @@ import warnings
 from collections.abc import Collection
 from multiprocessing import resource_tracker
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -22,10 +24,14 @@ import pytest
 import torch
 
 import aioloader
+from aioloader._base.recorders import WorkerRecorder
+from aioloader._data.seeds import derive_seed
+from aioloader._workers import processes
 from aioloader._workers.children import remove_left_segments
+from aioloader._workers.processes import ProcessWorkers
 from aioloader._workers.serverstart import prepare_forkserver
 from tests.support import worker_fns
-from tests.support.helpers import Counting, flat, open_fds
+from tests.support.helpers import Counting, flat, open_fds, views_kept
 
 # Names in /dev/shm that carry the pid of the process that made them: a Ray pool's blocks (its
 # driver's pid) and torch's file_system segments.
@@ -352,3 +358,65 @@ def test_a_process_forked_since_keeps_no_worker_from_its_eof(tmp_path: Path) -> 
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+async def test_a_dead_worker_s_refused_job_leaves_no_view_of_its_pickle_in_the_error() -> None:
+    """A job's pickle is a view of a ``BytesIO``. A traceback that keeps one, left in a reference
+    cycle, crashed CPython 3.12.1's garbage collector (gh-111049): a job sent to a worker that
+    died while idle raised ``WorkerCrashed`` whose context's frames (``send_bytes``) still
+    viewed it, and the next ``gc.collect()`` segfaulted."""
+    pool = ProcessWorkers(
+        1,
+        context="forkserver",
+        seed=0,
+        derive=derive_seed,
+        worker_init_fn=None,
+        stats=WorkerRecorder(),
+    )
+    await pool.start()
+    try:
+        async with pool.reserved() as run_on:
+            assert await run_on(0, len, [1, 2]) == 2
+            worker = pool._slots.now[0]
+            os.kill(worker.pid, signal.SIGKILL)
+            await anyio.to_thread.run_sync(worker.process.join, 10)  # dead while idle
+            with pytest.raises(aioloader.WorkerCrashed) as caught:
+                await run_on(0, len, [1, 2, 3], replace=False)
+        assert views_kept(caught.value) == []
+    finally:
+        await pool.aclose()
+
+
+async def test_a_worker_killed_once_its_reply_is_sent_is_named_as_the_reply_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reply's tensor is taken from the worker's resource sharer, by descriptor, as the reply
+    is unpickled. A worker killed between sending the reply and that raised the sharer's own
+    error (a refused or reset connection) as if it were the job's; it is ``WorkerCrashed``
+    naming the worker and its signal, the refusal as its cause, and the worker is replaced."""
+    pool = ProcessWorkers(
+        1,
+        context="forkserver",
+        seed=0,
+        derive=derive_seed,
+        worker_init_fn=None,
+        stats=WorkerRecorder(),
+    )
+    loads = pickle.loads
+
+    def killed_first(data: bytes) -> Any:
+        worker = pool._slots.now[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.process.join(10)
+        return loads(data)
+
+    await pool.start()
+    try:
+        monkeypatch.setattr(processes, "pickle", SimpleNamespace(loads=killed_first))
+        with pytest.raises(aioloader.WorkerCrashed, match="killed by signal: Killed") as caught:
+            await pool.run(torch.ones, 4)
+        assert isinstance(caught.value.__cause__, (OSError, EOFError))
+        monkeypatch.undo()
+        assert (await pool.run(torch.ones, 4)).tolist() == [1.0] * 4  # a new worker
+    finally:
+        await pool.aclose()
