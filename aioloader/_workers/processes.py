@@ -305,8 +305,14 @@ class ProcessWorkers:
         sending: set[int] = set()
         try:
             payload = dumps_job((*job, freed), worker.has, sending, self._main_has)
-        except BaseException:
+        except BaseException as exc:
             LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
+            if isinstance(exc, Exception):  # pickle's own words vary by version (3.13's)
+                exc.add_note(
+                    f"aioloader: raised as the job was pickled for worker {worker.id} "
+                    f"(pid {worker.pid}): what it carries must pickle (a lambda, a lock or an "
+                    "open file in a sample does not)"
+                )
             raise
         blocking(worker.conn)
         # A view of a BytesIO: let go now, not when a traceback is collected (a frame that

@@ -376,5 +376,7 @@ def test_each_argument_is_declared_once_and_the_rest_agrees() -> None:
     settings = [n for n, v in vars(aioloader.DataLoader).items() if isinstance(v, Setting)]
     # torch keeps no shuffle attribute; progress is the method that draws the line.
     assert settings == [n for n in names if n not in ("shuffle", "progress")]
-    args = (aioloader.DataLoader.__doc__ or "").partition("Args:")[2].partition("Raises:")[0]
-    assert re.findall(r"^        (\w+):", args, re.M) == names
+    # (cleaned: 3.13's compiler strips the docstring's indentation, earlier ones keep it)
+    doc = inspect.cleandoc(aioloader.DataLoader.__doc__ or "")
+    args = doc.partition("Args:")[2].partition("Raises:")[0]
+    assert re.findall(r"^    (\w+):", args, re.M) == names
