@@ -13,9 +13,12 @@ import contextlib
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from multiprocessing import spawn, util
+from types import FrameType
 
-from .forkserver import ForkedServer, children_of, listening
+from .forkserver import ForkedServer, listening
 
 __all__ = ["spawn_server"]
 
@@ -44,15 +47,15 @@ def spawn_server(
         OSError: The listening socket, the pipe or the process could not be made. Nothing is
             left open or running, whatever is raised (a Ctrl-C this thread held while it was
             spawned too: the child is killed and reaped). A Ctrl-C another thread takes
-            meanwhile is raised inside the stdlib's spawn call, after the child exists but
-            before its pid is returned: the child is then found among this process's children
-            by a token in its command, and killed and reaped too
-            (found by review: it was lost, a zombie for the rest of the session).
+            meanwhile (the handler runs on the main thread) waits for the spawn's end, its
+            pid known, then raises: raised inside the stdlib's spawn call, after the child
+            existed and before its pid was returned, it lost the child (found by review: a
+            zombie for the rest of the session; found again under load: a search by the
+            child's command line, read as it exec'd, came back empty).
     """
     module, _, function = entry.partition(":")
     path = [os.fsdecode(p) for p in sys.path if isinstance(p, str | bytes | os.PathLike)]
     address, listener = listening()
-    token = f"aioloader-standby-{os.urandom(8).hex()}"  # (what finds it, should its pid be lost)
     code = (
         "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
         "signal.signal(signal.SIGTERM, signal.SIG_IGN); os.setpgid(0, 0); "
@@ -61,7 +64,6 @@ def spawn_server(
         "signal.signal(signal.SIGTTOU, signal.SIG_IGN); "
         f"sys.path[:] = {path!r}; os.environ['AIOLOADER_STANDBY'] = '0'; "
         f"from {module} import {function}; {function}(*map(int, sys.argv[1:]))"
-        f"  # {token}"
     )
     with listener:
         alive_r, alive_w = os.pipe()
@@ -75,26 +77,43 @@ def spawn_server(
                     executable, *util._args_from_interpreter_flags(),  # type: ignore[attr-defined]
                     "-c", code, *map(str, (*fds, *extra)),
                 ]  # fmt: skip
-                pid = util.spawnv_passfds(executable, args, fds)  # type: ignore[arg-type]
+                with _handlers_deferred(signal.SIGINT, signal.SIGTERM):
+                    pid = util.spawnv_passfds(executable, args, fds)  # type: ignore[arg-type]
             finally:
                 os.close(alive_r)
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C held raises here
         except BaseException:
             os.close(alive_w)
-            for child in [pid] if pid is not None else _children_running(token):
+            if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(child, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 with contextlib.suppress(ChildProcessError):
-                    os.waitpid(child, 0)
+                    os.waitpid(pid, 0)
             raise
     return ForkedServer(address, alive_w, pid)
 
 
-def _children_running(token: str) -> list[int]:
-    """This process's children whose command line holds ``token``."""
-    found = []
-    for pid, _ in children_of(os.getpid()):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-            if token.encode() in f.read():
-                found.append(pid)
-    return found
+@contextlib.contextmanager
+def _handlers_deferred(*signums: int) -> Iterator[None]:
+    """On the main thread: these signals' Python handlers run at the block's end, not inside
+    it. Blocking a signal in this thread does not hold it back there: another thread takes it,
+    and its handler runs on the main thread at the next instruction, wherever that is (between
+    a child's start and the return of its pid). Elsewhere: nothing to do (handlers run on the
+    main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken: list[int] = []
+    replaced: dict[int, Callable[[int, FrameType | None], object]] = {}
+    for signum in signums:
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            replaced[signum] = handler
+            signal.signal(signum, lambda taking, _: taken.append(taking))
+    try:
+        yield
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
+        for signum in taken:
+            replaced[signum](signum, None)  # a Ctrl-C: KeyboardInterrupt, raised here
