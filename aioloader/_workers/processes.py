@@ -200,8 +200,10 @@ class ProcessWorkers:
             if out_of_descriptors():
                 raise too_many_open_files() from exc
             # A tensor's descriptor is taken from the worker's resource sharer as the reply is
-            # unpickled: a worker killed since it sent the reply refuses (or hangs up) there
-            if isinstance(exc, (OSError, EOFError)) and await self._died(worker):
+            # unpickled: a worker killed since it sent the reply refuses (or hangs up) there.
+            # (Another error, such as a missing file a value's reduction opens, is raised at
+            # once: a live worker would hold it up a second.)
+            if isinstance(exc, (ConnectionError, EOFError)) and await self._died(worker):
                 raise self._crashed(worker) from exc
             raise
         return reply

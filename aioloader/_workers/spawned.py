@@ -14,9 +14,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
 from multiprocessing import spawn, util
-from types import FrameType
 
 from .forkserver import ForkedServer, listening
 
@@ -47,11 +45,9 @@ def spawn_server(
         OSError: The listening socket, the pipe or the process could not be made. Nothing is
             left open or running, whatever is raised (a Ctrl-C this thread held while it was
             spawned too: the child is killed and reaped). A Ctrl-C another thread takes
-            meanwhile (the handler runs on the main thread) waits for the spawn's end, its
-            pid known, then raises: raised inside the stdlib's spawn call, after the child
-            existed and before its pid was returned, it lost the child (found by review: a
-            zombie for the rest of the session; found again under load: a search by the
-            child's command line, read as it exec'd, came back empty).
+            meanwhile is raised once the spawn has ended, its child killed and reaped
+            (:func:`_spawned`; a search by the child's command line, which stood in for a lost
+            pid, read that line empty as the child exec'd on a busy machine).
     """
     module, _, function = entry.partition(":")
     path = [os.fsdecode(p) for p in sys.path if isinstance(p, str | bytes | os.PathLike)]
@@ -77,43 +73,57 @@ def spawn_server(
                     executable, *util._args_from_interpreter_flags(),  # type: ignore[attr-defined]
                     "-c", code, *map(str, (*fds, *extra)),
                 ]  # fmt: skip
-                with _handlers_deferred(signal.SIGINT, signal.SIGTERM):
-                    pid = util.spawnv_passfds(executable, args, fds)  # type: ignore[arg-type]
+                pid = _spawned(executable, args, fds)
             finally:
                 os.close(alive_r)
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C held raises here
         except BaseException:
             os.close(alive_w)
             if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, 0)
+                _kill_and_reap(pid)
             raise
     return ForkedServer(address, alive_w, pid)
 
 
-@contextlib.contextmanager
-def _handlers_deferred(*signums: int) -> Iterator[None]:
-    """On the main thread: these signals' Python handlers run at the block's end, not inside
-    it. Blocking a signal in this thread does not hold it back there: another thread takes it,
-    and its handler runs on the main thread at the next instruction, wherever that is (between
-    a child's start and the return of its pid). Elsewhere: nothing to do (handlers run on the
-    main thread only)."""
+def _spawned(executable: str, args: list[str], fds: tuple[int, ...]) -> int:
+    """``util.spawnv_passfds``, from a thread of its own where this is the main thread: the
+    child's pid, which a signal handler raising here cannot lose. Handlers run on the main
+    thread only, at its next instruction, wherever that is: between the child's start and the
+    return of its pid, the child was lost (found by review: a zombie for the rest of the
+    session). The thread inherits this thread's signal mask, and the child the thread's.
+
+    Raises:
+        BaseException: What the spawn raised; or what interrupted the wait (a Ctrl-C), once
+            the spawn has ended and its child, if any, is killed and reaped.
+    """
     if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    taken: list[int] = []
-    replaced: dict[int, Callable[[int, FrameType | None], object]] = {}
-    for signum in signums:
-        handler = signal.getsignal(signum)
-        if callable(handler):
-            replaced[signum] = handler
-            signal.signal(signum, lambda taking, _: taken.append(taking))
-    try:
-        yield
-    finally:
-        for signum, handler in replaced.items():
-            signal.signal(signum, handler)
-        for signum in taken:
-            replaced[signum](signum, None)  # a Ctrl-C: KeyboardInterrupt, raised here
+        return util.spawnv_passfds(executable, args, fds)  # type: ignore[arg-type]
+    ended: list[int | BaseException] = []
+
+    def spawn() -> None:
+        try:
+            ended.append(util.spawnv_passfds(executable, args, fds))  # type: ignore[arg-type]
+        except BaseException as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=spawn, name="aioloader-spawn", daemon=True)
+    try:  # everything up to the pid's return: a handler may raise at any call in it
+        thread.start()
+        thread.join()
+        if isinstance(ended[0], BaseException):
+            raise ended[0]
+        return ended[0]
+    except BaseException:
+        # (interrupted before the thread started, it has nothing to wait for)
+        with contextlib.suppress(RuntimeError):
+            thread.join()  # the spawn is a fork and an exec: milliseconds
+        if ended and isinstance(ended[0], int):
+            _kill_and_reap(ended[0])
+        raise
+
+
+def _kill_and_reap(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)

@@ -9,7 +9,9 @@ the challenge (the sharer now waits for the answer). Then, by the second argumen
   sharer sees the hang-up.
 - ``hangs-up``: this process closes its end and lives on: 2 s, then item 1, and a normal end.
 
-First argument: the start method."""
+First argument: the start method; third: the number of workers (each busy with an item of
+its own while this process dies: with fork, a sibling holds the stdlib's pipe that tells a
+worker of its parent's death, so that pipe cannot tell it)."""
 
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ from aioloader import DataLoader
 
 
 class Handshake(torch.utils.data.Dataset[str]):
-    def __init__(self, killed: bool) -> None:
-        self.killed = killed
+    def __init__(self, killed: bool, workers: int) -> None:
+        self.killed, self.workers = killed, workers
 
     def __len__(self) -> int:
-        return 2
+        return 1 + self.workers  # item 0, then one for each worker to be busy with
 
     def __getitem__(self, index: int) -> str:
         if index == 0:
@@ -45,9 +47,12 @@ class Handshake(torch.utils.data.Dataset[str]):
         return "item 1"
 
 
-def main(method: str, killed: bool) -> None:
+def main(method: str, killed: bool, workers: int) -> None:
     loader = DataLoader(
-        Handshake(killed), batch_size=None, num_workers=1, multiprocessing_context=method
+        Handshake(killed, workers),
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context=method,
     )
     batches = iter(loader)  # kept: its workers live as long as it does
     address = next(batches)
@@ -63,4 +68,4 @@ def main(method: str, killed: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "killed")
+    main(sys.argv[1], sys.argv[2] == "killed", int(sys.argv[3]))

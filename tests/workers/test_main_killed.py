@@ -21,9 +21,9 @@ ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "tests" / "support" / "killed_mid_handshake.py"
 
 
-def run(method: str, how: str, tmp_path: Path) -> tuple[int, str]:
+def run(method: str, how: str, tmp_path: Path, workers: int = 1) -> tuple[int, str]:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), method, how],
+        [sys.executable, str(SCRIPT), method, how, str(workers)],
         capture_output=True,  # the workers write to these pipes too: read to their last close
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
@@ -34,11 +34,15 @@ def run(method: str, how: str, tmp_path: Path) -> tuple[int, str]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("method", ["forkserver", "fork", "spawn"])
+@pytest.mark.parametrize(
+    ("method", "workers"), [("forkserver", 1), ("fork", 1), ("spawn", 1), ("fork", 2)]
+)
 def test_a_main_process_killed_mid_handshake_leaves_no_traceback(
-    method: str, tmp_path: Path
+    method: str, workers: int, tmp_path: Path
 ) -> None:
-    returncode, output = run(method, "killed", tmp_path)
+    """With fork and 2 workers (found by review), the second holds the first's pipe from the
+    main process (``parent_process()``'s sentinel), which then never tells of its death."""
+    returncode, output = run(method, "killed", tmp_path, workers)
     assert returncode == -signal.SIGKILL, output
     assert "killed mid-handshake" in output
     assert "Traceback" not in output, output
