@@ -34,7 +34,6 @@ import gc
 import inspect
 import multiprocessing.forkserver as stdlib_forkserver
 import os
-import select
 import socket
 import stat
 import sys
@@ -46,6 +45,7 @@ from typing import Any
 
 import torch
 
+from .pidfd import exited_within
 from .tracker import ensure_resource_tracker
 from .worker import name_this_process
 
@@ -138,7 +138,7 @@ class ForkedServer:
         hands it to each), so it sees EOF only once they have all exited."""
         with contextlib.suppress(OSError):
             os.close(self.alive_w)
-        if wait is not None and not _exits_within(self.pid, wait):
+        if wait is not None and not exited_within(self.pid, wait):
             return False
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
@@ -171,21 +171,6 @@ def flush_stdio() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-
-
-def _exits_within(pid: int, seconds: float) -> bool:
-    """Whether process ``pid`` exits within ``seconds`` (a pidfd waited on: no polling);
-    False where no pidfd can be had for it."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:  # gone and reaped already, or a kernel without pidfds
-        return False
-    try:
-        poller = select.poll()  # not select(): a descriptor past 1023 is out of its range
-        poller.register(pidfd, select.POLLIN)
-        return bool(poller.poll(seconds * 1000))
-    finally:
-        os.close(pidfd)
 
 
 def children_of(pid: int) -> Iterator[tuple[int, str]]:

@@ -17,18 +17,18 @@ is printed as before).
 from __future__ import annotations
 
 import multiprocessing
-import os
-import select
 import sys
 import threading
 from multiprocessing import resource_sharer
 from types import TracebackType
 
+from .pidfd import exited_within
+
 __all__ = ["quiet_once_main_is_gone"]
 
 _HUNG_UP = (EOFError, ConnectionError)  # a peer's end closed, mid-read or mid-write
-# Seconds: a killed process's descriptors are closed one by one; the socket's end may close
-# before the pipe this process watches for the main process's death.
+# Seconds: a killed process's descriptors are closed one by one, before it has exited; the
+# socket's end closes first.
 _GRACE = 1.0
 
 
@@ -43,29 +43,13 @@ def _main_hung_up(value: BaseException) -> bool:
     main = multiprocessing.parent_process()  # the process that started this one, whichever way
     if main is None or main.pid is None:
         return False
-    gone = _gone_within(main.pid, _GRACE)
-    if gone is None:  # no pidfds here: the stdlib's sentinel (which a fork sibling may hold)
+    # Not the stdlib's sentinel for it, but where no pidfd can be had: a fork-context worker
+    # started later holds its write end too, and keeps it open while that sibling lives
+    gone = exited_within(main.pid, _GRACE)
+    if gone is None:
         main.join(_GRACE)
         return not main.is_alive()
     return gone
-
-
-def _gone_within(pid: int, seconds: float) -> bool | None:
-    """Whether process ``pid`` has exited or does within ``seconds`` (a pidfd waited on); None
-    where no pidfd can be had. Not ``parent_process()``'s sentinel: a fork-context worker
-    started later holds its write end too, and keeps it open while that sibling lives."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    except (OSError, AttributeError):  # an old kernel; a Python without it (not Linux)
-        return None
-    try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)  # readable once it has exited
-        return bool(poller.poll(seconds * 1000))
-    finally:
-        os.close(pidfd)
 
 
 def quiet_once_main_is_gone() -> None:

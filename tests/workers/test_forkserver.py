@@ -798,7 +798,7 @@ def test_waiting_for_a_server_to_exit_takes_a_descriptor_past_select_s_range() -
     ``select()`` refused it (the exit hook's wait raised)."""
     import resource
 
-    from aioloader._workers.forkserver import _exits_within
+    from aioloader._workers.pidfd import exited_within
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 2048:
@@ -812,7 +812,7 @@ def test_waiting_for_a_server_to_exit_takes_a_descriptor_past_select_s_range() -
             os.close(fd)
         del held[-100:]
         child = subprocess.Popen([sys.executable, "-c", "pass"])
-        assert _exits_within(child.pid, 30)
+        assert exited_within(child.pid, 30)
         assert child.wait(timeout=30) == 0
     finally:
         for fd in held:
