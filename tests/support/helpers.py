@@ -20,6 +20,9 @@ import anyio
 import torch
 
 import aioloader
+from aioloader._base.recorders import WorkerRecorder
+from aioloader._data.seeds import derive_seed
+from aioloader._workers.processes import ProcessWorkers
 
 
 class Counting(aioloader.AsyncDataset[int]):
@@ -221,3 +224,18 @@ def released(view: memoryview) -> bool:
     except ValueError:
         return True
     return False
+
+
+def bare_pool(
+    workers: int = 1, context: str = "forkserver", stats: WorkerRecorder | None = None
+) -> ProcessWorkers:
+    """A process pool as the loader makes one, without a loader: seeded 0, no
+    ``worker_init_fn`` (not started)."""
+    return ProcessWorkers(
+        workers,
+        context=context,
+        seed=0,
+        derive=derive_seed,
+        worker_init_fn=None,
+        stats=stats or WorkerRecorder(),
+    )

@@ -27,13 +27,11 @@ import torch
 import aioloader
 from aioloader import default_collate
 from aioloader._base.recorders import WorkerRecorder
-from aioloader._data.seeds import derive_seed
 from aioloader._workers.byvalue import ByValue, portable, sent_by_name
 from aioloader._workers.mainmodule import workers_main
 from aioloader._workers.mainscript import names_bound_on_import
-from aioloader._workers.processes import ProcessWorkers
 from tests.support import worker_fns
-from tests.support.helpers import Counting, flat, open_fds, run_json_script
+from tests.support.helpers import Counting, bare_pool, flat, open_fds, run_json_script
 
 # -- deciding -------------------------------------------------------------------------------------
 
@@ -532,9 +530,7 @@ async def test_a_job_that_fails_to_pickle_leaves_its_worker_alone() -> None:
     """Pickling a job is not sending it: its error reaches the caller as it is, and the worker
     (alive, idle) is neither stopped nor replaced."""
     stats = WorkerRecorder()
-    pool = ProcessWorkers(
-        1, context="forkserver", seed=0, derive=derive_seed, worker_init_fn=None, stats=stats
-    )
+    pool = bare_pool(stats=stats)
     await pool.start()
     try:
         with pytest.raises(OSError, match="Too many open files"):

@@ -21,12 +21,9 @@ import pytest
 import torch
 
 import aioloader
-from aioloader._base.recorders import WorkerRecorder
-from aioloader._data.seeds import derive_seed
 from aioloader._workers.byvalue import ByValue
-from aioloader._workers.processes import ProcessWorkers
 from tests.support import worker_fns
-from tests.support.helpers import Counting, flat, run_json_script
+from tests.support.helpers import Counting, bare_pool, flat, run_json_script
 
 # Python 3.12 and later warn as a multi-threaded process forks (the hazard the docs state):
 # these tests fork on purpose, from a process with threads.
@@ -157,14 +154,7 @@ async def test_each_forked_worker_exits_on_its_own_pipe_closing(
             original(process)
 
         monkeypatch.setattr(multiprocessing.process.BaseProcess, name, recorded)
-    pool = ProcessWorkers(
-        3,
-        context="fork",
-        seed=0,
-        derive=derive_seed,
-        worker_init_fn=None,
-        stats=WorkerRecorder(),
-    )
+    pool = bare_pool(3, "fork")
     await pool.start()
     try:
         assert await pool.run(len, [1, 2, 3]) == 3

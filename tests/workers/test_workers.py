@@ -24,14 +24,11 @@ import pytest
 import torch
 
 import aioloader
-from aioloader._base.recorders import WorkerRecorder
-from aioloader._data.seeds import derive_seed
 from aioloader._workers import processes
 from aioloader._workers.children import remove_left_segments
-from aioloader._workers.processes import ProcessWorkers
 from aioloader._workers.serverstart import prepare_forkserver
 from tests.support import worker_fns
-from tests.support.helpers import Counting, flat, open_fds, views_kept
+from tests.support.helpers import Counting, bare_pool, flat, open_fds, views_kept
 
 # Names in /dev/shm that carry the pid of the process that made them: a Ray pool's blocks (its
 # driver's pid) and torch's file_system segments.
@@ -365,14 +362,7 @@ async def test_a_dead_worker_s_refused_job_leaves_no_view_of_its_pickle_in_the_e
     cycle, crashed CPython 3.12.1's garbage collector (gh-111049): a job sent to a worker that
     died while idle raised ``WorkerCrashed`` whose context's frames (``send_bytes``) still
     viewed it, and the next ``gc.collect()`` segfaulted."""
-    pool = ProcessWorkers(
-        1,
-        context="forkserver",
-        seed=0,
-        derive=derive_seed,
-        worker_init_fn=None,
-        stats=WorkerRecorder(),
-    )
+    pool = bare_pool()
     await pool.start()
     try:
         async with pool.reserved() as run_on:
@@ -394,14 +384,7 @@ async def test_a_worker_killed_once_its_reply_is_sent_is_named_as_the_reply_is_t
     is unpickled. A worker killed between sending the reply and that raised the sharer's own
     error (a refused or reset connection) as if it were the job's; it is ``WorkerCrashed``
     naming the worker and its signal, the refusal as its cause, and the worker is replaced."""
-    pool = ProcessWorkers(
-        1,
-        context="forkserver",
-        seed=0,
-        derive=derive_seed,
-        worker_init_fn=None,
-        stats=WorkerRecorder(),
-    )
+    pool = bare_pool()
     loads = pickle.loads
 
     def killed_first(data: bytes) -> Any:
