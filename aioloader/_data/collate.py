@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._workers.pack import shared_storage
 from .._workers.worker import get_worker_info
 
 __all__ = ["default_collate"]
@@ -212,10 +213,12 @@ def _alloc_like(elem: torch.Tensor, n: int) -> torch.Tensor:
     Called in a worker: the batch is allocated in shared memory, so it reaches the main process
     without another copy (only a handle crosses the pipe).
     """
-    out = torch.empty((n, *elem.shape), dtype=elem.dtype, device=elem.device)
-    if elem.device.type == "cpu":
-        out.share_memory_()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    return out
+    shape = (n, *elem.shape)
+    nbytes = n * elem.numel() * elem.element_size()
+    if elem.device.type != "cpu" or nbytes == 0:
+        return torch.empty(shape, dtype=elem.dtype, device=elem.device)
+    # Made in shared memory, as torch's collate makes it: not made, then copied there
+    return elem.new_empty(0).set_(shared_storage(nbytes)).view(shape)
 
 
 def _arrays_to_tensors(batch: Sequence[Any], path: str) -> list[torch.Tensor]:

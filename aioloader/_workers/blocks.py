@@ -50,7 +50,7 @@ import torch
 
 from .._base.tree import map_tensors, tensors_in
 from .ledger import LEDGER, Key
-from .pack import alone_in_storage, plain_values
+from .pack import alone_in_storage, plain_values, shared_storage
 
 __all__ = ["MIN_BYTES", "PER_WORKER", "BlockView", "OutputBlocks"]
 
@@ -207,8 +207,8 @@ class OutputBlocks:
             number = min(fits, key=lambda i: self._blocks[i].tensor.numel())
         elif len(self._blocks) < self.limit or free:
             try:
-                tensor = torch.empty(-(-nbytes // _ROUND) * _ROUND, dtype=torch.uint8)
-                tensor.untyped_storage().share_memory_()
+                storage = shared_storage(-(-nbytes // _ROUND) * _ROUND)
+                tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
             except (RuntimeError, OSError):  # no room in /dev/shm: torch's sharing will say so
                 return None
             if len(self._blocks) < self.limit:

@@ -40,6 +40,7 @@ from typing import Any
 
 import cloudpickle
 
+from . import fdpass
 from .byname import (
     ACTING,
     MainRule,
@@ -48,6 +49,7 @@ from .byname import (
     found_by_name,
     sent_by_name,
 )
+from .fdpass import Passing
 
 __all__ = [
     "ByValue",
@@ -275,49 +277,68 @@ def _scans(value: object, main_has: MainRule) -> bool:
     return True
 
 
-def dumps_job(job: object, has: set[int], sending: set[int], main_has: MainRule) -> memoryview:
-    """``job`` pickled as ``ForkingPickler`` does (tensors through shared memory), its
-    :class:`ByValue` values whole unless their token is in ``has`` (the worker has it): each
-    pickled for this worker, with torch's and multiprocessing's reductions (a tensor it holds
-    stays shared, a connection it holds is the worker's own descriptor), and with what the
-    worker has of the main module (``main_has``). The tokens sent whole are added to
-    ``sending`` (to join ``has`` once the job is sent)."""
+def dumps_job(
+    job: object, has: set[int], sending: set[int], main_has: MainRule
+) -> tuple[memoryview, Passing]:
+    """``job`` pickled as ``ForkingPickler`` does (tensors through shared memory, their
+    descriptors passed with the message: ``fdpass.py``), its :class:`ByValue` values whole
+    unless their token is in ``has`` (the worker has it): each pickled for this worker, with
+    torch's and multiprocessing's reductions (a tensor it holds stays shared, a connection it
+    holds is the worker's own descriptor), and with what the worker has of the main module
+    (``main_has``). The tokens sent whole are added to ``sending`` (to join ``has`` once the
+    job is sent). Returns the message (:func:`fdpass.send` sends both).
+
+    Raises:
+        Exception: The job does not pickle (nothing is kept of what was shared for it).
+    """
+    passing = Passing()
 
     def reduce(value: ByValue) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         if value.token in has:
             return _received_before, (value.token,)
         sending.add(value.token)
-        return _receive, (value.token, _dumps(value.value, main_has, sharing=True))
+        blob = _dumps(value.value, main_has, sharing=True, passing=passing)
+        return _receive, (value.token, blob)
 
-    buffer = io.BytesIO()
+    buffer = fdpass.buffer()
     pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table[ByValue] = reduce
-    pickler.dump(job)
-    return buffer.getbuffer()
+    pickler.dispatch_table.update(passing.reducers())
+    return passing.dump(pickler, buffer, job), passing
 
 
-def dumps_reply(reply: object) -> memoryview:
+def dumps_reply(reply: object) -> tuple[memoryview, Passing]:
     """In a worker: ``reply`` pickled as ``ForkingPickler`` does (tensors through shared
-    memory). Once the worker was sent values by value, a class that came so goes back by value
-    (cloudpickle gives the main process its own class back: it tracks the classes it sent).
+    memory, their descriptors passed with the message: ``fdpass.py``). Once the worker was
+    sent values by value, a class that came so goes back by value (cloudpickle gives the main
+    process its own class back: it tracks the classes it sent).
 
     Raises:
-        Exception: ``reply`` does not pickle.
+        Exception: ``reply`` does not pickle (nothing is kept of what was shared for it).
     """
-    if not _by_value_here:
-        return ForkingPickler.dumps(reply)
-    buffer = io.BytesIO()
-    _Pickler(buffer, None, sharing=True).dump(reply)
-    return buffer.getbuffer()
+    passing = Passing()
+    buffer = fdpass.buffer()
+    if _by_value_here:
+        pickler: pickle.Pickler = _Pickler(buffer, None, sharing=True, passing=passing)
+    else:
+        pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table.update(passing.reducers())
+    return passing.dump(pickler, buffer, reply), passing
 
 
 def _dumps(
-    value: object, main_has: MainRule, *, sharing: bool = False, trial: bool = False
+    value: object,
+    main_has: MainRule,
+    *,
+    sharing: bool = False,
+    trial: bool = False,
+    passing: Passing | None = None,
 ) -> bytes:
-    """``value`` by value: with torch's reductions where ``sharing``; with multiprocessing's
-    but not torch's where ``trial`` (as a process's start would pickle it, moving nothing)."""
+    """``value`` by value: with torch's reductions where ``sharing`` (a storage's descriptor
+    passed by ``passing``, if given); with multiprocessing's but not torch's where ``trial``
+    (as a process's start would pickle it, moving nothing)."""
     buffer = io.BytesIO()
-    _Pickler(buffer, main_has, sharing=sharing, trial=trial).dump(value)
+    _Pickler(buffer, main_has, sharing=sharing, trial=trial, passing=passing).dump(value)
     return buffer.getvalue()
 
 
@@ -337,6 +358,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         trial: bool = False,
         acting: Callable[[Any], Any] | None = None,
         out_of_band: Callable[[pickle.PickleBuffer], object] | None = None,
+        passing: Passing | None = None,
     ) -> None:
         self.main_has = main_has
         self.by_value = False  # whether it sent a function or class by value
@@ -346,6 +368,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         table.pop(io.TextIOWrapper, None)
         if sharing or trial:  # a trial runs as a process's start would, but moves nothing
             table.update(forking_reducers(skipping=ACTING if trial else ()))
+            if passing is not None:
+                table.update(passing.reducers())
         elif acting is not None:  # what acts as it reduces: reduced by ``acting`` instead
             table.update(forking_reducers(skipping=ACTING, instead=acting))
         # Before the pickler's own start, which reads it (cloudpickle's class attribute, a

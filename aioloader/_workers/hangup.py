@@ -1,13 +1,14 @@
 """A worker's resource sharer told to keep quiet about a main process that died in a handshake.
 
-A worker hands a batch's tensors over by descriptor, through multiprocessing's resource sharer:
-a thread of the worker's that serves a socket, where the main process connects, answers a
-handshake and takes each descriptor. When the main process is killed (SIGKILL: preempted, out of
-memory) in that exchange, the sharer's thread reports the hang-up (``ConnectionResetError`` or
-``EOFError`` in ``deliver_challenge``, a ``BrokenPipeError`` in the hand-over) through
-``sys.excepthook`` and serves on. The worker leaves by itself once it sees its pipe's end, but
-the report reached the job's log as a traceback per worker, as if something had failed besides
-the kill (torch's workers print it too).
+What a worker's reply hands over through multiprocessing's resource sharer (a connection or a
+socket in it; a tensor's descriptor crosses beside the message instead: ``fdpass.py``) the main
+process takes from a thread of the worker's that serves a socket, where the main process
+connects, answers a handshake and takes each descriptor. When the main process is killed
+(SIGKILL: preempted, out of memory) in that exchange, the sharer's thread reports the hang-up
+(``ConnectionResetError`` or ``EOFError`` in ``deliver_challenge``, a ``BrokenPipeError`` in
+the hand-over) through ``sys.excepthook`` and serves on. The worker leaves by itself once it
+sees its pipe's end, but the report reached the job's log as a traceback per worker, as if
+something had failed besides the kill (torch's workers print it too).
 
 Owns: that one report, from that one thread, once the main process is gone. Never: any other
 thread's errors or any other error, or a hang-up while the main process lives (then the report

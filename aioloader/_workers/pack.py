@@ -1,11 +1,17 @@
 """Many tensors of a worker's result moved into one shared-memory block, so the result crosses
-to the main process as one file descriptor instead of one per tensor.
+to the main process as one file descriptor instead of one per tensor; and a job's tensors, so
+that it crosses to its worker as one, and the main process's own tensors stay where they are.
 
 torch's reductions share each tensor's storage on its own: a new shared-memory file, a copy,
-and a descriptor handed over through torch's resource sharer (a socket connection per
-descriptor on the receiving side). A batch that is a list of 32 tensors paid that 32 times.
-Packing copies the tensors once into a single shared block and replaces them with views of it:
-one descriptor for the whole result.
+and a descriptor handed over (beside the message: ``fdpass.py``), mapped on the receiving
+side. A batch that is a list of 32 tensors paid that 32 times. Packing copies the tensors
+once into a single shared block and replaces them with views of it: one descriptor for the
+whole result. Sharing a storage moves it into shared memory where it is: a job's samples,
+kept by the main process's dataset (an in-memory cache), each became a segment of its own,
+open as a descriptor for as long as the dataset lived (1,280 cached images sent once: 1,280
+descriptors), and a transform that changed its sample in place in the worker changed the
+dataset's. A job's tensors are copied into a block of the job's own instead, whatever their
+size (the copy torch's sharing would make).
 
 Owns: deciding which tensors may be packed and laying them out. Never: sends anything (the
 worker pickles the packed result as before), or changes a value, a dtype, a shape or a stride.
@@ -19,7 +25,7 @@ import torch
 
 from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
 
-__all__ = ["alone_in_storage", "pack_tensors", "plain_values"]
+__all__ = ["alone_in_storage", "pack_tensors", "plain_values", "shared_storage"]
 
 _ALIGN = 64  # bytes: every view starts on a cache line, aligned for any dtype
 
@@ -54,19 +60,26 @@ def alone_in_storage(found: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in strided if owners[t.untyped_storage().data_ptr()] == 1]
 
 
-def _packable(t: torch.Tensor) -> bool:
+def shared_storage(size: int) -> torch.UntypedStorage:
+    """``size`` bytes made in shared memory, as torch's sharing strategy makes them (not made
+    here and copied there: ``share_memory_`` copies, with every intra-op thread, which then
+    spin for more work, on the training process's cores)."""
+    return torch.UntypedStorage._new_shared(size)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _packable(t: torch.Tensor, most: int | None) -> bool:
     return (
         plain_values(t)
-        and t.nbytes <= _MAX_PACKED
+        and (most is None or t.nbytes <= most)
         and t.stride() == _contiguous_strides(t.shape)  # exactly, size-1 dimensions too
     )
 
 
-def pack_tensors(data: Any) -> Any:
-    """``data`` with its small contiguous CPU tensors (up to 1 MiB each) moved into one
-    shared-memory block, when there are at least two of them; other tensors, and tensors that
-    share a storage with another tensor of ``data`` (their aliasing is kept by torch's own
-    sharing), are left as they are.
+def pack_tensors(data: Any, *, at_least: int = 2, most: int | None = _MAX_PACKED) -> Any:
+    """``data`` with its contiguous CPU tensors of up to ``most`` bytes each (None: any size)
+    copied into one shared-memory block, when there are at least ``at_least`` of them; other
+    tensors, tensors already in shared memory, and tensors that share a storage with another
+    tensor of ``data`` (their aliasing is kept by torch's own sharing), are left as they are.
 
     The packed tensors are views of the block, as the rows of a stacked batch are views of its
     storage: the block lives while any of them does, and ``torch.save`` of one writes the block
@@ -77,28 +90,27 @@ def pack_tensors(data: Any) -> Any:
         RuntimeError: Shared memory could not be allocated.
     """
     found = tensors_in(data)
-    if len(found) < 2:
+    if len(found) < at_least:
         return data
     chosen = {
         id(t): t
         for t in alone_in_storage(found)
-        if _packable(t) and not t.untyped_storage().is_shared()
+        if _packable(t, most) and not t.untyped_storage().is_shared()
     }
-    if len(chosen) < 2:
+    if not chosen or len(chosen) < at_least:
         return data
     offsets: dict[int, int] = {}
     size = 0
     for key, t in chosen.items():
         offsets[key] = size
         size += -(-t.nbytes // _ALIGN) * _ALIGN
-    block = torch.empty(size, dtype=torch.uint8)
-    block.untyped_storage().share_memory_()
+    block = shared_storage(size)
 
     def place(t: torch.Tensor) -> torch.Tensor:
         start = offsets.get(id(t))
         if start is None or chosen.get(id(t)) is not t:
             return t
-        view: torch.Tensor = block[start : start + t.nbytes].view(t.dtype).view(t.shape)
+        view = t.new_empty(0).set_(block, start // t.element_size(), t.shape, t.stride())
         view.copy_(t)
         return view
 

@@ -22,10 +22,10 @@ replaced on next use. Never: runs user code in the main process, or leaves a chi
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.util
-import pickle
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,10 +35,12 @@ import anyio
 
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
+from . import fdpass
 from .byvalue import dumps_job
 from .children import blocking, exits, hang_up, remove_left_segments
 from .descriptors import out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
+from .pack import pack_tensors
 from .serverstart import died_starting_note, note_server
 from .slots import Slots
 from .starting import Starts, Worker
@@ -194,15 +196,23 @@ class ProcessWorkers:
             await self._mark_dead(worker)
             raise self._crashed(worker) from None
         self._stats.bytes_received += len(data)
+        try:  # the tensors' descriptors follow the message (fdpass.py)
+            fds = fdpass.descriptors(worker.conn, fdpass.count(data))
+        except (EOFError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
+                raise too_many_open_files() from exc
+            await self._mark_dead(worker)
+            raise self._crashed(worker) from None
         try:
-            reply: tuple[bool, Any] = pickle.loads(data)
+            reply: tuple[bool, Any] = fdpass.loads(data, fds)
         except Exception as exc:
             if out_of_descriptors():
                 raise too_many_open_files() from exc
-            # A tensor's descriptor is taken from the worker's resource sharer as the reply is
-            # unpickled: a worker killed since it sent the reply refuses (or hangs up) there.
-            # (Another error, such as a missing file a value's reduction opens, is raised at
-            # once: a live worker would hold it up a second.)
+            # What a reply hands over through the worker's resource sharer (a connection or a
+            # socket in it; not a tensor: fdpass.py) is taken as the reply is unpickled: a
+            # worker killed since it sent the reply refuses (or hangs up) there. (Another
+            # error, such as a missing file a value's reduction opens, is raised at once: a
+            # live worker would hold it up a second.)
             if isinstance(exc, (ConnectionError, EOFError)) and await self._died(worker):
                 raise self._crashed(worker) from exc
             raise
@@ -303,10 +313,15 @@ class ProcessWorkers:
             _Gone: The worker is gone (it died while idle): the job never reached it.
             Exception: Pickling the job failed (the worker is left as it is).
         """
+        fn, args, seed = job
+        # Its tensors in one block of its own (pack.py): not each moved to shared memory where
+        # it is, which a dataset's cached sample would then stay, with a descriptor open
+        args = pack_tensors(args, at_least=1, most=None)
         freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
         sending: set[int] = set()
         try:
-            payload = dumps_job((*job, freed), worker.has, sending, self._main_has)
+            whole = (fn, args, seed, freed)
+            message, passing = dumps_job(whole, worker.has, sending, self._main_has)
         except BaseException as exc:
             LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
             if isinstance(exc, Exception):  # pickle's own words vary by version (3.13's)
@@ -317,18 +332,19 @@ class ProcessWorkers:
                 )
             raise
         blocking(worker.conn)
-        # A view of a BytesIO: let go now, not when a traceback is collected (a frame that
-        # views it, left in a cycle, crashed 3.12.1's gc: gh-111049). The refusal's own frames
-        # (send_bytes') view it too: it is dropped as its handler ends, not kept as the
-        # context of what is raised.
-        with payload:
-            try:
-                worker.conn.send_bytes(payload)
-            except OSError:
-                refused = True
-            else:
-                refused = False
-                self._stats.bytes_sent += len(payload)
+        # The message is a view of a BytesIO, released as it is sent (or not): not when a
+        # traceback is collected (a frame that views it, left in a cycle, crashed 3.12.1's
+        # gc: gh-111049). The refusal's own frames (send_bytes') view it too: it is dropped as
+        # its handler ends, not kept as the context of what is raised. The tensors' descriptors
+        # go with it; refused, they are closed here (the worker never had them).
+        size = len(message)
+        try:
+            fdpass.send(worker.conn, message, passing)
+        except OSError:
+            refused = True
+        else:
+            refused = False
+            self._stats.bytes_sent += size
         if refused:
             raise _Gone
         worker.has |= sending

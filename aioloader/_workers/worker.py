@@ -7,7 +7,8 @@ worker starts, as torch does), the per-worker and per-batch seeding of ``random`
 torch, and :func:`worker_main`, the loop a worker runs: receive a job (a function and its
 arguments, pickled), run it, send the result back. Tensors in results travel through shared
 memory (torch's reductions in ``ForkingPickler``), packed into one block first
-(``_workers/pack.py``): only a handle crosses the pipe. Never: touches
+(``_workers/pack.py``): only a handle crosses the pipe, its descriptor beside the message
+(``fdpass.py``), as a job's tensors come. Never: touches
 an event loop, opens network clients or imports user code it was not sent.
 """
 
@@ -17,7 +18,6 @@ import contextlib
 import ctypes
 import multiprocessing.util
 import os
-import pickle
 import random
 import signal
 import sys
@@ -33,9 +33,11 @@ import torch.multiprocessing  # registers torch's shared-memory reductions
 import torch.utils.data
 
 from .._base.exceptions import RemoteError
+from . import fdpass
 from .blocks import OutputBlocks
 from .byvalue import dumps_reply, forget_received
 from .environ import ParentEnviron
+from .fdpass import Passing
 from .hangup import quiet_once_main_is_gone
 from .pack import pack_tensors
 from .result import JobResult
@@ -121,7 +123,8 @@ def seed_everything(seed: int) -> None:
 
 def _picklable(exc: Exception) -> Exception:
     try:
-        pickle.loads(dumps_reply(exc))
+        message, passing = dumps_reply(exc)
+        fdpass.loads(message, passing.handed())
     except Exception:
         stand_in = RemoteError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
         for note in getattr(exc, "__notes__", ()):
@@ -218,13 +221,11 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _send(conn: Connection, payload: memoryview) -> None:
+def _send(conn: Connection, reply: tuple[memoryview, Passing]) -> None:
     try:
-        conn.send_bytes(payload)
+        fdpass.send(conn, *reply)  # the message, then its tensors' descriptors
     except OSError:  # the main process is gone (or stopped us): nobody is left to tell
         _exit_now()
-    finally:
-        payload.release()
 
 
 def worker_main(
@@ -281,11 +282,12 @@ def worker_main(
     while True:
         try:
             job = conn.recv_bytes()
+            fds = fdpass.descriptors(conn, fdpass.count(job))  # its tensors' (fdpass.py)
         except (EOFError, OSError):
             _exit_now()
-        payload = _run_job(job)
+        reply = _run_job(job, fds)
         del job  # nothing of a job (its raw samples) is kept while the next one is awaited
-        _send(conn, payload)
+        _send(conn, reply)
 
 
 def _received(start: Unreceived, worker_id: int) -> Any:
@@ -365,19 +367,20 @@ def _into_blocks(result: Any) -> Any:
         raise
 
 
-def _run_job(job: bytes) -> memoryview:
-    """One job, ``(fn, args, batch_seed, freed)`` pickled: the reply, ``(ok, value)`` pickled.
-    ``freed`` is None, or the keys of this worker's blocks the main process is done with: the
-    result then goes into a block where it can (``blocks.py``)."""
-    fn, args, batch_seed, freed = pickle.loads(job)
+def _run_job(job: bytes, fds: list[int]) -> tuple[memoryview, Passing]:
+    """One job, ``(fn, args, batch_seed, freed)`` pickled (``fds``: the descriptors that came
+    with it): the reply, ``(ok, value)`` pickled. ``freed`` is None, or the keys of this
+    worker's blocks the main process is done with: the result then goes into a block where it
+    can (``blocks.py``)."""
+    fn, args, batch_seed, freed = fdpass.loads(job, fds)
     if freed is not None:
         _blocks.free(freed)
     reply = call_job(fn, args, batch_seed, pack_tensors if freed is None else _into_blocks)
     del fn, args
     try:
-        payload = dumps_reply(reply)
+        sent = dumps_reply(reply)
     except BaseException as exc:  # the result does not pickle
         _blocks.unsent()
         return dumps_reply((False, with_worker_note(exc)))
     _blocks.sent()
-    return payload
+    return sent

@@ -122,3 +122,16 @@ def mark_a_clean_exit(folder: str, worker_id: int) -> None:
     """A ``worker_init_fn`` (with ``functools.partial``): the worker writes a file as it leaves
     of itself (multiprocessing's finalizers, which a terminated worker does not run)."""
     multiprocessing.util.Finalize(None, _write_marker, (f"{folder}/w{worker_id}",), exitpriority=10)
+
+
+def add_one_in_place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Adds 1 to each of a job's tensors where they are (shared with the main process) and
+    sends them back as they are."""
+    for t in tensors:
+        t.add_(1)
+    return tensors
+
+
+def bumped(tensor: torch.Tensor) -> torch.Tensor:
+    """A transform that changes its sample in place (as ``Normalize(inplace=True)`` does)."""
+    return tensor.add_(1)

@@ -22,6 +22,7 @@ import torch
 import aioloader
 from aioloader._device.stage import DevicePlan, DeviceStage
 from aioloader._workers import blocks as blocks_module
+from aioloader._workers import fdpass
 from aioloader._workers import ledger as ledger_module
 from aioloader._workers.blocks import MIN_BYTES, BlockView, OutputBlocks
 from aioloader._workers.ledger import LEDGER, Registrations, find_block
@@ -552,8 +553,9 @@ def test_a_job_whose_reply_does_not_pickle_gives_its_block_back(
 
     blocks = OutputBlocks(limit=1)
     monkeypatch.setattr(worker_module, "_blocks", blocks)
-    job = pickle.dumps((_unpicklable_reply, (), None, []))
-    ok, _ = pickle.loads(worker_module._run_job(job))
+    job = bytes(fdpass.HEADER) + pickle.dumps((_unpicklable_reply, (), None, []))  # no fds
+    message, passing = worker_module._run_job(job, [])
+    ok, _ = fdpass.loads(message, passing.handed())
     assert not ok  # the reply says why it could not be sent
     assert isinstance(blocks.write({"x": torch.ones(MIN_BYTES, dtype=torch.uint8)})["x"], BlockView)
 

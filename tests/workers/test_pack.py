@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -77,3 +78,50 @@ def test_a_sparse_tensor_beside_others_is_left_to_torch() -> None:
     sparse = torch.eye(4).to_sparse()
     packed = pack_tensors([sparse, torch.ones(2), torch.zeros(3)])
     assert packed[0] is sparse and len(storages(packed[1:])) == 1
+
+
+def test_a_job_s_tensors_are_packed_whatever_their_number_and_size() -> None:
+    """As a job packs them (``ProcessWorkers._send``): one tensor, of any size, goes into a
+    block of its own; the original is not moved to shared memory."""
+    large = torch.ones(3 << 20, dtype=torch.uint8)  # 3 MiB: over a reply's limit
+    packed = pack_tensors((large,), at_least=1, most=None)
+    assert packed[0] is not large and packed[0].untyped_storage().is_shared()
+    assert not large.untyped_storage().is_shared() and torch.equal(packed[0], large)
+
+
+class Cached(aioloader.AsyncDataset[torch.Tensor]):
+    """Samples the loader's process holds (an in-memory cache)."""
+
+    def __init__(self, n: int) -> None:
+        self.held = [torch.full((4,), float(i)) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    async def get(self, index: int) -> torch.Tensor:
+        return self.held[index]
+
+
+def shared_memory_fds() -> int:
+    return sum(
+        os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    )
+
+
+def test_samples_a_worker_transforms_stay_the_main_process_s_own() -> None:
+    """A job's tensors cross in a block of the job's own. torch's sharing moved each cached
+    sample to a shared-memory segment of its own where it was: the main process held a
+    descriptor per sample for as long as the dataset lived (1,280 for 1,280 samples), and a
+    transform that changed its sample in place changed the dataset's."""
+    dataset = Cached(200)
+    before = shared_memory_fds()
+    loader = aioloader.DataLoader(
+        dataset, batch_size=8, num_workers=2, transform=worker_fns.bumped, collate_fn=list
+    )
+    got = sorted(float(t[0]) for batch in loader for t in batch)
+    assert got == [i + 1.0 for i in range(200)]  # bumped in the worker
+    assert [float(t[0]) for t in dataset.held] == [float(i) for i in range(200)]
+    assert not any(t.untyped_storage().is_shared() for t in dataset.held)
+    assert shared_memory_fds() <= before + 4  # not one per sample

@@ -7,7 +7,6 @@ import functools
 import gc
 import multiprocessing
 import os
-import pickle
 import re
 import signal
 import threading
@@ -16,7 +15,6 @@ import warnings
 from collections.abc import Collection
 from multiprocessing import resource_tracker
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -24,7 +22,7 @@ import pytest
 import torch
 
 import aioloader
-from aioloader._workers import processes
+from aioloader._workers import fdpass
 from aioloader._workers.children import remove_left_segments
 from aioloader._workers.serverstart import prepare_forkserver
 from tests.support import worker_fns
@@ -377,29 +375,31 @@ async def test_a_dead_worker_s_refused_job_leaves_no_view_of_its_pickle_in_the_e
         await pool.aclose()
 
 
-async def test_a_worker_killed_once_its_reply_is_sent_is_named_as_the_reply_is_taken(
+async def test_a_worker_killed_once_its_reply_is_sent_loses_nothing_of_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A reply's tensor is taken from the worker's resource sharer, by descriptor, as the reply
-    is unpickled. A worker killed between sending the reply and that raised the sharer's own
-    error (a refused or reset connection) as if it were the job's; it is ``WorkerCrashed``
-    naming the worker and its signal, the refusal as its cause, and the worker is replaced."""
+    """A reply's tensor crosses as a descriptor that follows the message on the worker's pipe
+    (``fdpass.py``). A worker killed once it sent both is gone before the main process takes
+    them: the reply arrives whole (the descriptor was the main process's once sent; it was
+    taken from the worker's resource sharer before, which refused it), and the next job goes
+    to a new worker."""
     pool = bare_pool()
-    loads = pickle.loads
+    descriptors = fdpass.descriptors
 
-    def killed_first(data: bytes) -> Any:
+    def killed_first(conn: Any, expected: int) -> list[int]:
         worker = pool._slots.now[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.process.join(10)
-        return loads(data)
+        assert expected == 1  # the reply's tensor, sent
+        return descriptors(conn, expected)
 
     await pool.start()
     try:
-        monkeypatch.setattr(processes, "pickle", SimpleNamespace(loads=killed_first))
-        with pytest.raises(aioloader.WorkerCrashed, match="killed by signal: Killed") as caught:
-            await pool.run(torch.ones, 4)
-        assert isinstance(caught.value.__cause__, (OSError, EOFError))
+        first = pool._slots.now[0].pid
+        monkeypatch.setattr(fdpass, "descriptors", killed_first)
+        assert (await pool.run(torch.arange, 4)).tolist() == [0, 1, 2, 3]
         monkeypatch.undo()
-        assert (await pool.run(torch.ones, 4)).tolist() == [1.0] * 4  # a new worker
+        assert (await pool.run(torch.ones, 4)).tolist() == [1.0] * 4
+        assert pool._slots.now[0].pid != first  # a new worker
     finally:
         await pool.aclose()

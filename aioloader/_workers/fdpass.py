@@ -1,0 +1,264 @@
+"""Tensors' shared-memory descriptors passed along a worker's own pipe, with the message that
+refers to them (``SCM_RIGHTS``), not through multiprocessing's resource sharer.
+
+Why: torch's reductions (``ForkingPickler``'s) share a CPU tensor's storage as a descriptor,
+handed to the resource sharer: a thread of the sending process that serves a Unix socket. The
+receiver connects once per descriptor, both sides run an HMAC handshake, and the descriptor
+crosses: 0.4 ms per storage, counted in both processes (64 tensors in a job took 26 ms to
+pickle and unpickle). A descriptor nobody comes for stays open in the sharer, and the shared
+memory with it, for as long as the process lives: each job sent to a worker that died before
+it took the job left its tensors' memory behind in the main process. A receiver killed
+mid-handshake made the sharer's thread print a traceback. A worker's pipe is a Unix socket
+pair (``Pipe(duplex=True)``): a message's descriptors follow it on the same socket, all of
+them in one ``sendmsg``; the kernel closes those nobody takes when the socket closes.
+
+The wire: a message is ``send_bytes`` of a 4-byte count (little-endian) and the pickle, then,
+when the count is not 0, that many descriptors in ``sendmsg`` calls of at most
+:data:`PER_SENDMSG` each (one byte of data each). The pickle refers to a descriptor by its
+index; the receiver takes them all before it unpickles, and closes those the pickle did not
+take (torch's ``rebuild_storage_fd`` closes those it takes).
+
+Owns: :class:`Passing` (the descriptors a pickle passes, and the reduction of a CPU storage
+that collects them), :func:`buffer`, :func:`send`, :func:`loads` and :func:`receive`.
+Never: decides what is pickled, or shares a storage another way than torch's ``file_descriptor``
+strategy does (a storage torch would not share by descriptor goes torch's way: the
+``file_system`` strategy, an empty storage, a CUDA storage's error).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import pickle
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing
+from torch.multiprocessing import reductions
+
+__all__ = [
+    "HEADER",
+    "PER_SENDMSG",
+    "Passing",
+    "buffer",
+    "count",
+    "descriptors",
+    "loads",
+    "receive",
+    "send",
+]
+
+HEADER = 4  # bytes: the count of descriptors that follow the message
+PER_SENDMSG = 250  # descriptors in one sendmsg (Linux takes at most 253: SCM_MAX_FD)
+
+
+# torch's reduction of a storage: what a storage this module does not pass goes by
+_torch_storage: Callable[[Any], Any] = reductions.reduce_storage
+
+
+def buffer() -> io.BytesIO:
+    """A buffer for a message's pickle, its header's place kept (:meth:`Passing.finish`)."""
+    written = io.BytesIO()
+    written.write(bytes(HEADER))
+    return written
+
+
+class Passing:
+    """The descriptors a message passes, gathered as its pickle is written: a pickler given
+    :meth:`reducers` shares each CPU storage as torch's ``file_descriptor`` strategy does, its
+    descriptor kept here (a duplicate of its own) and referred to in the pickle by index.
+
+    Cancellation: none (nothing here awaits); :meth:`close` lets go of the duplicates.
+    """
+
+    __slots__ = ("fds",)
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def reducers(self) -> dict[type, Callable[[Any], Any]]:
+        """For a pickler's ``dispatch_table``: each storage type torch shares, by this."""
+        extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+        return {kind: self._storage for kind, how in extra.items() if how is _torch_storage}
+
+    def _storage(self, storage: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        if (
+            storage.device.type != "cpu"
+            or storage.size() == 0
+            or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"  # type: ignore[no-untyped-call]
+        ):
+            return _torch_storage(storage)  # type: ignore[no-any-return]
+        fd, size = storage._share_fd_cpu_()
+        # As torch's reduction does: a storage this process gets back is this one
+        held = reductions.StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        reductions.shared_cache[reductions.fd_id(fd)] = held  # type: ignore[no-untyped-call]
+        self.fds.append(os.dup(fd))
+        return reductions.rebuild_storage_fd, (type(storage), _Passed(len(self.fds) - 1), size)
+
+    def dump(self, pickler: pickle.Pickler, written: io.BytesIO, value: object) -> memoryview:
+        """The message: ``value`` pickled by ``pickler`` (which writes to ``written``, from
+        :func:`buffer`, and passes descriptors by this).
+
+        Raises:
+            Exception: ``value`` does not pickle (the descriptors gathered are let go of).
+        """
+        try:
+            pickler.dump(value)
+        except BaseException:
+            self.close()
+            raise
+        return self.finish(written)
+
+    def finish(self, written: io.BytesIO) -> memoryview:
+        """The message: ``written`` (from :func:`buffer`), its header now the count."""
+        message = written.getbuffer()
+        message[:HEADER] = len(self.fds).to_bytes(HEADER, "little")
+        return message
+
+    def handed(self) -> list[int]:
+        """The descriptors, now the caller's (to unpickle the message in this process)."""
+        fds, self.fds = self.fds, []
+        return fds
+
+    def close(self) -> None:
+        """Let go of the duplicates (those sent are the receiver's own now)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+class _Passed:
+    """In a pickle: the message's descriptor number ``index``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[Callable[[int], Any], tuple[int]]:
+        return _taken, (self.index,)
+
+
+class _Taken:
+    """What torch's ``rebuild_storage_fd`` detaches a descriptor from (it closes it)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+
+_arrived = threading.local()  # .fds: the descriptors of the message this thread unpickles
+
+
+def _taken(index: int) -> _Taken:
+    fds: list[int] = _arrived.fds
+    fd, fds[index] = fds[index], -1
+    if fd < 0:
+        raise pickle.UnpicklingError(f"descriptor {index} of the message was taken already")
+    return _Taken(fd)
+
+
+def loads(message: bytes | memoryview, fds: list[int]) -> Any:
+    """Unpickle ``message`` (a header, then the pickle), given the descriptors that followed
+    it; those it does not take are closed, whatever happens.
+
+    Raises:
+        Exception: What unpickling raises.
+    """
+    previous = getattr(_arrived, "fds", None)
+    _arrived.fds = fds
+    try:
+        with memoryview(message) as whole, whole[HEADER:] as pickled:
+            return pickle.loads(pickled)
+    finally:
+        _arrived.fds = previous
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
+def count(message: bytes | memoryview) -> int:
+    """How many descriptors follow ``message`` on its socket."""
+    return int.from_bytes(message[:HEADER], "little")
+
+
+def send(conn: Connection, message: memoryview, passing: Passing) -> None:
+    """Send ``message`` down ``conn``, then ``passing``'s descriptors; ``message`` is
+    released and ``passing`` closed, whatever happens.
+
+    Raises:
+        OSError: The other end is gone.
+    """
+    try:
+        with message:
+            conn.send_bytes(message)
+        if passing.fds:
+            sock = _socket_of(conn)
+            try:
+                for start in range(0, len(passing.fds), PER_SENDMSG):
+                    socket.send_fds(sock, [b"\0"], passing.fds[start : start + PER_SENDMSG])
+            finally:
+                sock.detach()  # the descriptor is conn's
+    finally:
+        passing.close()
+
+
+def receive(conn: Connection, message: bytes | memoryview) -> Any:
+    """``message``, just read from ``conn``, unpickled with the descriptors that follow it.
+
+    Raises:
+        EOFError: The other end closed before its descriptors came.
+        OSError: ``EMFILE``: this process could not take them all (none is kept).
+        Exception: What unpickling raises.
+    """
+    return loads(message, descriptors(conn, count(message)))
+
+
+def descriptors(conn: Connection, expected: int) -> list[int]:
+    """The ``expected`` descriptors that follow a message just read from ``conn``.
+
+    Raises:
+        EOFError: The other end closed before they came.
+        OSError: ``EMFILE``: this process could not take them all (none is kept); or the
+            socket's own error.
+    """
+    fds: list[int] = []
+    if not expected:
+        return fds
+    truncated = False
+    sock = _socket_of(conn)
+    try:
+        while len(fds) < expected:
+            chunk = min(PER_SENDMSG, expected - len(fds))
+            data, got, flags, _ = socket.recv_fds(sock, 1, chunk, socket.MSG_CMSG_CLOEXEC)
+            if not data:
+                raise EOFError("the other end closed before the message's descriptors came")
+            fds += got
+            if len(got) < chunk or flags & socket.MSG_CTRUNC:  # the kernel dropped the rest
+                truncated = True
+                fds += [-1] * (chunk - len(got))
+        if truncated:
+            raise OSError(errno.EMFILE, "the message's descriptors did not all fit")
+    except BaseException:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+        raise
+    finally:
+        sock.detach()  # the descriptor is conn's
+    return fds
+
+
+def _socket_of(conn: Connection) -> socket.socket:
+    """A socket object over ``conn``'s descriptor (detach it, not close it, when done)."""
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
