@@ -27,13 +27,14 @@ strategy does (a storage torch would not share by descriptor goes torch's way: t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import pickle
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -51,7 +52,10 @@ __all__ = [
     "descriptors",
     "loads",
     "receive",
+    "for_the_pipe",
     "send",
+    "send_descriptors",
+    "starting",
 ]
 
 HEADER = 4  # bytes: the count of descriptors that follow the message
@@ -202,6 +206,19 @@ def send(conn: Connection, message: memoryview, passing: Passing) -> None:
     try:
         with message:
             conn.send_bytes(message)
+        send_descriptors(conn, passing)
+    finally:
+        passing.close()
+
+
+def send_descriptors(conn: Connection, passing: Passing) -> None:
+    """Send ``passing``'s descriptors down ``conn`` alone, for a message the other process
+    has already (a worker's start: :func:`starting`); ``passing`` is closed, whatever happens.
+
+    Raises:
+        OSError: The other end is gone.
+    """
+    try:
         if passing.fds:
             sock = _socket_of(conn)
             try:
@@ -211,6 +228,29 @@ def send(conn: Connection, message: memoryview, passing: Passing) -> None:
                 sock.detach()  # the descriptor is conn's
     finally:
         passing.close()
+
+
+@contextlib.contextmanager
+def starting(passing: Passing) -> Iterator[None]:
+    """While a worker's process starts in this thread: what its start pickles for the
+    worker's pipe gathers its storages' descriptors in ``passing`` (:func:`for_the_pipe`),
+    to be sent down the pipe once the process has started (:func:`send_descriptors`). A
+    process start hands over at most 252 descriptors through a fork server: a dataset that
+    holds 1,000 tensors could not start its workers."""
+    previous = getattr(_starting, "passing", None)
+    _starting.passing = passing
+    try:
+        yield
+    finally:
+        _starting.passing = previous
+
+
+_starting = threading.local()  # .passing: the start being pickled in this thread
+
+
+def for_the_pipe() -> Passing | None:
+    """The :class:`Passing` of the worker start being pickled in this thread, if any."""
+    return getattr(_starting, "passing", None)
 
 
 def receive(conn: Connection, message: bytes | memoryview) -> Any:

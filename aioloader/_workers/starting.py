@@ -22,6 +22,7 @@ import anyio
 import torch.multiprocessing  # registers torch's shared-memory reductions
 
 from .._base.recorders import WorkerRecorder
+from . import fdpass
 from .byvalue import inherited_tokens
 from .children import hold_signals
 from .environ import ParentEnviron, environ_now
@@ -152,6 +153,7 @@ class Starts:
         multiprocessing.util.register_after_fork(ours, Connection.close)
         has = inherited_tokens() if self._forked else set()  # what it will have, unpickled
         held: frozenset[int] | None = None
+        passing = fdpass.Passing()
         try:
             held = hold_signals() if self._forked else None
             process = (self._ctx.Process if template is None else TemplateWorker)(  # type: ignore[attr-defined]
@@ -169,9 +171,12 @@ class Starts:
                 name=f"aioloader-worker-{worker_id}",
                 daemon=True,  # a last resort only: the pool stops every worker deterministically
             )
-            with contextlib.nullcontext() if template is None else template.routing():
+            routing = contextlib.nullcontext() if template is None else template.routing()
+            with routing, fdpass.starting(passing):  # its start's tensors go down its pipe
                 process.start()
-        except Exception:
+            fdpass.send_descriptors(ours, passing)
+        except BaseException:
+            passing.close()
             ours.close()
             raise
         finally:

@@ -37,8 +37,11 @@ import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from . import fdpass
 from .byname import as_a_process_starts
 from .byvalue import MainRule, received_start, start_args, start_pickler
 
@@ -212,7 +215,7 @@ class OnceStart:
     until one writes to them, as a forked worker shares its parent's.
     """
 
-    __slots__ = ("_acting", "_buffers", "_pickle", "by_value", "kinds", "size")
+    __slots__ = ("_acting", "_buffers", "_pickle", "by_value", "handed", "kinds", "size")
 
     def __init__(self, pickled: _Pickled) -> None:
         blob, raws = pickled.blob, [buffer.raw() for buffer in pickled.buffers]
@@ -220,6 +223,7 @@ class OnceStart:
         self.by_value = pickled.by_value
         self.kinds = pickled.kinds  # the types of the objects in it (not builtins')
         self._acting = pickled.acting
+        self.handed = len(pickled.acting)  # values each start pickles for itself (tensors...)
         pickle_file = _in_memory([blob])
         self._pickle: Any = bytes(blob) if pickle_file is None else (pickle_file[0], len(blob))
         # Read-only where the array was (an in-band pickle gives it bytes, not a bytearray)
@@ -268,7 +272,31 @@ class _Later:
         self.once = once
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return Unreceived, self.once.__reduce__()[1]
+        pickled, buffers, acting, by_value = self.once.__reduce__()[1]
+        passing = fdpass.for_the_pipe()
+        if passing is not None and acting:
+            # A worker's start, which receives them once it runs: the storages' descriptors
+            # go down its pipe (a fork server's start hands over at most 252); the rest (a
+            # socket, a shared Value) with the start, as before
+            pickler = ForkingPickler(written := fdpass.buffer(), pickle.HIGHEST_PROTOCOL)
+            pickler.dispatch_table.update(passing.reducers())
+            with passing.dump(pickler, written, acting) as message:
+                acting = _Piped(bytes(message))
+        return Unreceived, (pickled, buffers, acting, by_value)
+
+
+class _Piped:
+    """Acting values pickled for one worker, their storages' descriptors sent down its pipe
+    (``fdpass.py``)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: bytes) -> None:
+        self.message = message
+
+    def received(self, conn: Connection) -> list[Any]:
+        fds = fdpass.descriptors(conn, fdpass.count(self.message))
+        return fdpass.loads(self.message, fds)  # type: ignore[no-any-return]
 
 
 class Unreceived:
@@ -280,9 +308,20 @@ class Unreceived:
     def __init__(self, *parts: Any) -> None:
         self._parts = parts
 
-    def receive(self) -> Any:
-        """The start arguments, unpickled now (:func:`_receive`)."""
-        return _receive(*self._parts)
+    def receive(self, conn: Connection | None = None) -> Any:
+        """The start arguments, unpickled now (:func:`_receive`); acting values sent down the
+        pipe are taken from ``conn`` first.
+
+        Raises:
+            EOFError: The main process closed the pipe before the descriptors came.
+            Exception: What unpickling raises.
+        """
+        pickled, buffers, acting, by_value = self._parts
+        if isinstance(acting, _Piped):
+            if conn is None:  # pragma: no cover - only a worker's start is piped
+                raise RuntimeError("start arguments sent down a pipe, received without one")
+            acting = acting.received(conn)
+        return _receive(pickled, buffers, acting, by_value)
 
 
 Span = tuple[int, int, bool]  # where a part is in its file: offset, length, read-only

@@ -60,6 +60,9 @@ __all__ = ["ENV", "Template", "TemplateWorker", "remember_refusal", "template_wh
 # "0": no templates, each worker unpickles its own copy; "always": a template also where a
 # class runs code of its own as it is unpickled (:func:`_own_code`), but for a file or thread
 ENV = "AIOLOADER_TEMPLATE"
+# Values handed over by descriptor a template's start may hold: a fork server's start hands
+# over at most MAXFDS_TO_SEND less 4 descriptors, a few of them the start's own files
+MOST_HANDED = stdlib_forkserver.MAXFDS_TO_SEND - 16
 _STOP_GRACE = 5.0  # seconds the template may take to exit once its workers have
 
 
@@ -79,6 +82,11 @@ def template_why_not(
         return f"they pickle to under {IN_FILE_FROM >> 20} MiB"  # unpickled in no time
     if not server_protocol_known():
         return "this Python's fork-server protocol is not one aioloader speaks"
+    if once.handed > MOST_HANDED:  # each would be a descriptor in the template's start
+        return (
+            f"they hold {once.handed} values handed over by descriptor (tensors, sockets): "
+            f"more than a fork server's start takes ({MOST_HANDED})"
+        )
     with contextlib.suppress(TypeError):  # a dataset that cannot be a weak key
         if refused := _refused.get(dataset):
             return refused

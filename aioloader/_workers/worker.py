@@ -270,7 +270,7 @@ def worker_main(
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
     try:
         # A pickle of them for every worker starting now, or this worker's own (unpickled)
-        given = _received(start, worker_id) if isinstance(start, Unreceived) else start
+        given = _received(start, worker_id, conn) if isinstance(start, Unreceived) else start
         worker_init_fn, dataset = given
         become_worker(worker_id, num_workers, seed, dataset)
         if worker_init_fn is not None:
@@ -290,11 +290,11 @@ def worker_main(
         _send(conn, reply)
 
 
-def _received(start: Unreceived, worker_id: int) -> Any:
+def _received(start: Unreceived, worker_id: int, conn: Connection) -> Any:
     """The start arguments unpickled; what that raises (a ``__setstate__``'s error, a module
     this process cannot import) names the dataset and this worker."""
     try:
-        return start.receive()
+        return start.receive(conn)
     except BaseException as exc:
         exc.add_note(
             f"aioloader: raised in worker {worker_id} (pid {os.getpid()}) as it unpickled the "

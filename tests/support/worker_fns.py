@@ -135,3 +135,18 @@ def add_one_in_place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def bumped(tensor: torch.Tensor) -> torch.Tensor:
     """A transform that changes its sample in place (as ``Normalize(inplace=True)`` does)."""
     return tensor.add_(1)
+
+
+class HeldTensors(torch.utils.data.Dataset[torch.Tensor]):
+    """A dataset that holds its samples as ``n`` tensors (preloaded), and ``names`` strings of
+    96 characters (20,000 of them pickle to over 1 MiB: a template's start)."""
+
+    def __init__(self, n: int, names: int = 0) -> None:
+        self.items = [torch.full((2,), float(i)) for i in range(n)]
+        self.names = [f"sample-{i:08d}" * 6 for i in range(names)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.items[index]

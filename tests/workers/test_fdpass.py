@@ -128,3 +128,22 @@ def test_a_storage_torch_would_not_share_by_descriptor_goes_torch_s_way() -> Non
     message = passing.finish(written)
     assert fdpass.count(message) == 0
     assert fdpass.loads(message, passing.handed()).shape == (0,)
+
+
+@pytest.mark.parametrize("names", [0, 20_000], ids=["each-worker-s-start", "template-refused"])
+def test_a_dataset_holding_more_tensors_than_a_start_hands_over_starts_its_workers(
+    names: int,
+) -> None:
+    """A fork server's process start hands over at most 252 descriptors, one per tensor the
+    dataset holds: a dataset of 1,000 preloaded tensors failed to start its workers
+    (``ValueError: too many fds``). Each worker's start now sends them down its pipe; a
+    template (for a start that pickles to 1 MiB or more) is refused, saying why."""
+    loader = aioloader.DataLoader(
+        worker_fns.HeldTensors(1000, names), batch_size=100, num_workers=2
+    )
+    batches = list(loader)
+    assert torch.cat(batches)[:, 0].tolist() == [float(i) for i in range(1000)]
+    workers = loader.statistics().workers
+    assert workers.template_pid == 0
+    if names:
+        assert "1000 values handed over by descriptor" in workers.template_why
