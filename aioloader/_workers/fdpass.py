@@ -75,16 +75,19 @@ def buffer() -> io.BytesIO:
 
 class Passing:
     """The descriptors a message passes, gathered as its pickle is written: a pickler given
-    :meth:`reducers` shares each CPU storage as torch's ``file_descriptor`` strategy does, its
-    descriptor kept here (a duplicate of its own) and referred to in the pickle by index.
+    :meth:`reducers` shares each CPU storage as torch's ``file_descriptor`` strategy does and
+    refers to its descriptor by index. The descriptors are the storages' own, valid while the
+    storages live: this holds the storages until :meth:`close` (not duplicates: a dataset's
+    thousand tensors would take two thousand descriptors as its workers start).
 
-    Cancellation: none (nothing here awaits); :meth:`close` lets go of the duplicates.
+    Cancellation: none (nothing here awaits); :meth:`close` lets go of the storages.
     """
 
-    __slots__ = ("fds",)
+    __slots__ = ("_held", "fds")
 
     def __init__(self) -> None:
         self.fds: list[int] = []
+        self._held: list[Any] = []  # the storages whose descriptors fds are
 
     def reducers(self) -> dict[type, Callable[[Any], Any]]:
         """For a pickler's ``dispatch_table``: each storage type torch shares, by this."""
@@ -102,7 +105,8 @@ class Passing:
         # As torch's reduction does: a storage this process gets back is this one
         held = reductions.StorageWeakRef(storage)  # type: ignore[no-untyped-call]
         reductions.shared_cache[reductions.fd_id(fd)] = held  # type: ignore[no-untyped-call]
-        self.fds.append(os.dup(fd))
+        self.fds.append(fd)
+        self._held.append(storage)
         return reductions.rebuild_storage_fd, (type(storage), _Passed(len(self.fds) - 1), size)
 
     def dump(self, pickler: pickle.Pickler, written: io.BytesIO, value: object) -> memoryview:
@@ -110,7 +114,7 @@ class Passing:
         :func:`buffer`, and passes descriptors by this).
 
         Raises:
-            Exception: ``value`` does not pickle (the descriptors gathered are let go of).
+            Exception: ``value`` does not pickle (the storages gathered are let go of).
         """
         try:
             pickler.dump(value)
@@ -126,15 +130,16 @@ class Passing:
         return message
 
     def handed(self) -> list[int]:
-        """The descriptors, now the caller's (to unpickle the message in this process)."""
-        fds, self.fds = self.fds, []
+        """Duplicates of the descriptors, the caller's (to unpickle the message in this
+        process, which closes them); the storages are let go of."""
+        fds = [os.dup(fd) for fd in self.fds]
+        self.close()
         return fds
 
     def close(self) -> None:
-        """Let go of the duplicates (those sent are the receiver's own now)."""
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            os.close(fd)
+        """Let go of the storages (the descriptors sent are the receiver's own now)."""
+        self.fds = []
+        self._held = []
 
 
 class _Passed:
@@ -213,7 +218,8 @@ def send(conn: Connection, message: memoryview, passing: Passing) -> None:
 
 def send_descriptors(conn: Connection, passing: Passing) -> None:
     """Send ``passing``'s descriptors down ``conn`` alone, for a message the other process
-    has already (a worker's start: :func:`starting`); ``passing`` is closed, whatever happens.
+    has already (a worker's start: :func:`starting`); ``passing`` is closed, whatever happens
+    (the kernel holds what it sent until the other end takes it, or closes).
 
     Raises:
         OSError: The other end is gone.

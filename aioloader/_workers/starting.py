@@ -13,6 +13,7 @@ import multiprocessing.context
 import multiprocessing.process
 import multiprocessing.util
 import pickle
+import resource
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from .._base.recorders import WorkerRecorder
 from . import fdpass
 from .byvalue import inherited_tokens
 from .children import hold_signals
+from .descriptors import out_of_descriptors
 from .environ import ParentEnviron, environ_now
 from .mainmodule import workers_main
 from .serverstart import prepare_forkserver
@@ -136,7 +138,18 @@ class Starts:
         try:
             return self._start_process(worker_id, start, template)
         except Exception as exc:
-            if self._dataset is not None and _is_pickling_error(exc):
+            if self._dataset is not None and out_of_descriptors():
+                limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                exc.add_note(
+                    f"aioloader: this process ran out of open files ({limit}) as the dataset "
+                    f"({type(self._dataset).__qualname__}) was sent to a worker: each tensor "
+                    "it holds goes as a shared-memory segment of its own, its descriptor kept "
+                    "open here (torch's file_descriptor sharing strategy). Raise the limit "
+                    "(`ulimit -n`), call torch.multiprocessing.set_sharing_strategy("
+                    "'file_system') first, or pass multiprocessing_context='fork' (the workers "
+                    "then inherit them, as torch's forked workers do)"
+                )
+            elif self._dataset is not None and _is_pickling_error(exc):
                 exc.add_note(
                     f"aioloader: the dataset ({type(self._dataset).__qualname__}) is sent to "
                     "each worker process and must pickle, as with torch's spawn and forkserver "

@@ -150,3 +150,15 @@ class HeldTensors(torch.utils.data.Dataset[torch.Tensor]):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.items[index]
+
+
+def killed_between_reply_and_descriptors(n: int) -> torch.Tensor:
+    """Returns ``torch.arange(n)``, and the worker is killed once the reply's message is sent,
+    before its tensor's descriptor is."""
+    from aioloader._workers import fdpass
+
+    def killed(conn: object, passing: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    fdpass.send_descriptors = killed  # type: ignore[assignment]  # in this worker only
+    return torch.arange(n)

@@ -11,6 +11,7 @@ import os
 import pickle
 import signal
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 import aioloader
 from aioloader._workers import fdpass
 from tests.support import worker_fns
-from tests.support.helpers import bare_pool
+from tests.support.helpers import bare_pool, run_json_script
 
 
 def shared_memory_fds() -> int:
@@ -147,3 +148,47 @@ def test_a_dataset_holding_more_tensors_than_a_start_hands_over_starts_its_worke
     assert workers.template_pid == 0
     if names:
         assert "1000 values handed over by descriptor" in workers.template_why
+
+
+OUT_OF_FILES = """
+import json, resource, sys
+import torch
+import aioloader
+from tests.support.worker_fns import HeldTensors
+
+if __name__ == "__main__":
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
+    loader = aioloader.DataLoader(HeldTensors(int(sys.argv[1])), batch_size=50, num_workers=2)
+    try:
+        print(json.dumps({"samples": sum(len(batch) for batch in loader), "notes": []}))
+    except RuntimeError as exc:
+        print(json.dumps({"samples": 0, "notes": getattr(exc, "__notes__", [])}))
+"""
+
+
+def test_a_dataset_of_more_tensors_than_open_files_says_what_to_do(tmp_path: Path) -> None:
+    """Each tensor the dataset holds stays a shared-memory segment with its descriptor open in
+    the main process (torch's ``file_descriptor`` strategy, as with its spawn workers); the
+    pipe's descriptors are those, not copies (300 tensors start under a limit of 400)."""
+    env = {"PYTHONPATH": str(Path(__file__).parents[2])}
+    fits = run_json_script(tmp_path, OUT_OF_FILES, "300", "400", env=env)
+    assert fits == {"samples": 300, "notes": []}
+    over = run_json_script(tmp_path, OUT_OF_FILES, "600", "400", env=env)
+    assert over["samples"] == 0
+    assert any(
+        "ran out of open files (400)" in note and "HeldTensors" in note and "ulimit -n" in note
+        for note in over["notes"]
+    ), over["notes"]
+
+
+async def test_a_worker_killed_between_its_reply_and_its_descriptors_is_a_crash() -> None:
+    """The message came, its descriptor never will: the worker's crash, named, not a reply
+    misread; the next job goes to a new worker."""
+    pool = bare_pool()
+    await pool.start()
+    try:
+        with pytest.raises(aioloader.WorkerCrashed, match="killed by signal: Killed"):
+            await pool.run(worker_fns.killed_between_reply_and_descriptors, 4)
+        assert (await pool.run(torch.arange, 3)).tolist() == [0, 1, 2]
+    finally:
+        await pool.aclose()

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import threading
 import time
 import warnings
@@ -387,6 +388,11 @@ async def test_a_worker_killed_once_its_reply_is_sent_loses_nothing_of_it(
     descriptors = fdpass.descriptors
 
     def killed_first(conn: Any, expected: int) -> list[int]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
+        try:  # the worker has sent its descriptors too (their byte is there to read)
+            assert sock.recv(1, socket.MSG_PEEK) == b"\0"
+        finally:
+            sock.detach()
         worker = pool._slots.now[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.process.join(10)
