@@ -18,6 +18,8 @@ import torch
 __all__ = ["map_instances", "map_tensors", "plain_cpu_tensor", "tensors_in"]
 
 _MISSING = object()
+# Types that hold nothing to walk: returned as they are, first
+_ATOMS = frozenset({str, bytes, bytearray, memoryview, int, float, complex, bool, type(None)})
 
 
 def plain_cpu_tensor(tensor: torch.Tensor) -> bool:
@@ -56,6 +58,14 @@ def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type) -> Any:
     Raises:
         Exception: Whatever ``fn`` raises.
     """
+    kind = type(data)
+    if kind in _ATOMS:  # the common cases first, without the checks below (a leaf is no atom)
+        return data
+    if kind is list or kind is tuple:
+        items = [map_instances(fn, item, leaf) for item in data]
+        if all(new is old for new, old in zip(items, data, strict=True)):
+            return data
+        return items if kind is list else tuple(items)
     if isinstance(data, leaf):
         return fn(data)
     if isinstance(data, str | bytes | bytearray | memoryview):
