@@ -50,7 +50,7 @@ import torch
 
 from .._base.tree import map_tensors, tensors_in
 from .ledger import LEDGER, Key
-from .pack import alone_in_storage, plain_values, shared_storage
+from .pack import alone_in_storage, memory_order, plain_values, shared_storage
 
 __all__ = ["MIN_BYTES", "PER_WORKER", "BlockView", "OutputBlocks"]
 
@@ -105,17 +105,6 @@ def _rebuild(
     return LEDGER.view(key, block, offset, dtype, shape, order)
 
 
-def _memory_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation of ``tensor``'s dimensions whose ``permute`` is contiguous (the
-    identity for a contiguous tensor); None when it has none (overlapping or gapped)."""
-    identity = tuple(range(tensor.dim()))
-    if tensor.is_contiguous():
-        return identity
-    strides = tensor.stride()
-    order = tuple(sorted(identity, key=lambda d: (-strides[d], d)))
-    return order if tensor.permute(order).is_contiguous() else None
-
-
 class OutputBlocks:
     """A worker's blocks (one per worker process; see the module).
 
@@ -144,7 +133,7 @@ class OutputBlocks:
         is pickled (or failed to)."""
         chosen: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}  # id -> (tensor, order)
         for t in alone_in_storage(tensors_in(data)):
-            if plain_values(t) and (order := _memory_order(t)) is not None:
+            if plain_values(t) and (order := memory_order(t)) is not None:
                 chosen[id(t)] = (t, order)
         offsets: dict[int, int] = {}
         size = 0

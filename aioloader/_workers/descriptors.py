@@ -1,6 +1,7 @@
 """A process's limit of open files, as the main process meets it taking batches.
 
-Owns: telling whether this process is out of descriptors, and the error that says so. Each
+Owns: telling whether this process is out of descriptors, and the errors that say so (the main
+process's, taking a batch; a worker's, taking a job). Each
 batch from a worker process arrives as a shared-memory descriptor (torch's default sharing
 strategy), open as long as the batch's tensors are: a script that keeps its batches reaches the
 limit, and the reply that fails to unpickle then fails deep in multiprocessing ("received 0
@@ -13,7 +14,7 @@ import errno
 import os
 import resource
 
-__all__ = ["out_of_descriptors", "too_many_open_files"]
+__all__ = ["job_out_of_files", "out_of_descriptors", "too_many_open_files"]
 
 MARGIN = 10  # torch's: one more descriptor is not a sufficient test, the failure let some go
 
@@ -45,4 +46,16 @@ def too_many_open_files() -> RuntimeError:
         "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning "
         f"of your code (this process's limit is {limit} open files; each batch from a worker "
         "process arrives as a shared-memory descriptor, open as long as its tensors are kept)"
+    )
+
+
+def job_out_of_files(count: int) -> RuntimeError:
+    """In a worker: the error for a job whose ``count`` tensors' descriptors it could not take
+    (its pipe is still in step: they were all read, and let go of)."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return RuntimeError(
+        f"Too many open files: a worker could not take {count} tensors of its job (its limit "
+        f"is {limit} open files; each tensor it holds from a job or from the dataset is a "
+        "shared-memory descriptor). Raise the limit (`ulimit -n`) or call "
+        "torch.multiprocessing.set_sharing_strategy('file_system') first"
     )

@@ -27,6 +27,7 @@ strategy does (a storage torch would not share by descriptor goes torch's way: t
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import io
@@ -56,6 +57,7 @@ __all__ = [
     "send",
     "send_descriptors",
     "starting",
+    "Unsent",
 ]
 
 HEADER = 4  # bytes: the count of descriptors that follow the message
@@ -206,34 +208,42 @@ def send(conn: Connection, message: memoryview, passing: Passing) -> None:
     released and ``passing`` closed, whatever happens.
 
     Raises:
-        OSError: The other end is gone.
+        OSError: The other end is gone (nothing was sent).
+        Unsent: The message was sent, its descriptors not all: the other end, waiting for
+            them, cannot read on.
     """
     try:
         with message:
             conn.send_bytes(message)
-        send_descriptors(conn, passing)
+        try:
+            send_descriptors(conn, passing)
+        except OSError as exc:
+            raise Unsent(exc.errno, f"{len(passing.fds)} descriptors unsent: {exc}") from exc
     finally:
         passing.close()
+
+
+class Unsent(OSError):
+    """A message went, not all of its descriptors (:func:`send`)."""
 
 
 def send_descriptors(conn: Connection, passing: Passing) -> None:
-    """Send ``passing``'s descriptors down ``conn`` alone, for a message the other process
-    has already (a worker's start: :func:`starting`); ``passing`` is closed, whatever happens
-    (the kernel holds what it sent until the other end takes it, or closes).
+    """Send ``passing``'s descriptors down ``conn`` alone (for a message the other process
+    has: a worker's start, :func:`starting`), each taken out of ``passing`` as it is sent: a
+    call that raises can be made again for the rest. The kernel holds what was sent until
+    the other end takes it, or closes.
 
     Raises:
-        OSError: The other end is gone.
+        OSError: The other end is gone; or ``ETOOMANYREFS``: this user has more descriptors
+            in flight than its open-file limit (a process without ``CAP_SYS_RESOURCE``).
     """
-    try:
-        if passing.fds:
-            sock = _socket_of(conn)
-            try:
-                for start in range(0, len(passing.fds), PER_SENDMSG):
-                    socket.send_fds(sock, [b"\0"], passing.fds[start : start + PER_SENDMSG])
-            finally:
-                sock.detach()  # the descriptor is conn's
-    finally:
-        passing.close()
+    if not passing.fds:
+        return
+    with _socket_of(conn) as sock:
+        while passing.fds:
+            chunk = passing.fds[:PER_SENDMSG]
+            socket.send_fds(sock, [b"\0"], chunk)
+            del passing.fds[: len(chunk)]
 
 
 @contextlib.contextmanager
@@ -252,6 +262,13 @@ def starting(passing: Passing) -> Iterator[None]:
 
 
 _starting = threading.local()  # .passing: the start being pickled in this thread
+
+
+def _forget_the_start() -> None:
+    _starting.passing = None  # a fork made while a start was pickled: not this process's
+
+
+os.register_at_fork(after_in_child=_forget_the_start)
 
 
 def for_the_pipe() -> Passing | None:
@@ -282,17 +299,17 @@ def descriptors(conn: Connection, expected: int) -> list[int]:
     if not expected:
         return fds
     truncated = False
-    sock = _socket_of(conn)
     try:
-        while len(fds) < expected:
-            chunk = min(PER_SENDMSG, expected - len(fds))
-            data, got, flags, _ = socket.recv_fds(sock, 1, chunk, socket.MSG_CMSG_CLOEXEC)
-            if not data:
-                raise EOFError("the other end closed before the message's descriptors came")
-            fds += got
-            if len(got) < chunk or flags & socket.MSG_CTRUNC:  # the kernel dropped the rest
-                truncated = True
-                fds += [-1] * (chunk - len(got))
+        with _socket_of(conn) as sock:
+            while len(fds) < expected:
+                chunk = min(PER_SENDMSG, expected - len(fds))
+                got = _received_fds(sock, chunk)
+                if got is None:
+                    raise EOFError("the other end closed before the message's descriptors came")
+                fds += got
+                if len(got) < chunk:  # the kernel dropped the rest: this process is out
+                    truncated = True
+                    fds += [-1] * (chunk - len(got))
         if truncated:
             raise OSError(errno.EMFILE, "the message's descriptors did not all fit")
     except BaseException:
@@ -300,11 +317,37 @@ def descriptors(conn: Connection, expected: int) -> list[int]:
             if fd >= 0:
                 os.close(fd)
         raise
-    finally:
-        sock.detach()  # the descriptor is conn's
     return fds
 
 
-def _socket_of(conn: Connection) -> socket.socket:
-    """A socket object over ``conn``'s descriptor (detach it, not close it, when done)."""
-    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
+def _received_fds(sock: socket.socket, most: int) -> list[int] | None:
+    """One ``sendmsg``'s descriptors (up to ``most``), close-on-exec (``socket.recv_fds``
+    drops the flag), or None at the end of the stream; fewer where the kernel truncated."""
+    space = socket.CMSG_SPACE(most * _INT.itemsize)
+    data, ancillary, _, _ = sock.recvmsg(1, space, socket.MSG_CMSG_CLOEXEC)
+    if not data and not ancillary:
+        return None
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return list(fds)
+
+
+_INT = array.array("i")
+
+
+@contextlib.contextmanager
+def _socket_of(conn: Connection) -> Iterator[socket.socket]:
+    """A socket object over ``conn``'s descriptor, blocking while it is used (one made where
+    ``socket.setdefaulttimeout`` was called would be made non-blocking: a worker's next read
+    of its pipe then failed), the descriptor's mode as it was afterwards."""
+    fd = conn.fileno()
+    was = os.get_blocking(fd)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
+    try:
+        sock.settimeout(None)
+        yield sock
+    finally:
+        sock.detach()  # the descriptor is conn's
+        os.set_blocking(fd, was)

@@ -10,8 +10,10 @@ whole result. Sharing a storage moves it into shared memory where it is: a job's
 kept by the main process's dataset (an in-memory cache), each became a segment of its own,
 open as a descriptor for as long as the dataset lived (1,280 cached images sent once: 1,280
 descriptors), and a transform that changed its sample in place in the worker changed the
-dataset's. A job's tensors are copied into a block of the job's own instead, whatever their
-size (the copy torch's sharing would make).
+dataset's; two rows of a dataset's tensor in one job moved the whole tensor. A job's tensors
+are copied into a block of the job's own instead, whatever their size (the copy torch's
+sharing would make), views of one storage each on its own and a permuted view with its
+strides; a gapped view (a strided slice) still goes torch's way.
 
 Owns: deciding which tensors may be packed and laying them out. Never: sends anything (the
 worker pickles the packed result as before), or changes a value, a dtype, a shape or a stride.
@@ -25,7 +27,7 @@ import torch
 
 from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
 
-__all__ = ["alone_in_storage", "pack_tensors", "plain_values", "shared_storage"]
+__all__ = ["alone_in_storage", "memory_order", "pack_tensors", "plain_values", "shared_storage"]
 
 _ALIGN = 64  # bytes: every view starts on a cache line, aligned for any dtype
 
@@ -67,19 +69,40 @@ def shared_storage(size: int) -> torch.UntypedStorage:
     return torch.UntypedStorage._new_shared(size)  # type: ignore[no-untyped-call,no-any-return]
 
 
-def _packable(t: torch.Tensor, most: int | None) -> bool:
+def memory_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of ``tensor``'s dimensions whose ``permute`` is contiguous (the
+    identity for a contiguous tensor); None when it has none (overlapping or gapped)."""
+    identity = tuple(range(tensor.dim()))
+    if tensor.is_contiguous():
+        return identity
+    strides = tensor.stride()
+    order = tuple(sorted(identity, key=lambda d: (-strides[d], d)))
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def _packable(t: torch.Tensor, most: int | None, *, dense: bool) -> bool:
     return (
         plain_values(t)
         and (most is None or t.nbytes <= most)
-        and t.stride() == _contiguous_strides(t.shape)  # exactly, size-1 dimensions too
+        and (
+            memory_order(t) is not None  # any permutation of a contiguous layout
+            if dense
+            else t.stride() == _contiguous_strides(t.shape)  # exactly, size-1 dimensions too
+        )
     )
 
 
-def pack_tensors(data: Any, *, at_least: int = 2, most: int | None = _MAX_PACKED) -> Any:
+def pack_tensors(
+    data: Any, *, at_least: int = 2, most: int | None = _MAX_PACKED, aliased: bool = False
+) -> Any:
     """``data`` with its contiguous CPU tensors of up to ``most`` bytes each (None: any size)
     copied into one shared-memory block, when there are at least ``at_least`` of them; other
     tensors, tensors already in shared memory, and tensors that share a storage with another
     tensor of ``data`` (their aliasing is kept by torch's own sharing), are left as they are.
+    With ``aliased`` (a job's tensors, whose storages are the main process's: a row of a
+    dataset's tensor, a permuted view of a cached image), tensors that share a storage are
+    copied each on its own too (the aliasing between them is not kept), and so are dense
+    tensors of any memory order (their strides kept); a gapped view goes torch's way.
 
     The packed tensors are views of the block, as the rows of a stacked batch are views of its
     storage: the block lives while any of them does, and ``torch.save`` of one writes the block
@@ -92,10 +115,11 @@ def pack_tensors(data: Any, *, at_least: int = 2, most: int | None = _MAX_PACKED
     found = tensors_in(data)
     if len(found) < at_least:
         return data
+    candidates = found if aliased else alone_in_storage(found)
     chosen = {
         id(t): t
-        for t in alone_in_storage(found)
-        if _packable(t, most) and not t.untyped_storage().is_shared()
+        for t in candidates
+        if _packable(t, most, dense=aliased) and not t.untyped_storage().is_shared()
     }
     if not chosen or len(chosen) < at_least:
         return data

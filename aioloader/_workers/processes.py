@@ -311,12 +311,15 @@ class ProcessWorkers:
 
         Raises:
             _Gone: The worker is gone (it died while idle): the job never reached it.
+            fdpass.Unsent: The job went, not all of its tensors' descriptors (the kernel
+                refused more in flight): the worker is killed, to be replaced.
             Exception: Pickling the job failed (the worker is left as it is).
         """
         fn, args, seed = job
         # Its tensors in one block of its own (pack.py): not each moved to shared memory where
-        # it is, which a dataset's cached sample would then stay, with a descriptor open
-        args = pack_tensors(args, at_least=1, most=None)
+        # it is, which a dataset's cached sample (or the whole tensor a row of it is a view
+        # of) would then stay, with a descriptor open
+        args = pack_tensors(args, at_least=1, most=None, aliased=True)
         freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
         sending: set[int] = set()
         try:
@@ -340,6 +343,15 @@ class ProcessWorkers:
         size = len(message)
         try:
             fdpass.send(worker.conn, message, passing)
+        except fdpass.Unsent as exc:
+            # It has the job, not all of its tensors, and waits for them: it cannot go on
+            worker.process.kill()
+            worker.alive = False
+            exc.add_note(
+                f"aioloader: raised as the job's tensors were sent to worker {worker.id} (pid "
+                f"{worker.pid}); the worker is stopped, and replaced on its next use"
+            )
+            raise
         except OSError:
             refused = True
         else:

@@ -9,6 +9,7 @@ waits for a worker to be ready or stops one it did not start (``processes.py`` d
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing.context
 import multiprocessing.process
 import multiprocessing.util
@@ -49,6 +50,7 @@ class Worker:
     stopped: bool = False  # its process is joined and closed
     has: set[int] = field(default_factory=set)  # the ``ByValue`` tokens sent to it
     template: Template | None = None  # it was forked from its start's template
+    unsent: fdpass.Passing | None = None  # its start's descriptors for its pipe (hand_over)
 
 
 class Starts:
@@ -103,6 +105,7 @@ class Starts:
             try:
                 for i in ids:
                     workers.append(self._spawn(i, start, template))
+                    await _hand_over(workers[-1], workers[:-1])
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     for worker in workers:
@@ -185,9 +188,10 @@ class Starts:
                 daemon=True,  # a last resort only: the pool stops every worker deterministically
             )
             routing = contextlib.nullcontext() if template is None else template.routing()
-            with routing, fdpass.starting(passing):  # its start's tensors go down its pipe
+            # Through a fork server, a start's tensors past what it hands over go down the pipe
+            piping = fdpass.starting(passing) if self._served else contextlib.nullcontext()
+            with routing, piping:
                 process.start()
-            fdpass.send_descriptors(ours, passing)
         except BaseException:
             passing.close()
             ours.close()
@@ -198,7 +202,46 @@ class Starts:
             theirs.close()  # only the child holds its end: its death is EOF on ours
         if template is not None:
             template.adopt()
-        return Worker(worker_id, process, ours, has=has, template=template)
+        return Worker(worker_id, process, ours, has=has, template=template, unsent=passing)
+
+
+async def _hand_over(worker: Worker, before: list[Worker]) -> None:
+    """Send ``worker`` its start's descriptors, if any went to its pipe (``fdpass.starting``).
+    Where the kernel refuses more in flight (``ETOOMANYREFS``: more than this user's open-file
+    limit, for a process without ``CAP_SYS_RESOURCE``), the rest go once the workers started
+    ``before`` it have taken theirs (each then tells it is ready, or has ended).
+
+    Raises:
+        OSError: The worker is gone; or its own descriptors are more than the kernel takes in
+            flight (a note says what to do).
+
+    Cancellation: the descriptors not sent are let go of (the pool stops the worker).
+    """
+    passing, worker.unsent = worker.unsent, None
+    if passing is None:
+        return
+    try:
+        try:
+            fdpass.send_descriptors(worker.conn, passing)
+        except OSError as exc:
+            if exc.errno != errno.ETOOMANYREFS:
+                raise
+            for earlier in before:
+                await anyio.wait_readable(earlier.conn.fileno())
+            try:
+                fdpass.send_descriptors(worker.conn, passing)
+            except OSError as again:
+                if again.errno == errno.ETOOMANYREFS:
+                    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                    again.add_note(
+                        f"aioloader: the dataset's tensors are more than this process may have "
+                        f"in flight to a worker ({limit}, its open-file limit): raise it "
+                        "(`ulimit -n`), call torch.multiprocessing.set_sharing_strategy("
+                        "'file_system') first, or pass multiprocessing_context='fork'"
+                    )
+                raise
+    finally:
+        passing.close()
 
 
 def _unreceived(start: object) -> object:

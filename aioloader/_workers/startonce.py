@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import io
 import mmap
+import multiprocessing.forkserver as stdlib_forkserver
 import os
 import pickle
 from collections.abc import Callable, Iterator
@@ -47,6 +48,7 @@ from .byvalue import MainRule, received_start, start_args, start_pickler
 
 __all__ = [
     "IN_FILE_FROM",
+    "MOST_HANDED",
     "OUT_OF_BAND_FROM",
     "Descriptor",
     "OnceStart",
@@ -54,6 +56,10 @@ __all__ = [
     "Unreceived",
 ]
 
+# Values handed over by descriptor (a tensor, a socket) that a start through a fork server
+# takes: the stdlib's client hands over at most MAXFDS_TO_SEND less 4, a few of them the
+# start's own files. More go down the worker's pipe (fdpass.starting), or refuse a template.
+MOST_HANDED = stdlib_forkserver.MAXFDS_TO_SEND - 16
 IN_FILE_FROM = 1 << 20  # bytes: a smaller pickle goes in each worker's start, copied
 # Bytes: a smaller array goes in the pickle. Out of band, each array costs a write here, a
 # place in each worker's start and a view there: 600,000 arrays of two numbers (the boxes of a
@@ -274,10 +280,10 @@ class _Later:
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         pickled, buffers, acting, by_value = self.once.__reduce__()[1]
         passing = fdpass.for_the_pipe()
-        if passing is not None and acting:
-            # A worker's start, which receives them once it runs: the storages' descriptors
-            # go down its pipe (a fork server's start hands over at most 252); the rest (a
-            # socket, a shared Value) with the start, as before
+        if passing is not None and self.once.handed > MOST_HANDED:
+            # A worker's start from a fork server, which hands over at most 252 descriptors:
+            # the storages' go down its pipe, taken once it runs; the rest (a socket, a shared
+            # Value) with the start, as before
             pickler = ForkingPickler(written := fdpass.buffer(), pickle.HIGHEST_PROTOCOL)
             pickler.dispatch_table.update(passing.reducers())
             with passing.dump(pickler, written, acting) as message:

@@ -53,16 +53,13 @@ from .children import blocking, exits
 from .environ import ParentEnviron
 from .forkserver import ServerClient, let_go_of, server_protocol_known
 from .intemplate import Held, serve
-from .startonce import IN_FILE_FROM, Descriptor, OnceStart
+from .startonce import IN_FILE_FROM, MOST_HANDED, Descriptor, OnceStart
 
 __all__ = ["ENV", "Template", "TemplateWorker", "remember_refusal", "template_why_not"]
 
 # "0": no templates, each worker unpickles its own copy; "always": a template also where a
 # class runs code of its own as it is unpickled (:func:`_own_code`), but for a file or thread
 ENV = "AIOLOADER_TEMPLATE"
-# Values handed over by descriptor a template's start may hold: a fork server's start hands
-# over at most MAXFDS_TO_SEND less 4 descriptors, a few of them the start's own files
-MOST_HANDED = stdlib_forkserver.MAXFDS_TO_SEND - 16
 _STOP_GRACE = 5.0  # seconds the template may take to exit once its workers have
 
 

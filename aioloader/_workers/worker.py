@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import multiprocessing.util
 import os
 import random
@@ -36,6 +37,7 @@ from .._base.exceptions import RemoteError
 from . import fdpass
 from .blocks import OutputBlocks
 from .byvalue import dumps_reply, forget_received
+from .descriptors import job_out_of_files
 from .environ import ParentEnviron
 from .fdpass import Passing
 from .hangup import quiet_once_main_is_gone
@@ -283,7 +285,13 @@ def worker_main(
         try:
             job = conn.recv_bytes()
             fds = fdpass.descriptors(conn, fdpass.count(job))  # its tensors' (fdpass.py)
-        except (EOFError, OSError):
+        except OSError as exc:
+            if exc.errno != errno.EMFILE:
+                _exit_now()
+            # Out of descriptors: the job's were all read (and let go of), the pipe is in step
+            _send(conn, dumps_reply((False, with_worker_note(job_out_of_files(fdpass.count(job))))))
+            continue
+        except EOFError:
             _exit_now()
         reply = _run_job(job, fds)
         del job  # nothing of a job (its raw samples) is kept while the next one is awaited

@@ -162,3 +162,22 @@ def killed_between_reply_and_descriptors(n: int) -> torch.Tensor:
 
     fdpass.send_descriptors = killed  # type: ignore[assignment]  # in this worker only
     return torch.arange(n)
+
+
+def sets_a_socket_timeout(worker_id: int) -> None:
+    """A ``worker_init_fn``: a default timeout for every socket made in the worker after."""
+    import socket
+
+    socket.setdefaulttimeout(30)
+
+
+def lower_the_open_file_limit(headroom: int) -> int:
+    """Lowers this worker's open-file limit to ``headroom`` above what it has open."""
+    import resource
+
+    opened = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # The limit bounds a descriptor's number: the one under which `headroom` numbers are free
+    limit = [n for n in range(soft) if n not in opened][headroom - 1] + 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    return len(opened)

@@ -7,6 +7,9 @@ shared memory, for as long as the process lived)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import gc
+import multiprocessing
 import os
 import pickle
 import signal
@@ -54,6 +57,8 @@ async def test_a_job_s_tensors_are_the_worker_s_and_come_back_the_same_memory() 
         await pool.aclose()
     assert [t[0].item() for t in tensors] == [i + 1.0 for i in range(count)]
     assert [t.data_ptr() for t in back] == [t.data_ptr() for t in tensors]
+    del tensors, back
+    gc.collect()
 
 
 async def test_a_job_refused_by_a_worker_dead_while_idle_leaves_no_descriptor_open() -> None:
@@ -86,8 +91,9 @@ async def test_a_job_left_in_a_killed_worker_s_pipe_leaves_no_descriptor_open(
 
     def then_killed(conn: Any, message: memoryview, passing: fdpass.Passing) -> None:
         assert len(passing.fds) == 4
-        send(conn, message, passing)
         worker = pool._slots.now[0]
+        os.kill(worker.pid, signal.SIGSTOP)  # it cannot take the job before it is killed
+        send(conn, message, passing)
         os.kill(worker.pid, signal.SIGKILL)
         worker.process.join(10)
 
@@ -136,18 +142,18 @@ def test_a_dataset_holding_more_tensors_than_a_start_hands_over_starts_its_worke
     names: int,
 ) -> None:
     """A fork server's process start hands over at most 252 descriptors, one per tensor the
-    dataset holds: a dataset of 1,000 preloaded tensors failed to start its workers
+    dataset holds: a dataset of 300 preloaded tensors failed to start its workers
     (``ValueError: too many fds``). Each worker's start now sends them down its pipe; a
     template (for a start that pickles to 1 MiB or more) is refused, saying why."""
-    loader = aioloader.DataLoader(
-        worker_fns.HeldTensors(1000, names), batch_size=100, num_workers=2
-    )
+    loader = aioloader.DataLoader(worker_fns.HeldTensors(300, names), batch_size=100, num_workers=2)
     batches = list(loader)
-    assert torch.cat(batches)[:, 0].tolist() == [float(i) for i in range(1000)]
+    assert torch.cat(batches)[:, 0].tolist() == [float(i) for i in range(300)]
     workers = loader.statistics().workers
     assert workers.template_pid == 0
     if names:
-        assert "1000 values handed over by descriptor" in workers.template_why
+        assert "300 values handed over by descriptor" in workers.template_why
+    del loader, batches
+    gc.collect()  # the dataset's 300 segments: their descriptors (a select() elsewhere)
 
 
 OUT_OF_FILES = """
@@ -192,3 +198,104 @@ async def test_a_worker_killed_between_its_reply_and_its_descriptors_is_a_crash(
         assert (await pool.run(torch.arange, 3)).tolist() == [0, 1, 2]
     finally:
         await pool.aclose()
+
+
+async def test_a_worker_that_sets_a_default_socket_timeout_reads_its_pipe_on() -> None:
+    """``socket.setdefaulttimeout`` (a dataset that reads over HTTP) made every socket object
+    made over the pipe's descriptor non-blocking: the worker's next read failed, and it left."""
+    loader = aioloader.DataLoader(
+        worker_fns.HeldTensors(12),
+        batch_size=4,
+        num_workers=1,
+        worker_init_fn=worker_fns.sets_a_socket_timeout,
+    )
+    assert torch.cat(list(loader))[:, 0].tolist() == [float(i) for i in range(12)]
+
+
+async def test_a_worker_out_of_open_files_fails_the_job_it_cannot_take_and_serves_on() -> None:
+    tensors = shared(40)  # already shared: each goes as a descriptor of its own
+    pool = bare_pool()
+    await pool.start()
+    try:
+        await pool.run(worker_fns.lower_the_open_file_limit, 30)
+        with pytest.raises(RuntimeError, match="Too many open files: a worker could not take 40"):
+            await pool.run(worker_fns.add_one_in_place, tensors)
+        assert (await pool.run(torch.arange, 3)).tolist() == [0, 1, 2]  # the same worker
+    finally:
+        await pool.aclose()
+
+
+async def test_a_job_whose_descriptors_the_kernel_refuses_stops_its_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The message went, its descriptors could not (``ETOOMANYREFS``): the worker, waiting for
+    them, cannot read on. It is stopped, the error names it, the next job gets a new one."""
+    pool = bare_pool()
+
+    def refused(conn: Any, passing: fdpass.Passing) -> None:
+        raise OSError(errno.ETOOMANYREFS, "Too many references")
+
+    await pool.start()
+    try:
+        first = pool._slots.now[0].pid
+        monkeypatch.setattr(fdpass, "send_descriptors", refused)
+        with pytest.raises(fdpass.Unsent) as caught:
+            await pool.run(worker_fns.add_one_in_place, shared(2))
+        monkeypatch.undo()
+        assert caught.value.errno == errno.ETOOMANYREFS
+        assert any(f"(pid {first})" in note for note in caught.value.__notes__)
+        assert (await pool.run(torch.arange, 3)).tolist() == [0, 1, 2]
+        assert pool._slots.now[0].pid != first
+    finally:
+        await pool.aclose()
+
+
+def test_a_start_s_descriptors_refused_in_flight_go_once_earlier_workers_took_theirs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user without ``CAP_SYS_RESOURCE`` may have no more descriptors in flight than its
+    open-file limit (``ETOOMANYREFS``): the second worker's start waits for the first's."""
+    send = fdpass.send_descriptors
+    calls: list[int] = []
+
+    def once_refused(conn: Any, passing: fdpass.Passing) -> None:
+        calls.append(len(passing.fds))
+        if len(calls) == 2:
+            raise OSError(errno.ETOOMANYREFS, "Too many references")
+        send(conn, passing)
+
+    monkeypatch.setattr(fdpass, "send_descriptors", once_refused)
+    loader = aioloader.DataLoader(worker_fns.HeldTensors(300), batch_size=100, num_workers=2)
+    assert torch.cat(list(loader))[:, 0].tolist() == [float(i) for i in range(300)]
+    assert calls[:3] == [300, 300, 300]  # the first worker's; the second's, refused, then sent
+    del loader
+    gc.collect()
+
+
+def test_a_fork_made_while_a_start_is_pickled_does_not_take_it_along() -> None:
+    with fdpass.starting(fdpass.Passing()):
+        pid = os.fork()
+        if pid == 0:  # the child: a loader it made would otherwise pipe into a dead Passing
+            os._exit(0 if fdpass.for_the_pipe() is None else 1)
+        assert fdpass.for_the_pipe() is not None
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_descriptors_received_are_closed_on_exec() -> None:
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    passing = fdpass.Passing()
+    written = fdpass.buffer()
+    pickler = ForkingPickler(written, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table.update(passing.reducers())
+    pickler.dump(torch.arange(3))
+    fdpass.send(ours, passing.finish(written), passing)
+    message = theirs.recv_bytes()
+    fds = fdpass.descriptors(theirs, fdpass.count(message))
+    try:
+        assert len(fds) == 1 and not os.get_inheritable(fds[0])
+    finally:
+        for fd in fds:
+            os.close(fd)
+        ours.close()
+        theirs.close()

@@ -10,6 +10,7 @@ import torch
 import aioloader
 from aioloader._workers.pack import pack_tensors
 from tests.support import worker_fns
+from tests.support.helpers import bare_pool
 
 
 class Pair(NamedTuple):
@@ -125,3 +126,21 @@ def test_samples_a_worker_transforms_stay_the_main_process_s_own() -> None:
     assert [float(t[0]) for t in dataset.held] == [float(i) for i in range(200)]
     assert not any(t.untyped_storage().is_shared() for t in dataset.held)
     assert shared_memory_fds() <= before + 4  # not one per sample
+
+
+async def test_rows_of_one_tensor_and_a_permuted_view_in_a_job_are_copied_strides_kept() -> None:
+    """Two rows of a dataset's tensor in one job share its storage: torch's sharing moved the
+    whole tensor to shared memory, where it stayed; a permuted view (a cached CHW view of an
+    HWC image) too. Each is copied into the job's block now, a dense view with its strides."""
+    table = torch.zeros(100, 100)
+    image = torch.zeros(8, 8, 3).permute(2, 0, 1)
+    pool = bare_pool()
+    await pool.start()
+    try:
+        back = await pool.run(worker_fns.add_one_in_place, [table[0], table[1], image])
+    finally:
+        await pool.aclose()
+    assert [float(t.min()) for t in back] == [1.0, 1.0, 1.0]  # changed in the worker's copies
+    assert back[2].stride() == image.stride()
+    assert not table.untyped_storage().is_shared() and float(table.abs().sum()) == 0.0
+    assert not image.untyped_storage().is_shared() and float(image.abs().sum()) == 0.0
