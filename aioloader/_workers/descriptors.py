@@ -14,7 +14,7 @@ import errno
 import os
 import resource
 
-__all__ = ["job_out_of_files", "out_of_descriptors", "too_many_open_files"]
+__all__ = ["JobNotTaken", "job_out_of_files", "out_of_descriptors", "too_many_open_files"]
 
 MARGIN = 10  # torch's: one more descriptor is not a sufficient test, the failure let some go
 
@@ -49,11 +49,16 @@ def too_many_open_files() -> RuntimeError:
     )
 
 
-def job_out_of_files(count: int) -> RuntimeError:
+class JobNotTaken(RuntimeError):
+    """In a worker: a job whose tensors' descriptors it could not take (it did not run; what
+    the job carried back, the blocks the main process freed, goes with the next one)."""
+
+
+def job_out_of_files(count: int) -> JobNotTaken:
     """In a worker: the error for a job whose ``count`` tensors' descriptors it could not take
     (its pipe is still in step: they were all read, and let go of)."""
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return RuntimeError(
+    return JobNotTaken(
         f"Too many open files: a worker could not take {count} tensors of its job (its limit "
         f"is {limit} open files; each tensor it holds from a job or from the dataset is a "
         "shared-memory descriptor). Raise the limit (`ulimit -n`) or call "

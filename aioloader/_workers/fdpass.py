@@ -35,6 +35,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -46,6 +47,7 @@ from torch.multiprocessing import reductions
 
 __all__ = [
     "HEADER",
+    "PATIENCE",
     "PER_SENDMSG",
     "Passing",
     "buffer",
@@ -62,6 +64,7 @@ __all__ = [
 
 HEADER = 4  # bytes: the count of descriptors that follow the message
 PER_SENDMSG = 250  # descriptors in one sendmsg (Linux takes at most 253: SCM_MAX_FD)
+PATIENCE = 2.0  # seconds a send waits, in all, for the kernel to take more in flight
 
 
 # torch's reduction of a storage: what a storage this module does not pass goes by
@@ -227,22 +230,30 @@ class Unsent(OSError):
     """A message went, not all of its descriptors (:func:`send`)."""
 
 
-def send_descriptors(conn: Connection, passing: Passing) -> None:
+def send_descriptors(conn: Connection, passing: Passing, *, patience: float = PATIENCE) -> None:
     """Send ``passing``'s descriptors down ``conn`` alone (for a message the other process
     has: a worker's start, :func:`starting`), each taken out of ``passing`` as it is sent: a
     call that raises can be made again for the rest. The kernel holds what was sent until
-    the other end takes it, or closes.
+    the other end takes it, or closes. Where it refuses more in flight (``ETOOMANYREFS``: a
+    user without ``CAP_SYS_RESOURCE`` may have, over all its processes, no more in flight than
+    its open-file limit), the send waits (sleeps, 1 ms doubling) for up to ``patience``
+    seconds in all for the other processes to take theirs.
 
     Raises:
-        OSError: The other end is gone; or ``ETOOMANYREFS``: this user has more descriptors
-            in flight than its open-file limit (a process without ``CAP_SYS_RESOURCE``).
+        OSError: The other end is gone; or ``ETOOMANYREFS`` still, after ``patience``.
     """
-    if not passing.fds:
-        return
+    delay, waited = 0.001, 0.0
     with _socket_of(conn) as sock:
         while passing.fds:
             chunk = passing.fds[:PER_SENDMSG]
-            socket.send_fds(sock, [b"\0"], chunk)
+            try:
+                socket.send_fds(sock, [b"\0"], chunk)
+            except OSError as exc:
+                if exc.errno != errno.ETOOMANYREFS or waited >= patience:
+                    raise
+                time.sleep(delay)
+                waited, delay = waited + delay, min(delay * 2, 0.25)
+                continue
             del passing.fds[: len(chunk)]
 
 

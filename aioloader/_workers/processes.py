@@ -38,7 +38,7 @@ from .._base.recorders import WorkerRecorder
 from . import fdpass
 from .byvalue import dumps_job
 from .children import blocking, exits, hang_up, remove_left_segments
-from .descriptors import out_of_descriptors, too_many_open_files
+from .descriptors import JobNotTaken, out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .pack import pack_tensors
 from .serverstart import died_starting_note, note_server
@@ -285,19 +285,21 @@ class ProcessWorkers:
                 raise self._crashed(worker)
             worker = await self._replace(worker)
         try:
-            self._send(worker, (fn, args, seed))
+            freed = self._send(worker, (fn, args, seed))
         except _Gone:  # it died while idle: the job never reached it
             await self._mark_dead(worker)
             if not replace:
                 raise self._crashed(worker) from None
             worker = await self._replace(worker)
-            self._send(worker, (fn, args, seed))  # pickled anew: it has no value sent before
+            freed = self._send(worker, (fn, args, seed))  # anew: it has no value sent before
         self._stats.jobs += 1
         try:
             ok, value = await self._reply(worker)
         except anyio.get_cancelled_exc_class():
             await self._drain_cancelled(worker)
             raise
+        if not ok and isinstance(value, JobNotTaken):  # its blocks go with the next job
+            LEDGER.requeue(worker.pid, freed or [])
         if not ok:
             try:
                 raise value
@@ -305,14 +307,17 @@ class ProcessWorkers:
                 del value
         return value  # type: ignore[no-any-return]
 
-    def _send(self, worker: Worker, job: tuple[Callable[..., Any], tuple[Any, ...], Any]) -> None:
+    def _send(
+        self, worker: Worker, job: tuple[Callable[..., Any], tuple[Any, ...], Any]
+    ) -> list[Any] | None:
         """Pickle ``job`` for ``worker`` (the blocks it may reuse, the values sent by value that
-        it has already) and send it.
+        it has already) and send it; returns the blocks it carried (None: no blocks).
 
         Raises:
             _Gone: The worker is gone (it died while idle): the job never reached it.
-            fdpass.Unsent: The job went, not all of its tensors' descriptors (the kernel
-                refused more in flight): the worker is killed, to be replaced.
+            WorkerCrashed: The job went, not all of its tensors' descriptors (the kernel
+                refused more in flight, or the worker died): the worker is killed, to be
+                replaced; the cause is :class:`fdpass.Unsent`.
             Exception: Pickling the job failed (the worker is left as it is).
         """
         fn, args, seed = job
@@ -344,14 +349,17 @@ class ProcessWorkers:
         try:
             fdpass.send(worker.conn, message, passing)
         except fdpass.Unsent as exc:
-            # It has the job, not all of its tensors, and waits for them: it cannot go on
+            # It has the job, not all of its tensors, and waits for them (or died): it cannot
+            # go on. Stopped, it is replaced on its next use.
             worker.process.kill()
+            worker.process.join(1.0)
             worker.alive = False
-            exc.add_note(
-                f"aioloader: raised as the job's tensors were sent to worker {worker.id} (pid "
-                f"{worker.pid}); the worker is stopped, and replaced on its next use"
+            crashed = self._crashed(worker)
+            crashed.add_note(
+                f"aioloader: stopped by the loader: the job's tensors could not all be sent to "
+                f"it ({exc})"
             )
-            raise
+            raise crashed from exc
         except OSError:
             refused = True
         else:
@@ -360,6 +368,7 @@ class ProcessWorkers:
         if refused:
             raise _Gone
         worker.has |= sending
+        return freed
 
     async def _drain_cancelled(self, worker: Worker) -> None:
         if not worker.alive:

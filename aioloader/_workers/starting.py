@@ -13,6 +13,7 @@ import errno
 import multiprocessing.context
 import multiprocessing.process
 import multiprocessing.util
+import os
 import pickle
 import resource
 import signal
@@ -207,13 +208,14 @@ class Starts:
 
 async def _hand_over(worker: Worker, before: list[Worker]) -> None:
     """Send ``worker`` its start's descriptors, if any went to its pipe (``fdpass.starting``).
-    Where the kernel refuses more in flight (``ETOOMANYREFS``: more than this user's open-file
-    limit, for a process without ``CAP_SYS_RESOURCE``), the rest go once the workers started
-    ``before`` it have taken theirs (each then tells it is ready, or has ended).
+    Where the kernel refuses more in flight (``ETOOMANYREFS``: a user without
+    ``CAP_SYS_RESOURCE`` may have, over all its processes, no more in flight than its
+    open-file limit), the rest go once the workers started ``before`` it have taken theirs
+    (each then tells it is ready, or has ended), then as other processes take theirs (waited
+    for, 10 ms doubling, for about :data:`_IN_FLIGHT_PATIENCE` seconds in all).
 
     Raises:
-        OSError: The worker is gone; or its own descriptors are more than the kernel takes in
-            flight (a note says what to do).
+        OSError: The worker is gone; or the kernel still refuses (a note says what to do).
 
     Cancellation: the descriptors not sent are let go of (the pool stops the worker).
     """
@@ -221,27 +223,51 @@ async def _hand_over(worker: Worker, before: list[Worker]) -> None:
     if passing is None:
         return
     try:
-        try:
-            fdpass.send_descriptors(worker.conn, passing)
-        except OSError as exc:
-            if exc.errno != errno.ETOOMANYREFS:
-                raise
-            for earlier in before:
-                await anyio.wait_readable(earlier.conn.fileno())
-            try:
-                fdpass.send_descriptors(worker.conn, passing)
-            except OSError as again:
-                if again.errno == errno.ETOOMANYREFS:
-                    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-                    again.add_note(
-                        f"aioloader: the dataset's tensors are more than this process may have "
-                        f"in flight to a worker ({limit}, its open-file limit): raise it "
-                        "(`ulimit -n`), call torch.multiprocessing.set_sharing_strategy("
-                        "'file_system') first, or pass multiprocessing_context='fork'"
-                    )
-                raise
+        if _sent_now(worker, passing):
+            return
+        for earlier in before:
+            await anyio.wait_readable(earlier.conn.fileno())
+        delay, waited = 0.01, 0.0
+        while not _sent_now(worker, passing):
+            if waited >= _IN_FLIGHT_PATIENCE:
+                refused = OSError(errno.ETOOMANYREFS, os.strerror(errno.ETOOMANYREFS))
+                refused.add_note(_in_flight_note(len(passing.fds)))
+                raise refused
+            await anyio.sleep(delay)
+            waited, delay = waited + delay, min(delay * 2, 1.0)
     finally:
         passing.close()
+
+
+def _sent_now(worker: Worker, passing: fdpass.Passing) -> bool:
+    """Whether all of ``passing``'s descriptors went to ``worker`` now; False where the kernel
+    refused more in flight (those that went are out of ``passing``).
+
+    Raises:
+        OSError: The worker is gone.
+    """
+    try:
+        fdpass.send_descriptors(worker.conn, passing, patience=0.0)
+    except OSError as exc:
+        if exc.errno != errno.ETOOMANYREFS:
+            raise
+        return False
+    return True
+
+
+_IN_FLIGHT_PATIENCE = 10.0  # seconds a start waits for the kernel to take more in flight
+
+
+def _in_flight_note(unsent: int) -> str:
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return (
+        f"aioloader: {unsent} of the dataset's tensors could not be sent to a starting worker: "
+        f"this user has more descriptors in flight, over all its processes (other loaders, "
+        f"other ranks), than its open-file limit ({limit}) lets a process without "
+        "CAP_SYS_RESOURCE. Raise the limit (`ulimit -n`), call "
+        "torch.multiprocessing.set_sharing_strategy('file_system') first, or pass "
+        "multiprocessing_context='fork'"
+    )
 
 
 def _unreceived(start: object) -> object:

@@ -42,6 +42,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import torch
+
 from . import fdpass
 from .byname import as_a_process_starts
 from .byvalue import MainRule, received_start, start_args, start_pickler
@@ -229,7 +231,8 @@ class OnceStart:
         self.by_value = pickled.by_value
         self.kinds = pickled.kinds  # the types of the objects in it (not builtins')
         self._acting = pickled.acting
-        self.handed = len(pickled.acting)  # values each start pickles for itself (tensors...)
+        # Descriptors each start hands over for the values it pickles for itself
+        self.handed = sum(_descriptors_of(value) for value in pickled.acting)
         pickle_file = _in_memory([blob])
         self._pickle: Any = bytes(blob) if pickle_file is None else (pickle_file[0], len(blob))
         # Read-only where the array was (an in-band pickle gives it bytes, not a bytearray)
@@ -269,6 +272,15 @@ class OnceStart:
             if isinstance(part, tuple) and part[0] >= 0:
                 os.close(part[0])
         self._pickle = self._buffers = None
+
+
+def _descriptors_of(value: object) -> int:
+    """How many descriptors a process's start hands over for ``value``, at most: a sparse
+    tensor's are its indices' and values' (a compressed one's, three), a tensor's or a socket's
+    one."""
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        return 2 if value.layout == torch.sparse_coo else 3
+    return 1
 
 
 class _Later:

@@ -181,3 +181,35 @@ def lower_the_open_file_limit(headroom: int) -> int:
     limit = [n for n in range(soft) if n not in opened][headroom - 1] + 1
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     return len(opened)
+
+
+def big_result(*ignored: object) -> Any:
+    """A job's result whose batch (1 MiB) goes into one of the worker's blocks."""
+    from aioloader._workers.result import JobResult
+
+    return JobResult(batch=torch.ones(1 << 18), size=1)
+
+
+def blocks_busy(*ignored: object) -> list[bool]:
+    """Which of this worker's blocks hold a result the main process has not let go of."""
+    from aioloader._workers import worker
+
+    return [block.busy for block in worker._blocks._blocks]
+
+
+class HeldSparse(torch.utils.data.Dataset[torch.Tensor]):
+    """A dataset that holds ``n`` sparse tensors (each two storages: indices and values)."""
+
+    def __init__(self, n: int) -> None:
+        self.items = [
+            torch.sparse_coo_tensor(
+                [[0, 1]], [float(i), 1.0], (4,), check_invariants=True
+            ).coalesce()
+            for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.items[index].to_dense()
