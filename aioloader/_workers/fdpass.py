@@ -19,7 +19,10 @@ index; the receiver takes them all before it unpickles, and closes those the pic
 take (torch's ``rebuild_storage_fd`` closes those it takes).
 
 Owns: :class:`Passing` (the descriptors a pickle passes, and the reduction of a CPU storage
-that collects them), :func:`buffer`, :func:`send`, :func:`loads` and :func:`receive`.
+that collects them), :func:`buffer`, :func:`send`, :func:`loads` and :func:`receive`; a
+worker's start's descriptors past what a fork server's start hands over (:func:`starting`,
+:class:`Piped`, sent once the worker runs); waiting out the kernel's refusal of more in flight
+(``ETOOMANYREFS``).
 Never: decides what is pickled, or shares a storage another way than torch's ``file_descriptor``
 strategy does (a storage torch would not share by descriptor goes torch's way: the
 ``file_system`` strategy, an empty storage, a CUDA storage's error).
@@ -50,9 +53,11 @@ __all__ = [
     "PATIENCE",
     "PER_SENDMSG",
     "Passing",
+    "Piped",
     "buffer",
     "count",
     "descriptors",
+    "descriptors_of",
     "loads",
     "receive",
     "for_the_pipe",
@@ -280,6 +285,34 @@ def _forget_the_start() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_the_start)
+
+
+class Piped:
+    """A pickle sent to a process as it starts, its storages' descriptors down its pipe once
+    it runs (:func:`starting`): unpickled there by :meth:`received`."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: bytes) -> None:
+        self.message = message
+
+    def received(self, conn: Connection) -> Any:
+        """Unpickled, with the descriptors taken from ``conn``.
+
+        Raises:
+            EOFError: The other end closed before they came.
+            Exception: What unpickling raises.
+        """
+        return loads(self.message, descriptors(conn, count(self.message)))
+
+
+def descriptors_of(value: object) -> int:
+    """How many descriptors a process's start hands over for ``value``, at most: a sparse
+    tensor's are its indices' and values' (a compressed one's, three), a tensor's or a socket's
+    one."""
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        return 2 if value.layout == torch.sparse_coo else 3
+    return 1
 
 
 def for_the_pipe() -> Passing | None:

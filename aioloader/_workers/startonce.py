@@ -42,8 +42,6 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-import torch
-
 from . import fdpass
 from .byname import as_a_process_starts
 from .byvalue import MainRule, received_start, start_args, start_pickler
@@ -232,7 +230,7 @@ class OnceStart:
         self.kinds = pickled.kinds  # the types of the objects in it (not builtins')
         self._acting = pickled.acting
         # Descriptors each start hands over for the values it pickles for itself
-        self.handed = sum(_descriptors_of(value) for value in pickled.acting)
+        self.handed = sum(fdpass.descriptors_of(value) for value in pickled.acting)
         pickle_file = _in_memory([blob])
         self._pickle: Any = bytes(blob) if pickle_file is None else (pickle_file[0], len(blob))
         # Read-only where the array was (an in-band pickle gives it bytes, not a bytearray)
@@ -274,15 +272,6 @@ class OnceStart:
         self._pickle = self._buffers = None
 
 
-def _descriptors_of(value: object) -> int:
-    """How many descriptors a process's start hands over for ``value``, at most: a sparse
-    tensor's are its indices' and values' (a compressed one's, three), a tensor's or a socket's
-    one."""
-    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-        return 2 if value.layout == torch.sparse_coo else 3
-    return 1
-
-
 class _Later:
     __slots__ = ("once",)
 
@@ -299,22 +288,8 @@ class _Later:
             pickler = ForkingPickler(written := fdpass.buffer(), pickle.HIGHEST_PROTOCOL)
             pickler.dispatch_table.update(passing.reducers())
             with passing.dump(pickler, written, acting) as message:
-                acting = _Piped(bytes(message))
+                acting = fdpass.Piped(bytes(message))
         return Unreceived, (pickled, buffers, acting, by_value)
-
-
-class _Piped:
-    """Acting values pickled for one worker, their storages' descriptors sent down its pipe
-    (``fdpass.py``)."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: bytes) -> None:
-        self.message = message
-
-    def received(self, conn: Connection) -> list[Any]:
-        fds = fdpass.descriptors(conn, fdpass.count(self.message))
-        return fdpass.loads(self.message, fds)  # type: ignore[no-any-return]
 
 
 class Unreceived:
@@ -335,7 +310,7 @@ class Unreceived:
             Exception: What unpickling raises.
         """
         pickled, buffers, acting, by_value = self._parts
-        if isinstance(acting, _Piped):
+        if isinstance(acting, fdpass.Piped):
             if conn is None:  # pragma: no cover - only a worker's start is piped
                 raise RuntimeError("start arguments sent down a pipe, received without one")
             acting = acting.received(conn)
