@@ -25,14 +25,12 @@ import argparse
 import io
 import json
 import os
-import resource
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from _steady import rounds, steady, table
 
 CONFIGS = ("torch", "aio-swapped", "aio-files", "aio-files-here")
 CROP = 160
@@ -63,11 +61,6 @@ class Folder:
             return decode((self.keys[index], f.read()))
 
 
-def self_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def child(config: str, root: str, batch_size: int, workers: int, epochs: int) -> dict[str, Any]:
     """One configuration's epochs; its steady rate and CPU per batch (medians of epochs 2..)."""
     import torch
@@ -90,17 +83,7 @@ def child(config: str, root: str, batch_size: int, workers: int, epochs: int) ->
         dataset = Folder(root, files(root, suffix=".jpg").keys)
         make = torch.utils.data.DataLoader if config == "torch" else aioloader.DataLoader
         loader = make(dataset, **common)
-    rates, cpu_ms = [], []
-    for _ in range(epochs):
-        start, cpu, samples, batches = time.perf_counter(), self_cpu_s(), 0, 0
-        for _images, labels in loader:
-            samples += len(labels)
-            batches += 1
-        rates.append(samples / (time.perf_counter() - start))
-        cpu_ms.append((self_cpu_s() - cpu) / batches * 1e3)
-    if hasattr(loader, "close"):
-        loader.close()
-    return {"rate": statistics.median(rates[1:]), "cpu_ms": statistics.median(cpu_ms[1:])}
+    return steady(loader, epochs, lambda batch: len(batch[1]))  # (images, labels)
 
 
 def main() -> int:
@@ -121,7 +104,6 @@ def main() -> int:
 
     from aioloader._bench.gpu import write_folder
 
-    results: dict[str, list[dict[str, Any]]] = {c: [] for c in args.only}
     with tempfile.TemporaryDirectory(prefix="aioloader-files-workers-") as tmp:
         kib = write_folder(Path(tmp), args.images, 4)
         print(
@@ -129,32 +111,16 @@ def main() -> int:
             f"{args.workers} workers, {os.cpu_count()} CPUs, {args.epochs} epochs, steady = "
             "median of epochs 2 on"
         )
-        for round_ in range(1, args.rounds + 1):
-            for config in args.only:
-                command = [
-                    sys.executable, __file__, "--child", config, "--root", tmp,
-                    "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-                    "--epochs", str(args.epochs),
-                ]  # fmt: skip
-                out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-                row = json.loads(out.strip().splitlines()[-1])
-                results[config].append(row)
-                print(
-                    f"  round {round_} {config:<15} {row['rate']:>8,.0f} samples/s  main "
-                    f"process {row['cpu_ms']:6.2f} ms CPU a batch",
-                    flush=True,
-                )
-    base = results.get("torch")
-    print(f"\n{'config':<15} {'samples/s':>10} {'x torch':>8} {'CPU ms/batch':>13} {'x torch':>8}")
-    for config, rows in results.items():
-        rate = statistics.median(r["rate"] for r in rows)
-        cpu = statistics.median(r["cpu_ms"] for r in rows)
-        ratios = ("", "")
-        if base:
-            b_rate = statistics.median(r["rate"] for r in base)
-            b_cpu = statistics.median(r["cpu_ms"] for r in base)
-            ratios = (f"{rate / b_rate:.2f}x", f"{cpu / b_cpu:.2f}x")
-        print(f"{config:<15} {rate:>10,.0f} {ratios[0]:>8} {cpu:>13.2f} {ratios[1]:>8}")
+
+        def command(config: str) -> list[str]:
+            return [
+                sys.executable, __file__, "--child", config, "--root", tmp,
+                "--batch-size", str(args.batch_size), "--workers", str(args.workers),
+                "--epochs", str(args.epochs),
+            ]  # fmt: skip
+
+        results = rounds(args.only, args.rounds, command)
+    table(results)
     return 0
 
 

@@ -26,12 +26,10 @@ import argparse
 import contextlib
 import json
 import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
 from typing import Any
+
+from _steady import rounds, steady, table
 
 CONFIGS = ("torch", "aio-swapped", "aio-async")
 
@@ -73,11 +71,6 @@ def shm_descriptors() -> int:
     return count
 
 
-def self_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def child(config: str, args: argparse.Namespace) -> dict[str, Any]:
     """One configuration's epochs; its steady rate and CPU per batch (medians of epochs 2..)."""
     import torch
@@ -105,21 +98,8 @@ def child(config: str, args: argparse.Namespace) -> dict[str, Any]:
     else:
         make = torch.utils.data.DataLoader if config == "torch" else aioloader.DataLoader
         loader = make(Cached(held), **common)
-    rates, cpu_ms = [], []
-    for _ in range(args.epochs):
-        start, cpu, samples, batches = time.perf_counter(), self_cpu_s(), 0, 0
-        for batch in loader:
-            samples += len(batch)
-            batches += 1
-        rates.append(samples / (time.perf_counter() - start))
-        cpu_ms.append((self_cpu_s() - cpu) / batches * 1e3)
-    if hasattr(loader, "close"):
-        loader.close()
-    return {
-        "rate": statistics.median(rates[1:]),
-        "cpu_ms": statistics.median(cpu_ms[1:]),
-        "shm": shm_descriptors(),
-    }
+    row = steady(loader, args.epochs, len)
+    return {**row, "shm": shm_descriptors()}
 
 
 def main() -> int:
@@ -142,35 +122,18 @@ def main() -> int:
         f"{args.batch_size}, {args.workers} workers, {os.cpu_count()} CPUs, {args.epochs} "
         "epochs, steady = median of epochs 2 on"
     )
-    results: dict[str, list[dict[str, Any]]] = {c: [] for c in args.only}
-    for round_ in range(1, args.rounds + 1):
-        for config in args.only:
-            command = [
-                sys.executable, __file__, "--child", config, "--images", str(args.images),
-                "--side", str(args.side), "--batch-size", str(args.batch_size),
-                "--workers", str(args.workers), "--epochs", str(args.epochs),
-            ]  # fmt: skip
-            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-            row = json.loads(out.strip().splitlines()[-1])
-            results[config].append(row)
-            print(
-                f"  round {round_} {config:<12} {row['rate']:>8,.0f} samples/s  main process "
-                f"{row['cpu_ms']:6.2f} ms CPU a batch, {row['shm']:>5} shared-memory descriptors",
-                flush=True,
-            )
-    base = results.get("torch")
-    header = f"{'config':<12} {'samples/s':>10} {'x torch':>8} {'CPU ms/batch':>13} {'x torch':>8}"
-    print(f"\n{header} {'shm fds':>8}")
-    for config, rows in results.items():
-        rate = statistics.median(r["rate"] for r in rows)
-        cpu = statistics.median(r["cpu_ms"] for r in rows)
-        ratios = ("", "")
-        if base:
-            b_rate = statistics.median(r["rate"] for r in base)
-            b_cpu = statistics.median(r["cpu_ms"] for r in base)
-            ratios = (f"{rate / b_rate:.2f}x", f"{cpu / b_cpu:.2f}x")
-        shm = max(r["shm"] for r in rows)
-        print(f"{config:<12} {rate:>10,.0f} {ratios[0]:>8} {cpu:>13.2f} {ratios[1]:>8} {shm:>8}")
+
+    def command(config: str) -> list[str]:
+        return [
+            sys.executable, __file__, "--child", config, "--images", str(args.images),
+            "--side", str(args.side), "--batch-size", str(args.batch_size),
+            "--workers", str(args.workers), "--epochs", str(args.epochs),
+        ]  # fmt: skip
+
+    results = rounds(
+        args.only, args.rounds, command, lambda row: f", {row['shm']:>5} shm descriptors"
+    )
+    table(results, ("shm fds", lambda rows: str(max(r["shm"] for r in rows))))
     return 0
 
 

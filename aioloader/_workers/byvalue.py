@@ -35,7 +35,6 @@ import pickle
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import cloudpickle
@@ -300,11 +299,7 @@ def dumps_job(
         blob = _dumps(value.value, main_has, sharing=True, passing=passing)
         return _receive, (value.token, blob)
 
-    buffer = fdpass.buffer()
-    pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table[ByValue] = reduce
-    pickler.dispatch_table.update(passing.reducers())
-    return passing.dump(pickler, buffer, job), passing
+    return passing.dumps(job, {ByValue: reduce}), passing
 
 
 def dumps_reply(reply: object) -> tuple[memoryview, Passing]:
@@ -317,12 +312,10 @@ def dumps_reply(reply: object) -> tuple[memoryview, Passing]:
         Exception: ``reply`` does not pickle (nothing is kept of what was shared for it).
     """
     passing = Passing()
+    if not _by_value_here:
+        return passing.dumps(reply), passing
     buffer = fdpass.buffer()
-    if _by_value_here:
-        pickler: pickle.Pickler = _Pickler(buffer, None, sharing=True, passing=passing)
-    else:
-        pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
-        pickler.dispatch_table.update(passing.reducers())
+    pickler = _Pickler(buffer, None, sharing=True, passing=passing)
     return passing.dump(pickler, buffer, reply), passing
 
 

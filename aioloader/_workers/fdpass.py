@@ -19,7 +19,7 @@ index; the receiver takes them all before it unpickles, and closes those the pic
 take (torch's ``rebuild_storage_fd`` closes those it takes).
 
 Owns: :class:`Passing` (the descriptors a pickle passes, and the reduction of a CPU storage
-that collects them), :func:`buffer`, :func:`send`, :func:`loads` and :func:`receive`; a
+that collects them), :func:`buffer`, :func:`send`, :func:`loads` and :func:`descriptors`; a
 worker's start's descriptors past what a fork server's start hands over (:func:`starting`,
 :class:`Piped`, sent once the worker runs); waiting out the kernel's refusal of more in flight
 (``ETOOMANYREFS``).
@@ -59,7 +59,6 @@ __all__ = [
     "descriptors",
     "descriptors_of",
     "loads",
-    "receive",
     "for_the_pipe",
     "send",
     "send_descriptors",
@@ -77,7 +76,7 @@ _torch_storage: Callable[[Any], Any] = reductions.reduce_storage
 
 
 def buffer() -> io.BytesIO:
-    """A buffer for a message's pickle, its header's place kept (:meth:`Passing.finish`)."""
+    """A buffer for a message's pickle, its header's place kept (:meth:`Passing.dump`)."""
     written = io.BytesIO()
     written.write(bytes(HEADER))
     return written
@@ -119,6 +118,21 @@ class Passing:
         self._held.append(storage)
         return reductions.rebuild_storage_fd, (type(storage), _Passed(len(self.fds) - 1), size)
 
+    def dumps(
+        self, value: object, dispatch: dict[type, Callable[[Any], Any]] | None = None
+    ) -> memoryview:
+        """The message: ``value`` pickled as ``ForkingPickler`` does (with ``dispatch``'s
+        reductions too), each CPU storage's descriptor passed by this.
+
+        Raises:
+            Exception: ``value`` does not pickle (the storages gathered are let go of).
+        """
+        written = buffer()
+        pickler = ForkingPickler(written, pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table.update(dispatch or {})
+        pickler.dispatch_table.update(self.reducers())
+        return self.dump(pickler, written, value)
+
     def dump(self, pickler: pickle.Pickler, written: io.BytesIO, value: object) -> memoryview:
         """The message: ``value`` pickled by ``pickler`` (which writes to ``written``, from
         :func:`buffer`, and passes descriptors by this).
@@ -131,12 +145,8 @@ class Passing:
         except BaseException:
             self.close()
             raise
-        return self.finish(written)
-
-    def finish(self, written: io.BytesIO) -> memoryview:
-        """The message: ``written`` (from :func:`buffer`), its header now the count."""
         message = written.getbuffer()
-        message[:HEADER] = len(self.fds).to_bytes(HEADER, "little")
+        message[:HEADER] = len(self.fds).to_bytes(HEADER, "little")  # the header: the count
         return message
 
     def handed(self) -> list[int]:
@@ -318,17 +328,6 @@ def descriptors_of(value: object) -> int:
 def for_the_pipe() -> Passing | None:
     """The :class:`Passing` of the worker start being pickled in this thread, if any."""
     return getattr(_starting, "passing", None)
-
-
-def receive(conn: Connection, message: bytes | memoryview) -> Any:
-    """``message``, just read from ``conn``, unpickled with the descriptors that follow it.
-
-    Raises:
-        EOFError: The other end closed before its descriptors came.
-        OSError: ``EMFILE``: this process could not take them all (none is kept).
-        Exception: What unpickling raises.
-    """
-    return loads(message, descriptors(conn, count(message)))
 
 
 def descriptors(conn: Connection, expected: int) -> list[int]:

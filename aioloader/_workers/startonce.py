@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import fdpass
@@ -285,9 +284,7 @@ class _Later:
             # A worker's start from a fork server, which hands over at most 252 descriptors:
             # the storages' go down its pipe, taken once it runs; the rest (a socket, a shared
             # Value) with the start, as before
-            pickler = ForkingPickler(written := fdpass.buffer(), pickle.HIGHEST_PROTOCOL)
-            pickler.dispatch_table.update(passing.reducers())
-            with passing.dump(pickler, written, acting) as message:
+            with passing.dumps(acting) as message:
                 acting = fdpass.Piped(bytes(message))
         return Unreceived, (pickled, buffers, acting, by_value)
 

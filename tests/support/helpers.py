@@ -4,6 +4,7 @@ no mocks of the loader itself."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -157,6 +158,15 @@ def flat(batches: Iterable[Any]) -> list[int]:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def shared_memory_fds() -> int:
+    """This process's descriptors of shared-memory segments (``/dev/shm``: torch's)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+    return count
 
 
 def other_tasks() -> set[asyncio.Task[Any]]:

@@ -6,15 +6,12 @@ shared memory, for as long as the process lived)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gc
 import multiprocessing
 import os
-import pickle
 import signal
 import socket
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +23,7 @@ from aioloader._base.recorders import WorkerRecorder
 from aioloader._workers import fdpass
 from aioloader._workers.processes import ProcessWorkers
 from tests.support import worker_fns
-from tests.support.helpers import bare_pool, derive_seed, run_json_script
-
-
-def shared_memory_fds() -> int:
-    """This process's descriptors of torch's shared-memory segments."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/torch_")
-    return count
+from tests.support.helpers import bare_pool, derive_seed, run_json_script, shared_memory_fds
 
 
 def shared(n: int, size: int = 16) -> list[torch.Tensor]:
@@ -115,11 +103,7 @@ async def test_a_job_left_in_a_killed_worker_s_pipe_leaves_no_descriptor_open(
 
 def test_descriptors_a_message_did_not_take_are_closed_as_it_is_unpickled() -> None:
     passing = fdpass.Passing()
-    written = fdpass.buffer()
-    pickler = ForkingPickler(written, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table.update(passing.reducers())
-    pickler.dump(torch.arange(3))
-    message = passing.finish(written)
+    message = passing.dumps(torch.arange(3))
     fds = [*passing.handed(), os.open(os.devnull, os.O_RDONLY)]  # one it does not refer to
     assert fdpass.count(message) == 1
     assert fdpass.loads(message, fds).tolist() == [0, 1, 2]
@@ -131,11 +115,7 @@ def test_descriptors_a_message_did_not_take_are_closed_as_it_is_unpickled() -> N
 def test_a_storage_torch_would_not_share_by_descriptor_goes_torch_s_way() -> None:
     """An empty storage passes nothing (torch rebuilds it empty)."""
     passing = fdpass.Passing()
-    written = fdpass.buffer()
-    pickler = ForkingPickler(written, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table.update(passing.reducers())
-    pickler.dump(torch.empty(0))
-    message = passing.finish(written)
+    message = passing.dumps(torch.empty(0))
     assert fdpass.count(message) == 0
     assert fdpass.loads(message, passing.handed()).shape == (0,)
 
@@ -360,11 +340,7 @@ def test_a_fork_made_while_a_start_is_pickled_does_not_take_it_along() -> None:
 def test_descriptors_received_are_closed_on_exec() -> None:
     ours, theirs = multiprocessing.Pipe(duplex=True)
     passing = fdpass.Passing()
-    written = fdpass.buffer()
-    pickler = ForkingPickler(written, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table.update(passing.reducers())
-    pickler.dump(torch.arange(3))
-    fdpass.send(ours, passing.finish(written), passing)
+    fdpass.send(ours, passing.dumps(torch.arange(3)), passing)
     message = theirs.recv_bytes()
     fds = fdpass.descriptors(theirs, fdpass.count(message))
     try:

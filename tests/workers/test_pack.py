@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import torch
@@ -10,7 +9,7 @@ import torch
 import aioloader
 from aioloader._workers.pack import pack_tensors
 from tests.support import worker_fns
-from tests.support.helpers import bare_pool
+from tests.support.helpers import bare_pool, shared_memory_fds
 
 
 class Pair(NamedTuple):
@@ -101,14 +100,6 @@ class Cached(aioloader.AsyncDataset[torch.Tensor]):
 
     async def get(self, index: int) -> torch.Tensor:
         return self.held[index]
-
-
-def shared_memory_fds() -> int:
-    return sum(
-        os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
-        for fd in os.listdir("/proc/self/fd")
-        if os.path.exists(f"/proc/self/fd/{fd}")
-    )
 
 
 def test_samples_a_worker_transforms_stay_the_main_process_s_own() -> None:
