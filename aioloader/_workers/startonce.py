@@ -44,6 +44,8 @@ from typing import Any
 from . import fdpass
 from .byname import as_a_process_starts
 from .byvalue import MainRule, received_start, start_args, start_pickler
+from .nogc import collections_paused
+from .startcopy import StartCopies
 
 __all__ = [
     "IN_FILE_FROM",
@@ -63,7 +65,7 @@ IN_FILE_FROM = 1 << 20  # bytes: a smaller pickle goes in each worker's start, c
 # Bytes: a smaller array goes in the pickle. Out of band, each array costs a write here, a
 # place in each worker's start and a view there: 600,000 arrays of two numbers (the boxes of a
 # detection dataset) took 8.6 s to the first batch, against 5.7 s in the pickle.
-OUT_OF_BAND_FROM = 64 << 10
+OUT_OF_BAND_FROM = 4 << 10
 
 
 class StartArguments:
@@ -132,8 +134,11 @@ def dumps_once(start: object, main_has: MainRule) -> _Pickled | None:
     it does not pickle (each worker's own start pickles it then, and says why)."""
     acting: list[object] = []
     indices: dict[int, int] = {}  # by id(): a value met twice is one value in each worker
+    copies = StartCopies()
 
-    def refer(value: object) -> tuple[Callable[[int], Any], tuple[int]]:
+    def refer(value: object) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        if (copied := copies.reduce(value)) is not None:  # a tensor, as a NumPy array goes
+            return copied
         index = indices.get(id(value))
         if index is None:
             index = indices[id(value)] = len(acting)
@@ -152,7 +157,7 @@ def dumps_once(start: object, main_has: MainRule) -> _Pickled | None:
 
     pickler = start_pickler(buffer, main_has, acting=refer, out_of_band=in_band)
     try:
-        with as_a_process_starts(_EachProcessStart(refer)):
+        with as_a_process_starts(_EachProcessStart(refer)), collections_paused():
             pickler.dump(start)
     except Exception:  # each worker's own pickle says why, as it did without this
         return None
@@ -163,7 +168,7 @@ class _EachProcessStart:
     """Stands for the start of each process the pickle goes to: a descriptor a value hands to
     it becomes a reference, each worker's start handing the descriptor to it."""
 
-    def __init__(self, refer: Callable[[object], tuple[Callable[[int], Any], tuple[int]]]):
+    def __init__(self, refer: Callable[[object], tuple[Callable[..., Any], tuple[Any, ...]]]):
         self._refer = refer
 
     def duplicate_for_child(self, fd: int) -> int:
@@ -357,15 +362,16 @@ def _receive(pickled: Any, buffers: Any, acting: list[Any], by_value: bool) -> A
         buffers = _mapped(*buffers)
     _acting_here = acting
     try:
-        if not isinstance(pickled, tuple):
-            return received_start(pickled, buffers, by_value=by_value)
-        handle, size = pickled
-        fd = handle.detach()  # this process's own descriptor of the file
-        try:
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-                return received_start(view, buffers, by_value=by_value)
-        finally:
-            os.close(fd)
+        with collections_paused():  # nothing it makes is garbage yet
+            if not isinstance(pickled, tuple):
+                return received_start(pickled, buffers, by_value=by_value)
+            handle, size = pickled
+            fd = handle.detach()  # this process's own descriptor of the file
+            try:
+                with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+                    return received_start(view, buffers, by_value=by_value)
+            finally:
+                os.close(fd)
     finally:
         _acting_here = []
 

@@ -138,11 +138,15 @@ def bumped(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class HeldTensors(torch.utils.data.Dataset[torch.Tensor]):
-    """A dataset that holds its samples as ``n`` tensors (preloaded), and ``names`` strings of
-    96 characters (20,000 of them pickle to over 1 MiB: a template's start)."""
+    """A dataset that holds its samples as ``n`` tensors (preloaded; ``shared``: each moved to
+    shared memory, so that each goes to a worker as a descriptor of its own), and ``names``
+    strings of 96 characters (20,000 of them pickle to over 1 MiB: a template's start)."""
 
-    def __init__(self, n: int, names: int = 0) -> None:
+    def __init__(self, n: int, names: int = 0, *, shared: bool = False) -> None:
         self.items = [torch.full((2,), float(i)) for i in range(n)]
+        if shared:
+            for item in self.items:
+                item.share_memory_()
         self.names = [f"sample-{i:08d}" * 6 for i in range(names)]
 
     def __len__(self) -> int:

@@ -203,11 +203,11 @@ def test_a_dataset_pickle_refuses_goes_by_value_epoch_after_epoch_leaving_nothin
 
 
 class SharedTable(torch.utils.data.Dataset[Any]):
-    """A tensor, a process-shared counter (it pickles only as a process starts) and a
-    function (a lambda: the whole goes by value)."""
+    """A tensor in shared memory, a process-shared counter (it pickles only as a process
+    starts) and a function (a lambda: the whole goes by value)."""
 
     def __init__(self, transform: Any) -> None:
-        self.table = torch.arange(4.0)
+        self.table = torch.arange(4.0).share_memory_()
         self.calls = multiprocessing.get_context("spawn").Value("i", 0)
         self.transform = transform
 
@@ -225,7 +225,7 @@ class SharedTable(torch.utils.data.Dataset[Any]):
 
 def test_start_arguments_by_value_share_tensors_and_process_shared_values() -> None:
     """By value, the dataset is pickled inside each worker's start, as pickle by name pickles
-    it: its tensor is shared with the workers, not copied, and a multiprocessing ``Value``
+    it: its tensor in shared memory is shared with the workers, and a multiprocessing ``Value``
     (which pickles only then) reaches them."""
     dataset = SharedTable(lambda row: row * 10)
     loader = aioloader.DataLoader(

@@ -128,7 +128,8 @@ def test_a_dataset_holding_more_tensors_than_a_start_hands_over_starts_its_worke
     dataset holds: a dataset of 300 preloaded tensors failed to start its workers
     (``ValueError: too many fds``). Each worker's start now sends them down its pipe; a
     template (for a start that pickles to 1 MiB or more) is refused, saying why."""
-    loader = aioloader.DataLoader(worker_fns.HeldTensors(300, names), batch_size=100, num_workers=2)
+    held = worker_fns.HeldTensors(300, names, shared=True)
+    loader = aioloader.DataLoader(held, batch_size=100, num_workers=2)
     batches = list(loader)
     assert torch.cat(batches)[:, 0].tolist() == [float(i) for i in range(300)]
     workers = loader.statistics().workers
@@ -140,29 +141,46 @@ def test_a_dataset_holding_more_tensors_than_a_start_hands_over_starts_its_worke
 
 
 OUT_OF_FILES = """
-import json, resource, sys
+import json, os, resource, sys
 import torch
 import aioloader
+from aioloader._workers import startcopy
 from tests.support.worker_fns import HeldTensors
 
 if __name__ == "__main__":
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
-    loader = aioloader.DataLoader(HeldTensors(int(sys.argv[1])), batch_size=50, num_workers=2)
+    if sys.argv[3] == "moved":  # every storage moved to shared memory, as torch's sharing does
+        startcopy.MOVED_FROM = 0
+    held = HeldTensors(int(sys.argv[1]))
+    loader = aioloader.DataLoader(held, batch_size=50, num_workers=2)
     try:
-        print(json.dumps({"samples": sum(len(batch) for batch in loader), "notes": []}))
+        samples = sum(len(batch) for batch in loader)
+        print(json.dumps({"samples": samples, "notes": [], "fds": len(os.listdir("/proc/self/fd")),
+                          "moved": sum(item.is_shared() for item in held.items)}))
     except RuntimeError as exc:
         print(json.dumps({"samples": 0, "notes": getattr(exc, "__notes__", [])}))
 """
 
 
-def test_a_dataset_of_more_tensors_than_open_files_says_what_to_do(tmp_path: Path) -> None:
-    """Each tensor the dataset holds stays a shared-memory segment with its descriptor open in
-    the main process (torch's ``file_descriptor`` strategy, as with its spawn workers); the
-    pipe's descriptors are those, not copies (300 tensors start under a limit of 400)."""
+def test_a_dataset_of_more_tensors_than_open_files_starts_its_workers(tmp_path: Path) -> None:
+    """A dataset of 3,000 preloaded tensors under an open-file limit of 400: their storages
+    are copied into the start (``startcopy.py``), none moved to shared memory, no descriptor
+    left open here (torch's sharing made a segment each, its descriptor open here: the start
+    failed with 400 of them)."""
     env = {"PYTHONPATH": str(Path(__file__).parents[2])}
-    fits = run_json_script(tmp_path, OUT_OF_FILES, "300", "400", env=env)
-    assert fits == {"samples": 300, "notes": []}
-    over = run_json_script(tmp_path, OUT_OF_FILES, "600", "400", env=env)
+    got = run_json_script(tmp_path, OUT_OF_FILES, "3000", "400", "copied", env=env)
+    assert got["samples"] == 3000 and got["moved"] == 0 and got["fds"] < 40, got
+
+
+def test_a_dataset_of_more_moved_tensors_than_open_files_says_what_to_do(tmp_path: Path) -> None:
+    """Each storage torch's sharing moves (one of ``startcopy.MOVED_FROM`` bytes or more;
+    every one in this test) stays a shared-memory segment with its descriptor open in the main
+    process (torch's ``file_descriptor`` strategy, as with its spawn workers); the pipe's
+    descriptors are those, not copies (300 tensors start under a limit of 400)."""
+    env = {"PYTHONPATH": str(Path(__file__).parents[2])}
+    fits = run_json_script(tmp_path, OUT_OF_FILES, "300", "400", "moved", env=env)
+    assert fits["samples"] == 300 and fits["moved"] == 300, fits
+    over = run_json_script(tmp_path, OUT_OF_FILES, "600", "400", "moved", env=env)
     assert over["samples"] == 0
     assert any(
         "ran out of open files (400)" in note and "HeldTensors" in note and "ulimit -n" in note
@@ -320,7 +338,8 @@ def test_a_start_s_descriptors_refused_in_flight_go_once_earlier_workers_took_th
         send(conn, passing, **kwargs)
 
     monkeypatch.setattr(fdpass, "send_descriptors", once_refused)
-    loader = aioloader.DataLoader(worker_fns.HeldTensors(300), batch_size=100, num_workers=2)
+    held = worker_fns.HeldTensors(300, shared=True)
+    loader = aioloader.DataLoader(held, batch_size=100, num_workers=2)
     assert torch.cat(list(loader))[:, 0].tolist() == [float(i) for i in range(300)]
     assert calls[:3] == [300, 300, 300]  # the first worker's; the second's, refused, then sent
     del loader

@@ -1,0 +1,175 @@
+"""A dataset's tensors reach its workers as a forked worker has them: copies of their storages
+that go with the start (``_workers/startcopy.py``), mapped copy-on-write, views of one storage
+still views of one; a large storage, one already in shared memory and what is not a plain CPU
+tensor go torch's way, moved to shared memory and shared."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data
+
+import aioloader
+from aioloader._workers import startcopy
+from aioloader._workers.startonce import IN_FILE_FROM
+
+
+class Bumps(torch.utils.data.Dataset[torch.Tensor]):
+    """Adds 100 to its own tensor ``i`` in place as it reads it."""
+
+    def __init__(self, n: int) -> None:
+        self.items = [torch.full((3,), float(i)) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.items[i] += 100
+        return self.items[i].clone()
+
+
+def epochs(loader: Any, n: int) -> list[list[float]]:
+    return [torch.cat(list(loader))[:, 0].tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-epoch", "persistent"])
+def test_a_worker_s_write_to_its_dataset_s_tensor_is_its_own_as_in_torch_s_forked_workers(
+    persistent: bool,
+) -> None:
+    """torch's forked workers write to their copy-on-write pages: the main process's dataset
+    stays as it was, each epoch's new workers start from it, persistent ones keep their own.
+    (torch's sharing moved each tensor to shared memory where it was: the main process's
+    changed, and each epoch added 100 more.)"""
+    mine, torchs = Bumps(8), Bumps(8)
+    ours = aioloader.DataLoader(mine, batch_size=4, num_workers=2, persistent_workers=persistent)
+    theirs = torch.utils.data.DataLoader(
+        torchs,
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=persistent,
+        multiprocessing_context="fork",
+    )
+    got, expected = epochs(ours, 2), epochs(theirs, 2)
+    ours.close()
+    assert got == expected
+    assert got[0] == [i + 100.0 for i in range(8)]
+    assert [item[0].item() for item in mine.items] == [float(i) for i in range(8)]
+    assert not any(item.is_shared() for item in mine.items)
+
+
+class Views(torch.utils.data.Dataset[dict[str, Any]]):
+    """Views of one storage, and tensors of every layout a dataset may hold: reports what it
+    finds in the process that reads it."""
+
+    def __init__(self, padding: int) -> None:
+        base = torch.arange(24.0).reshape(4, 6)
+        self.base = base
+        self.rows = list(base.unbind(0))  # a cached dataset split into samples
+        self.column = base[:, 1]  # a strided view
+        self.tensors = {
+            "float64": torch.linspace(0, 1, 7, dtype=torch.float64),
+            "bfloat16": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+            "complex64": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64),
+            "bool": torch.tensor([True, False, True]),
+            "channels_last": torch.arange(2 * 3 * 4 * 5, dtype=torch.uint8)
+            .reshape(2, 3, 4, 5)
+            .contiguous(memory_format=torch.channels_last),
+            "scalar": torch.tensor(7, dtype=torch.int64),
+            "empty": torch.empty(0, 3),
+            "expanded": torch.arange(3).expand(4, 3),
+            "offset": torch.arange(10, dtype=torch.int16)[3:7],
+            "large": torch.arange(20_000, dtype=torch.int32),  # out of the pickle's band
+        }
+        self.padding = b"p" * padding  # a start pickle of 1 MiB or more goes by a template
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        aliased = (
+            self.rows[0].untyped_storage().data_ptr() == self.base.untyped_storage().data_ptr()
+        )
+        self.rows[2][1] = -1.0  # through one view: the others see it
+        seen = (self.base[2, 1].item(), self.column[2].item())
+        self.rows[2][1] = 13.0
+        layouts = {
+            name: (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.is_shared())
+            for name, t in self.tensors.items()
+        }
+        values = {name: t.clone() for name, t in self.tensors.items()}
+        return {"aliased": aliased, "seen": seen, "layouts": layouts, "values": values}
+
+
+def as_read(sample: Any) -> Any:
+    return sample
+
+
+@pytest.mark.parametrize("padding", [0, IN_FILE_FROM], ids=["in-the-start", "by-a-template"])
+def test_views_dtypes_and_layouts_arrive_as_they_were(padding: int) -> None:
+    dataset = Views(padding)
+    here = dataset[0]
+    loader = aioloader.DataLoader(dataset, batch_size=None, num_workers=2, collate_fn=as_read)
+    (there,) = list(loader)
+    assert here["aliased"] and there["aliased"]
+    assert here["seen"] == there["seen"] == (-1.0, -1.0)
+    assert there["layouts"] == here["layouts"]
+    assert not any(layout[-1] for layout in there["layouts"].values())
+    for name, value in here["values"].items():
+        assert torch.equal(there["values"][name], value), name
+    assert (loader.statistics().workers.template_pid != 0) == bool(padding)
+
+
+class Held(torch.utils.data.Dataset[tuple[bool, float]]):
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> tuple[bool, float]:
+        return self.tensor.is_shared(), float(self.tensor.detach().sum())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(2048),  # 8 KiB: over MOVED_FROM as this test sets it
+        lambda: torch.ones(4).share_memory_(),  # already shared: meant to be
+        lambda: torch.nn.Parameter(torch.ones(4)),
+    ],
+    ids=["large", "shared", "parameter"],
+)
+def test_a_large_storage_one_in_shared_memory_or_a_parameter_goes_torch_s_way(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Moved to shared memory once and shared: a later write here reaches persistent workers,
+    as with torch's spawn workers."""
+    monkeypatch.setattr(startcopy, "MOVED_FROM", 4096)
+    tensor = make()
+    loader = aioloader.DataLoader(
+        Held(tensor), batch_size=None, num_workers=1, persistent_workers=True, collate_fn=as_read
+    )
+    first = list(loader)
+    with torch.no_grad():
+        tensor += 1
+    second = list(loader)
+    loader.close()
+    n = float(tensor.numel())
+    assert tensor.is_shared()
+    assert first == [(True, n), (True, n)] and second == [(True, 2 * n), (True, 2 * n)]
+
+
+def test_a_small_tensor_is_copied_and_a_later_write_here_is_not_seen() -> None:
+    """Below ``MOVED_FROM``: the worker's copy, as a forked worker's."""
+    tensor = torch.ones(4)
+    loader = aioloader.DataLoader(
+        Held(tensor), batch_size=None, num_workers=1, persistent_workers=True, collate_fn=as_read
+    )
+    first = list(loader)
+    tensor += 1
+    second = list(loader)
+    loader.close()
+    assert not tensor.is_shared()
+    assert first == second == [(False, 4.0), (False, 4.0)]
