@@ -34,7 +34,7 @@ import itertools
 import pickle
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import cloudpickle
@@ -160,7 +160,7 @@ def _receive_start(blob: bytes) -> Any:
     return received_start(blob, by_value=True)
 
 
-def received_start(blob: bytes | memoryview, buffers: Sequence[Any] = (), *, by_value: bool) -> Any:
+def received_start(blob: bytes | memoryview, buffers: Iterable[Any] = (), *, by_value: bool) -> Any:
     """In a worker: its start arguments, from their pickle and its out-of-band ``buffers``
     (``by_value``: something in it came by value, so the worker's replies go by value too:
     :func:`dumps_reply`)."""

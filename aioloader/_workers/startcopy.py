@@ -16,21 +16,23 @@ and moved once they are not copied again by each epoch's start; so does one alre
 shared memory (``share_memory_()``: meant to be shared), a subclass, a tensor that requires
 grad, and any other that is not a plain dense CPU tensor.
 
-Owns: :class:`StartCopies`, the reduction of a start's tensors to copies of their storages,
-each storage once (views of one storage stay views of one in the worker). Never: moves or
-changes a tensor here; decides where the bytes go (the pickle's buffer callback does:
-``startonce.py``).
+Owns: :class:`StartCopies`, a start's tensors as one table of copies of their storages, each
+storage once (views of one storage stay views of one in the worker), and :func:`received`,
+which rebuilds them. Never: moves or changes a tensor here; decides where the bytes go (the
+pickle's buffer callback does: ``startonce.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["MOVED_FROM", "StartCopies"]
+__all__ = ["MOVED_FROM", "StartCopies", "received"]
 
 # Bytes: a storage this large or larger is moved to shared memory as torch shares it, once
 # (a 4 GiB tensor would otherwise be copied again at every epoch's start without persistent
@@ -39,31 +41,55 @@ MOVED_FROM = 64 << 20
 
 
 class StartCopies:
-    """The copies a start's pickle makes of its tensors' storages, one per storage."""
+    """A start's tensors met as its arguments are pickled (:meth:`reduce`), pickled after them
+    as one table (:meth:`dumps`) that a worker unpickles first (:func:`received`): each
+    storage's bytes once, however many of its views there are, and each tensor's place in its
+    storage. One table, not a reduction per tensor: 15,000 tensors took 0.16-0.17 s to pickle
+    each its own way, 0.11-0.12 s as a table (unpickled in 0.05 s either way)."""
 
-    __slots__ = ("_storages",)
+    __slots__ = ("_tensors",)
 
     def __init__(self) -> None:
-        self._storages: dict[int, _Storage] = {}
+        self._tensors: list[torch.Tensor] = []
 
-    def reduce(self, tensor: object) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
-        """``tensor`` as a view of its storage's copy (the storage pickled once however many
-        views of it are pickled), or None where it goes torch's way."""
+    def reduce(self, tensor: object) -> tuple[Callable[[int], Any], tuple[int]] | None:
+        """``tensor`` as a reference to its place in the table (pickle's memo sends a tensor met
+        twice once), or None where it goes torch's way."""
         if not _copied(tensor):
             return None
         assert isinstance(tensor, torch.Tensor)
-        storage = tensor.untyped_storage()
-        held = self._storages.get(storage._cdata)
-        if held is None:
-            held = self._storages[storage._cdata] = _Storage(storage)
-        size, stride = tuple(tensor.shape), tensor.stride()
-        return _view, (held, tensor.dtype, tensor.storage_offset(), size, stride)
+        self._tensors.append(tensor)
+        return _copy_ref, (len(self._tensors) - 1,)
+
+    def dumps(self, out_of_band: Callable[[pickle.PickleBuffer], bool]) -> bytes:
+        """The table pickled (``b""`` where no tensor was met), each storage's bytes given to
+        ``out_of_band`` (pickle's buffer callback); to be unpickled before the arguments."""
+        if not self._tensors:
+            return b""
+        index: dict[int, int] = {}  # a storage's place in ``data``, by its address
+        data: list[pickle.PickleBuffer] = []
+        places = []
+        for tensor in self._tensors:
+            storage = tensor.untyped_storage()
+            at = index.get(storage._cdata)
+            if at is None:
+                at = index[storage._cdata] = len(data)
+                whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+                data.append(pickle.PickleBuffer(whole.numpy().data))
+            places.append(
+                (at, tensor.dtype, tensor.storage_offset(), *tensor.shape, *tensor.stride())
+            )
+        buffer = io.BytesIO()
+        pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL, buffer_callback=out_of_band).dump(
+            (data, places)
+        )
+        return buffer.getvalue()
 
 
 def _copied(value: object) -> bool:
     if type(value) is not torch.Tensor:  # a Parameter, a subclass, a storage: torch's way
         return False
-    if value.device.type != "cpu" or value.layout != torch.strided or value.requires_grad:
+    if not value.is_cpu or value.layout != torch.strided or value.requires_grad:
         return False
     if value.is_quantized or value.is_nested or value.is_conj() or value.is_neg():
         return False
@@ -71,33 +97,39 @@ def _copied(value: object) -> bool:
     return storage.nbytes() < MOVED_FROM and not storage.is_shared()
 
 
-class _Storage:
-    """A storage in a start's pickle: its bytes, given to the pickle's buffer callback (in
-    the pickle where small, else in the start's file of buffers)."""
+# In a worker, while its start arguments are unpickled: the tensors of the start's table
+_copies_here: list[torch.Tensor] = []
 
-    __slots__ = ("_storage",)
 
-    def __init__(self, storage: torch.UntypedStorage) -> None:
-        self._storage = storage
+def _copy_ref(index: int) -> torch.Tensor:
+    return _copies_here[index]
 
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        whole = torch.empty(0, dtype=torch.uint8).set_(self._storage)
-        return _storage, (pickle.PickleBuffer(whole.numpy().data),)
+
+@contextlib.contextmanager
+def received(table: bytes | memoryview, buffers: Iterator[Any]) -> Iterator[None]:
+    """In a worker: the start's tensors rebuilt from ``table`` and its out-of-band ``buffers``
+    (taken from the iterator, in order), each storage over its bytes (a bytearray, or a
+    writable view of the start's file of buffers, mapped copy-on-write, which the storage
+    keeps alive); the start's arguments find them while the block runs."""
+    global _copies_here
+    if not len(table):
+        yield
+        return
+    data, places = pickle.loads(table, buffers=buffers)
+    storages = [_storage(bytes_) for bytes_ in data]
+    tensors = []
+    for at, dtype, offset, *layout in places:
+        ndim = len(layout) // 2
+        size, stride = layout[:ndim], layout[ndim:]
+        tensors.append(torch.empty(0, dtype=dtype).set_(storages[at], offset, size, stride))
+    _copies_here = tensors
+    try:
+        yield
+    finally:
+        _copies_here = []
 
 
 def _storage(data: Any) -> torch.UntypedStorage:
-    """In a worker: a storage over ``data`` (a bytearray, or a writable view of the start's
-    file of buffers, mapped copy-on-write), which it keeps alive."""
     if not len(data):
         return torch.empty(0, dtype=torch.uint8).untyped_storage()
     return torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-
-
-def _view(
-    storage: torch.UntypedStorage,
-    dtype: torch.dtype,
-    offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)

@@ -10,17 +10,20 @@ where torch's forked workers inherit the list. A dataset holding a 256 MiB array
 labels, CIFAR's images) put a private copy of it in each worker: the process tree's PSS with
 2 workers was 1,034 MiB, against torch's 513 (538 now).
 
-What one pickle cannot serve (:func:`dumps_once`): what acts as it reduces, a tensor torch
-moves to shared memory (counted once per pickle), a socket or a connection, a descriptor a
-value hands to one process's start (a multiprocessing ``Value``'s memory). Those go in the
+A dataset's tensors go as a NumPy array's bytes do, as one table of copies unpickled before
+the rest (``startcopy.py``). What one pickle cannot serve (:func:`dumps_once`): what acts as it
+reduces, a tensor torch moves to shared memory (one in shared memory already, one of
+``startcopy.MOVED_FROM`` bytes or more, a ``Parameter``), a socket or a connection, a
+descriptor a value hands to one process's start (a multiprocessing ``Value``'s memory). Those
+go in the
 pickle as references by index, and each worker's start pickles them for itself, with torch's
 and multiprocessing's reductions, as the whole start was pickled before. A start that does not
 pickle at all is pickled per worker (``byvalue.start_args``), which names what fails.
 
-Owns: :func:`dumps_once`, :class:`StartArguments`, :class:`OnceStart`: the pickle's file and
-its out-of-band buffers' file (``memfd_create``: anonymous, gone once the last process lets go
-of it), each handed to each worker's start as a descriptor; parts under :data:`IN_FILE_FROM`
-go with the start itself.
+Owns: :func:`dumps_once`, :class:`StartArguments`, :class:`OnceStart`: the pickle's file (the
+table of copies, then the pickle) and its out-of-band buffers' file (``memfile.py``), each
+handed to each worker's start as a descriptor; parts under :data:`IN_FILE_FROM` go with the
+start itself.
 Never: keeps a file here past the start (the pool closes them once its workers have theirs);
 a worker lets go of the pickle's once it has unpickled it, and keeps the buffers' mapped (and
 the descriptor Python's ``mmap`` keeps) for as long as it holds an array from it (a write to
@@ -44,8 +47,9 @@ from typing import Any
 from . import fdpass
 from .byname import as_a_process_starts
 from .byvalue import MainRule, received_start, start_args, start_pickler
+from .memfile import IN_FILE_FROM, in_memory, mapped
 from .nogc import collections_paused
-from .startcopy import StartCopies
+from .startcopy import StartCopies, received
 
 __all__ = [
     "IN_FILE_FROM",
@@ -61,10 +65,12 @@ __all__ = [
 # takes: the stdlib's client hands over at most MAXFDS_TO_SEND less 4, a few of them the
 # start's own files. More go down the worker's pipe (fdpass.starting), or refuse a template.
 MOST_HANDED = stdlib_forkserver.MAXFDS_TO_SEND - 16
-IN_FILE_FROM = 1 << 20  # bytes: a smaller pickle goes in each worker's start, copied
-# Bytes: a smaller array goes in the pickle. Out of band, each array costs a write here, a
+# Bytes: a smaller array or storage goes in the pickle. Out of band, each costs a write here, a
 # place in each worker's start and a view there: 600,000 arrays of two numbers (the boxes of a
-# detection dataset) took 8.6 s to the first batch, against 5.7 s in the pickle.
+# detection dataset) took 8.6 s to the first batch, against 5.7 s in the pickle. In the pickle,
+# it is copied into it, out of it into the template and, a page at a time, into each worker:
+# 15,000 images of 12 KiB (2 workers, 2-core box), 0.30-0.39 s to the first batch out of
+# band, 0.53-0.60 s in the pickle from 64 KiB (tensors: 0.54 s against 0.71-0.80 s).
 OUT_OF_BAND_FROM = 4 << 10
 
 
@@ -119,7 +125,8 @@ class StartArguments:
 @dataclass(eq=False, slots=True)
 class _Pickled:
     blob: memoryview  # the pickle
-    buffers: list[pickle.PickleBuffer]  # its out-of-band buffers
+    copies: bytes  # the table of its tensors' copies, unpickled first (b"" for none)
+    buffers: list[pickle.PickleBuffer]  # their out-of-band buffers, the table's first
     acting: list[object]  # what each worker's start pickles for itself, by index in the pickle
     by_value: bool  # something in it went by value
     kinds: frozenset[type]  # the types of the objects in it (not builtins': reduced by them)
@@ -147,21 +154,29 @@ def dumps_once(start: object, main_has: MainRule) -> _Pickled | None:
 
     buffer = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
+    table_buffers: list[pickle.PickleBuffer] = []
 
-    def in_band(buffer: pickle.PickleBuffer) -> bool:
-        with memoryview(buffer) as view:
-            if view.nbytes < OUT_OF_BAND_FROM or not view.contiguous:
-                return True
-        buffers.append(buffer)
-        return False
+    def out_of_band(into: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
+        def in_band(buffer: pickle.PickleBuffer) -> bool:
+            with memoryview(buffer) as view:
+                if view.nbytes < OUT_OF_BAND_FROM or not view.contiguous:
+                    return True
+            into.append(buffer)
+            return False
 
-    pickler = start_pickler(buffer, main_has, acting=refer, out_of_band=in_band)
+        return in_band
+
+    pickler = start_pickler(buffer, main_has, acting=refer, out_of_band=out_of_band(buffers))
     try:
         with as_a_process_starts(_EachProcessStart(refer)), collections_paused():
             pickler.dump(start)
+            table = copies.dumps(out_of_band(table_buffers))
     except Exception:  # each worker's own pickle says why, as it did without this
         return None
-    return _Pickled(buffer.getbuffer(), buffers, acting, pickler.by_value, frozenset(pickler.kinds))
+    kinds = frozenset(pickler.kinds)
+    return _Pickled(
+        buffer.getbuffer(), table, table_buffers + buffers, acting, pickler.by_value, kinds
+    )
 
 
 class _EachProcessStart:
@@ -229,16 +244,19 @@ class OnceStart:
 
     def __init__(self, pickled: _Pickled) -> None:
         blob, raws = pickled.blob, [buffer.raw() for buffer in pickled.buffers]
-        self.size = len(blob) + sum(len(raw) for raw in raws)
+        self.size = len(pickled.copies) + len(blob) + sum(len(raw) for raw in raws)
         self.by_value = pickled.by_value
         self.kinds = pickled.kinds  # the types of the objects in it (not builtins')
         self._acting = pickled.acting
         # Descriptors each start hands over for the values it pickles for itself
         self.handed = sum(fdpass.descriptors_of(value) for value in pickled.acting)
-        pickle_file = _in_memory([blob])
-        self._pickle: Any = bytes(blob) if pickle_file is None else (pickle_file[0], len(blob))
+        # The table of copies, then the pickle: a list of the two, or their file and spans
+        self._pickle: Any = in_memory([memoryview(pickled.copies), blob]) or [
+            pickled.copies,
+            bytes(blob),
+        ]
         # Read-only where the array was (an in-band pickle gives it bytes, not a bytearray)
-        self._buffers: Any = _in_memory(raws) or [
+        self._buffers: Any = in_memory(raws) or [
             bytes(raw) if raw.readonly else bytearray(raw) for raw in raws
         ]
 
@@ -319,72 +337,37 @@ class Unreceived:
         return _receive(pickled, buffers, acting, by_value)
 
 
-Span = tuple[int, int, bool]  # where a part is in its file: offset, length, read-only
-
-
-def _in_memory(parts: list[memoryview]) -> tuple[int, list[Span]] | None:
-    """``parts`` written to one anonymous file in memory, each at an offset that is a
-    multiple of 64 (a NumPy array's alignment): its descriptor and where each part is. None
-    where they come to less than :data:`IN_FILE_FROM`, or no such file can be made (a
-    sandbox that refuses ``memfd_create``)."""
-    if sum(len(part) for part in parts) < IN_FILE_FROM or not hasattr(os, "memfd_create"):
-        return None
-    spans, end = [], 0
-    for part in parts:
-        spans.append((end, len(part), part.readonly))
-        end += -(-len(part) // _ALIGN) * _ALIGN
-    try:
-        fd = os.memfd_create("aioloader-start", os.MFD_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        os.ftruncate(fd, end)
-        for part, (offset, _, _) in zip(parts, spans, strict=True):
-            with part.cast("B") as whole:  # no view left in an error's frames (gh-111049)
-                done = 0
-                while done < len(whole):
-                    done += os.pwrite(fd, whole[done:], offset + done)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, spans
-
-
-_ALIGN = 64
-
-
 def _receive(pickled: Any, buffers: Any, acting: list[Any], by_value: bool) -> Any:
-    """In a worker: its start arguments, from the pickle (its bytes, or its file's descriptor
-    and length), its buffers (a list, or their file's descriptor and where each is) and this
-    worker's own pickle of the acting values (unpickled by now)."""
+    """In a worker: its start arguments, from the table of copies and the pickle (a list of
+    the two, or their file's descriptor and where each is), the buffers (a list, or their
+    file's descriptor and where each is) and this worker's own pickle of the acting values
+    (unpickled by now)."""
     global _acting_here
     if isinstance(buffers, tuple):
-        buffers = _mapped(*buffers)
+        buffers = mapped(*buffers)
     _acting_here = acting
     try:
         with collections_paused():  # nothing it makes is garbage yet
-            if not isinstance(pickled, tuple):
-                return received_start(pickled, buffers, by_value=by_value)
-            handle, size = pickled
+            if isinstance(pickled, list):
+                copies, start = pickled
+                return _unpickled(copies, start, iter(buffers), by_value)
+            handle, spans = pickled
             fd = handle.detach()  # this process's own descriptor of the file
             try:
-                with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-                    return received_start(view, buffers, by_value=by_value)
+                end = max(offset + length for offset, length, _ in spans)
+                with mmap.mmap(fd, end, prot=mmap.PROT_READ) as region, memoryview(region) as view:
+                    (at, length, _), (start_at, start_length, _) = spans
+                    with (
+                        view[at : at + length] as copies,
+                        view[start_at : start_at + start_length] as start,
+                    ):
+                        return _unpickled(copies, start, iter(buffers), by_value)
             finally:
                 os.close(fd)
     finally:
         _acting_here = []
 
 
-def _mapped(handle: Any, spans: list[Span]) -> list[memoryview]:
-    """The buffers in their file, mapped copy-on-write (written to, a page becomes this
-    process's own); the mapping lasts as long as something holds one of them."""
-    fd = handle.detach()
-    try:
-        end = max(offset + length for offset, length, _ in spans)
-        mapped = mmap.mmap(fd, end, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    whole = memoryview(mapped)
-    views = [(whole[offset : offset + length], readonly) for offset, length, readonly in spans]
-    return [view.toreadonly() if readonly else view for view, readonly in views]
+def _unpickled(copies: Any, start: Any, buffers: Iterator[Any], by_value: bool) -> Any:
+    with received(copies, buffers):  # the tensors' table first: the pickle refers to them
+        return received_start(start, buffers, by_value=by_value)

@@ -66,6 +66,7 @@ class Views(torch.utils.data.Dataset[dict[str, Any]]):
     def __init__(self, padding: int) -> None:
         base = torch.arange(24.0).reshape(4, 6)
         self.base = base
+        self.also = {"base": base}  # the same tensor twice: one tensor in the worker
         self.rows = list(base.unbind(0))  # a cached dataset split into samples
         self.column = base[:, 1]  # a strided view
         self.tensors = {
@@ -99,7 +100,8 @@ class Views(torch.utils.data.Dataset[dict[str, Any]]):
             for name, t in self.tensors.items()
         }
         values = {name: t.clone() for name, t in self.tensors.items()}
-        return {"aliased": aliased, "seen": seen, "layouts": layouts, "values": values}
+        same = self.also["base"] is self.base
+        return {"aliased": aliased and same, "seen": seen, "layouts": layouts, "values": values}
 
 
 def as_read(sample: Any) -> Any:
