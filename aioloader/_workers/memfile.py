@@ -3,17 +3,18 @@ memory (``memfd_create``: gone once the last process lets go of it), and mapped 
 worker copy-on-write: a page stays shared by every worker until one writes to it, as a forked
 worker shares its parent's.
 
-Owns: :func:`in_memory`, :func:`mapped`. Never: keeps a descriptor it returns (the caller
-closes or hands it over).
+Owns: :func:`available`, :func:`in_memory`, :func:`mapped`. Never: keeps a descriptor it
+returns (the caller closes or hands it over).
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from typing import Any
 
-__all__ = ["ALIGN", "IN_FILE_FROM", "Span", "in_memory", "mapped"]
+__all__ = ["ALIGN", "IN_FILE_FROM", "Span", "available", "in_memory", "mapped"]
 
 IN_FILE_FROM = 1 << 20  # bytes: smaller parts go in each worker's start, copied
 ALIGN = 64  # bytes: where each part starts (a NumPy array's alignment)
@@ -21,12 +22,25 @@ ALIGN = 64  # bytes: where each part starts (a NumPy array's alignment)
 Span = tuple[int, int, bool]  # where a part is in its file: offset, length, read-only
 
 
+@functools.cache
+def available() -> bool:
+    """Whether this process can make a file in memory (a sandbox may refuse
+    ``memfd_create``)."""
+    if not hasattr(os, "memfd_create"):
+        return False
+    try:
+        os.close(os.memfd_create("aioloader-probe", os.MFD_CLOEXEC))
+    except OSError:
+        return False
+    return True
+
+
 def in_memory(parts: list[memoryview]) -> tuple[int, list[Span]] | None:
     """``parts`` written to one anonymous file in memory, each at an offset that is a
     multiple of 64 (a NumPy array's alignment): its descriptor and where each part is. None
     where they come to less than :data:`IN_FILE_FROM`, or no such file can be made (a
     sandbox that refuses ``memfd_create``)."""
-    if sum(len(part) for part in parts) < IN_FILE_FROM or not hasattr(os, "memfd_create"):
+    if sum(len(part) for part in parts) < IN_FILE_FROM or not available():
         return None
     spans, end = [], 0
     for part in parts:

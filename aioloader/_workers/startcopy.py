@@ -11,15 +11,23 @@ under the usual open-file limit of 1,024 (torch's forked workers inherit the lis
 (each epoch after, without persistent workers, 1.6 s against 0.29 s). A worker that changed a
 sample in place changed the main process's too (a forked worker's write is its own).
 
-A storage of :data:`MOVED_FROM` bytes or more still goes torch's way: there are few of them,
-and moved once they are not copied again by each epoch's start; so does one already in
-shared memory (``share_memory_()``: meant to be shared), a subclass, a tensor that requires
-grad, and any other that is not a plain dense CPU tensor.
+Each storage goes one way, whichever tensors view it, so that views of one storage stay views
+of one in the worker: torch's way (moved to shared memory once, where it is, and shared; its
+descriptor sent down each worker's pipe) where any value on it goes that way (a ``Parameter``,
+a tensor that requires grad, a subclass, a storage itself), where it is in shared memory
+already (``share_memory_()``: meant to be shared; and moved by an earlier start), where it is
+:data:`MOVED_FROM` bytes or more (few such, and moved once they are not copied again by each
+epoch's start), and, largest first, where the start's copies would come to more than
+:data:`COPIED_AT_MOST` and it is :data:`MOVABLE_FROM` or more (a dataset of 20 GiB in chunks
+of 32 MiB would hold a second copy while the workers run, and copy it at every start).
+Smaller storages are always copied: moved, each would hold a descriptor here. Nothing is
+copied where this process cannot make a file in memory (:func:`memfile.available`): the bytes
+would go down each worker's pipe.
 
 Owns: :class:`StartCopies`, a start's tensors as one table of copies of their storages, each
-storage once (views of one storage stay views of one in the worker), and :func:`received`,
-which rebuilds them. Never: moves or changes a tensor here; decides where the bytes go (the
-pickle's buffer callback does: ``startonce.py``).
+storage once (views of one storage stay views of one in the worker), and :func:`rebuilt`,
+which rebuilds them. Never: moves or changes a tensor here (torch's reductions move what goes
+their way); decides where the bytes go (the pickle's buffer callback does: ``startonce.py``).
 """
 
 from __future__ import annotations
@@ -32,61 +40,98 @@ from typing import Any
 
 import torch
 
-__all__ = ["MOVED_FROM", "StartCopies", "received"]
+from . import memfile
+
+__all__ = ["COPIED_AT_MOST", "MOVABLE_FROM", "MOVED_FROM", "StartCopies", "rebuilt", "referred"]
 
 # Bytes: a storage this large or larger is moved to shared memory as torch shares it, once
 # (a 4 GiB tensor would otherwise be copied again at every epoch's start without persistent
 # workers, and held twice while they run).
 MOVED_FROM = 64 << 20
+# Bytes: the most a start copies of storages of MOVABLE_FROM bytes or more; beyond it, the
+# largest of those are moved instead
+COPIED_AT_MOST = 256 << 20
+MOVABLE_FROM = 1 << 20
 
 
 class StartCopies:
     """A start's tensors met as its arguments are pickled (:meth:`reduce`), pickled after them
-    as one table (:meth:`dumps`) that a worker unpickles first (:func:`received`): each
+    as one table (:meth:`dumps`) that a worker unpickles first (:func:`rebuilt`): each
     storage's bytes once, however many of its views there are, and each tensor's place in its
-    storage. One table, not a reduction per tensor: 15,000 tensors took 0.16-0.17 s to pickle
+    storage (or, where its storage goes torch's way, its place among the start's acting
+    values). One table, not a reduction per tensor: 15,000 tensors took 0.16-0.17 s to pickle
     each its own way, 0.11-0.12 s as a table (unpickled in 0.05 s either way)."""
 
-    __slots__ = ("_tensors",)
+    __slots__ = ("_enabled", "_tensors", "_torch_way")
 
     def __init__(self) -> None:
+        self._enabled = memfile.available()
         self._tensors: list[torch.Tensor] = []
+        self._torch_way: set[int] = set()  # storages (by address) a value goes torch's way on
 
-    def reduce(self, tensor: object) -> tuple[Callable[[int], Any], tuple[int]] | None:
-        """``tensor`` as a reference to its place in the table (pickle's memo sends a tensor met
-        twice once), or None where it goes torch's way."""
-        if not _copied(tensor):
-            return None
-        assert isinstance(tensor, torch.Tensor)
-        self._tensors.append(tensor)
-        return _copy_ref, (len(self._tensors) - 1,)
+    def reduce(self, value: object) -> tuple[Callable[[int], Any], tuple[int]] | None:
+        """``value`` as a reference to its place in the table (pickle's memo sends a tensor met
+        twice once), or None where it goes torch's way (its storage is noted: every tensor on
+        it goes that way too)."""
+        if self._enabled and _copyable(value):
+            assert isinstance(value, torch.Tensor)
+            self._tensors.append(value)
+            return _copy_ref, (len(self._tensors) - 1,)
+        if (key := _storage_key(value)) is not None:
+            self._torch_way.add(key)
+        return None
 
-    def dumps(self, out_of_band: Callable[[pickle.PickleBuffer], bool]) -> bytes:
-        """The table pickled (``b""`` where no tensor was met), each storage's bytes given to
-        ``out_of_band`` (pickle's buffer callback); to be unpickled before the arguments."""
+    def dumps(
+        self, out_of_band: Callable[[pickle.PickleBuffer], bool], act: Callable[[object], int]
+    ) -> bytes:
+        """The table pickled (``b""`` where no tensor was met), each copied storage's bytes
+        given to ``out_of_band`` (pickle's buffer callback), each tensor on a storage that
+        goes torch's way given to ``act`` (which returns its index among the acting values);
+        to be unpickled before the arguments."""
         if not self._tensors:
             return b""
-        index: dict[int, int] = {}  # a storage's place in ``data``, by its address
+        moved = self._moved()
+        index: dict[int, int] = {}  # a copied storage's place in ``data``, by its address
         data: list[pickle.PickleBuffer] = []
-        places = []
+        places: list[Any] = []
         for tensor in self._tensors:
             storage = tensor.untyped_storage()
+            if storage._cdata in moved:  # as a value torch shares: an index, negative
+                places.append(-1 - act(tensor))
+                continue
             at = index.get(storage._cdata)
             if at is None:
                 at = index[storage._cdata] = len(data)
                 whole = torch.empty(0, dtype=torch.uint8).set_(storage)
                 data.append(pickle.PickleBuffer(whole.numpy().data))
-            places.append(
-                (at, tensor.dtype, tensor.storage_offset(), *tensor.shape, *tensor.stride())
-            )
+            offset, dtype = tensor.storage_offset(), tensor.dtype
+            places.append((at, dtype, offset, *tensor.shape, *tensor.stride()))
         buffer = io.BytesIO()
         pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL, buffer_callback=out_of_band).dump(
             (data, places)
         )
         return buffer.getvalue()
 
+    def _moved(self) -> set[int]:
+        """The storages that go torch's way: those a value went on, and the largest movable
+        ones while the copies would come to more than :data:`COPIED_AT_MOST`."""
+        sizes = {}
+        for tensor in self._tensors:
+            storage = tensor.untyped_storage()
+            sizes[storage._cdata] = storage.nbytes()
+        moved = self._torch_way & sizes.keys()
+        movable = sorted(
+            (size, key) for key, size in sizes.items() if key not in moved and size >= MOVABLE_FROM
+        )
+        total = sum(size for key, size in sizes.items() if key not in moved)
+        while total > COPIED_AT_MOST and movable:
+            size, key = movable.pop()
+            moved.add(key)
+            total -= size
+        return moved
 
-def _copied(value: object) -> bool:
+
+def _copyable(value: object) -> bool:
     if type(value) is not torch.Tensor:  # a Parameter, a subclass, a storage: torch's way
         return False
     if not value.is_cpu or value.layout != torch.strided or value.requires_grad:
@@ -97,6 +142,24 @@ def _copied(value: object) -> bool:
     return storage.nbytes() < MOVED_FROM and not storage.is_shared()
 
 
+def _storage_key(value: object) -> int | None:
+    """The address of the CPU storage ``value`` (a tensor or a storage) is on; None where it
+    has none (a sparse tensor, a tensor on a device, not a torch value)."""
+    storage: torch.UntypedStorage
+    if isinstance(value, torch.Tensor):
+        try:
+            storage = value.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a sparse tensor)
+            return None
+    elif isinstance(value, torch.TypedStorage):
+        storage = value._untyped_storage
+    elif isinstance(value, torch.UntypedStorage):
+        storage = value
+    else:
+        return None
+    return storage._cdata if storage.device.type == "cpu" else None
+
+
 # In a worker, while its start arguments are unpickled: the tensors of the start's table
 _copies_here: list[torch.Tensor] = []
 
@@ -105,23 +168,31 @@ def _copy_ref(index: int) -> torch.Tensor:
     return _copies_here[index]
 
 
-@contextlib.contextmanager
-def received(table: bytes | memoryview, buffers: Iterator[Any]) -> Iterator[None]:
+def rebuilt(table: bytes | memoryview, buffers: Iterator[Any], acting: list[Any]) -> list[Any]:
     """In a worker: the start's tensors rebuilt from ``table`` and its out-of-band ``buffers``
     (taken from the iterator, in order), each storage over its bytes (a bytearray, or a
     writable view of the start's file of buffers, mapped copy-on-write, which the storage
-    keeps alive); the start's arguments find them while the block runs."""
-    global _copies_here
+    keeps alive), or taken from the start's ``acting`` values."""
     if not len(table):
-        yield
-        return
+        return []
     data, places = pickle.loads(table, buffers=buffers)
     storages = [_storage(bytes_) for bytes_ in data]
     tensors = []
-    for at, dtype, offset, *layout in places:
+    for place in places:
+        if isinstance(place, int):
+            tensors.append(acting[-1 - place])
+            continue
+        at, dtype, offset, *layout = place
         ndim = len(layout) // 2
         size, stride = layout[:ndim], layout[ndim:]
         tensors.append(torch.empty(0, dtype=dtype).set_(storages[at], offset, size, stride))
+    return tensors
+
+
+@contextlib.contextmanager
+def referred(tensors: list[Any]) -> Iterator[None]:
+    """The start's pickle, unpickled in the block, finds ``tensors`` (:func:`rebuilt`)."""
+    global _copies_here
     _copies_here = tensors
     try:
         yield

@@ -49,7 +49,7 @@ from .byname import as_a_process_starts
 from .byvalue import MainRule, received_start, start_args, start_pickler
 from .memfile import IN_FILE_FROM, in_memory, mapped
 from .nogc import collections_paused
-from .startcopy import StartCopies, received
+from .startcopy import StartCopies, rebuilt, referred
 
 __all__ = [
     "IN_FILE_FROM",
@@ -143,14 +143,17 @@ def dumps_once(start: object, main_has: MainRule) -> _Pickled | None:
     indices: dict[int, int] = {}  # by id(): a value met twice is one value in each worker
     copies = StartCopies()
 
-    def refer(value: object) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        if (copied := copies.reduce(value)) is not None:  # a tensor, as a NumPy array goes
-            return copied
+    def act(value: object) -> int:
         index = indices.get(id(value))
         if index is None:
             index = indices[id(value)] = len(acting)
             acting.append(value)
-        return _acting_ref, (index,)
+        return index
+
+    def refer(value: object) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        if (copied := copies.reduce(value)) is not None:  # a tensor, as a NumPy array goes
+            return copied
+        return _acting_ref, (act(value),)
 
     buffer = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
@@ -168,9 +171,10 @@ def dumps_once(start: object, main_has: MainRule) -> _Pickled | None:
 
     pickler = start_pickler(buffer, main_has, acting=refer, out_of_band=out_of_band(buffers))
     try:
-        with as_a_process_starts(_EachProcessStart(refer)), collections_paused():
+        with as_a_process_starts(_EachProcessStart(refer)):
             pickler.dump(start)
-            table = copies.dumps(out_of_band(table_buffers))
+        with collections_paused():  # our own objects only: none is garbage yet
+            table = copies.dumps(out_of_band(table_buffers), act)
     except Exception:  # each worker's own pickle says why, as it did without this
         return None
     kinds = frozenset(pickler.kinds)
@@ -347,27 +351,28 @@ def _receive(pickled: Any, buffers: Any, acting: list[Any], by_value: bool) -> A
         buffers = mapped(*buffers)
     _acting_here = acting
     try:
-        with collections_paused():  # nothing it makes is garbage yet
-            if isinstance(pickled, list):
-                copies, start = pickled
-                return _unpickled(copies, start, iter(buffers), by_value)
-            handle, spans = pickled
-            fd = handle.detach()  # this process's own descriptor of the file
-            try:
-                end = max(offset + length for offset, length, _ in spans)
-                with mmap.mmap(fd, end, prot=mmap.PROT_READ) as region, memoryview(region) as view:
-                    (at, length, _), (start_at, start_length, _) = spans
-                    with (
-                        view[at : at + length] as copies,
-                        view[start_at : start_at + start_length] as start,
-                    ):
-                        return _unpickled(copies, start, iter(buffers), by_value)
-            finally:
-                os.close(fd)
+        if isinstance(pickled, list):
+            copies, start = pickled
+            return _unpickled(copies, start, iter(buffers), by_value)
+        handle, spans = pickled
+        fd = handle.detach()  # this process's own descriptor of the file
+        try:
+            end = max(offset + length for offset, length, _ in spans)
+            with mmap.mmap(fd, end, prot=mmap.PROT_READ) as region, memoryview(region) as view:
+                (at, length, _), (start_at, start_length, _) = spans
+                with (
+                    view[at : at + length] as copies,
+                    view[start_at : start_at + start_length] as start,
+                ):
+                    return _unpickled(copies, start, iter(buffers), by_value)
+        finally:
+            os.close(fd)
     finally:
         _acting_here = []
 
 
 def _unpickled(copies: Any, start: Any, buffers: Iterator[Any], by_value: bool) -> Any:
-    with received(copies, buffers):  # the tensors' table first: the pickle refers to them
+    with collections_paused():  # our own objects only: none is garbage yet
+        tensors = rebuilt(copies, buffers, _acting_here)
+    with referred(tensors):  # the tensors' table first: the pickle refers to them
         return received_start(start, buffers, by_value=by_value)

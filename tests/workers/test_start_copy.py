@@ -175,3 +175,101 @@ def test_a_small_tensor_is_copied_and_a_later_write_here_is_not_seen() -> None:
     loader.close()
     assert not tensor.is_shared()
     assert first == second == [(False, 4.0), (False, 4.0)]
+
+
+class OnParameter(torch.utils.data.Dataset[tuple[bool, float]]):
+    """A plain tensor on a ``Parameter``'s storage, met before it: one storage, one way."""
+
+    def __init__(self) -> None:
+        parameter = torch.nn.Parameter(torch.zeros(4))
+        self.held = {"plain": parameter.detach(), "parameter": parameter}
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> tuple[bool, float]:
+        plain, parameter = self.held["plain"], self.held["parameter"]
+        same = plain.untyped_storage().data_ptr() == parameter.untyped_storage().data_ptr()
+        plain[0] += 5  # through the plain view
+        return same, float(parameter.detach()[0])
+
+
+def test_a_storage_a_parameter_is_on_goes_torch_s_way_for_every_view_every_epoch() -> None:
+    """Decided per storage: the plain view and the ``Parameter`` stay one storage, shared as
+    torch's spawn workers share it, in every epoch (decided per tensor, the first epoch's
+    worker got two storages, and the second's one, moved by the first)."""
+    dataset = OnParameter()
+    loader = aioloader.DataLoader(dataset, batch_size=None, num_workers=1, collate_fn=as_read)
+    got = [list(loader) for _ in range(2)]
+    assert got == [[(True, 5.0)], [(True, 10.0)]]
+    assert dataset.held["plain"].is_shared()
+
+
+class Sized(torch.utils.data.Dataset[bool]):
+    def __init__(self, sizes: list[int]) -> None:
+        self.held = [torch.zeros(size, dtype=torch.uint8) for size in sizes]
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def __getitem__(self, i: int) -> bool:
+        return self.held[i].is_shared()
+
+
+def test_past_the_copy_budget_the_largest_movable_storages_are_moved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """8 storages of 32 KiB, 4 of 30 KiB and 50 of 100 bytes (a budget of 130 KiB, movable
+    from 16 KiB): the largest are moved until the copies come to 130 KiB or less (the 30 KiB
+    ones and the small ones, 125 KiB); the next epoch's start copies and moves the same."""
+    monkeypatch.setattr(startcopy, "COPIED_AT_MOST", 130 << 10)
+    monkeypatch.setattr(startcopy, "MOVABLE_FROM", 16 << 10)
+    sizes = [30 << 10] * 4 + [32 << 10] * 8 + [100] * 50
+    dataset = Sized(sizes)
+    loader = aioloader.DataLoader(dataset, batch_size=None, num_workers=1, collate_fn=as_read)
+    epochs = [list(loader) for _ in range(2)]
+    moved = [True] * 8
+    assert epochs[0] == epochs[1] == [False] * 4 + moved + [False] * 50
+    assert [tensor.is_shared() for tensor in dataset.held] == epochs[0]
+
+
+def test_without_files_in_memory_tensors_go_torch_s_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``memfd_create`` is refused (a sandbox), copies would go down each worker's pipe:
+    torch's way instead, moved once and shared."""
+    monkeypatch.setattr(startcopy.memfile, "available", lambda: False)
+    dataset = Sized([8, 5000])
+    loader = aioloader.DataLoader(dataset, batch_size=None, num_workers=1, collate_fn=as_read)
+    assert list(loader) == [True, True]
+
+
+class CollectsAsItPickles(torch.utils.data.Dataset[bool]):
+    """Says whether the collector ran as it was pickled and as it was unpickled."""
+
+    def __init__(self) -> None:
+        self.tensors = [torch.ones(3) for _ in range(4)]
+        self.pickled_with_collector = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        import gc
+
+        return {**self.__dict__, "pickled_with_collector": gc.isenabled()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import gc
+
+        self.__dict__.update(state, unpickled_with_collector=gc.isenabled())
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> bool:
+        return bool(self.pickled_with_collector and self.unpickled_with_collector)
+
+
+def test_a_dataset_s_own_pickling_code_runs_with_the_collector() -> None:
+    """The collector is paused for the table of tensors only: a dataset's ``__getstate__``
+    and ``__setstate__`` may make garbage, and it is collected."""
+    loader = aioloader.DataLoader(
+        CollectsAsItPickles(), batch_size=None, num_workers=1, collate_fn=as_read
+    )
+    assert list(loader) == [True]
