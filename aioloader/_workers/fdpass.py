@@ -318,8 +318,10 @@ class Piped:
 
 def descriptors_of(value: object) -> int:
     """How many descriptors a process's start hands over for ``value``, at most: a sparse
-    tensor's are its indices' and values' (a compressed one's, three), a tensor's or a socket's
-    one."""
+    tensor's are its indices' and values' (a compressed one's, three), a nested tensor's its
+    buffer's and its sizes', strides' and offsets' (four), a tensor's or a socket's one."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return 4
     if isinstance(value, torch.Tensor) and value.layout != torch.strided:
         return 2 if value.layout == torch.sparse_coo else 3
     return 1

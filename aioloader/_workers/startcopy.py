@@ -14,10 +14,11 @@ sample in place changed the main process's too (a forked worker's write is its o
 Each storage goes one way, whichever tensors view it, so that views of one storage stay views
 of one in the worker: torch's way (moved to shared memory once, where it is, and shared; its
 descriptor sent down each worker's pipe) where any value on it goes that way (a ``Parameter``,
-a tensor that requires grad, a subclass, a storage itself), where it is in shared memory
-already (``share_memory_()``: meant to be shared; and moved by an earlier start), where it is
-:data:`MOVED_FROM` bytes or more (few such, and moved once they are not copied again by each
-epoch's start), and, largest first, where the start's copies would come to more than
+a tensor that requires grad, a subclass, a sparse or nested tensor, a storage itself), where
+it is in shared memory already (``share_memory_()``, a batch an earlier loader made, or moved
+by an earlier start: shared as it was), where it is :data:`MOVED_FROM` bytes or more (few
+such, and moved once they are not copied again by each epoch's start), and, largest first,
+where the start's copies would come to more than
 :data:`COPIED_AT_MOST` and it is :data:`MOVABLE_FROM` or more (a dataset of 20 GiB in chunks
 of 32 MiB would hold a second copy while the workers run, and copy it at every start).
 Smaller storages are always copied: moved, each would hold a descriptor here. Nothing is
@@ -77,8 +78,7 @@ class StartCopies:
             assert isinstance(value, torch.Tensor)
             self._tensors.append(value)
             return _copy_ref, (len(self._tensors) - 1,)
-        if (key := _storage_key(value)) is not None:
-            self._torch_way.add(key)
+        self._torch_way.update(_storage_keys(value))
         return None
 
     def dumps(
@@ -105,7 +105,8 @@ class StartCopies:
                 whole = torch.empty(0, dtype=torch.uint8).set_(storage)
                 data.append(pickle.PickleBuffer(whole.numpy().data))
             offset, dtype = tensor.storage_offset(), tensor.dtype
-            places.append((at, dtype, offset, *tensor.shape, *tensor.stride()))
+            bits = tensor.is_conj() | tensor.is_neg() << 1  # lazy views torch's sharing drops
+            places.append((at, dtype, offset, bits, *tensor.shape, *tensor.stride()))
         buffer = io.BytesIO()
         pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL, buffer_callback=out_of_band).dump(
             (data, places)
@@ -136,28 +137,41 @@ def _copyable(value: object) -> bool:
         return False
     if not value.is_cpu or value.layout != torch.strided or value.requires_grad:
         return False
-    if value.is_quantized or value.is_nested or value.is_conj() or value.is_neg():
+    if value.is_quantized or value.is_nested:
         return False
     storage = value.untyped_storage()
     return storage.nbytes() < MOVED_FROM and not storage.is_shared()
 
 
-def _storage_key(value: object) -> int | None:
-    """The address of the CPU storage ``value`` (a tensor or a storage) is on; None where it
-    has none (a sparse tensor, a tensor on a device, not a torch value)."""
-    storage: torch.UntypedStorage
+def _storage_keys(value: object) -> list[int]:
+    """The addresses of the CPU storages ``value`` (a tensor, a sparse one's indices and
+    values, or a storage) is on; none where it is not a torch value on the CPU, or has no
+    storage of its own (a nested tensor)."""
+    storages: list[torch.UntypedStorage]
     if isinstance(value, torch.Tensor):
         try:
-            storage = value.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no storage of its own (a sparse tensor)
-            return None
+            storages = [part.untyped_storage() for part in _parts(value)]
+        except (RuntimeError, NotImplementedError):
+            return []
     elif isinstance(value, torch.TypedStorage):
-        storage = value._untyped_storage
+        storages = [value._untyped_storage]
     elif isinstance(value, torch.UntypedStorage):
-        storage = value
+        storages = [value]
     else:
-        return None
-    return storage._cdata if storage.device.type == "cpu" else None
+        return []
+    return [storage._cdata for storage in storages if storage.device.type == "cpu"]
+
+
+def _parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a sparse ``tensor`` is made of, or ``tensor`` itself."""
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return [tensor]
 
 
 # In a worker, while its start arguments are unpickled: the tensors of the start's table
@@ -182,10 +196,15 @@ def rebuilt(table: bytes | memoryview, buffers: Iterator[Any], acting: list[Any]
         if isinstance(place, int):
             tensors.append(acting[-1 - place])
             continue
-        at, dtype, offset, *layout = place
+        at, dtype, offset, bits, *layout = place
         ndim = len(layout) // 2
         size, stride = layout[:ndim], layout[ndim:]
-        tensors.append(torch.empty(0, dtype=dtype).set_(storages[at], offset, size, stride))
+        tensor = torch.empty(0, dtype=dtype).set_(storages[at], offset, size, stride)
+        if bits & 1:
+            tensor = tensor.conj()
+        if bits & 2:
+            tensor = torch._neg_view(tensor)
+        tensors.append(tensor)
     return tensors
 
 

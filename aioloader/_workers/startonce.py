@@ -134,11 +134,12 @@ class _Pickled:
 
 def dumps_once(start: object, main_has: MainRule) -> _Pickled | None:
     """The start arguments ``start`` pickled once for any number of workers (by name where a
-    worker finds them so, by value where not), but for what acts as it reduces: a tensor
-    (torch moves it to shared memory and counts it once per pickle), a socket, a connection,
-    a descriptor a value hands to a process's start (a multiprocessing ``Value``'s memory).
-    Those are referred to by index, each worker's start pickling them for itself. None where
-    it does not pickle (each worker's own start pickles it then, and says why)."""
+    worker finds them so, by value where not), its plain tensors as one table of copies after
+    it (``startcopy.py``), but for what acts as it reduces: a tensor ``startcopy`` leaves to
+    torch (which moves it to shared memory and counts it once per pickle), a socket, a
+    connection, a descriptor a value hands to a process's start (a multiprocessing ``Value``'s
+    memory). Those are referred to by index, each worker's start pickling them for itself.
+    None where it does not pickle (each worker's own start pickles it then, and says why)."""
     acting: list[object] = []
     indices: dict[int, int] = {}  # by id(): a value met twice is one value in each worker
     copies = StartCopies()

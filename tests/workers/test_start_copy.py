@@ -5,6 +5,7 @@ tensor go torch's way, moved to shared memory and shared."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch.utils.data
 import aioloader
 from aioloader._workers import startcopy
 from aioloader._workers.startonce import IN_FILE_FROM
+from tests.support.helpers import run_json_script
 
 
 class Bumps(torch.utils.data.Dataset[torch.Tensor]):
@@ -81,6 +83,8 @@ class Views(torch.utils.data.Dataset[dict[str, Any]]):
             "empty": torch.empty(0, 3),
             "expanded": torch.arange(3).expand(4, 3),
             "offset": torch.arange(10, dtype=torch.int16)[3:7],
+            "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(),  # lazy views torch's sharing drops
+            "neg": torch._neg_view(torch.tensor([2.0, -1.0])),
             "large": torch.arange(20_000, dtype=torch.int32),  # out of the pickle's band
         }
         self.padding = b"p" * padding  # a start pickle of 1 MiB or more goes by a template
@@ -96,7 +100,15 @@ class Views(torch.utils.data.Dataset[dict[str, Any]]):
         seen = (self.base[2, 1].item(), self.column[2].item())
         self.rows[2][1] = 13.0
         layouts = {
-            name: (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.is_shared())
+            name: (
+                tuple(t.shape),
+                t.stride(),
+                t.storage_offset(),
+                t.dtype,
+                t.is_conj(),
+                t.is_neg(),
+                t.is_shared(),
+            )
             for name, t in self.tensors.items()
         }
         values = {name: t.clone() for name, t in self.tensors.items()}
@@ -273,3 +285,46 @@ def test_a_dataset_s_own_pickling_code_runs_with_the_collector() -> None:
         CollectsAsItPickles(), batch_size=None, num_workers=1, collate_fn=as_read
     )
     assert list(loader) == [True]
+
+
+SPARSE_AND_NESTED = """
+import json, warnings
+warnings.filterwarnings("ignore", "Sparse invariant checks")  # as a worker rebuilds one
+warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
+import torch
+import aioloader
+
+
+class Held(torch.utils.data.Dataset):
+    def __init__(self):
+        self.sparse = torch.sparse_coo_tensor([[0, 1]], [1.5, 2.5], (3,))
+        self.values = self.sparse._values()  # a plain view of its values: one storage
+        self.nested = [torch.nested.nested_tensor([torch.ones(2), torch.ones(3) * i])
+                       for i in range(70)]  # 280 descriptors: more than a start hands over
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        self.values[0] = 99.0
+        return [float(self.sparse._values()[0]),
+                sum(float(nested.unbind()[1].sum()) for nested in self.nested)]
+
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(Held(), batch_size=None, num_workers=1)
+    print(json.dumps(list(loader)))
+"""
+
+
+def test_a_sparse_tensor_s_values_view_and_nested_tensors_arrive_as_torch_shares_them(
+    tmp_path: Path,
+) -> None:
+    """A plain view of a sparse tensor's values is on its storage: shared with it, not copied
+    (a write through it reaches the sparse tensor, as in torch's workers). A nested tensor
+    hands over four descriptors: 70 of them are more than a fork server's start takes, so
+    they go down the worker's pipe (counted one each, the start failed: too many fds). (A
+    script of its own: torch warns as a worker rebuilds one, an error here.)"""
+    env = {"PYTHONPATH": str(Path(__file__).parents[2])}
+    expected = [99.0, 3.0 * sum(range(70))]
+    assert run_json_script(tmp_path, SPARSE_AND_NESTED, env=env) == [expected]
