@@ -175,18 +175,26 @@ def test_a_large_storage_one_in_shared_memory_or_a_parameter_goes_torch_s_way(
     assert first == [(True, n), (True, n)] and second == [(True, 2 * n), (True, 2 * n)]
 
 
-def test_a_small_tensor_is_copied_and_a_later_write_here_is_not_seen() -> None:
-    """Below ``MOVED_FROM``: the worker's copy, as a forked worker's."""
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-epoch"])
+def test_a_small_tensor_is_copied_as_it_is_at_each_start(persistent: bool) -> None:
+    """Below ``MOVED_FROM``: the worker's copy, as a forked worker's: a later write here is
+    not seen by persistent workers, and is by the next epoch's new ones (torch's forked
+    workers alike)."""
     tensor = torch.ones(4)
     loader = aioloader.DataLoader(
-        Held(tensor), batch_size=None, num_workers=1, persistent_workers=True, collate_fn=as_read
+        Held(tensor),
+        batch_size=None,
+        num_workers=1,
+        persistent_workers=persistent,
+        collate_fn=as_read,
     )
     first = list(loader)
     tensor += 1
     second = list(loader)
     loader.close()
     assert not tensor.is_shared()
-    assert first == second == [(False, 4.0), (False, 4.0)]
+    assert first == [(False, 4.0), (False, 4.0)]
+    assert second == [(False, 4.0 if persistent else 8.0)] * 2
 
 
 class OnParameter(torch.utils.data.Dataset[tuple[bool, float]]):
