@@ -63,19 +63,24 @@ class StartCopies:
     values). One table, not a reduction per tensor: 15,000 tensors took 0.16-0.17 s to pickle
     each its own way, 0.11-0.12 s as a table (unpickled in 0.05 s either way)."""
 
-    __slots__ = ("_enabled", "_tensors", "_torch_way")
+    __slots__ = ("_enabled", "_keys", "_storages", "_tensors", "_torch_way")
 
     def __init__(self) -> None:
         self._enabled = memfile.available()
         self._tensors: list[torch.Tensor] = []
+        self._keys: list[int] = []  # each tensor's storage, by its address
+        self._storages: dict[int, torch.UntypedStorage] = {}  # by address
         self._torch_way: set[int] = set()  # storages (by address) a value goes torch's way on
 
     def reduce(self, value: object) -> tuple[Callable[[int], Any], tuple[int]] | None:
         """``value`` as a reference to its place in the table (pickle's memo sends a tensor met
         twice once), or None where it goes torch's way (its storage is noted: every tensor on
         it goes that way too)."""
-        if self._enabled and _copyable(value):
+        if self._enabled and (storage := _copyable(value)) is not None:
             assert isinstance(value, torch.Tensor)
+            key = storage._cdata
+            self._storages.setdefault(key, storage)
+            self._keys.append(key)
             self._tensors.append(value)
             return _copy_ref, (len(self._tensors) - 1,)
         self._torch_way.update(_storage_keys(value))
@@ -94,15 +99,14 @@ class StartCopies:
         index: dict[int, int] = {}  # a copied storage's place in ``data``, by its address
         data: list[pickle.PickleBuffer] = []
         places: list[Any] = []
-        for tensor in self._tensors:
-            storage = tensor.untyped_storage()
-            if storage._cdata in moved:  # as a value torch shares: an index, negative
+        for tensor, key in zip(self._tensors, self._keys, strict=True):
+            if key in moved:  # as a value torch shares: an index, negative
                 places.append(-1 - act(tensor))
                 continue
-            at = index.get(storage._cdata)
+            at = index.get(key)
             if at is None:
-                at = index[storage._cdata] = len(data)
-                whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+                at = index[key] = len(data)
+                whole = torch.empty(0, dtype=torch.uint8).set_(self._storages[key])
                 data.append(pickle.PickleBuffer(whole.numpy().data))
             offset, dtype = tensor.storage_offset(), tensor.dtype
             bits = tensor.is_conj() | tensor.is_neg() << 1  # lazy views torch's sharing drops
@@ -116,10 +120,7 @@ class StartCopies:
     def _moved(self) -> set[int]:
         """The storages that go torch's way: those a value went on, and the largest movable
         ones while the copies would come to more than :data:`COPIED_AT_MOST`."""
-        sizes = {}
-        for tensor in self._tensors:
-            storage = tensor.untyped_storage()
-            sizes[storage._cdata] = storage.nbytes()
+        sizes = {key: storage.nbytes() for key, storage in self._storages.items()}
         moved = self._torch_way & sizes.keys()
         movable = sorted(
             (size, key) for key, size in sizes.items() if key not in moved and size >= MOVABLE_FROM
@@ -132,15 +133,16 @@ class StartCopies:
         return moved
 
 
-def _copyable(value: object) -> bool:
+def _copyable(value: object) -> torch.UntypedStorage | None:
+    """The storage of ``value``, a plain dense CPU tensor that may be copied; else None."""
     if type(value) is not torch.Tensor:  # a Parameter, a subclass, a storage: torch's way
-        return False
+        return None
     if not value.is_cpu or value.layout != torch.strided or value.requires_grad:
-        return False
+        return None
     if value.is_quantized or value.is_nested:
-        return False
+        return None
     storage = value.untyped_storage()
-    return storage.nbytes() < MOVED_FROM and not storage.is_shared()
+    return storage if storage.nbytes() < MOVED_FROM and not storage.is_shared() else None
 
 
 def _storage_keys(value: object) -> list[int]:
