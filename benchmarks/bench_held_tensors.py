@@ -1,8 +1,8 @@
 """A torch ``Dataset`` that holds its samples as tensors (a preloaded, decoded cache), read
 through torch's ``DataLoader`` and through aioloader's with the import swapped, nothing else
 changed: ``persistent_workers=False`` (torch's default), so each epoch starts its workers and
-hands them the dataset again. Each configuration runs in a fresh interpreter, rounds
-interleaved.
+hands them the dataset again (``--persistent``: once). Each configuration runs in a fresh
+interpreter, rounds interleaved.
 
 torch's forked workers inherit the list. aioloader's workers start from a fork server, and the
 dataset's tensors go with their start: copied into the start (``_workers/startcopy.py``);
@@ -68,13 +68,20 @@ def child(config: str, args: argparse.Namespace) -> dict[str, Any]:
     dataset = Cached(args.tensors, args.shape)
     epochs = []
     with MemorySampler() as memory:
-        loader = make(dataset, batch_size=args.batch_size, num_workers=args.workers)
+        loader = make(
+            dataset,
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+            persistent_workers=args.persistent,
+        )
         for _ in range(args.epochs):
             start, samples = time.perf_counter(), 0
             for batch in loader:
                 samples += len(batch)
             assert samples == args.tensors, samples
             epochs.append(time.perf_counter() - start)
+        if hasattr(loader, "close"):
+            loader.close()
     return {
         "first_s": epochs[0],
         "later_s": statistics.median(epochs[1:]),
@@ -93,7 +100,7 @@ def run(config: str, args: argparse.Namespace) -> dict[str, Any]:
         sys.executable, __file__, "--child", name, "--tensors", str(args.tensors),
         "--shape", *map(str, args.shape), "--batch-size", str(args.batch_size),
         "--workers", str(args.workers), "--epochs", str(args.epochs),
-        "--nofile", str(args.nofile),
+        "--nofile", str(args.nofile), *(["--persistent"] if args.persistent else []),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
@@ -112,6 +119,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--nofile", type=int, default=0, help="open-file limit in each child")
+    parser.add_argument("--persistent", action="store_true", help="persistent_workers=True")
     parser.add_argument("--compare", nargs="*", default=[], help="other checkouts' aioloader")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -124,7 +132,8 @@ def main() -> int:
     print(
         f"a torch Dataset holding {args.tensors:,} uint8 tensors of {shape}"
         f" ({nbytes / 2**20:,.0f} MiB), batch {args.batch_size}, {args.workers} workers, "
-        f"{args.epochs} epochs without persistent workers, {os.cpu_count()} CPUs, open-file "
+        f"{args.epochs} epochs {'with' if args.persistent else 'without'} persistent workers, "
+        f"{os.cpu_count()} CPUs, open-file "
         f"limit {args.nofile or resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
     )
     configs = [*CONFIGS, *(f"aio@{path}" for path in args.compare)]
