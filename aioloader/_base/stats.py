@@ -124,10 +124,10 @@ class WorkerStatistics:
             initialised CUDA there; under the script's ``if __name__ == "__main__":`` guard,
             they would not run again.
         start_bytes: The start arguments (the dataset, ``worker_init_fn``) as pickled once
-            for the workers that last started together (its out-of-band NumPy buffers
-            included; not the tensors, sockets and descriptors each worker's start pickles
-            for itself); 0 where the workers were forked from this process, and for Ray
-            workers.
+            for the workers that last started together (its out-of-band NumPy buffers and
+            the copies of its tensors included; not the tensors torch shares, the sockets and
+            the descriptors each worker's start pickles for itself); 0 where the workers were
+            forked from this process, and for Ray workers.
         template_pid: The template those workers were forked from: a process that unpickled
             the start arguments once, whose pages they share copy-on-write (0: none; each
             unpickled its own copy).
