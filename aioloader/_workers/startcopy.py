@@ -59,8 +59,10 @@ class StartCopies:
     """A start's tensors met as its arguments are pickled (:meth:`reduce`), pickled after them
     as one table (:meth:`dumps`) that a worker unpickles first (:func:`rebuilt`): each
     storage's bytes once, however many of its views there are, and each tensor's place in its
-    storage (or, where its storage goes torch's way, its place among the start's acting
-    values). One table, not a reduction per tensor: 15,000 tensors took 0.16-0.17 s to pickle
+    storage (where the storage goes torch's way, it is one of the start's acting values, once
+    however many views of it there are: 100,000 rows of one 100 MB tensor, ``list(tensor)``,
+    took 4.4 s an epoch as 100,000 tensors torch shared, 1.2 s so; torch's forked workers
+    0.5 s). One table, not a reduction per tensor: 15,000 tensors took 0.16-0.17 s to pickle
     each its own way, 0.11-0.12 s as a table (unpickled in 0.05 s either way)."""
 
     __slots__ = ("_enabled", "_keys", "_storages", "_tensors", "_torch_way")
@@ -76,10 +78,13 @@ class StartCopies:
         """``value`` as a reference to its place in the table (pickle's memo sends a tensor met
         twice once), or None where it goes torch's way (its storage is noted: every tensor on
         it goes that way too)."""
-        if self._enabled and (storage := _copyable(value)) is not None:
+        if (storage := _plain(value)) is not None:
             assert isinstance(value, torch.Tensor)
             key = storage._cdata
-            self._storages.setdefault(key, storage)
+            if key not in self._storages:
+                self._storages[key] = storage
+                if not self._enabled or storage.is_shared() or storage.nbytes() >= MOVED_FROM:
+                    self._torch_way.add(key)
             self._keys.append(key)
             self._tensors.append(value)
             return _copy_ref, (len(self._tensors) - 1,)
@@ -100,11 +105,10 @@ class StartCopies:
         data: list[pickle.PickleBuffer] = []
         places: list[Any] = []
         for tensor, key in zip(self._tensors, self._keys, strict=True):
-            if key in moved:  # as a value torch shares: an index, negative
-                places.append(-1 - act(tensor))
-                continue
             at = index.get(key)
-            if at is None:
+            if at is None and key in moved:  # the storage as torch shares it: negative
+                at = index[key] = -1 - act(self._storages[key])
+            elif at is None:
                 at = index[key] = len(data)
                 whole = torch.empty(0, dtype=torch.uint8).set_(self._storages[key])
                 data.append(pickle.PickleBuffer(whole.numpy().data))
@@ -133,16 +137,16 @@ class StartCopies:
         return moved
 
 
-def _copyable(value: object) -> torch.UntypedStorage | None:
-    """The storage of ``value``, a plain dense CPU tensor that may be copied; else None."""
+def _plain(value: object) -> torch.UntypedStorage | None:
+    """The storage of ``value``, a plain dense CPU tensor (in the table, its storage copied or
+    shared); else None (a value torch's reductions handle whole)."""
     if type(value) is not torch.Tensor:  # a Parameter, a subclass, a storage: torch's way
         return None
     if not value.is_cpu or value.layout != torch.strided or value.requires_grad:
         return None
     if value.is_quantized or value.is_nested:
         return None
-    storage = value.untyped_storage()
-    return storage if storage.nbytes() < MOVED_FROM and not storage.is_shared() else None
+    return value.untyped_storage()
 
 
 def _storage_keys(value: object) -> list[int]:
@@ -194,14 +198,11 @@ def rebuilt(table: bytes | memoryview, buffers: Iterator[Any], acting: list[Any]
     data, places = pickle.loads(table, buffers=buffers)
     storages = [_storage(bytes_) for bytes_ in data]
     tensors = []
-    for place in places:
-        if isinstance(place, int):
-            tensors.append(acting[-1 - place])
-            continue
-        at, dtype, offset, bits, *layout = place
+    for at, dtype, offset, bits, *layout in places:
         ndim = len(layout) // 2
         size, stride = layout[:ndim], layout[ndim:]
-        tensor = torch.empty(0, dtype=dtype).set_(storages[at], offset, size, stride)
+        storage = storages[at] if at >= 0 else acting[-1 - at]  # shared: the start's own
+        tensor = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
         if bits & 1:
             tensor = tensor.conj()
         if bits & 2:

@@ -336,3 +336,38 @@ def test_a_sparse_tensor_s_values_view_and_nested_tensors_arrive_as_torch_shares
     env = {"PYTHONPATH": str(Path(__file__).parents[2])}
     expected = [99.0, 3.0 * sum(range(70))]
     assert run_json_script(tmp_path, SPARSE_AND_NESTED, env=env) == [expected]
+
+
+class Rows(torch.utils.data.Dataset[tuple[bool, float]]):
+    """A tensor's 300 rows (``list(tensor)``: views of its storage), and 20,000 names (the
+    start pickles to over 1 MiB: a template's)."""
+
+    def __init__(self) -> None:
+        self.whole = torch.zeros(300, 8)
+        self.rows = list(self.whole)
+        self.names = [f"sample-{i:08d}" * 6 for i in range(20_000)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[bool, float]:
+        self.rows[i][0] = i  # through the row: the whole tensor sees it
+        return self.rows[i].is_shared(), float(self.whole[i, 0])
+
+
+def test_the_rows_of_a_moved_tensor_are_its_views_and_hand_over_one_descriptor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Moved (``MOVED_FROM`` lowered here), the storage is handed over once, however many
+    views of it the dataset holds: the start keeps its template (300 views, each shared on
+    its own, were 300 descriptors, more than a fork server's start takes: no template), and
+    the rows are views of the whole tensor in the worker."""
+    monkeypatch.setattr(startcopy, "MOVED_FROM", 1024)
+    dataset = Rows()
+    loader = aioloader.DataLoader(dataset, batch_size=100, num_workers=2)
+    batches = list(loader)
+    shared, values = (torch.cat([batch[k] for batch in batches]) for k in (0, 1))
+    assert bool(shared.all()) and values.tolist() == [float(i) for i in range(300)]
+    workers = loader.statistics().workers
+    assert workers.template_pid != 0, workers.template_why
+    assert dataset.whole[:, 0].tolist() == [float(i) for i in range(300)]  # shared with them
