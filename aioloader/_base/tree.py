@@ -15,24 +15,39 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_instances", "map_tensors", "plain_cpu_tensor", "tensors_in"]
+__all__ = ["dense_parts", "map_instances", "map_tensors", "plain_cpu_tensor", "tensors_in"]
 
 _MISSING = object()
 # Types that hold nothing to walk: returned as they are, first
 _ATOMS = frozenset({str, bytes, bytearray, memoryview, int, float, complex, bool, type(None)})
 
 
-def plain_cpu_tensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a plain, dense, non-empty CPU tensor (no subclass, quantized or
-    nested tensor): one whose bytes can be copied into a buffer of ours and viewed back."""
+def plain_cpu_tensor(tensor: torch.Tensor, *, empty: bool = False) -> bool:
+    """Whether ``tensor`` is a plain, dense, non-empty (``empty``: or empty) CPU tensor (no
+    subclass, quantized or nested tensor): one whose bytes can be copied into a buffer of ours
+    and viewed back."""
     return (
         type(tensor) is torch.Tensor
         and tensor.device.type == "cpu"
         and tensor.layout == torch.strided
         and not tensor.is_quantized
         and not tensor.is_nested
-        and tensor.numel() > 0
+        and (empty or tensor.numel() > 0)
     )
+
+
+def dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a sparse ``tensor`` is made of (a COO one's indices and values, a
+    compressed one's two indices and values), each with a storage of its own; else ``tensor``
+    itself."""
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return [tensor]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:

@@ -48,6 +48,8 @@ import torch
 import torch.multiprocessing
 from torch.multiprocessing import reductions
 
+from .._base.tree import dense_parts
+
 __all__ = [
     "HEADER",
     "PATIENCE",
@@ -320,11 +322,9 @@ def descriptors_of(value: object) -> int:
     """How many descriptors a process's start hands over for ``value``, at most: a sparse
     tensor's are its indices' and values' (a compressed one's, three), a nested tensor's its
     buffer's and its sizes', strides' and offsets' (four), a tensor's or a socket's one."""
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return 4
-    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-        return 2 if value.layout == torch.sparse_coo else 3
-    return 1
+    if not isinstance(value, torch.Tensor):
+        return 1
+    return 4 if value.is_nested else len(dense_parts(value))
 
 
 def for_the_pipe() -> Passing | None:

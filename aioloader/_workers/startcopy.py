@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .._base.tree import dense_parts, plain_cpu_tensor
 from . import memfile
 
 __all__ = ["COPIED_AT_MOST", "MOVABLE_FROM", "MOVED_FROM", "StartCopies", "rebuilt", "referred"]
@@ -78,8 +79,8 @@ class StartCopies:
         """``value`` as a reference to its place in the table (pickle's memo sends a tensor met
         twice once), or None where it goes torch's way (its storage is noted: every tensor on
         it goes that way too)."""
-        if (storage := _plain(value)) is not None:
-            assert isinstance(value, torch.Tensor)
+        if isinstance(value, torch.Tensor) and _plain(value):
+            storage = value.untyped_storage()
             key = storage._cdata
             if key not in self._storages:
                 self._storages[key] = storage
@@ -137,16 +138,11 @@ class StartCopies:
         return moved
 
 
-def _plain(value: object) -> torch.UntypedStorage | None:
-    """The storage of ``value``, a plain dense CPU tensor (in the table, its storage copied or
-    shared); else None (a value torch's reductions handle whole)."""
-    if type(value) is not torch.Tensor:  # a Parameter, a subclass, a storage: torch's way
-        return None
-    if not value.is_cpu or value.layout != torch.strided or value.requires_grad:
-        return None
-    if value.is_quantized or value.is_nested:
-        return None
-    return value.untyped_storage()
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` goes in the table (its storage copied or shared): a plain dense CPU
+    tensor, empty or not, without autograd; not a ``Parameter``, a subclass, a sparse or
+    nested tensor (torch's reductions handle those whole)."""
+    return plain_cpu_tensor(tensor, empty=True) and not tensor.requires_grad
 
 
 def _storage_keys(value: object) -> list[int]:
@@ -156,7 +152,7 @@ def _storage_keys(value: object) -> list[int]:
     storages: list[torch.UntypedStorage]
     if isinstance(value, torch.Tensor):
         try:
-            storages = [part.untyped_storage() for part in _parts(value)]
+            storages = [part.untyped_storage() for part in dense_parts(value)]
         except (RuntimeError, NotImplementedError):
             return []
     elif isinstance(value, torch.TypedStorage):
@@ -166,18 +162,6 @@ def _storage_keys(value: object) -> list[int]:
     else:
         return []
     return [storage._cdata for storage in storages if storage.device.type == "cpu"]
-
-
-def _parts(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The dense tensors a sparse ``tensor`` is made of, or ``tensor`` itself."""
-    layout = tensor.layout
-    if layout == torch.sparse_coo:
-        return [tensor._indices(), tensor._values()]
-    if layout in (torch.sparse_csr, torch.sparse_bsr):
-        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
-    if layout in (torch.sparse_csc, torch.sparse_bsc):
-        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
-    return [tensor]
 
 
 # In a worker, while its start arguments are unpickled: the tensors of the start's table
