@@ -171,6 +171,12 @@ def _copy_in_chunks(
     return True
 
 
+def _page_locked(shape: torch.Size, strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor from torch's caching host allocator (page-locked; reused once the
+    copies out of it that torch recorded are done)."""
+    return torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
+
+
 def _dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
     """The strides ``tensor.to(device)`` would give: its own when it is dense (contiguous,
     channels-last, any permutation), else contiguous ones."""
@@ -317,9 +323,7 @@ class DeviceStage:
             return tensor
         if not plain_cpu_tensor(tensor):  # sparse, a subclass, empty: torch's own pinning
             return tensor.pin_memory()
-        out = torch.empty_strided(
-            tensor.shape, _dense_strides(tensor), dtype=tensor.dtype, pin_memory=True
-        )
+        out = _page_locked(tensor.shape, _dense_strides(tensor), tensor.dtype)
         self._host.copy(out, tensor)
         return out
 

@@ -83,8 +83,17 @@ class Scope:
         worker_seed = plan.scope_seed()
         dataset = plan.source.dataset if isinstance(plan.source, InWorkers) else None
         device = plan.device_plan
-        # A device stage that pins copies batches straight out of blocks the workers reuse.
-        blocks = device is not None and device.accelerator is not None and device.pin
+        # A stage that pins reads batches out of blocks the workers reuse: with a device, it
+        # copies them to the device straight out of the (registered) block. Pinning only, it
+        # copies them into pinned memory from a block mapped once, not a new segment a batch:
+        # less of the training process's CPU, where the workers live long enough to reuse
+        # their blocks (persistent); workers of one epoch would pay a block's first trip and a
+        # copy for each of their few batches (docs/design.md, "Worker blocks", has the figures).
+        blocks = (
+            device is not None
+            and device.pin
+            and (device.accelerator is not None or plan.arguments.persistent_workers)
+        )
         if plan.ray is not None and plan.num_workers > 0:
             self.work = RayPool(
                 plan.ray,

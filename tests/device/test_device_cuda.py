@@ -315,6 +315,36 @@ def test_batches_copied_out_of_worker_blocks_are_right_while_the_side_stream_lag
     assert stage.registrations.undone >= len(blocks)  # all undone as the scope closed
 
 
+def test_pin_memory_without_device_copies_out_of_worker_blocks_into_pinned_batches() -> None:
+    """``pin_memory=True`` alone with worker processes: the workers' batches come in their
+    blocks, and the consumer gets pinned copies, right even while it keeps them all and the
+    workers reuse their blocks (torch's recipe then: ``.to("cuda", non_blocking=True)``)."""
+    from aioloader._workers.ledger import LEDGER, find_block
+    from tests.workers.test_blocks import Frames
+
+    dl = aioloader.DataLoader(
+        Frames(), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
+        pin_memory=True,
+    )  # fmt: skip
+    kept = []
+    with dl:
+        for _ in range(3):
+            for frames, indices in dl:
+                assert frames.is_pinned() and indices.is_pinned() and find_block(frames) is None
+                on_gpu = frames.to(cuda(), non_blocking=True)
+                kept.append((frames, indices, on_gpu))
+        stage = dl._scope.device if dl._scope else None
+        assert stage is not None and stage.accelerator is None and stage.registrations is None
+        pids = {w.pid for w in dl._scope.work._slots.now}  # type: ignore[union-attr]
+        assert pids and pids <= {key[0] for key in LEDGER._blocks}  # their blocks mapped here
+    torch.cuda.synchronize()
+    seen = sorted(i for _, indices, _ in kept for i in indices.tolist())
+    assert seen == sorted(3 * list(range(96)))
+    for frames, indices, on_gpu in kept:
+        assert torch.equal(frames[:, 0, 0, 0].long(), indices % 251)
+        assert torch.equal(on_gpu.cpu(), frames)
+
+
 def test_registering_in_place_copies_at_pinned_speed_and_a_refusal_leaves_no_error() -> None:
     """``CudaAccelerator.register`` (the driver's call) on the thread that opened it: shared
     memory registered copies right with ``non_blocking``; a refusal (address 0) returns None

@@ -5,6 +5,7 @@ straight out of it; a block goes back to its worker once nothing of its result i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import pickle
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 import aioloader
+from aioloader._device import stage as stage_module
+from aioloader._device.hostcopy import HostCopy
 from aioloader._device.stage import DevicePlan, DeviceStage
 from aioloader._workers import blocks as blocks_module
 from aioloader._workers import fdpass
@@ -309,6 +312,53 @@ def test_without_a_pinning_device_stage_the_workers_use_no_blocks() -> None:
     with loader:
         assert check_epoch(loader) == list(range(96))
         assert fake.registered == [] and not [k for k in LEDGER._blocks if k[0] != PID]
+
+
+def test_pinning_on_the_host_only_reads_persistent_workers_batches_out_of_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``pin_memory=True`` without ``device``, persistent workers: the stage copies each batch
+    out of its worker's block (mapped once here) into pinned memory and hands out the copy, so
+    batches the consumer keeps stay right while the workers reuse their blocks. (Without CUDA
+    the pinned allocation is an ordinary one here: torch pins only with a device.)"""
+    sources: list[bool] = []
+    real_copy = HostCopy.copy
+
+    def copy(self: HostCopy, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.dim() == 4:  # the frames; their indices are under MIN_BYTES with them anyway
+            sources.append(find_block(src) is not None)
+        real_copy(self, dst, src)
+
+    monkeypatch.setattr(HostCopy, "copy", copy)
+    monkeypatch.setattr(stage_module, "_page_locked", lambda shape, strides, dtype: (
+        torch.empty_strided(shape, strides, dtype=dtype)
+    ))  # fmt: skip
+    loader = aioloader.DataLoader(
+        Frames(), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True
+    )
+    loader._plan = dataclasses.replace(loader._plan, device_plan=DevicePlan(None, True))
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with loader:
+        for _ in range(3):
+            epoch = list(loader)
+            assert sorted(torch.cat([i for _, i in epoch]).tolist()) == list(range(96))
+            kept += epoch
+        workers = {k[0] for k in LEDGER._blocks if k[0] != PID}
+        assert len(workers) == 2  # each worker's blocks mapped here
+        assert len([k for k in LEDGER._blocks if k[0] != PID]) <= 2 * blocks_module.PER_WORKER
+    assert len(sources) == 18 and all(sources[6:])  # the first epoch's may find none free yet
+    for frames, indices in kept:  # copies: the blocks' later batches did not overwrite them
+        assert find_block(frames) is None
+        assert torch.equal(frames[:, 0, 0, 0].long(), indices % 251)
+        assert torch.equal(frames.amin(dim=(1, 2, 3)), frames.amax(dim=(1, 2, 3)))
+
+    # Workers of one epoch each (torch's default) would not live to reuse a block: none made.
+    sources.clear()
+    loader = aioloader.DataLoader(Frames(), batch_size=16, num_workers=2)
+    loader._plan = dataclasses.replace(loader._plan, device_plan=DevicePlan(None, True))
+    for _ in range(2):
+        assert sorted(check_epoch(loader)) == list(range(96))
+    assert sources == 12 * [False] and not [k for k in LEDGER._blocks if k[0] != PID]
 
 
 def test_blocks_leave_no_descriptor_behind() -> None:
