@@ -2,7 +2,7 @@
 # Issue 25's GPU checks in one command, on a machine with a CUDA GPU and torch (torchvision
 # too, for the pipeline as users write it: without it a Pillow equivalent runs and each row says
 # so). Made for the device tool's boxes (one H100/H200, 16 cores): a copy of the working tree,
-# aioloader not installed, nothing fetched. About 6 minutes:
+# aioloader not installed, nothing fetched. About 5 minutes (297 s on an H200, 2026-11-30):
 #
 #   1. `aioloader bench --only gpu` (about 4 minutes, see aioloader/_bench/gpu.py): the
 #      ImageFolder pipeline through torch's DataLoader and aioloader's, the issue's table;

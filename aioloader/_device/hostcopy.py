@@ -11,7 +11,8 @@ and the threads here block when idle. docs/design.md has the measurements (an H1
 ``benchmarks/bench_hostcopy.py`` on any machine).
 
 Owns: copying a tensor into one of the same shape, dtype and layout, as bytes, split over
-``threads`` threads (the calling one and a pool that waits, blocked, when idle). Never: copies
+``threads`` threads (the calling one and a pool that waits, blocked, when idle); where the
+pinned copies go (:func:`page_locked`, torch's caching host allocator). Never: copies
 what has no flat byte view (not contiguous, conjugate or negative views, a dtype torch will not
 view as bytes): those go through torch's ``copy_``.
 """
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-__all__ = ["HostCopy", "as_bytes"]
+__all__ = ["HostCopy", "as_bytes", "page_locked"]
 
 _MIN_PART = 1 << 20  # bytes: a copy is split only into parts at least this large
 _ALIGN = 4096  # bytes: where parts start (whole pages)
@@ -40,6 +41,12 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
     except RuntimeError:
         return None
     return flat if flat.numel() == tensor.numel() * tensor.element_size() else None
+
+
+def page_locked(shape: torch.Size, strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor from torch's caching host allocator: page-locked, and reused only
+    once the copies out of it that torch recorded (a ``non_blocking`` copy's event) are done."""
+    return torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
 
 
 def _parts(nbytes: int, threads: int) -> list[tuple[int, int]]:

@@ -30,7 +30,7 @@ from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
 from .._workers.ledger import Registrations, find_block
 from .._workers.offload import ThreadOffload
 from .accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
-from .hostcopy import HostCopy, as_bytes
+from .hostcopy import HostCopy, as_bytes, page_locked
 
 __all__ = ["device_plan", "DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
 
@@ -169,12 +169,6 @@ def _copy_in_chunks(
         host.copy(staging[start:end], source[start:end])
         dest[start:end].copy_(staging[start:end], non_blocking=True)
     return True
-
-
-def _page_locked(shape: torch.Size, strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An empty host tensor from torch's caching host allocator (page-locked; reused once the
-    copies out of it that torch recorded are done)."""
-    return torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
 
 
 def _dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -323,7 +317,7 @@ class DeviceStage:
             return tensor
         if not plain_cpu_tensor(tensor):  # sparse, a subclass, empty: torch's own pinning
             return tensor.pin_memory()
-        out = _page_locked(tensor.shape, _dense_strides(tensor), tensor.dtype)
+        out = page_locked(tensor.shape, _dense_strides(tensor), tensor.dtype)
         self._host.copy(out, tensor)
         return out
 

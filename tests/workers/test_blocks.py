@@ -330,7 +330,7 @@ def test_pinning_on_the_host_only_reads_persistent_workers_batches_out_of_blocks
         real_copy(self, dst, src)
 
     monkeypatch.setattr(HostCopy, "copy", copy)
-    monkeypatch.setattr(stage_module, "_page_locked", lambda shape, strides, dtype: (
+    monkeypatch.setattr(stage_module, "page_locked", lambda shape, strides, dtype: (
         torch.empty_strided(shape, strides, dtype=dtype)
     ))  # fmt: skip
     loader = aioloader.DataLoader(
