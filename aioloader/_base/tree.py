@@ -8,6 +8,7 @@ function given does).
 
 from __future__ import annotations
 
+import abc
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
@@ -15,11 +16,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["dense_parts", "map_instances", "map_tensors", "plain_cpu_tensor", "tensors_in"]
+__all__ = [
+    "PinLeaf",
+    "dense_parts",
+    "map_instances",
+    "map_tensors",
+    "plain_cpu_tensor",
+    "tensors_in",
+]
 
 _MISSING = object()
 # Types that hold nothing to walk: returned as they are, first
 _ATOMS = frozenset({str, bytes, bytearray, memoryview, int, float, complex, bool, type(None)})
+
+
+class PinLeaf(abc.ABC):  # noqa: B024  (a type for isinstance only: nothing to implement)
+    """What torch's ``pin_memory`` walk pins whole, for ``isinstance`` (the ``leaf`` of
+    :func:`map_instances`): a tensor, or any other object whose type has a ``pin_memory``
+    method (a custom batch type, a ``PackedSequence``), container or not, which that method
+    pins: torch (2.13) asks for the method before it walks into a mapping or a sequence."""
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        return issubclass(other, torch.Tensor) or hasattr(other, "pin_memory")
 
 
 def plain_cpu_tensor(tensor: torch.Tensor, *, empty: bool = False) -> bool:

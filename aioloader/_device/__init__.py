@@ -1,7 +1,7 @@
 """Device: batches moved to an accelerator.
 
-Owns: the accelerator backends and the pinned-buffer pool (``accelerator``), and the stage that
-pins, copies on a side stream and hands batches over safely (``stage``), with the decision of
-whether it runs (``device_plan``), shared by the loader and the batcher. Never: batches, or
-reads the loader.
+Owns: the accelerator backends and the pinned-buffer pool (``accelerator``), the stage that
+pins, copies on a side stream and hands batches over safely (``stage``), its host copies
+(``hostcopy``), and the decision of whether it runs (``plan``), shared by the loader and the
+batcher. Never: batches, or reads the loader.
 """

@@ -1,8 +1,8 @@
 """The device stage: finished batches pinned, then copied to a CUDA device on a side stream.
 
 Owns: :class:`DeviceStage` (owned by the loader's scope, called by the epoch's emitter a batch
-at a time, in order), what a loader's stage does (:class:`DevicePlan`), the hand-over of a staged
-batch to the consumer (:class:`Staged`). The device calls and the pinned pool: ``accelerator.py``.
+at a time, in order), the hand-over of a staged batch to the consumer (:class:`Staged`). What a
+stage does: ``plan.py``; the device calls and the pinned pool: ``accelerator.py``.
 
 Every blocking call (copying into pinned memory, registering a worker block, issuing the
 copies and ``device_transform``, waiting on an event before a pinned buffer is reused) runs on
@@ -16,23 +16,21 @@ consumer's stream with the host.
 from __future__ import annotations
 
 import os
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import anyio
 import torch
 
-from .._base.tree import map_tensors, plain_cpu_tensor, tensors_in
+from .._base.tree import PinLeaf, map_instances, map_tensors, plain_cpu_tensor, tensors_in
 from .._workers.ledger import Registrations, find_block
 from .._workers.offload import ThreadOffload
-from .accelerator import Accelerator, CudaAccelerator, Event, PinnedPool
+from .accelerator import Accelerator, Event, PinnedPool
 from .hostcopy import HostCopy, as_bytes, page_locked
+from .plan import DevicePlan
 
-__all__ = ["device_plan", "DevicePlan", "DeviceStage", "Staged", "hand_out", "plan_for"]
+__all__ = ["DeviceStage", "Staged", "hand_out"]
 
 _ALIGN = 256  # bytes: each tensor's offset in a pinned buffer (whole cache lines, any dtype)
 # A contiguous tensor larger than _CHUNKED_OVER chunks of _CHUNK_BYTES goes through its pinned
@@ -97,56 +95,6 @@ def hand_out(value: Any) -> Any:
     """What the consumer gets for a value of the output stream: a staged batch made ready on the
     calling thread's stream, anything else as it is."""
     return value.ready() if isinstance(value, Staged) else value
-
-
-@dataclass(frozen=True, slots=True)
-class DevicePlan:
-    """What a loader's device stage does (fixed at construction; a scope builds the stage).
-
-    Attributes:
-        accelerator: Makes the device's :class:`Accelerator` (one per scope); None: the stage
-            only pins batches on the host (``pin_memory=True`` without ``device``).
-        pin: Copy through page-locked memory (the pool with a device; torch's pinning without).
-        transform: ``device_transform``, run on the side stream after the copies.
-    """
-
-    accelerator: Callable[[], Accelerator] | None
-    pin: bool
-    transform: Callable[[Any], Any] | None = None
-
-
-def plan_for(
-    device: torch.device | None, *, pin: bool, transform: Callable[[Any], Any] | None
-) -> DevicePlan | None:
-    """The device stage for ``device`` (already resolved): None when batches stay on the host
-    unpinned (then ``device_transform`` runs where collation runs)."""
-    if device is not None and device.type == "cuda":
-        return DevicePlan(partial(CudaAccelerator, device), pin, transform)
-    if pin:
-        return DevicePlan(None, True)
-    return None
-
-
-def device_plan(
-    device: torch.device | None,
-    *,
-    pin_memory: bool,
-    transform: Callable[[Any], Any] | None,
-    stacklevel: int,
-) -> DevicePlan | None:
-    """The one device decision, for the loader and the batcher alike: :func:`plan_for`, after
-    ``pin_memory=True`` without an accelerator is warned about (a ``UserWarning`` in torch's
-    words, which scripts filter it by, at ``stacklevel`` above the caller) and dropped."""
-    pin = bool(pin_memory)
-    if pin and not torch.cuda.is_available():
-        warnings.warn(
-            "'pin_memory' argument is set as true but no accelerator is found, then device "
-            "pinned memory won't be used. (aioloader pins for CUDA devices only)",
-            UserWarning,
-            stacklevel=stacklevel + 1,
-        )
-        pin = False
-    return plan_for(device, pin=pin, transform=transform)
 
 
 def _copy_in_chunks(
@@ -298,7 +246,7 @@ class DeviceStage:
     def _stage(self, batch: Any, release: Callable[[], None] | None) -> Staged:
         acc = self.accelerator
         if acc is None:
-            return Staged(map_tensors(self._pinned, batch), release=release)
+            return Staged(map_instances(self._pin_leaf, batch, PinLeaf), release=release)
         with torch.no_grad(), acc.side():
             moved, event = self._copy(acc, tensors_in(batch))
             out = map_tensors(lambda t: moved[id(t)], batch)
@@ -309,6 +257,11 @@ class DeviceStage:
                 leaves = tensors_in(out)  # what the transform returned, walked once more
         on_device = tuple(t for t in leaves if t.device == acc.device)
         return Staged(out, release=release, accelerator=acc, event=event, tensors=on_device)
+
+    def _pin_leaf(self, leaf: Any) -> Any:
+        """A tensor pinned (:meth:`_pinned`); another object with a ``pin_memory`` method (a
+        custom batch type) pinned by that method, as torch's pin thread does."""
+        return self._pinned(leaf) if isinstance(leaf, torch.Tensor) else leaf.pin_memory()
 
     def _pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` copied into page-locked memory (torch's caching host allocator), with

@@ -28,7 +28,7 @@ from .._data.seeds import draw_seed
 from .._data.sharding import resolve_rank
 from .._data.source import InWorkers, Kind, MapSource, open_source
 from .._data.streams import StreamSource
-from .._device.stage import DevicePlan, device_plan
+from .._device.plan import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
 from .._workers.byvalue import check_worker_init_fn, inherited, sendable
 from .._workers.datasetmethod import on_worker_dataset

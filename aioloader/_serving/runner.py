@@ -32,7 +32,8 @@ from .._base.inline import (
 from .._base.recorders import WorkerRecorder
 from .._data.seeds import derive_seed
 from .._device.accelerator import resolve_device
-from .._device.stage import DevicePlan, DeviceStage, device_plan, hand_out
+from .._device.plan import DevicePlan, device_plan
+from .._device.stage import DeviceStage, hand_out
 from .._workers.byvalue import MainRule, sendable
 from .._workers.job import collate_only
 from .._workers.mainmodule import workers_main

@@ -25,11 +25,12 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import aioloader
-from aioloader._base.tree import map_tensors, tensors_in
+from aioloader._base.tree import PinLeaf, map_instances, map_tensors, tensors_in
 from aioloader._device import stage as stage_module
 from aioloader._device.accelerator import PinnedPool, cuda_index, resolve_device, size_class
 from aioloader._device.hostcopy import HostCopy
-from aioloader._device.stage import DevicePlan, DeviceStage
+from aioloader._device.plan import DevicePlan
+from aioloader._device.stage import DeviceStage
 from tests.conftest import aioloader_threads
 from tests.support.helpers import Counting, other_tasks
 
@@ -213,6 +214,58 @@ def test_map_tensors_matches_the_obvious_recursion(data: Any) -> None:
     assert len({id(t) for t in leaves}) == len(leaves)
     moved = tensors_in(out)
     assert not any(m is t for m in moved for t in leaves), "every tensor was replaced"
+
+
+class Pinnable:
+    """A custom batch type, pinned by its own method (torch's documented hook)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def pin_memory(self) -> tuple[str, Any]:
+        return ("pinned by its method", self.value)
+
+
+class PinnedPair(NamedTuple):  # a container with the method too, as PackedSequence is
+    a: Any
+    b: Any
+
+    def pin_memory(self) -> tuple[str, Any, Any]:
+        return ("pinned pair", self.a, self.b)
+
+
+_pin_trees = st.recursive(
+    _leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=2), children, max_size=3),
+        st.builds(Pair, children, children),
+        st.builds(Pinnable, children),
+        st.builds(PinnedPair, children, children),
+    ),
+    max_leaves=12,
+)
+
+
+@given(_pin_trees)
+def test_pinning_walks_a_batch_as_torch_s_pin_memory_does(data: Any) -> None:
+    """Host pinning's walk (``PinLeaf``) against torch's own ``pin_memory`` on the same batch,
+    a tensor's pinning replaced by a visible change: the same objects pinned by their own
+    ``pin_memory`` methods, the same containers walked and rebuilt."""
+    from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
+
+    def pin(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return t * 2 - 1
+
+    with mock.patch.object(torch.Tensor, "pin_memory", pin):
+        want = torch_pin_memory(data)
+    got = map_instances(
+        lambda leaf: pin(leaf) if isinstance(leaf, torch.Tensor) else leaf.pin_memory(),
+        data,
+        PinLeaf,
+    )
+    same(got, want)
 
 
 # -- device= --------------------------------------------------------------------------------------
@@ -927,6 +980,44 @@ def test_pin_memory_with_cpu_device_warns_and_still_works() -> None:
     assert [b.tolist() for b in got] == [[0, 1, 2], [3, 4, 5]]
     assert not any(b.is_pinned() for b in got)
     assert dl.pin_memory is True  # torch's attribute keeps what was asked
+
+
+class CustomBatch:
+    """torch's documented custom batch type: a ``collate_fn`` returns it, and its own
+    ``pin_memory`` pins it (here, without CUDA, it says it was called)."""
+
+    def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.inp = torch.stack([inp for inp, _ in samples])
+        self.tgt = torch.stack([tgt for _, tgt in samples])
+        self.pinned_in: int | None = None
+
+    def pin_memory(self) -> CustomBatch:
+        self.pinned_in = threading.get_ident()
+        return self
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pinning_on_the_host_calls_a_custom_batch_s_own_pin_memory(
+    num_workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pin_memory=True`` without ``device``: a batch type with a ``pin_memory`` method is
+    pinned by it, on the stage's thread, as torch's pin thread does (torch's
+    ``TestCustomPinFn``, which needs CUDA there)."""
+    monkeypatch.setattr(stage_module, "page_locked", lambda shape, strides, dtype: (
+        torch.empty_strided(shape, strides, dtype=dtype)
+    ))  # fmt: skip
+    values = torch.arange(50, dtype=torch.float32).view(10, 5)
+    dataset = torch.utils.data.TensorDataset(values, values + 100)
+    loader = aioloader.DataLoader(
+        dataset, batch_size=2, collate_fn=CustomBatch, num_workers=num_workers
+    )
+    loader._plan = dataclasses.replace(loader._plan, device_plan=DevicePlan(None, True))
+    got = list(loader)
+    assert [type(b) for b in got] == 5 * [CustomBatch]
+    assert torch.equal(torch.cat([b.inp for b in got]), values)
+    assert torch.equal(torch.cat([b.tgt for b in got]), values + 100)
+    threads = {b.pinned_in for b in got}
+    assert len(threads) == 1 and None not in threads and threading.get_ident() not in threads
 
 
 def test_a_batch_handed_out_is_not_kept_by_the_loader() -> None:

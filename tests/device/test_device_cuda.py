@@ -345,6 +345,41 @@ def test_pin_memory_without_device_copies_out_of_worker_blocks_into_pinned_batch
         assert torch.equal(on_gpu.cpu(), frames)
 
 
+class PinnableBatch:
+    """torch's ``SimpleCustomBatch`` (``TestCustomPinFn``): pinned by its own method."""
+
+    def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.inp = torch.stack([inp for inp, _ in samples])
+        self.tgt = torch.stack([tgt for _, tgt in samples])
+
+    def pin_memory(self) -> PinnableBatch:
+        self.inp, self.tgt = self.inp.pin_memory(), self.tgt.pin_memory()
+        return self
+
+    def is_pinned(self) -> bool:
+        return self.inp.is_pinned() and self.tgt.is_pinned()
+
+
+def packed(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    data = torch.stack([inp for inp, _ in samples], 1)
+    lengths = torch.randint(1, data.size(0), size=(data.size(1),), dtype=torch.int64)
+    return torch.nn.utils.rnn.pack_padded_sequence(data, lengths, enforce_sorted=False)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("collate", [PinnableBatch, packed])
+def test_custom_batch_types_are_pinned_by_their_own_method(collate: Any, num_workers: int) -> None:
+    values = torch.arange(50, dtype=torch.float32).view(10, 5)
+    dataset = torch.utils.data.TensorDataset(values, values)
+    dl = aioloader.DataLoader(
+        dataset, batch_size=2, collate_fn=collate, pin_memory=True, num_workers=num_workers
+    )
+    got = list(dl)
+    assert len(got) == 5 and all(b.is_pinned() for b in got)
+    kind = torch.nn.utils.rnn.PackedSequence if collate is packed else PinnableBatch
+    assert all(type(b) is kind for b in got)
+
+
 def test_registering_in_place_copies_at_pinned_speed_and_a_refusal_leaves_no_error() -> None:
     """``CudaAccelerator.register`` (the driver's call) on the thread that opened it: shared
     memory registered copies right with ``non_blocking``; a refusal (address 0) returns None

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioloader
-from aioloader._device.stage import DevicePlan
+from aioloader._device.plan import DevicePlan
 from aioloader._serving.pending import PendingQueue
 from aioloader._serving.policy import BatchPolicy, Decision, default_split
 from tests.device.test_device import FakeAccelerator

@@ -23,7 +23,8 @@ import torch
 import aioloader
 from aioloader._device import stage as stage_module
 from aioloader._device.hostcopy import HostCopy
-from aioloader._device.stage import DevicePlan, DeviceStage
+from aioloader._device.plan import DevicePlan
+from aioloader._device.stage import DeviceStage
 from aioloader._workers import blocks as blocks_module
 from aioloader._workers import fdpass
 from aioloader._workers import ledger as ledger_module
