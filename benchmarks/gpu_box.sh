@@ -9,14 +9,18 @@
 #   2. the CUDA tests (tests/device/test_device_cuda.py, about 30 s), where pytest-asyncio is
 #      installed (the device boxes have none: carry its wheel); else a line says they did not run;
 #   3. `benchmarks/gpu_check.py --quick --sections 1 3` (at most 90 s): the device stage's
-#      correctness under a lagging consumer and its bandwidth, with what bounds it.
+#      correctness under a lagging consumer and its bandwidth, with what bounds it;
+#   4. where TORCH_TEST_FILE names torch's test/test_dataloader.py (carried: the box fetches
+#      nothing; expecttest's wheel too), `benchmarks/torch_tests.sh` on it: torch's own tests,
+#      their CUDA ones included, on torch's DataLoader and on ours swapped in (2-3 minutes).
 #
 #   bash benchmarks/gpu_box.sh [OUT_DIR]     # default: $OUT/bench where $OUT is set, else ./gpu-bench
 #
 # OUT_DIR gets aioloader-bench.json (every row: per-epoch times, startup_s, server, server_why,
 # PSS by process, CPU per batch, the loader's statistics), aioloader-bench.log (the workload's
-# output, ending with the issue's table in Markdown), aioloader-bench.png, cuda-tests.log and
-# gpu-check.log. Exit status: 1 when a step failed (a bench row, a test, a correctness check).
+# output, ending with the issue's table in Markdown), aioloader-bench.png, cuda-tests.log,
+# gpu-check.log and torch-tests/ (step 4). Exit status: 1 when a step failed (a bench row, a
+# test, a correctness check, a torch test that passes on torch's DataLoader and not on ours).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:+$OUT/bench}}
@@ -53,4 +57,8 @@ echo; echo "== gpu_check.py --quick --sections 1 3 ($out/gpu-check.log) =="
 "$python" benchmarks/gpu_check.py --quick --sections 1 3 --budget 90 >"$out/gpu-check.log" 2>&1 \
     || status=1
 cat "$out/gpu-check.log"
+if [ -n "${TORCH_TEST_FILE:-}" ]; then
+    echo; echo "== torch's test_dataloader.py, torch's DataLoader and ours ($out/torch-tests) =="
+    bash benchmarks/torch_tests.sh "$TORCH_TEST_FILE" "$out/torch-tests" || status=1
+fi
 exit "$status"
