@@ -8,7 +8,6 @@ function given does).
 
 from __future__ import annotations
 
-import abc
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
@@ -17,10 +16,11 @@ from typing import Any
 import torch
 
 __all__ = [
-    "PinLeaf",
     "dense_parts",
     "map_instances",
+    "map_pinnable",
     "map_tensors",
+    "pinned_whole",
     "plain_cpu_tensor",
     "tensors_in",
 ]
@@ -28,17 +28,6 @@ __all__ = [
 _MISSING = object()
 # Types that hold nothing to walk: returned as they are, first
 _ATOMS = frozenset({str, bytes, bytearray, memoryview, int, float, complex, bool, type(None)})
-
-
-class PinLeaf(abc.ABC):  # noqa: B024  (a type for isinstance only: nothing to implement)
-    """What torch's ``pin_memory`` walk pins whole, for ``isinstance`` (the ``leaf`` of
-    :func:`map_instances`): a tensor, or any other object whose type has a ``pin_memory``
-    method (a custom batch type, a ``PackedSequence``), container or not, which that method
-    pins: torch (2.13) asks for the method before it walks into a mapping or a sequence."""
-
-    @classmethod
-    def __subclasshook__(cls, other: type) -> bool:
-        return issubclass(other, torch.Tensor) or hasattr(other, "pin_memory")
 
 
 def plain_cpu_tensor(tensor: torch.Tensor, *, empty: bool = False) -> bool:
@@ -75,8 +64,22 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     return map_instances(fn, data, torch.Tensor)
 
 
-def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type) -> Any:
-    """Return ``data`` with every instance ``t`` of ``leaf`` inside it replaced by ``fn(t)``.
+def pinned_whole(value: Any) -> bool:
+    """Whether torch's ``pin_memory`` walk (2.13) pins ``value`` whole rather than walking into
+    it: a tensor, or any other object with a ``pin_memory`` attribute (a custom batch type, a
+    ``PackedSequence``; a container too), asked of the object as torch asks it."""
+    return isinstance(value, torch.Tensor) or hasattr(value, "pin_memory")
+
+
+def map_pinnable(fn: Callable[[Any], Any], data: Any) -> Any:
+    """``data`` with every value torch's ``pin_memory`` walk pins whole (:func:`pinned_whole`)
+    replaced by ``fn(value)``, walked as :func:`map_instances` walks."""
+    return map_instances(fn, data, pinned_whole)
+
+
+def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type | Callable[[Any], bool]) -> Any:
+    """Return ``data`` with every instance ``t`` of ``leaf`` inside it replaced by ``fn(t)``
+    (``leaf`` a type, or a test of a value: then every value it holds true of).
 
     Walks mappings, named tuples, dataclass instances (frozen or not), lists, tuples and other
     sequences (not ``str`` or ``bytes``); anything else is returned as it is. A container is
@@ -90,27 +93,34 @@ def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type) -> Any:
     ``__init__`` (so ``__post_init__`` does not run twice, and frozen ones work).
 
     Raises:
-        Exception: Whatever ``fn`` raises.
+        Exception: Whatever ``fn`` raises (or ``leaf``).
     """
+    if isinstance(leaf, type):
+        kind_of_leaf = leaf
+        return _map(fn, data, lambda value: isinstance(value, kind_of_leaf))
+    return _map(fn, data, leaf)
+
+
+def _map(fn: Callable[[Any], Any], data: Any, leaf: Callable[[Any], bool]) -> Any:
     kind = type(data)
     if kind in _ATOMS:  # the common cases first, without the checks below (a leaf is no atom)
         return data
     if kind is list or kind is tuple:
-        items = [map_instances(fn, item, leaf) for item in data]
+        items = [_map(fn, item, leaf) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
         return items if kind is list else tuple(items)
-    if isinstance(data, leaf):
+    if leaf(data):
         return fn(data)
     if isinstance(data, str | bytes | bytearray | memoryview):
         return data
     if isinstance(data, Mapping):
-        values = {key: map_instances(fn, value, leaf) for key, value in data.items()}
+        values = {key: _map(fn, value, leaf) for key, value in data.items()}
         if all(values[key] is value for key, value in data.items()):
             return data
         return _rebuild_mapping(data, values)
     if isinstance(data, tuple) and hasattr(data, "_fields"):
-        items = [map_instances(fn, item, leaf) for item in data]
+        items = [_map(fn, item, leaf) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
         return type(data)(*items)
@@ -120,7 +130,7 @@ def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type) -> Any:
             old = getattr(data, field.name, _MISSING)
             if old is _MISSING:  # an init=False field never set
                 continue
-            new = map_instances(fn, old, leaf)
+            new = _map(fn, old, leaf)
             if new is not old:
                 changed[field.name] = new
         if not changed:
@@ -130,7 +140,7 @@ def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type) -> Any:
             object.__setattr__(clone, name, value)
         return clone
     if isinstance(data, Sequence):
-        items = [map_instances(fn, item, leaf) for item in data]
+        items = [_map(fn, item, leaf) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
         return _rebuild_sequence(data, items)
@@ -168,13 +178,16 @@ def _rebuild_sequence(data: Sequence[Any], items: list[Any]) -> Sequence[Any]:
     return rebuilt
 
 
-def tensors_in(data: Any) -> list[torch.Tensor]:
-    """Every distinct tensor object inside ``data`` (see :func:`map_tensors`), in walk order."""
+def tensors_in(data: Any, *, as_pinned: bool = False) -> list[torch.Tensor]:
+    """Every distinct tensor object inside ``data`` (see :func:`map_tensors`), in walk order;
+    ``as_pinned``: only those torch's ``pin_memory`` walk reaches (see :func:`map_pinnable`:
+    not inside an object with a ``pin_memory`` method)."""
     found: dict[int, torch.Tensor] = {}
 
-    def visit(tensor: torch.Tensor) -> torch.Tensor:
-        found.setdefault(id(tensor), tensor)
-        return tensor
+    def visit(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), value)
+        return value
 
-    map_tensors(visit, data)
+    map_pinnable(visit, data) if as_pinned else map_tensors(visit, data)
     return list(found.values())

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import torch
 
-from .._base.tree import PinLeaf, map_instances, map_tensors, plain_cpu_tensor, tensors_in
+from .._base.tree import map_pinnable, map_tensors, plain_cpu_tensor, tensors_in
 from .._workers.ledger import Registrations, find_block
 from .._workers.offload import ThreadOffload
 from .accelerator import Accelerator, Event, PinnedPool
@@ -246,7 +246,7 @@ class DeviceStage:
     def _stage(self, batch: Any, release: Callable[[], None] | None) -> Staged:
         acc = self.accelerator
         if acc is None:
-            return Staged(map_instances(self._pin_leaf, batch, PinLeaf), release=release)
+            return Staged(map_pinnable(self._pin_leaf, batch), release=release)
         with torch.no_grad(), acc.side():
             moved, event = self._copy(acc, tensors_in(batch))
             out = map_tensors(lambda t: moved[id(t)], batch)

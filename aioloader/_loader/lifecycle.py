@@ -92,13 +92,19 @@ class ScopeLifecycle:
 
         Cancellation: whatever was started is stopped again before the cancellation goes on.
         """
+        await self._open_scope(one_epoch=False)
+        return self
+
+    async def _open_scope(self: ScopedLoader, *, one_epoch: bool) -> None:
+        """:meth:`__aenter__`'s work; ``one_epoch``: the scope serves one epoch only (a plain
+        ``for`` without ``with`` or ``persistent_workers``), so its workers live one epoch."""
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
         self._refresh_plan()
         self._state.stats = self._new_recorders()
         self._state.scopes += 1
         stack = contextlib.AsyncExitStack()
-        scope = Scope(self._plan, self._state, stack)
+        scope = Scope(self._plan, self._state, stack, one_epoch=one_epoch)
         stack.push_async_callback(scope.close_workers)
         try:
             await scope.start_workers()
@@ -114,7 +120,6 @@ class ScopeLifecycle:
         stack.callback(scope.task_group.cancel_scope.cancel)
         stack.callback(scope.close_iteration)
         self._state.scope = scope
-        return self
 
     async def __aexit__(
         self: ScopedLoader,

@@ -426,7 +426,8 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         if self._session is not None:
             return PlainIterator(self, self._session, owned=False)
         self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
-        session = Session(self, persistent=self.persistent_workers)
+        persistent = self.persistent_workers
+        session = Session(self, persistent=persistent, one_epoch=not persistent)
         if session.persistent:
             self._session = session
             return PlainIterator(self, session, owned=False)

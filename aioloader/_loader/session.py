@@ -58,6 +58,8 @@ class SessionLoader(Protocol[T_Batch]):
 
     async def __aenter__(self) -> Any: ...
 
+    async def _open_scope(self, *, one_epoch: bool) -> None: ...
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -148,15 +150,16 @@ class _LoaderScope:
     ``__del__`` closes the session. A scope whose loader is gone closes through its own stack.
     """
 
-    def __init__(self, loader: SessionLoader[Any]) -> None:
+    def __init__(self, loader: SessionLoader[Any], *, one_epoch: bool) -> None:
         self._loader = weakref.ref(loader)
+        self._one_epoch = one_epoch
         self._scope: Scope | None = None
 
     async def __aenter__(self) -> None:
         loader = self._loader()
         if loader is None:  # pragma: no cover - the caller holds it
             raise LoaderStateError("the loader was collected before its scope opened")
-        await loader.__aenter__()
+        await loader._open_scope(one_epoch=self._one_epoch)
         self._scope = loader._scope
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -173,12 +176,16 @@ class Session:
     Args:
         loader: The loader whose scope (``async with``) opens on the loop, now.
         persistent: Kept open across epochs by ``persistent_workers`` (not by ``with``).
+        one_epoch: The scope serves one epoch only (a plain ``for``'s own, without ``with``
+            or ``persistent_workers``).
 
     Raises:
         Exception: Whatever opening the scope raised (the loop is stopped again first).
     """
 
-    def __init__(self, loader: SessionLoader[Any], *, persistent: bool) -> None:
+    def __init__(
+        self, loader: SessionLoader[Any], *, persistent: bool, one_epoch: bool = False
+    ) -> None:
         self.persistent = persistent
         self._pid = os.getpid()  # a forked child's copy has no loop to stop
         if loader.worker_mode == "process" and loader.num_workers > 0:
@@ -187,7 +194,8 @@ class Session:
         self._stack = contextlib.ExitStack()
         self._stack.callback(self._stop_loop)
         try:
-            self._stack.enter_context(self.portal.wrap_async_context_manager(_LoaderScope(loader)))
+            scope = _LoaderScope(loader, one_epoch=one_epoch)
+            self._stack.enter_context(self.portal.wrap_async_context_manager(scope))
         except BaseException:
             self._stack.close()
             raise

@@ -9,7 +9,8 @@ process. Registering each new segment in place (``cudaHostRegister``) cost 2.1-2
 0.8-1.3 ms to undo: no better. A block is registered once and used for many batches.
 
 The protocol, where the loader turns it on (``ProcessWorkers(blocks=True)``: worker processes
-and a device stage that pins, with a CUDA device, or on the host only with persistent workers):
+and a device stage that pins, with a CUDA device, or on the host only where the workers
+outlive an epoch):
 
 * Each job carries the keys of the worker's blocks that the main process is done with since
   its last job (a list; None turns blocks off for the job).
@@ -25,11 +26,13 @@ and a device stage that pins, with a CUDA device, or on the host only with persi
 * With a device, the stage asks ``ledger.find_block`` for a tensor's block, registers it once
   (``ledger.Registrations``, on the stage's thread, undone there once the block is gone or the
   stage closes) and copies from it directly (``_device/stage.py``). Pinning on the host only
-  (``pin_memory=True`` without ``device``, persistent workers), it copies the batch out of the
-  block into torch's pinned memory and drops the views: the training process maps each block
-  once, where a new segment a batch cost it a mapping, its page faults and an unmapping (on an
-  H200 box, the training process's CPU per 37 MiB batch beside a resnet18 step, 42.0 ms that
-  way, 29-31 out of blocks; torch's 34: docs/design.md, "Worker blocks").
+  (``pin_memory=True`` without ``device``, workers kept across epochs), it copies the batch
+  out of the block into torch's pinned memory and drops the views: the training process maps
+  each block once, where a new segment a batch cost it a mapping, its page faults and an
+  unmapping (on an H200 box, the training process's CPU per 37 MiB batch beside a resnet18
+  step, 42.0 ms that way, 29-31 out of blocks; torch's 34: docs/design.md, "Worker blocks").
+* An object that pinning hands to its own ``pin_memory`` method is not walked into: it
+  reaches that method as the worker made it.
 
 Only a job's batch (``JobResult.batch``) goes into a block, not what else a result carries (a
 stream's checkpoint mark, samples left uncollated after a failure), which may be kept long
@@ -53,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._base.tree import map_tensors, tensors_in
+from .._base.tree import map_pinnable, tensors_in
 from .ledger import LEDGER, Key
 from .pack import alone_in_storage, memory_order, plain_values, shared_storage
 
@@ -137,8 +140,11 @@ class OutputBlocks:
         :data:`MIN_BYTES` or no block fits. Call :meth:`sent` or :meth:`unsent` once the reply
         is pickled (or failed to)."""
         chosen: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}  # id -> (tensor, order)
+        # Not inside an object with a pin_memory method: pinning hands that object to its own
+        # method, which must get it as it was (not a container rebuilt around block views).
+        reached = {id(t) for t in tensors_in(data, as_pinned=True)}
         for t in alone_in_storage(tensors_in(data)):
-            if plain_values(t) and (order := memory_order(t)) is not None:
+            if id(t) in reached and plain_values(t) and (order := memory_order(t)) is not None:
                 chosen[id(t)] = (t, order)
         offsets: dict[int, int] = {}
         size = 0
@@ -156,7 +162,7 @@ class OutputBlocks:
         first = None if own.sent else own.tensor
         made: dict[int, BlockView] = {}
 
-        def place(t: torch.Tensor) -> Any:
+        def place(t: Any) -> Any:  # a tensor, or an object pinned by its own method
             if id(t) in made:
                 return made[id(t)]
             entry = chosen.get(id(t))
@@ -172,7 +178,7 @@ class OutputBlocks:
             return made[id(t)]
 
         try:
-            written = map_tensors(place, data)
+            written = map_pinnable(place, data)
         except BaseException:
             own.busy = False
             raise

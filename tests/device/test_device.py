@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import aioloader
-from aioloader._base.tree import PinLeaf, map_instances, map_tensors, tensors_in
+from aioloader._base.tree import map_pinnable, map_tensors, tensors_in
 from aioloader._device import stage as stage_module
 from aioloader._device.accelerator import PinnedPool, cuda_index, resolve_device, size_class
 from aioloader._device.hostcopy import HostCopy
@@ -234,6 +234,26 @@ class PinnedPair(NamedTuple):  # a container with the method too, as PackedSeque
         return ("pinned pair", self.a, self.b)
 
 
+class Record:
+    """An object with no method of its own, given one on the instance (torch asks the object)."""
+
+    def __init__(self, value: Any, pinnable: bool) -> None:
+        self.value = value
+        if pinnable:
+            self.pin_memory = lambda: ("pinned by the instance's", value)
+
+
+class LateDict(dict[str, Any]):
+    """A dict whose instances may carry ``pin_memory``: pinned by it, else walked."""
+
+
+def late_dict(items: dict[str, Any], pinnable: bool) -> LateDict:
+    made = LateDict(items)
+    if pinnable:
+        made.pin_memory = lambda: ("pinned dict", sorted(made))  # type: ignore[attr-defined]
+    return made
+
+
 _pin_trees = st.recursive(
     _leaves,
     lambda children: st.one_of(
@@ -243,6 +263,10 @@ _pin_trees = st.recursive(
         st.builds(Pair, children, children),
         st.builds(Pinnable, children),
         st.builds(PinnedPair, children, children),
+        st.builds(Record, children, st.booleans()),
+        st.builds(
+            late_dict, st.dictionaries(st.text(max_size=2), children, max_size=3), st.booleans()
+        ),
     ),
     max_leaves=12,
 )
@@ -250,7 +274,7 @@ _pin_trees = st.recursive(
 
 @given(_pin_trees)
 def test_pinning_walks_a_batch_as_torch_s_pin_memory_does(data: Any) -> None:
-    """Host pinning's walk (``PinLeaf``) against torch's own ``pin_memory`` on the same batch,
+    """Host pinning's walk (``map_pinnable``) against torch's own ``pin_memory`` on a batch,
     a tensor's pinning replaced by a visible change: the same objects pinned by their own
     ``pin_memory`` methods, the same containers walked and rebuilt."""
     from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
@@ -260,10 +284,8 @@ def test_pinning_walks_a_batch_as_torch_s_pin_memory_does(data: Any) -> None:
 
     with mock.patch.object(torch.Tensor, "pin_memory", pin):
         want = torch_pin_memory(data)
-    got = map_instances(
-        lambda leaf: pin(leaf) if isinstance(leaf, torch.Tensor) else leaf.pin_memory(),
-        data,
-        PinLeaf,
+    got = map_pinnable(
+        lambda leaf: pin(leaf) if isinstance(leaf, torch.Tensor) else leaf.pin_memory(), data
     )
     same(got, want)
 

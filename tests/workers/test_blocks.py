@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -315,13 +315,11 @@ def test_without_a_pinning_device_stage_the_workers_use_no_blocks() -> None:
         assert fake.registered == [] and not [k for k in LEDGER._blocks if k[0] != PID]
 
 
-def test_pinning_on_the_host_only_reads_persistent_workers_batches_out_of_blocks(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``pin_memory=True`` without ``device``, persistent workers: the stage copies each batch
-    out of its worker's block (mapped once here) into pinned memory and hands out the copy, so
-    batches the consumer keeps stay right while the workers reuse their blocks. (Without CUDA
-    the pinned allocation is an ordinary one here: torch pins only with a device.)"""
+@pytest.fixture
+def host_pinning(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Pinning on the host only, made to run without CUDA (the pinned allocation an ordinary
+    one: torch pins only with a device); the list says, for each batch of frames the stage
+    copied, whether it copied it out of a worker's block."""
     sources: list[bool] = []
     real_copy = HostCopy.copy
 
@@ -334,32 +332,99 @@ def test_pinning_on_the_host_only_reads_persistent_workers_batches_out_of_blocks
     monkeypatch.setattr(stage_module, "page_locked", lambda shape, strides, dtype: (
         torch.empty_strided(shape, strides, dtype=dtype)
     ))  # fmt: skip
-    loader = aioloader.DataLoader(
-        Frames(), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True
-    )
+    return sources
+
+
+def pinning_on_the_host(loader: aioloader.DataLoader[Any]) -> aioloader.DataLoader[Any]:
     loader._plan = dataclasses.replace(loader._plan, device_plan=DevicePlan(None, True))
+    return loader
+
+
+@pytest.mark.parametrize("lasting", ["persistent_workers", "with"])
+def test_pinning_on_the_host_only_reads_batches_out_of_blocks_where_workers_outlive_an_epoch(
+    lasting: str, host_pinning: list[bool]
+) -> None:
+    """``pin_memory=True`` without ``device``, workers kept across epochs (persistent, or a
+    ``with loader:`` scope): the stage copies each batch out of its worker's block (mapped
+    once here) into pinned memory and hands out the copy, so batches the consumer keeps stay
+    right while the workers reuse their blocks."""
+    loader = pinning_on_the_host(aioloader.DataLoader(
+        Frames(), batch_size=16, shuffle=True, num_workers=2,
+        persistent_workers=lasting == "persistent_workers",
+    ))  # fmt: skip
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with loader:
+    with loader if lasting == "with" else contextlib.nullcontext():
         for _ in range(3):
-            epoch = list(loader)
+            epoch = []
+            for frames, indices in loader:
+                assert find_block(frames) is None  # the stage's copy, not the block
+                epoch.append((frames, indices))
             assert sorted(torch.cat([i for _, i in epoch]).tolist()) == list(range(96))
             kept += epoch
-        workers = {k[0] for k in LEDGER._blocks if k[0] != PID}
-        assert len(workers) == 2  # each worker's blocks mapped here
+        assert {k[0] for k in LEDGER._blocks if k[0] != PID} == {
+            w.pid
+            for w in loader._state.scope.work._slots.now  # type: ignore[union-attr]
+        }  # each worker's blocks mapped here
         assert len([k for k in LEDGER._blocks if k[0] != PID]) <= 2 * blocks_module.PER_WORKER
-    assert len(sources) == 18 and all(sources[6:])  # the first epoch's may find none free yet
+    loader.close()
+    assert len(host_pinning) == 18 and all(host_pinning[6:])  # the first epoch's may find none
     for frames, indices in kept:  # copies: the blocks' later batches did not overwrite them
-        assert find_block(frames) is None
         assert torch.equal(frames[:, 0, 0, 0].long(), indices % 251)
         assert torch.equal(frames.amin(dim=(1, 2, 3)), frames.amax(dim=(1, 2, 3)))
 
-    # Workers of one epoch each (torch's default) would not live to reuse a block: none made.
-    sources.clear()
-    loader = aioloader.DataLoader(Frames(), batch_size=16, num_workers=2)
-    loader._plan = dataclasses.replace(loader._plan, device_plan=DevicePlan(None, True))
+
+def test_pinning_on_the_host_only_with_workers_of_one_epoch_uses_no_blocks(
+    host_pinning: list[bool],
+) -> None:
+    """A plain ``for`` without ``with`` or persistent workers (torch's default): each epoch's
+    workers would not live to reuse a block, so none is made."""
+    loader = pinning_on_the_host(aioloader.DataLoader(Frames(), batch_size=16, num_workers=2))
     for _ in range(2):
         assert sorted(check_epoch(loader)) == list(range(96))
-    assert sources == 12 * [False] and not [k for k in LEDGER._blocks if k[0] != PID]
+    assert host_pinning == 12 * [False] and not [k for k in LEDGER._blocks if k[0] != PID]
+
+
+class FrameBatch(Mapping[str, torch.Tensor]):
+    """A read-only mapping batch type with its own ``pin_memory``, built from its two fields
+    (not from a dict): torch's pinning calls the method and never rebuilds it."""
+
+    def __init__(self, frames: torch.Tensor, indices: torch.Tensor) -> None:
+        self.frames, self.indices, self.pinned = frames, indices, False
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return {"frames": self.frames, "indices": self.indices}[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("frames", "indices"))
+
+    def __len__(self) -> int:
+        return 2
+
+    def pin_memory(self) -> FrameBatch:
+        self.pinned = True
+        return self
+
+
+def frame_batch(samples: list[tuple[torch.Tensor, int]]) -> FrameBatch:
+    frames, indices = torch.utils.data.default_collate(samples)
+    return FrameBatch(frames, indices)
+
+
+def test_a_batch_type_with_its_own_pin_memory_reaches_it_whole_from_the_workers(
+    host_pinning: list[bool],
+) -> None:
+    """Blocks do not walk into an object that pinning hands to its own method: it arrives as
+    the worker made it (found by review: a read-only mapping became a ``dict``)."""
+    loader = pinning_on_the_host(aioloader.DataLoader(
+        Frames(), batch_size=16, num_workers=2, persistent_workers=True, collate_fn=frame_batch
+    ))  # fmt: skip
+    for _ in range(2):
+        batches = list(loader)
+        assert {type(b) for b in batches} == {FrameBatch} and all(b.pinned for b in batches)
+        assert torch.cat([b["indices"] for b in batches]).tolist() == list(range(96))
+        assert all(torch.equal(b["frames"][:, 0, 0, 0].long(), b["indices"]) for b in batches)
+    loader.close()
+    assert host_pinning == []  # pinned by its method: the stage copied nothing
 
 
 def test_blocks_leave_no_descriptor_behind() -> None:
