@@ -73,7 +73,7 @@ class Scope:
         state: LoaderState,
         stack: contextlib.AsyncExitStack,
         *,
-        one_epoch: bool = False,
+        few_batches: bool = False,
     ) -> None:
         # Nothing here keeps the loader: a loop thread holding the scope must not keep a
         # dropped loader (and its persistent workers) alive.
@@ -92,11 +92,13 @@ class Scope:
         # copies them to the device straight out of the (registered) block. Pinning only, it
         # copies them into pinned memory from a block mapped once, not a new segment a batch:
         # less of the training process's CPU, where the workers live long enough to reuse
-        # their blocks (the scope serves more than one epoch); workers of one epoch would pay a
-        # block's first trip and a copy for each of their few batches (docs/design.md, "Worker
+        # their blocks; workers that make few batches each (a plain `for`'s own scope, one short
+        # epoch) would pay a block's first trip and a copy for each (docs/design.md, "Worker
         # blocks", has the figures).
         blocks = (
-            device is not None and device.pin and (device.accelerator is not None or not one_epoch)
+            device is not None
+            and device.pin
+            and (device.accelerator is not None or not few_batches)
         )
         if plan.ray is not None and plan.num_workers > 0:
             self.work = RayPool(

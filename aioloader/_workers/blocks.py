@@ -9,8 +9,8 @@ process. Registering each new segment in place (``cudaHostRegister``) cost 2.1-2
 0.8-1.3 ms to undo: no better. A block is registered once and used for many batches.
 
 The protocol, where the loader turns it on (``ProcessWorkers(blocks=True)``: worker processes
-and a device stage that pins, with a CUDA device, or on the host only where the workers
-outlive an epoch):
+and a device stage that pins, with a CUDA device, or on the host only where each worker makes
+:data:`REUSED_FROM` batches or more in its life):
 
 * Each job carries the keys of the worker's blocks that the main process is done with since
   its last job (a list; None turns blocks off for the job).
@@ -26,7 +26,7 @@ outlive an epoch):
 * With a device, the stage asks ``ledger.find_block`` for a tensor's block, registers it once
   (``ledger.Registrations``, on the stage's thread, undone there once the block is gone or the
   stage closes) and copies from it directly (``_device/stage.py``). Pinning on the host only
-  (``pin_memory=True`` without ``device``, workers kept across epochs), it copies the batch
+  (``pin_memory=True`` without ``device``, workers that make many batches), it copies the batch
   out of the block into torch's pinned memory and drops the views: the training process maps
   each block once, where a new segment a batch cost it a mapping, its page faults and an
   unmapping (on an H200 box, the training process's CPU per 37 MiB batch beside a resnet18
@@ -60,10 +60,14 @@ from .._base.tree import map_pinnable, tensors_in
 from .ledger import LEDGER, Key
 from .pack import alone_in_storage, memory_order, plain_values, shared_storage
 
-__all__ = ["MIN_BYTES", "PER_WORKER", "BlockView", "OutputBlocks"]
+__all__ = ["MIN_BYTES", "PER_WORKER", "REUSED_FROM", "BlockView", "OutputBlocks"]
 
 MIN_BYTES = 1 << 20  # a result's tensors under this go the usual way: registering pays off above
 PER_WORKER = 4  # blocks a worker may own: two jobs queued to it, one being staged, one spare
+# Batches a worker makes in its life from which blocks pay for pinning on the host only: its
+# first few each pay a block's first trip and a copy; workers of a plain `for` that make fewer
+# (one short epoch) keep torch's segments (measured: docs/design.md, "Worker blocks").
+REUSED_FROM = 2 * PER_WORKER
 _ALIGN = 64  # bytes: each tensor's offset in a block (a cache line, aligned for any dtype)
 _ROUND = 1 << 20  # bytes: block sizes are whole MiB, so batches a little larger still fit
 

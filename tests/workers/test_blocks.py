@@ -373,15 +373,29 @@ def test_pinning_on_the_host_only_reads_batches_out_of_blocks_where_workers_outl
         assert torch.equal(frames.amin(dim=(1, 2, 3)), frames.amax(dim=(1, 2, 3)))
 
 
-def test_pinning_on_the_host_only_with_workers_of_one_epoch_uses_no_blocks(
+class LongFrames(Frames):
+    """Frames, 4 times as many: 24 batches of 16, 12 for each of 2 workers."""
+
+    def __len__(self) -> int:
+        return 384
+
+
+def test_pinning_on_the_host_only_in_a_plain_for_uses_blocks_where_each_worker_makes_many(
     host_pinning: list[bool],
 ) -> None:
-    """A plain ``for`` without ``with`` or persistent workers (torch's default): each epoch's
-    workers would not live to reuse a block, so none is made."""
-    loader = pinning_on_the_host(aioloader.DataLoader(Frames(), batch_size=16, num_workers=2))
+    """A plain ``for`` without ``with`` or persistent workers (torch's default): workers that
+    make fewer than ``REUSED_FROM`` batches each in their epoch would not live to reuse a
+    block, so none is made; those that make more use them."""
+    assert 96 // 16 < blocks_module.REUSED_FROM * 2 <= 384 // 16
+    short = pinning_on_the_host(aioloader.DataLoader(Frames(), batch_size=16, num_workers=2))
     for _ in range(2):
-        assert sorted(check_epoch(loader)) == list(range(96))
+        assert sorted(check_epoch(short)) == list(range(96))
     assert host_pinning == 12 * [False] and not [k for k in LEDGER._blocks if k[0] != PID]
+
+    host_pinning.clear()
+    long = pinning_on_the_host(aioloader.DataLoader(LongFrames(), batch_size=16, num_workers=2))
+    assert sorted(i % 96 for i in check_epoch(long)) == sorted(4 * list(range(96)))
+    assert len(host_pinning) == 24 and sum(host_pinning) >= 24 - 2 * blocks_module.PER_WORKER
 
 
 class FrameBatch(Mapping[str, torch.Tensor]):
