@@ -174,12 +174,19 @@ _leaves = st.one_of(
 )
 
 
-def _nest(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    return st.one_of(
+def _plain_containers(children: st.SearchStrategy[Any]) -> list[st.SearchStrategy[Any]]:
+    """Lists, tuples, dicts and a named tuple of ``children``: what torch's walks enter too."""
+    return [
         st.lists(children, max_size=3),
         st.lists(children, max_size=3).map(tuple),
         st.dictionaries(st.text(max_size=2), children, max_size=3),
         st.builds(Pair, children, children),
+    ]
+
+
+def _nest(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        *_plain_containers(children),
         st.builds(Box, children),
         st.builds(Frozen, children, children),
     )
@@ -257,10 +264,7 @@ def late_dict(items: dict[str, Any], pinnable: bool) -> LateDict:
 _pin_trees = st.recursive(
     _leaves,
     lambda children: st.one_of(
-        st.lists(children, max_size=3),
-        st.lists(children, max_size=3).map(tuple),
-        st.dictionaries(st.text(max_size=2), children, max_size=3),
-        st.builds(Pair, children, children),
+        *_plain_containers(children),
         st.builds(Pinnable, children),
         st.builds(PinnedPair, children, children),
         st.builds(Record, children, st.booleans()),
