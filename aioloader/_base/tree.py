@@ -36,7 +36,7 @@ def plain_cpu_tensor(tensor: torch.Tensor, *, empty: bool = False) -> bool:
     and viewed back."""
     return (
         type(tensor) is torch.Tensor
-        and tensor.device.type == "cpu"
+        and tensor.is_cpu  # (not .device.type: 0.07 against 0.34 us)
         and tensor.layout == torch.strided
         and not tensor.is_quantized
         and not tensor.is_nested

@@ -34,8 +34,10 @@ their way); decides where the bytes go (the pickle's buffer callback does: ``sta
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import pickle
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,7 +46,15 @@ import torch
 from .._base.tree import dense_parts, plain_cpu_tensor
 from . import memfile
 
-__all__ = ["COPIED_AT_MOST", "MOVABLE_FROM", "MOVED_FROM", "StartCopies", "rebuilt", "referred"]
+__all__ = [
+    "COPIED_AT_MOST",
+    "IN_PICKLE_BELOW",
+    "MOVABLE_FROM",
+    "MOVED_FROM",
+    "StartCopies",
+    "rebuilt",
+    "referred",
+]
 
 # Bytes: a storage this large or larger is moved to shared memory as torch shares it, once
 # (a 4 GiB tensor would otherwise be copied again at every epoch's start without persistent
@@ -54,6 +64,9 @@ MOVED_FROM = 64 << 20
 # largest of those are moved instead
 COPIED_AT_MOST = 256 << 20
 MOVABLE_FROM = 1 << 20
+# Bytes: a storage smaller than this goes in the table as a copy of its bytes (in the pickle);
+# startonce.OUT_OF_BAND_FROM, which would put it there anyway
+IN_PICKLE_BELOW = 4 << 10
 
 
 class StartCopies:
@@ -103,7 +116,7 @@ class StartCopies:
             return b""
         moved = self._moved()
         index: dict[int, int] = {}  # a copied storage's place in ``data``, by its address
-        data: list[pickle.PickleBuffer] = []
+        data: list[pickle.PickleBuffer | bytearray] = []
         places: list[Any] = []
         for tensor, key in zip(self._tensors, self._keys, strict=True):
             at = index.get(key)
@@ -111,8 +124,7 @@ class StartCopies:
                 at = index[key] = -1 - act(self._storages[key])
             elif at is None:
                 at = index[key] = len(data)
-                whole = torch.empty(0, dtype=torch.uint8).set_(self._storages[key])
-                data.append(pickle.PickleBuffer(whole.numpy().data))
+                data.append(_bytes_of(self._storages[key]))
             offset, dtype = tensor.storage_offset(), tensor.dtype
             bits = tensor.is_conj() | tensor.is_neg() << 1  # lazy views torch's sharing drops
             places.append((at, dtype, offset, bits, *tensor.shape, *tensor.stride()))
@@ -136,6 +148,17 @@ class StartCopies:
             moved.add(key)
             total -= size
         return moved
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> pickle.PickleBuffer | bytearray:
+    """``storage``'s bytes for the table: a view of them (the buffer callback may send it out
+    of band), or, under :data:`IN_PICKLE_BELOW`, a copy, which the pickle would hold anyway
+    (300,000 storages of 16 bytes: 0.21 s, against 1.79 s for the views)."""
+    nbytes = storage.nbytes()
+    if nbytes < IN_PICKLE_BELOW:
+        return bytearray(ctypes.string_at(storage.data_ptr(), nbytes) if nbytes else b"")
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return pickle.PickleBuffer(whole.numpy().data)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -180,12 +203,21 @@ def rebuilt(table: bytes | memoryview, buffers: Iterator[Any], acting: list[Any]
     if not len(table):
         return []
     data, places = pickle.loads(table, buffers=buffers)
-    storages = [_storage(bytes_) for bytes_ in data]
+    views = Counter(place[0] for place in places)
+    storages: dict[int, torch.UntypedStorage] = {}
     tensors = []
     for at, dtype, offset, bits, *layout in places:
         ndim = len(layout) // 2
         size, stride = layout[:ndim], layout[ndim:]
-        storage = storages[at] if at >= 0 else acting[-1 - at]  # shared: the start's own
+        if at >= 0 and views[at] == 1 and not offset and not bits:  # a storage of its own
+            whole = _whole(data[at], dtype, size, stride)
+            if whole is not None:
+                tensors.append(whole)
+                continue
+        if at < 0:
+            storage = acting[-1 - at]  # shared: the start's own
+        elif (storage := storages.get(at)) is None:
+            storage = storages[at] = _storage(data[at])
         tensor = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
         if bits & 1:
             tensor = tensor.conj()
@@ -193,6 +225,26 @@ def rebuilt(table: bytes | memoryview, buffers: Iterator[Any], acting: list[Any]
             tensor = torch._neg_view(tensor)
         tensors.append(tensor)
     return tensors
+
+
+def _whole(
+    data: Any, dtype: torch.dtype, size: list[int], stride: list[int]
+) -> torch.Tensor | None:
+    """The tensor of ``size`` and ``stride`` over all of ``data``, where those are the
+    contiguous ones and it fills ``data`` (one call, not a storage and a view of it: 300,000
+    tensors of 16 bytes, 0.3 s against 1.3 s); else None."""
+    expected = 1
+    for extent, step in zip(reversed(size), reversed(stride), strict=True):
+        if step != expected:
+            return None
+        expected *= extent
+    if not expected or expected * dtype.itemsize != len(data):
+        return None
+    try:
+        flat = torch.frombuffer(data, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError):  # a dtype it does not take: the long way
+        return None
+    return flat if len(size) == 1 else flat.view(size)
 
 
 @contextlib.contextmanager

@@ -5,16 +5,20 @@ tensor go torch's way, moved to shared memory and shared."""
 
 from __future__ import annotations
 
+import itertools
+import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.data
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import aioloader
 from aioloader._workers import startcopy
-from aioloader._workers.startonce import IN_FILE_FROM
+from aioloader._workers.startonce import IN_FILE_FROM, OUT_OF_BAND_FROM
 from tests.support.helpers import run_json_script
 
 
@@ -371,3 +375,72 @@ def test_the_rows_of_a_moved_tensor_are_its_views_and_hand_over_one_descriptor(
     workers = loader.statistics().workers
     assert workers.template_pid != 0, workers.template_why
     assert dataset.whole[:, 0].tolist() == [float(i) for i in range(300)]  # shared with them
+
+
+_DTYPES = [torch.uint8, torch.bool, torch.int16, torch.int64, torch.bfloat16, torch.float32,
+           torch.float64, torch.complex64]  # fmt: skip
+
+
+@st.composite
+def held_tensors(draw: st.DrawFn) -> list[torch.Tensor]:
+    """Tensors a dataset may hold: some alone on their storage, whole or not, some views of
+    one base (slices at an offset, transposes, size-1 dimensions with strides of any value,
+    0-d items, lazily conjugated ones)."""
+    out: list[torch.Tensor] = []
+    for _ in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from(_DTYPES))
+        n = draw(st.integers(1, 2_000))  # past the pickle's band too, for 8-byte dtypes
+        base = (torch.arange(n) % 7).to(dtype)
+        for _ in range(draw(st.integers(1, 3))):
+            kind = draw(st.sampled_from(["whole", "rows", "slice", "odd", "item", "conj"]))
+            if kind == "rows" and n % 2 == 0:
+                view = base.view(2, n // 2)
+                out.append(view.t() if draw(st.booleans()) else view)
+            elif kind == "slice" and n > 2:
+                out.append(base[draw(st.integers(1, n - 1)) :])
+            elif kind == "odd":  # a size-1 dimension whose stride is not the contiguous one
+                out.append(base.as_strided((1, n), (draw(st.integers(0, 9)), 1)))
+            elif kind == "item":
+                out.append(base[draw(st.integers(0, n - 1))])
+            elif kind == "conj" and dtype.is_complex:
+                out.append(base.conj())
+            else:
+                out.append(base)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(held_tensors())
+def test_the_table_rebuilds_each_tensor_as_it_was_and_views_of_one_storage_as_views(
+    tensors: list[torch.Tensor],
+) -> None:
+    """``StartCopies`` and ``rebuilt`` on their own: each tensor with its dtype, shape,
+    strides, offset, lazy bits and values; tensors on one storage still on one, others not."""
+    copies = startcopy.StartCopies()
+    refs = [copies.reduce(t) for t in tensors]
+    assert all(ref is not None for ref in refs)
+    out_of_band: list[pickle.PickleBuffer] = []
+
+    def in_band(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < startcopy.IN_PICKLE_BELOW:
+            return True
+        out_of_band.append(buffer)
+        return False
+
+    table = copies.dumps(in_band, lambda value: pytest.fail("no storage goes torch's way"))
+    rebuilt = startcopy.rebuilt(table, iter([b.raw() for b in out_of_band]), [])  # as mapped
+    for was, now in zip(tensors, rebuilt, strict=True):
+        assert (now.dtype, now.shape, now.stride(), now.storage_offset()) == (
+            was.dtype, was.shape, was.stride(), was.storage_offset()
+        )  # fmt: skip
+        assert (now.is_conj(), now.is_neg()) == (was.is_conj(), was.is_neg())
+        assert torch.equal(now.resolve_conj(), was.resolve_conj())
+        assert now.untyped_storage().nbytes() == was.untyped_storage().nbytes()
+    for i, j in itertools.combinations(range(len(tensors)), 2):
+        shared = tensors[i].untyped_storage()._cdata == tensors[j].untyped_storage()._cdata
+        ptrs = {t.untyped_storage().data_ptr() for t in (rebuilt[i], rebuilt[j])}
+        assert (len(ptrs) == 1) == shared
+
+
+def test_the_table_keeps_small_storages_in_the_pickle() -> None:
+    assert startcopy.IN_PICKLE_BELOW == OUT_OF_BAND_FROM  # below it, the pickle holds them
