@@ -290,7 +290,12 @@ def test_an_epoch_left_early_gives_its_blocks_back() -> None:
         assert check_epoch(loader, stop_after=1) == list(range(16))
         assert check_epoch(loader) == list(range(96))
         settled = host_copies(fake)
-        assert settled <= 2 * 2  # at most two batches of two tensors
+        # Blocks of the batches the break dropped come back as their views are collected, a
+        # dropped one in a cycle only at the collector's next pass: in 12 runs the epoch after
+        # sent 0 batches the usual way 11 times and 1 once, and 4 of its 6 in runs that failed
+        # a bound of 2 (about 1 in 8, also at c338250). Not all of them, though: blocks came
+        # back during it. The leak checks are the full epochs below.
+        assert settled < 6 * 2  # fewer than the epoch's six batches of two tensors
         for _ in range(4):
             assert check_epoch(loader, stop_after=3) == list(range(48))  # left early too
             assert check_epoch(loader) == list(range(96))
