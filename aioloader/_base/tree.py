@@ -20,7 +20,6 @@ __all__ = [
     "map_instances",
     "map_pinnable",
     "map_tensors",
-    "pinned_whole",
     "plain_cpu_tensor",
     "tensors_in",
 ]
@@ -64,22 +63,20 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     return map_instances(fn, data, torch.Tensor)
 
 
-def pinned_whole(value: Any) -> bool:
-    """Whether torch's ``pin_memory`` walk (2.13) pins ``value`` whole rather than walking into
-    it: a tensor, or any other object with a ``pin_memory`` attribute (a custom batch type, a
-    ``PackedSequence``; a container too), asked of the object as torch asks it."""
-    return isinstance(value, torch.Tensor) or hasattr(value, "pin_memory")
-
-
 def map_pinnable(fn: Callable[[Any], Any], data: Any) -> Any:
-    """``data`` with every value torch's ``pin_memory`` walk pins whole (:func:`pinned_whole`)
-    replaced by ``fn(value)``, walked as :func:`map_instances` walks."""
-    return map_instances(fn, data, pinned_whole)
+    """``data`` with every value torch's ``pin_memory`` walk (2.13) pins whole replaced by
+    ``fn(value)``, walked as :func:`map_instances` walks: a tensor, or any other object with a
+    ``pin_memory`` attribute (a custom batch type, a ``PackedSequence``; a container too),
+    asked of the object as torch asks it."""
+    return _map(fn, data, torch.Tensor, _has_pin_memory)
 
 
-def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type | Callable[[Any], bool]) -> Any:
-    """Return ``data`` with every instance ``t`` of ``leaf`` inside it replaced by ``fn(t)``
-    (``leaf`` a type, or a test of a value: then every value it holds true of).
+def _has_pin_memory(value: Any) -> bool:
+    return hasattr(value, "pin_memory")
+
+
+def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type) -> Any:
+    """Return ``data`` with every instance ``t`` of ``leaf`` inside it replaced by ``fn(t)``.
 
     Walks mappings, named tuples, dataclass instances (frozen or not), lists, tuples and other
     sequences (not ``str`` or ``bytes``); anything else is returned as it is. A container is
@@ -93,34 +90,35 @@ def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type | Callable[[An
     ``__init__`` (so ``__post_init__`` does not run twice, and frozen ones work).
 
     Raises:
-        Exception: Whatever ``fn`` raises (or ``leaf``).
+        Exception: Whatever ``fn`` raises.
     """
-    if isinstance(leaf, type):
-        kind_of_leaf = leaf
-        return _map(fn, data, lambda value: isinstance(value, kind_of_leaf))
-    return _map(fn, data, leaf)
+    return _map(fn, data, leaf, None)
 
 
-def _map(fn: Callable[[Any], Any], data: Any, leaf: Callable[[Any], bool]) -> Any:
+def _map(
+    fn: Callable[[Any], Any], data: Any, leaf: type, also: Callable[[Any], bool] | None
+) -> Any:
+    """:func:`map_instances`, where ``also`` (when given) makes a leaf of what it holds true of
+    as well: one ``isinstance`` a value for a type's walk, as before there was a second test."""
     kind = type(data)
     if kind in _ATOMS:  # the common cases first, without the checks below (a leaf is no atom)
         return data
     if kind is list or kind is tuple:
-        items = [_map(fn, item, leaf) for item in data]
+        items = [_map(fn, item, leaf, also) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
         return items if kind is list else tuple(items)
-    if leaf(data):
+    if isinstance(data, leaf) or (also is not None and also(data)):
         return fn(data)
     if isinstance(data, str | bytes | bytearray | memoryview):
         return data
     if isinstance(data, Mapping):
-        values = {key: _map(fn, value, leaf) for key, value in data.items()}
+        values = {key: _map(fn, value, leaf, also) for key, value in data.items()}
         if all(values[key] is value for key, value in data.items()):
             return data
         return _rebuild_mapping(data, values)
     if isinstance(data, tuple) and hasattr(data, "_fields"):
-        items = [_map(fn, item, leaf) for item in data]
+        items = [_map(fn, item, leaf, also) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
         return type(data)(*items)
@@ -130,7 +128,7 @@ def _map(fn: Callable[[Any], Any], data: Any, leaf: Callable[[Any], bool]) -> An
             old = getattr(data, field.name, _MISSING)
             if old is _MISSING:  # an init=False field never set
                 continue
-            new = _map(fn, old, leaf)
+            new = _map(fn, old, leaf, also)
             if new is not old:
                 changed[field.name] = new
         if not changed:
@@ -140,7 +138,7 @@ def _map(fn: Callable[[Any], Any], data: Any, leaf: Callable[[Any], bool]) -> An
             object.__setattr__(clone, name, value)
         return clone
     if isinstance(data, Sequence):
-        items = [_map(fn, item, leaf) for item in data]
+        items = [_map(fn, item, leaf, also) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
         return _rebuild_sequence(data, items)

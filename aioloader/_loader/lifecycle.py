@@ -17,7 +17,6 @@ import anyio
 
 from .._base.exceptions import LoaderStateError
 from .._base.recorders import Recorders
-from .._workers.blocks import REUSED_FROM
 from .._workers.offload import ThreadOffload
 from .plan import LoaderPlan
 from .scope import LoaderState, Scope
@@ -75,17 +74,6 @@ class ScopeLifecycle:
             device=plan.device_depth if plan.device_plan is not None else None,
         )
 
-    def _few_batches_each(self: ScopedLoader) -> bool:
-        """Whether one epoch gives each worker fewer than ``REUSED_FROM`` batches to make (too
-        few to reuse worker blocks), from its sampler's length; False where that is unknown (an
-        iterable dataset: its ``len`` is not asked, which torch's warnings would count)."""
-        plan = self._plan
-        sampler = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
-        try:
-            return len(sampler) < REUSED_FROM * max(1, self.num_workers)  # type: ignore[arg-type]
-        except TypeError:  # None (an iterable dataset), or a sampler without a length
-            return False
-
     def _offload(self: ScopedLoader) -> ThreadOffload:
         if self._scope is None:
             raise LoaderStateError("the loader's scope is closed")
@@ -104,19 +92,19 @@ class ScopeLifecycle:
 
         Cancellation: whatever was started is stopped again before the cancellation goes on.
         """
-        await self._open_scope(few_batches=False)
+        await self._open_scope(one_epoch=False)
         return self
 
-    async def _open_scope(self: ScopedLoader, *, few_batches: bool) -> None:
-        """:meth:`__aenter__`'s work; ``few_batches``: the scope's workers will make few
-        batches each (a plain ``for``'s own scope, one short epoch: see ``DataLoader.__iter__``)."""
+    async def _open_scope(self: ScopedLoader, *, one_epoch: bool) -> None:
+        """:meth:`__aenter__`'s work; ``one_epoch``: the scope serves one epoch only (a plain
+        ``for``'s own, without ``with`` or ``persistent_workers``)."""
         if self._scope is not None:
             raise LoaderStateError("this loader's scope is already open; it cannot be re-entered")
         self._refresh_plan()
         self._state.stats = self._new_recorders()
         self._state.scopes += 1
         stack = contextlib.AsyncExitStack()
-        scope = Scope(self._plan, self._state, stack, few_batches=few_batches)
+        scope = Scope(self._plan, self._state, stack, one_epoch=one_epoch)
         stack.push_async_callback(scope.close_workers)
         try:
             await scope.start_workers()

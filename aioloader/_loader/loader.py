@@ -427,8 +427,7 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
             return PlainIterator(self, self._session, owned=False)
         self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
         persistent = self.persistent_workers
-        few = not persistent and self._few_batches_each()
-        session = Session(self, persistent=persistent, few_batches=few)
+        session = Session(self, persistent=persistent, one_epoch=not persistent)
         if session.persistent:
             self._session = session
             return PlainIterator(self, session, owned=False)

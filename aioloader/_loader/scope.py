@@ -23,6 +23,7 @@ from .._data.source import InWorkers
 from .._device.stage import DeviceStage
 from .._pipeline.epoch import Epoch
 from .._pipeline.fetch import Pace
+from .._workers.blocks import REUSED_FROM
 from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
 from .._workers.processes import ProcessWorkers
@@ -73,7 +74,7 @@ class Scope:
         state: LoaderState,
         stack: contextlib.AsyncExitStack,
         *,
-        few_batches: bool = False,
+        one_epoch: bool = False,
     ) -> None:
         # Nothing here keeps the loader: a loop thread holding the scope must not keep a
         # dropped loader (and its persistent workers) alive.
@@ -92,13 +93,12 @@ class Scope:
         # copies them to the device straight out of the (registered) block. Pinning only, it
         # copies them into pinned memory from a block mapped once, not a new segment a batch:
         # less of the training process's CPU, where the workers live long enough to reuse
-        # their blocks; workers that make few batches each (a plain `for`'s own scope, one short
-        # epoch) would pay a block's first trip and a copy for each (docs/design.md, "Worker
-        # blocks", has the figures).
+        # their blocks; workers that make few batches each (one short epoch) would pay a
+        # block's first trip and a copy for each (docs/design.md, "Worker blocks").
         blocks = (
             device is not None
             and device.pin
-            and (device.accelerator is not None or not few_batches)
+            and (device.accelerator is not None or not (one_epoch and _few_batches_each(plan)))
         )
         if plan.ray is not None and plan.num_workers > 0:
             self.work = RayPool(
@@ -201,3 +201,14 @@ class Running:
             epoch.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
                 await epoch.finished.wait()
+
+
+def _few_batches_each(plan: LoaderPlan) -> bool:
+    """Whether one epoch gives each worker fewer than ``REUSED_FROM`` batches to make (too few
+    to reuse worker blocks), from its sampler's length; False where that is unknown (an
+    iterable dataset: its ``len`` is not asked, which torch's warnings would count)."""
+    sampler = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
+    try:
+        return len(sampler) < REUSED_FROM * max(1, plan.num_workers)  # type: ignore[arg-type]
+    except TypeError:  # None (an iterable dataset), or a sampler without a length
+        return False

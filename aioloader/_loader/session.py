@@ -58,7 +58,7 @@ class SessionLoader(Protocol[T_Batch]):
 
     async def __aenter__(self) -> Any: ...
 
-    async def _open_scope(self, *, few_batches: bool) -> None: ...
+    async def _open_scope(self, *, one_epoch: bool) -> None: ...
 
     async def __aexit__(
         self,
@@ -150,16 +150,16 @@ class _LoaderScope:
     ``__del__`` closes the session. A scope whose loader is gone closes through its own stack.
     """
 
-    def __init__(self, loader: SessionLoader[Any], *, few_batches: bool) -> None:
+    def __init__(self, loader: SessionLoader[Any], *, one_epoch: bool) -> None:
         self._loader = weakref.ref(loader)
-        self._few_batches = few_batches
+        self._one_epoch = one_epoch
         self._scope: Scope | None = None
 
     async def __aenter__(self) -> None:
         loader = self._loader()
         if loader is None:  # pragma: no cover - the caller holds it
             raise LoaderStateError("the loader was collected before its scope opened")
-        await loader._open_scope(few_batches=self._few_batches)
+        await loader._open_scope(one_epoch=self._one_epoch)
         self._scope = loader._scope
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -176,15 +176,15 @@ class Session:
     Args:
         loader: The loader whose scope (``async with``) opens on the loop, now.
         persistent: Kept open across epochs by ``persistent_workers`` (not by ``with``).
-        few_batches: The scope's workers will make few batches each (a plain ``for``'s own
-            scope, one short epoch).
+        one_epoch: The scope serves one epoch only (a plain ``for``'s own, without ``with``
+            or ``persistent_workers``).
 
     Raises:
         Exception: Whatever opening the scope raised (the loop is stopped again first).
     """
 
     def __init__(
-        self, loader: SessionLoader[Any], *, persistent: bool, few_batches: bool = False
+        self, loader: SessionLoader[Any], *, persistent: bool, one_epoch: bool = False
     ) -> None:
         self.persistent = persistent
         self._pid = os.getpid()  # a forked child's copy has no loop to stop
@@ -194,7 +194,7 @@ class Session:
         self._stack = contextlib.ExitStack()
         self._stack.callback(self._stop_loop)
         try:
-            scope = _LoaderScope(loader, few_batches=few_batches)
+            scope = _LoaderScope(loader, one_epoch=one_epoch)
             self._stack.enter_context(self.portal.wrap_async_context_manager(scope))
         except BaseException:
             self._stack.close()

@@ -47,7 +47,7 @@ from typing import Any
 from . import fdpass
 from .byname import as_a_process_starts
 from .byvalue import MainRule, received_start, start_args, start_pickler
-from .memfile import IN_FILE_FROM, in_memory, mapped
+from .memfile import IN_FILE_FROM, OUT_OF_BAND_FROM, in_memory, mapped
 from .nogc import collections_paused
 from .startcopy import StartCopies, rebuilt, referred
 
@@ -65,13 +65,6 @@ __all__ = [
 # takes: the stdlib's client hands over at most MAXFDS_TO_SEND less 4, a few of them the
 # start's own files. More go down the worker's pipe (fdpass.starting), or refuse a template.
 MOST_HANDED = stdlib_forkserver.MAXFDS_TO_SEND - 16
-# Bytes: a smaller array or storage goes in the pickle. Out of band, each costs a write here, a
-# place in each worker's start and a view there: 600,000 arrays of two numbers (the boxes of a
-# detection dataset) took 8.6 s to the first batch, against 5.7 s in the pickle. In the pickle,
-# it is copied into it, out of it into the template and, a page at a time, into each worker:
-# 15,000 images of 12 KiB (2 workers, 2-core box), 0.30-0.39 s to the first batch out of
-# band, 0.53-0.60 s in the pickle from 64 KiB (tensors: 0.54 s against 0.71-0.80 s).
-OUT_OF_BAND_FROM = 4 << 10
 
 
 class StartArguments:

@@ -422,7 +422,7 @@ def test_the_table_rebuilds_each_tensor_as_it_was_and_views_of_one_storage_as_vi
     out_of_band: list[pickle.PickleBuffer] = []
 
     def in_band(buffer: pickle.PickleBuffer) -> bool:
-        if buffer.raw().nbytes < startcopy.IN_PICKLE_BELOW:
+        if buffer.raw().nbytes < OUT_OF_BAND_FROM:
             return True
         out_of_band.append(buffer)
         return False
@@ -443,4 +443,15 @@ def test_the_table_rebuilds_each_tensor_as_it_was_and_views_of_one_storage_as_vi
 
 
 def test_the_table_keeps_small_storages_in_the_pickle() -> None:
-    assert startcopy.IN_PICKLE_BELOW == OUT_OF_BAND_FROM  # below it, the pickle holds them
+    """Under ``OUT_OF_BAND_FROM`` (the start's one threshold) a storage's bytes are in the
+    table's pickle; from it, they are offered to the buffer callback."""
+    copies = startcopy.StartCopies()
+    small, large = (
+        torch.ones(OUT_OF_BAND_FROM - 1, dtype=torch.uint8),
+        torch.ones(OUT_OF_BAND_FROM, dtype=torch.uint8),
+    )
+    for tensor in (small, large):
+        copies.reduce(tensor)
+    offered: list[int] = []
+    copies.dumps(lambda buffer: offered.append(buffer.raw().nbytes) or True, lambda value: 0)
+    assert offered == [OUT_OF_BAND_FROM]
