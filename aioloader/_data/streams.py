@@ -20,9 +20,10 @@ import anyio
 from .._base.exceptions import LoaderStateError
 from .._base.stateful import StatefulPass, decode, is_stateful, snapshot
 from .._workers.offload import ThreadOffload
+from .datapipes import seed_pipe, shard_here
 from .epochs import OpensEpochs, open_owned
 
-__all__ = ["AsyncStream", "BlockingStream", "StreamSource", "is_resumable"]
+__all__ = ["AsyncStream", "BlockingStream", "StreamSource", "begin_here", "is_resumable"]
 
 _STREAM_CHUNK = 64  # items pulled from a blocking iterator per thread call
 
@@ -173,3 +174,17 @@ class BlockingStream(StreamSource):
             if close is not None:  # a generator: run its finally blocks on our thread, now
                 with anyio.CancelScope(shield=True):
                     await self._offload().run(close, inline=False)
+
+
+def begin_here(dataset: object, epoch: int, pipe_seed: int | None) -> None:
+    """A stream read in this process (not in workers) begins epoch ``epoch``: a DataPipe keeps
+    this rank's share and is seeded with ``pipe_seed`` (``datapipes.py``); a dataset with a
+    ``set_epoch`` is told the epoch, as it shuffles by it (:class:`OpensEpochs`: given the
+    epoch as it opens one)."""
+    if pipe_seed is not None:
+        shard_here(dataset)
+        seed_pipe(dataset, pipe_seed)
+    elif not isinstance(dataset, OpensEpochs):
+        set_epoch = getattr(dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)

@@ -20,6 +20,7 @@ import torch
 
 from .._base.checks import check_bool, check_int, check_picklable, check_seconds, check_seed
 from .._base.retry import RetryPolicy
+from .._data.datapipes import is_datapipe
 from .._data.source import Kind, classify
 from .._device.accelerator import resolve_device
 from .._workers.rayspec import RayWorkers, ray_spec_of
@@ -155,7 +156,8 @@ def _check_combinations(
     if not kind.is_map:
         name = type(dataset).__qualname__
         for option, value, absent in (
-            ("shuffle", shuffle, shuffle in (None, False)),
+            # a DataPipe's shufflers are switched by `shuffle`, as torch's (_data/datapipes.py)
+            ("shuffle", shuffle, shuffle in (None, False) or is_datapipe(dataset)),
             ("sampler", sampler, sampler is None),
             ("batch_sampler", batch_sampler, batch_sampler is None),
         ):

@@ -21,10 +21,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals
 from .._base.inline import ROUND_EVERY_S
-from .._data.epochs import OpensEpochs
+from .._data.datapipes import epoch_seed
 from .._data.order import epoch_takers, owner_epoch
 from .._data.resume import Mark
 from .._data.source import InWorkers, MapSource
+from .._data.streams import begin_here
 from .._device.stage import Staged, hand_out
 from .._pipeline.demand import HANDED_OVER, OnDemand
 from .._pipeline.epoch import Epoch
@@ -53,6 +54,8 @@ class EpochIterator(Generic[T_Batch]):
         self._scope = scope
         self._epoch_given = given  # by set_epoch: any sampler is told (epoch_takers)
         self._resume = resume  # a loaded state of this epoch: it goes on from there
+        drawn, state.pipe_seed = state.pipe_seed, None  # a DataPipe's, drawn by a plain for
+        self._pipe_seed = epoch_seed(self._plan.dataset, self._plan.arguments.generator, drawn)
         self._number, self.progress, self.shown = self._numbered(number)
         self._running: Running | None = None
         self._went_round = 0.0  # when a batch made here last let the loop go round first
@@ -109,11 +112,8 @@ class EpochIterator(Generic[T_Batch]):
             batches = resumed_batches(
                 plan.sampler, plan.batch_sampler, resume, rank=plan.rank, world_size=plan.world_size
             )
-        elif not isinstance(plan.source, InWorkers) and not isinstance(plan.dataset, OpensEpochs):
-            # A stream read here shuffles by the loader's epoch (OpensEpochs: given as it opens)
-            set_epoch = getattr(plan.dataset, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(self._number)
+        elif not isinstance(plan.source, InWorkers):  # a stream read here
+            begin_here(plan.dataset, self._number, self._pipe_seed)
         self._batches = batches
         state.progress = self.progress
         self._running = scope.current = Running(self.shown)
@@ -210,6 +210,7 @@ class EpochIterator(Generic[T_Batch]):
             pace=scope.pace,
             empty=empty,
             skips_left=skips_left,
+            pipe_seed=self._pipe_seed,
         )
         running.run_stages(epoch, recv)
         await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")

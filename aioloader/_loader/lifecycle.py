@@ -18,11 +18,13 @@ import anyio
 from .._base.exceptions import LoaderStateError
 from .._base.recorders import Recorders
 from .._workers.offload import ThreadOffload
+from .._workers.processes import ProcessWorkers
+from .._workers.procview import WorkerProcess
 from .plan import LoaderPlan
 from .scope import LoaderState, Scope
 from .session import Session, SessionLoader, close_from_anywhere
 
-__all__ = ["ScopeLifecycle", "ScopedLoader"]
+__all__ = ["PersistentIterator", "ScopeLifecycle", "ScopedLoader"]
 
 
 class ScopedLoader(SessionLoader[Any], Protocol):
@@ -46,12 +48,37 @@ class ScopedLoader(SessionLoader[Any], Protocol):
 
     def __exit__(self, *exc_info: object) -> None: ...
 
+    def close(self) -> None: ...
+
 
 L = TypeVar("L", bound=ScopedLoader)
 
 
 def _is_async_context(obj: object) -> bool:
     return callable(getattr(obj, "__aenter__", None)) and callable(getattr(obj, "__aexit__", None))
+
+
+class PersistentIterator:
+    """What code written for torch reaches as ``loader._iterator`` while persistent workers
+    run (torch keeps its persistent iterator there): ``_shutdown_workers()`` stops them, as
+    Lightning's teardown and scripts that free their workers call it; ``_workers`` lists them
+    (see ``PlainIterator._workers``)."""
+
+    def __init__(self, loader: ScopedLoader, session: Session) -> None:
+        self._loader, self._session = loader, session
+
+    @property
+    def _workers(self) -> list[WorkerProcess]:
+        scope = self._loader._scope
+        if self._session.closed or scope is None or not isinstance(scope.work, ProcessWorkers):
+            return []
+        return scope.work.processes()
+
+    def _shutdown_workers(self) -> None:
+        """Stop the persistent workers (no-op once they are stopped); the next epoch starts
+        new ones, as torch's next iterator does."""
+        if self._loader._session is self._session and self._session.persistent:
+            self._loader.close()
 
 
 # What runs, not what a loader is: a copy of the loader has its own (``__getstate__``).
@@ -168,6 +195,32 @@ class ScopeLifecycle:
         session, self._session = self._session, None
         if session is not None:
             session.close()
+
+    @property
+    def _iterator(self: ScopedLoader) -> Any:  # (torch's attribute is its iterator class)
+        """torch's persistent iterator, as code written for torch reaches it: None unless
+        persistent workers are running (see :class:`PersistentIterator`)."""
+        session = self._session
+        if session is None or not session.persistent:
+            return None
+        return PersistentIterator(self, session)
+
+    @_iterator.setter
+    def _iterator(self: ScopedLoader, value: Any) -> None:
+        """``loader._iterator = None``, torch's way to drop its persistent iterator (Lightning
+        does it as it tears its loops down), stops the persistent workers.
+
+        Raises:
+            TypeError: ``value`` is not None: the iterator is the loader's to make.
+        """
+        if value is not None:
+            raise TypeError(
+                f"only None can be assigned to a loader's _iterator (it stops persistent "
+                f"workers), got {type(value).__qualname__}"
+            )
+        session = self._session
+        if session is not None and session.persistent:
+            self.close()
 
     def close(self: ScopedLoader) -> None:
         """Close the scope opened by ``with loader:`` or kept open by ``persistent_workers``:

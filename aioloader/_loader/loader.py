@@ -25,6 +25,7 @@ from .._base.recorders import Recorders
 from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics
 from .._base.verdict import verdict
+from .._data.datapipes import epoch_seed
 from .._data.epochs import claim_epochs
 from .._data.order import owner_epoch
 from .._data.source import InWorkers, dataset_length
@@ -426,6 +427,8 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
         if self._session is not None:
             return PlainIterator(self, self._session, owned=False)
         self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
+        # a DataPipe's epoch seed first, as torch's iterator draws it (the scope's comes next)
+        self._state.pipe_seed = epoch_seed(self._plan.dataset, self._plan.arguments.generator)
         persistent = self.persistent_workers
         session = Session(self, persistent=persistent, one_epoch=not persistent)
         if session.persistent:

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._base.exceptions import LoaderStateError
 from .._device.stage import hand_out
+from .._workers.processes import ProcessWorkers
 from .session import Session, SessionLoader, close_from_anywhere
 
 if TYPE_CHECKING:
+    from .._workers.procview import WorkerProcess
     from .consumer import EpochIterator
 
 __all__ = ["PlainIterator"]
@@ -93,8 +95,10 @@ class PlainIterator(Generic[T_Batch]):
         self._pump: concurrent.futures.Future[None] | None = None
         self._prepared = False  # the epoch began (on the loop): its batches may come from here
         self._superseded = False  # ended by a later iter(loader): see supersede()
+        self._processes: list[WorkerProcess] | None = None
         try:
             self._epoch: EpochIterator[T_Batch] = session.portal.call(self._loader.__aiter__)
+            self._scope = loader._scope  # the epoch's: its workers (`_workers`)
         except BaseException:
             self._done = True
             if owned:
@@ -103,6 +107,29 @@ class PlainIterator(Generic[T_Batch]):
 
     def __iter__(self) -> PlainIterator[T_Batch]:
         return self
+
+    @property
+    def _workers(self) -> list[WorkerProcess]:
+        """The worker processes of this iterator's epoch, by worker id, as torch's
+        multiprocessing iterator lists them (code that wants its workers' pids reads it):
+        each answers ``pid``, ``is_alive()``, ``join()``, ``exitcode``, ``terminate()`` and
+        ``kill()`` (:class:`~aioloader._workers.procview.WorkerProcess`), also after the
+        epoch has ended. The processes as they were when first asked: a worker replaced
+        after a crash is not in the list.
+
+        Raises:
+            AttributeError: The loader has no worker processes (``num_workers=0``, thread or
+                Ray workers), as torch's single-process iterator has no ``_workers``.
+        """
+        if self._processes is None:
+            work = self._scope.work if self._scope is not None else None
+            if not isinstance(work, ProcessWorkers):
+                raise AttributeError(
+                    "'PlainIterator' object has no attribute '_workers': this loader has no "
+                    "worker processes"
+                )
+            self._processes = work.processes()
+        return self._processes
 
     def __len__(self) -> int:
         return len(self._loader)
@@ -137,6 +164,10 @@ class PlainIterator(Generic[T_Batch]):
             if got.error is not None:
                 raise got.error
         except StopAsyncIteration:
+            # `got` is the end raised above, whose traceback holds this frame: a cycle that
+            # would keep the iterator, and a dropped loader's persistent workers, until the
+            # collector's next pass (torch's stop as the loader is dropped).
+            got = None
             if self._epoch.ended:  # set on the loop's thread before the end was sent here
                 self._epoch.progress.finished = True
             self._epoch.shown.close()

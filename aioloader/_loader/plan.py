@@ -22,6 +22,7 @@ import torch
 from .._base.inline import INLINE_BELOW_S
 from .._data.collate import default_collate
 from .._data.convert import default_convert
+from .._data.datapipes import set_shuffle
 from .._data.order import PLAIN_BATCHERS, map_order
 from .._data.sampler import DistributedSampler, RandomSampler
 from .._data.seeds import draw_seed
@@ -293,6 +294,7 @@ def plan_loader(
         TypeError, ValueError: As :func:`~aioloader._loader.arguments.check_arguments`.
     """
     checked = check_arguments(a, stacklevel=stacklevel + 1)
+    set_shuffle(a.dataset, a.shuffle)  # a DataPipe's shufflers on or off, as torch's loader's
     kind, batch_size, prefetch, start_method, target, ray = checked
     if a.distributed and earlier is not None and not follow:  # only following changes a share
         rank, world_size = earlier.rank, earlier.world_size
@@ -344,9 +346,8 @@ def plan_loader(
     config = PipelineConfig(
         batch_size=_batch_size_hint(batch_size, a.batch_sampler),
         unbatched=unbatched,
-        # A blocking dataset read in this process is read in slices spread over the I/O
-        # threads: few thread hops for fast local reads, yet every thread busy when items
-        # are slow.
+        # A blocking dataset read here: in slices spread over the I/O threads (few thread
+        # hops for fast local reads, yet every thread busy when items are slow).
         fetch_chunk=-(-a.max_inflight // io_threads) if kind.is_blocking else None,
         drop_last=a.drop_last,
         max_inflight=a.max_inflight,

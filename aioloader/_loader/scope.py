@@ -11,6 +11,7 @@ builds samplers (``_loader/loader.py``), hands out batches (``consumer.py``), or
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -18,7 +19,9 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from .._data.datapipes import is_datapipe, shard_in_worker
 from .._data.seeds import derive_seed
+from .._data.sharding import resolve_rank
 from .._data.source import InWorkers
 from .._device.stage import DeviceStage
 from .._pipeline.epoch import Epoch
@@ -51,15 +54,18 @@ class LoaderState:
         progress: The consumer's record of the current (or last) epoch, or None before any.
         shown: The current (or last) epoch's progress line (and bar), or None before any.
         scopes: Scopes opened over the loader's life (``stats`` covers the last one).
+        pipe_seed: A DataPipe's seed for the next epoch, drawn by a plain ``for`` before the
+            scope it opens draws its own (torch's order), or None.
     """
 
-    __slots__ = ("iterable_len", "progress", "scope", "scopes", "shown", "stats")
+    __slots__ = ("iterable_len", "pipe_seed", "progress", "scope", "scopes", "shown", "stats")
 
     def __init__(self, stats: Recorders) -> None:
         self.stats = stats
         self.scopes = 0
         self.scope: Scope | None = None
         self.iterable_len: int | None = None
+        self.pipe_seed: int | None = None
         self.progress: Progress | None = None
         self.shown: EpochProgress | None = None
 
@@ -88,6 +94,9 @@ class Scope:
         # without `with` is a scope per epoch: new augmentations each), whatever the workers.
         worker_seed = plan.scope_seed()
         dataset = plan.source.dataset if isinstance(plan.source, InWorkers) else None
+        if is_datapipe(dataset):  # each worker keeps its share of the pipe, as torch's do
+            rank, world_size = resolve_rank(None, None)
+            worker_init_fn = functools.partial(shard_in_worker, worker_init_fn, rank, world_size)
         device = plan.device_plan
         # A stage that pins reads batches out of blocks the workers reuse: with a device, it
         # copies them to the device straight out of the (registered) block. Pinning only, it

@@ -120,8 +120,10 @@ class Epoch(TransformStage, OutputStage):
         pace: Pace | None = None,
         empty: Sequence[Mark] = (),
         skips_left: int | None = None,
+        pipe_seed: int | None = None,
     ) -> None:
         self.number = number
+        self.pipe_seed = pipe_seed  # a DataPipe's epoch seed, for its readers in the workers
         self.config = config
         self.source = source
         self.batches = batches

@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from .._base.exceptions import WorkerCrashed
 from .._base.recorders import Operation, Recorders
+from .._data.datapipes import seed_pipe
 from .._data.resume import Taken
 from .._data.seeds import derive_seed
 from .._data.sharding import StreamShare
@@ -44,6 +45,7 @@ class Epoch(Protocol):
     work: WorkerPool
     budget: FailureBudget
     stream_from: tuple[int, int, Any] | None
+    pipe_seed: int | None
     taken: Taken | None
     on_stream_start: Callable[[tuple[int, int, Any] | None], None] | None
 
@@ -211,7 +213,9 @@ class WorkerStreams:
             seed = derive_seed(cfg.seed, self.number, worker_id) if cfg.seeded else None
             saved = self._saved.get(str(worker_id))
             # A dead worker is replaced here.
-            resumable, opening = await run_on(worker_id, open_stream, saved, seed=seed)
+            pipe_seed = self.epoch.pipe_seed
+            prepare = None if pipe_seed is None else functools.partial(seed_pipe, seed=pipe_seed)
+            resumable, opening = await run_on(worker_id, open_stream, saved, prepare, seed=seed)
             self._opened(worker_id, resumable, opening)
             try:
                 await self._all_open.wait()

@@ -206,17 +206,23 @@ def run_indices(
 _stream: StatefulPass | None = None  # this worker's pass over its copy of the dataset
 
 
-def open_stream(state: Any = None) -> tuple[bool, Any]:
+def open_stream(
+    state: Any = None, prepare: Callable[[Any], object] | None = None
+) -> tuple[bool, Any]:
     """Start a new pass over the worker's copy of the dataset (``iter(dataset)``), as torch's
     worker does at each epoch; an unfinished earlier pass is closed first. With ``state`` (a
     resumed epoch: what an earlier pass's batches carried), the pass starts where it stood
     (the dataset's ``load_state_dict`` before ``iter()``, its iterator's after: see
     ``_base/stateful.py``). Returns whether the pass keeps a state, and its state before its
     first item (``StatefulPass.opening``: None for a pass from the start whose dataset keeps
-    the state)."""
+    the state). ``prepare(dataset)`` runs first: a DataPipe is seeded for the epoch there
+    (``_data/datapipes.py``)."""
     global _stream
     close_stream()
-    _stream = StatefulPass(worker_dataset(), state)
+    dataset = worker_dataset()
+    if prepare is not None:
+        prepare(dataset)
+    _stream = StatefulPass(dataset, state)
     return _stream.resumable, _stream.opening
 
 

@@ -41,6 +41,7 @@ from .children import blocking, exits, hang_up, remove_left_segments
 from .descriptors import JobNotTaken, out_of_descriptors, too_many_open_files
 from .ledger import LEDGER
 from .pack import pack_tensors
+from .procview import WorkerProcess
 from .serverstart import died_starting_note, note_server
 from .slots import Slots
 from .starting import Starts, Worker
@@ -161,11 +162,13 @@ class ProcessWorkers:
         with anyio.CancelScope(shield=True):
             await anyio.wait_readable(process.sentinel)
         process.join()
+        worker.reap()
         # Exited, yet never reaped where the application ignores SIGCHLD (the kernel reaps it):
         # its sentinel is closed once the process object is dropped.
         with contextlib.suppress(ValueError):
             process.close()
         worker.stopped = True
+        worker.reaped.set()  # (its exit code unknown where SIGCHLD is ignored)
         LEDGER.forget(worker.pid)  # its blocks: mappings here live on only in their views
         remove_left_segments(worker.pid)
         if worker.template is not None:
@@ -183,6 +186,11 @@ class ProcessWorkers:
                     if not worker.stopped:
                         tg.start_soon(lambda w: self._stop(w, grace=_STOP_GRACE), worker)
         self._slots.close()
+
+    def processes(self) -> list[WorkerProcess]:
+        """A view of each slot's worker process now, by worker id (torch's ``_workers``); from
+        any thread."""
+        return [WorkerProcess(worker) for worker in self._slots.now]
 
     # -- jobs ------------------------------------------------------------------------------------
 
@@ -224,6 +232,7 @@ class ProcessWorkers:
             if not await exits(worker.process, within=1.0):
                 return False
         worker.alive = False
+        worker.reap()
         return True
 
     async def _mark_dead(self, worker: Worker) -> None:
@@ -232,7 +241,8 @@ class ProcessWorkers:
         if worker.stopped:
             return
         with anyio.CancelScope(shield=True):
-            await exits(worker.process, within=1.0)
+            if await exits(worker.process, within=1.0):
+                worker.reap()
 
     def _crashed(self, worker: Worker) -> WorkerCrashed:
         try:

@@ -17,6 +17,7 @@ import os
 import pickle
 import resource
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -52,6 +53,16 @@ class Worker:
     has: set[int] = field(default_factory=set)  # the ``ByValue`` tokens sent to it
     template: Template | None = None  # it was forked from its start's template
     unsent: fdpass.Passing | None = None  # its start's descriptors for its pipe (hand_over)
+    exitcode: int | None = None  # once reaped (:meth:`reap`), for ``WorkerProcess`` views
+    reaped: threading.Event = field(default_factory=threading.Event)
+
+    def reap(self) -> None:
+        """Record the exit code of its process, which has ended and been joined."""
+        if self.exitcode is None:
+            with contextlib.suppress(ValueError):  # closed: recorded before
+                self.exitcode = self.process.exitcode
+        if self.exitcode is not None:
+            self.reaped.set()
 
 
 class Starts:

@@ -1,0 +1,145 @@
+"""torch's private handles on a loader's workers, as code written for torch reads them: an
+iterator's ``_workers`` (their pids, whether they live, their exit codes) and a loader's
+``_iterator`` while persistent workers run (``_shutdown_workers()``, ``_iterator = None``:
+Lightning's teardown). Real processes; every wait bounded."""
+
+from __future__ import annotations
+
+import gc
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data
+
+import aioloader
+from tests.support import worker_datasets as wd
+
+JOIN_S = 10.0
+
+
+@pytest.fixture
+def collector_off() -> Iterator[None]:
+    """Refcounting alone: what torch's loader relies on to stop its workers as it is dropped."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def pids_by_worker(batches: list[dict[str, Any]]) -> dict[int, set[int]]:
+    seen: dict[int, set[int]] = {}
+    for batch in batches:
+        for worker, pid in zip(batch["our_id"].tolist(), batch["pid"].tolist(), strict=True):
+            seen.setdefault(worker, set()).add(pid)
+    return seen
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_are_the_processes_that_read_by_worker_id(persistent: bool) -> None:
+    dl = aioloader.DataLoader(
+        wd.WhoReads(32), batch_size=4, num_workers=2, persistent_workers=persistent
+    )
+    it = iter(dl)
+    workers = it._workers
+    assert [w.worker_id for w in workers] == [0, 1]
+    assert all(w.is_alive() and w.exitcode is None for w in workers)
+    seen = pids_by_worker(list(it))
+    assert seen == {0: {workers[0].pid}, 1: {workers[1].pid}}
+    assert it._workers is workers  # torch's list: the same after the epoch
+    if persistent:
+        assert all(w.is_alive() for w in workers)  # the loader keeps them for the next epoch
+        dl.close()
+    for w in workers:
+        w.join(JOIN_S)
+        assert not w.is_alive() and w.exitcode == 0, w
+
+
+def test_without_worker_processes_there_is_no_workers_attribute() -> None:
+    """As torch's single-process iterator: no ``_workers`` at all."""
+    torch_loader = torch.utils.data.DataLoader(wd.WhoReads(4), batch_size=2)
+    assert not hasattr(iter(torch_loader), "_workers")
+    for options in ({}, {"num_workers": 2, "worker_mode": "thread"}):
+        it = iter(aioloader.DataLoader(wd.WhoReads(4), batch_size=2, **options))
+        with pytest.raises(AttributeError, match="no worker processes"):
+            it._workers  # noqa: B018
+        assert not hasattr(it, "_workers")
+        assert len(list(it)) == 2
+
+
+def test_a_worker_killed_through_its_handle_is_a_crash_with_its_exit_code() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(64), batch_size=4, num_workers=2)
+    it = iter(dl)
+    next(it)
+    victim = it._workers[1]
+    victim.kill()
+    victim.join(JOIN_S)
+    assert not victim.is_alive()
+    errors: list[BaseException] = []
+    batches = 1
+    for _ in range(40):  # bounded: 16 batches, a few failed
+        try:
+            next(it)
+            batches += 1
+        except StopIteration:
+            break
+        except aioloader.WorkerCrashed as exc:
+            errors.append(exc)
+    assert errors and all(e.pid == victim.pid for e in errors), errors  # type: ignore[attr-defined]
+    assert batches + len(errors) == 16
+    victim.join(JOIN_S)  # the loader has found it dead and reaped it
+    assert victim.exitcode == -signal.SIGKILL
+    victim.terminate()  # ended: a signal to it is a no-op, never to a later process of its pid
+    assert "exitcode=-9" in repr(victim)
+
+
+def test_a_dropped_loader_stops_its_persistent_workers_at_once(collector_off: None) -> None:
+    """torch's persistent workers stop as the loader is dropped, refcounting alone; ours kept
+    running until the collector's next pass (the end of an epoch left a reference cycle
+    through the iterator's frame)."""
+    dl = aioloader.DataLoader(wd.WhoReads(16), batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(dl)
+    workers = it._workers
+    assert len(list(it)) == 4
+    del it, dl
+    for w in workers:
+        w.join(JOIN_S)
+        assert not w.is_alive() and w.exitcode == 0, w
+
+
+def test_iterator_is_none_until_persistent_workers_run_and_stops_them() -> None:
+    """torch keeps its persistent iterator in ``loader._iterator``; Lightning's teardown calls
+    its ``_shutdown_workers()`` and sets it to None. Both stop ours."""
+    dl = aioloader.DataLoader(wd.WhoReads(16), batch_size=4, num_workers=2, persistent_workers=True)
+    assert dl._iterator is None
+    assert len(list(dl)) == 4
+    first = dl._iterator._workers
+    assert [w.is_alive() for w in first] == [True, True]
+    dl._iterator = None
+    assert dl._iterator is None
+    for w in first:
+        w.join(JOIN_S)
+        assert not w.is_alive() and w.exitcode == 0
+    assert len(list(dl)) == 4  # the next epoch starts new workers, as torch's does
+    second = dl._iterator._workers
+    assert {w.pid for w in second}.isdisjoint({w.pid for w in first})
+    dl._iterator._shutdown_workers()
+    assert dl._iterator is None and not any(w.is_alive() for w in second)
+    with pytest.raises(TypeError, match="only None"):
+        dl._iterator = iter(dl)
+
+
+def test_iterator_stays_none_without_persistent_workers_and_leaves_with_alone() -> None:
+    dl = aioloader.DataLoader(wd.WhoReads(8), batch_size=4, num_workers=1)
+    assert len(list(dl)) == 2 and dl._iterator is None
+    with dl:
+        it = iter(dl)
+        workers = it._workers
+        dl._iterator = None  # torch's idiom for persistent workers: a `with` scope is not one
+        assert len(list(it)) == 2 and workers[0].is_alive()
+    workers[0].join(JOIN_S)
+    assert not workers[0].is_alive()
