@@ -10,6 +10,7 @@ saves a loader's ``state_dict()`` in its checkpoints, is run beside torchdata's
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -232,3 +233,55 @@ def test_torchs_batch_sampler_over_our_random_sampler_reshuffles_each_epoch() ->
     orders = [[x for batch in second for x in batch.tolist()] for _ in range(3)]
     assert len({tuple(order) for order in orders}) == 3
     assert all(sorted(order) == data for order in orders)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")  # Lightning's own
+def test_lightnings_teardown_stops_our_persistent_workers_as_torchs() -> None:
+    """Lightning ends a fit by calling each train loader's ``_iterator._shutdown_workers()``
+    where the iterator is torch's, then setting ``loader._iterator = None``. Our loader had no
+    ``_iterator``: its persistent workers outlived the fit until the loader was collected."""
+    import lightning as L
+    import psutil
+
+    class Pids(torch.utils.data.Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            import os
+
+            return torch.tensor([float(os.getpid())])
+
+    class Module(L.LightningModule):
+        def __init__(self, loader: Any) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.loader = loader
+            self.pids: set[int] = set()
+
+        def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+            self.pids.update(int(p) for p in batch.flatten().tolist())
+            return self.layer(batch * 0).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        def train_dataloader(self) -> Any:
+            return self.loader
+
+    for loader_class in (torch.utils.data.DataLoader, aioloader.DataLoader):
+        loader = loader_class(Pids(), batch_size=4, num_workers=2, persistent_workers=True)
+        module = Module(loader)
+        quiet: dict[str, Any] = {"logger": False, "enable_progress_bar": False}
+        trainer = L.Trainer(
+            max_epochs=2, accelerator="cpu", enable_checkpointing=False, **quiet
+        )
+        trainer.fit(module)
+        assert len(module.pids) == 2, loader_class  # two workers read, for both epochs
+        assert loader._iterator is None, loader_class
+        for pid in module.pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process = psutil.Process(pid)
+                with contextlib.suppress(psutil.TimeoutExpired):
+                    process.wait(10)  # a zombie of torch's until it reaps it
+                assert process.status() == psutil.STATUS_ZOMBIE, (loader_class, pid)
