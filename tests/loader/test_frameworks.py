@@ -273,9 +273,7 @@ def test_lightnings_teardown_stops_our_persistent_workers_as_torchs() -> None:
         loader = loader_class(Pids(), batch_size=4, num_workers=2, persistent_workers=True)
         module = Module(loader)
         quiet: dict[str, Any] = {"logger": False, "enable_progress_bar": False}
-        trainer = L.Trainer(
-            max_epochs=2, accelerator="cpu", enable_checkpointing=False, **quiet
-        )
+        trainer = L.Trainer(max_epochs=2, accelerator="cpu", enable_checkpointing=False, **quiet)
         trainer.fit(module)
         assert len(module.pids) == 2, loader_class  # two workers read, for both epochs
         assert loader._iterator is None, loader_class
