@@ -40,13 +40,14 @@ from .scope import LoaderState, Scope
 from .session import Session
 from .settings import Setting
 from .state_dict import Resumable
+from .torchnames import TorchNames
 
 __all__ = ["DataLoader"]
 
 T_Batch = TypeVar("T_Batch")
 
 
-class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]):
+class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoader[T_Batch]):
     """Batches from an async or ordinary dataset, fetched concurrently, yielded by ``async for``.
 
     The positional arguments and their meanings are those of ``torch.utils.data.DataLoader``, so a
@@ -294,11 +295,6 @@ class DataLoader(ScopeLifecycle, Resumable, torch.utils.data.DataLoader[T_Batch]
     @property
     def _stats(self) -> Recorders:
         return self._state.stats
-
-    @property
-    def iterable_len_called(self) -> int | None:
-        """The length an iterable dataset reported to ``len(loader)``, or None (torch's name)."""
-        return self._state.iterable_len
 
     # -- torch's surface -----------------------------------------------------------------------
 

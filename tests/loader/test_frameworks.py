@@ -38,6 +38,27 @@ def test_the_loader_and_its_samplers_are_torchs_classes() -> None:
     assert isinstance(sharded.sampler, torch.utils.data.DistributedSampler)
 
 
+class _Counted(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter(range(5))
+
+    def __len__(self) -> int:
+        return 5
+
+
+@pytest.mark.parametrize("dataset", [list(range(5)), _Counted()], ids=["map", "iterable"])
+def test_torchs_private_attributes_of_the_loader_read_as_torchs(dataset: Any) -> None:
+    """Composer's trainer reads ``_dataset_kind`` of any torch ``DataLoader`` before an epoch
+    (an AttributeError with ours); iterators written by hand copy the rest."""
+    theirs, ours = torch.utils.data.DataLoader(dataset), aioloader.DataLoader(dataset)
+    names = ("_dataset_kind", "_IterableDataset_len_called", "_auto_collation", "_iterator")
+    assert [getattr(ours, n) for n in names] == [getattr(theirs, n) for n in names]
+    assert len(ours) == len(theirs) == 5  # an iterable's reported length is kept, as torch's
+    assert ours._IterableDataset_len_called == theirs._IterableDataset_len_called
+    with pytest.raises(AttributeError, match="follows the loader's dataset"):
+        ours._dataset_kind = 1 - ours._dataset_kind
+
+
 def test_torchs_attributes_of_the_samplers_read_as_torchs() -> None:
     ours = aioloader.DistributedSampler(10, rank=1, world_size=3, shuffle=False)
     theirs = torch.utils.data.DistributedSampler(range(10), num_replicas=3, rank=1, shuffle=False)
