@@ -2,13 +2,16 @@
 pipe's shufflers, each epoch seeds them all alike, and each reader (a worker, or the main process
 without workers) keeps its share of a ``sharding_filter``.
 
-Owns: :func:`is_datapipe`, :func:`set_shuffle`, :func:`epoch_seed`, :func:`seed_pipe`,
-:func:`shard_here` and :func:`shard_in_worker`. Never: iterates a pipe.
+Owns: :func:`is_datapipe`, :func:`set_shuffle`, the epochs' seeds (:func:`draw_seed`,
+:func:`epoch_pipe_seed`), :func:`seed_pipe`, :func:`shard_here` and :func:`shard_in_worker`.
+Never: iterates a pipe.
 
 torch's ``DataLoader`` sets a pipe's shufflers on or off as it is built (``shuffle``, left as
 the pipe says when None), draws a shared seed at each epoch from ``generator`` (or torch's
-default generator), and seeds every random pipe in the graph with it, in every reader alike:
-the same shuffled stream everywhere, which each reader's ``sharding_filter`` then divides.
+default generator; rank 0's on every rank), and seeds every random pipe in the graph with it,
+in every reader alike: the same shuffled stream everywhere, which each reader's
+``sharding_filter`` then divides. Ours does the same, with one addition: with ``seed=`` (ours)
+an epoch's seed is derived from it and the epoch, not drawn, so that the epoch resumes.
 Without workers the main process is the instance ``rank`` of ``world_size``; worker ``i`` is
 instance ``i * world_size + rank`` of ``num_workers * world_size`` (torch.distributed's rank
 and world size where it is initialised, else 0 and 1). Without this, every worker read the
@@ -17,17 +20,25 @@ whole pipe: each sample came ``num_workers`` times.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils.data
 import torch.utils.data.graph_settings as graph_settings
+from torch.utils.data.graph import traverse_dps
 
+from .seeds import derive_seed
 from .sharding import resolve_rank
 
 __all__ = [
-    "epoch_seed",
+    "draw_seed",
+    "draw_unused",
+    "draws_seeds",
+    "epoch_pipe_seed",
+    "has_random_pipes",
     "is_datapipe",
     "seed_pipe",
     "set_shuffle",
@@ -48,24 +59,78 @@ def is_datapipe(dataset: object) -> bool:
 
 
 def set_shuffle(dataset: object, shuffle: bool | None) -> None:
-    """Turn a pipe's shufflers on or off (None: as the pipe has them), as torch's
+    """Turn an iterable pipe's shufflers on or off (None: as the pipe has them), as torch's
     ``DataLoader`` does as it is built; any other dataset is left alone."""
-    if shuffle is not None and is_datapipe(dataset):
+    if shuffle is not None and isinstance(dataset, _ITERABLE):
         graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)  # type: ignore[arg-type]
 
 
-def epoch_seed(
-    dataset: object, generator: torch.Generator | None, drawn: int | None = None
+def draws_seeds(dataset: object, seed: int | None) -> bool:
+    """Whether each epoch of ``dataset`` draws its pipe seed from a generator: an iterable
+    pipe, read by a loader without ``seed=``."""
+    return seed is None and isinstance(dataset, _ITERABLE)
+
+
+def has_random_pipes(dataset: object) -> bool:
+    """Whether an iterable pipe's graph has a pipe that draws from its seed (a shuffler, a
+    sampler: one with ``set_seed``, torch's test for the pipes it seeds)."""
+    if not isinstance(dataset, _ITERABLE):
+        return False
+    pipes = graph_settings.get_all_graph_pipes(traverse_dps(dataset))  # type: ignore[arg-type]
+    return any(inspect.ismethod(getattr(pipe, "set_seed", None)) for pipe in pipes)
+
+
+def draw_seed(dataset: object, seed: int | None, generator: torch.Generator | None) -> int | None:
+    """At an epoch's ``iter()``: its pipe seed drawn as torch's iterator draws it, from
+    ``generator``, else torch's default generator (so ``torch.manual_seed`` before an epoch
+    repeats it), and where torch.distributed runs, rank 0's, as torch broadcasts it: every
+    rank's sharding filter divides the same shuffled stream. None where nothing is drawn
+    (:func:`draws_seeds`)."""
+    if not draws_seeds(dataset, seed):
+        return None
+    shared = torch.empty((), dtype=torch.int64).random_(generator=generator)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(shared, src=0, group=_gloo())
+    return int(shared.item())
+
+
+def draw_unused(generator: torch.Generator | None) -> None:
+    """The draw torch's multiprocessing iterator makes once its workers are started (its
+    ``_reset``, whose seed they never get): made where it makes it, so the epochs after go on
+    from the same state of the generator as torch's, and shuffle as torch's do."""
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+
+
+def epoch_pipe_seed(
+    dataset: object,
+    seed: int | None,
+    generator: torch.Generator | None,
+    epoch: int,
+    drawn: int | None,
 ) -> int | None:
-    """An epoch's shared seed for an iterable pipe (None for any other dataset): ``drawn``
-    where it was drawn already, else drawn now as torch draws it: from ``generator``, else
-    torch's default generator (so ``torch.manual_seed`` before an epoch repeats its order)."""
+    """The seed of epoch ``epoch``'s random pipes, at its ``iter()`` (None for any other
+    dataset than an iterable pipe): derived from the loader's ``seed=`` and the epoch (the same
+    on every rank, and again on resuming), else ``drawn`` where it was drawn already (a plain
+    ``for`` draws it before its scope draws the workers' base seed, torch's order), else drawn
+    now (:func:`draw_seed`)."""
     if not isinstance(dataset, _ITERABLE):
         return None
-    if drawn is not None:
-        return drawn
-    seed = torch.empty((), dtype=torch.int64).random_(generator=generator)
-    return int(seed.item())
+    if seed is not None:
+        return derive_seed(seed, epoch)
+    return drawn if drawn is not None else draw_seed(dataset, seed, generator)
+
+
+_gloo_group: tuple[object, Any] | None = None  # (the world it was made in, its gloo group)
+
+
+def _gloo() -> Any:
+    """A gloo group of the whole world, made once per world (torch makes one per iterator):
+    the seed is a CPU tensor whatever the default backend."""
+    global _gloo_group
+    world = dist.group.WORLD
+    if _gloo_group is None or _gloo_group[0] is not world:
+        _gloo_group = (world, dist.new_group(backend="gloo"))
+    return _gloo_group[1]
 
 
 def seed_pipe(pipe: Any, seed: int) -> None:

@@ -322,6 +322,12 @@ def check_arguments(a: Arguments, *, stacklevel: int = 3) -> Checked:
     _let_the_dataset_check(a.dataset, batch_size, a.in_order, a.distributed)
     if a.sampler is not None and a.distributed:
         raise ValueError("sampler is mutually exclusive with distributed")
+    if a.distributed and is_datapipe(a.dataset) and not kind.is_map:
+        raise ValueError(  # it would keep 1/world_size of each rank's share
+            "distributed=True splits a stream among the ranks, and a DataPipe's sharding_filter "
+            f"splits {type(a.dataset).__qualname__} among torch.distributed's ranks already, as "
+            "torch's DataLoader does: leave distributed unset"
+        )
     target = resolve_device(a.device)
     on_host = target is None or target.type != "cuda"
     # Worker processes: the plan sends these by value where pickle cannot send them by name,

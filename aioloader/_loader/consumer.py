@@ -21,7 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals
 from .._base.inline import ROUND_EVERY_S
-from .._data.datapipes import epoch_seed
+from .._data.datapipes import epoch_pipe_seed
 from .._data.order import epoch_takers, owner_epoch
 from .._data.resume import Mark
 from .._data.source import InWorkers, MapSource
@@ -54,8 +54,8 @@ class EpochIterator(Generic[T_Batch]):
         self._scope = scope
         self._epoch_given = given  # by set_epoch: any sampler is told (epoch_takers)
         self._resume = resume  # a loaded state of this epoch: it goes on from there
-        drawn, state.pipe_seed = state.pipe_seed, None  # a DataPipe's, drawn by a plain for
-        self._pipe_seed = epoch_seed(self._plan.dataset, self._plan.arguments.generator, drawn)
+        a, drawn, state.pipe_seed = self._plan.arguments, state.pipe_seed, None  # a plain for's
+        self._pipe_seed = epoch_pipe_seed(self._plan.dataset, a.seed, a.generator, number, drawn)
         self._number, self.progress, self.shown = self._numbered(number)
         self._running: Running | None = None
         self._went_round = 0.0  # when a batch made here last let the loop go round first

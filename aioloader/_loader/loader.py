@@ -25,7 +25,7 @@ from .._base.recorders import Recorders
 from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics
 from .._base.verdict import verdict
-from .._data.datapipes import epoch_seed
+from .._data.datapipes import draw_seed, draw_unused
 from .._data.epochs import claim_epochs
 from .._data.order import owner_epoch
 from .._data.source import InWorkers, dataset_length
@@ -423,10 +423,12 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
         if self._session is not None:
             return PlainIterator(self, self._session, owned=False)
         self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
-        # a DataPipe's epoch seed first, as torch's iterator draws it (the scope's comes next)
-        self._state.pipe_seed = epoch_seed(self._plan.dataset, self._plan.arguments.generator)
+        a = self._plan.arguments  # a DataPipe's epoch seed first, as torch's iterator draws it
+        self._state.pipe_seed = draw_seed(self._plan.dataset, a.seed, a.generator)
         persistent = self.persistent_workers
         session = Session(self, persistent=persistent, one_epoch=not persistent)
+        if self._state.pipe_seed is not None and self.num_workers:
+            draw_unused(a.generator)  # and its multiprocessing iterator's last draw
         if session.persistent:
             self._session = session
             return PlainIterator(self, session, owned=False)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data as tud
 
+from .._data.datapipes import draws_seeds, has_random_pipes
 from .._data.order import GENERATOR_SAMPLERS, PLAIN_BATCHERS, order_generator
 from .._data.resume import Layer, Taken, numbered, rank_batches, remainder
 from .._data.sampler import RandomSampler, batches_of
@@ -218,6 +219,12 @@ def check_place(plan: LoaderPlan, state: EpochState, *, resumable: bool | None =
             f"the loader cannot resume: its {type(culprit).__qualname__} may give another "
             f"order when iterated again; {hint}use shuffle=True with seed=, or one of "
             "aioloader's samplers"
+        )
+    if draws_seeds(plan.dataset, plan.arguments.seed) and has_random_pipes(plan.dataset):
+        raise TypeError(
+            f"the loader cannot resume: its DataPipe {type(plan.dataset).__qualname__} is "
+            "seeded at each epoch from torch's generator, and a resumed epoch would be shuffled "
+            "anew; pass seed= (each epoch's pipe seed is then derived from it and the epoch)"
         )
     if state.stream is not None or resumable is None or resumable:
         return  # (resumable with no mark: its first batches failed; read again from its start)

@@ -37,16 +37,21 @@ class WorkerProcess:
     None until then. Where the loader is stopping it, ``join`` waits for that too.
     """
 
-    __slots__ = ("__weakref__", "_pidfd", "_worker")
+    __slots__ = ("__weakref__", "_gone", "_pidfd", "_worker")
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
         self._pidfd: int | None = None
-        if not worker.stopped and worker.pid:
-            # Opened while the pool holds the worker unreaped... or dead unnoticed: a fork
-            # server reaps its own children, so the pid may be free again. Not alive then.
-            with contextlib.suppress(OSError, AttributeError):  # gone; no pidfds here
+        self._gone = worker.stopped or not worker.pid
+        if not self._gone:
+            try:
                 self._pidfd = os.pidfd_open(worker.pid)
+            except ProcessLookupError:
+                # Dead unnoticed (between epochs, say) and reaped: a fork server reaps its
+                # own children, and its pid may be another process's by now.
+                self._gone = True
+            except (OSError, AttributeError):  # no pidfds here: the pid, as a last resort
+                pass
         if self._pidfd is not None:
             weakref.finalize(self, os.close, self._pidfd)
 
@@ -65,7 +70,7 @@ class WorkerProcess:
         return self._worker.exitcode
 
     def _ended_within(self, seconds: float | None) -> bool:
-        if self._worker.stopped:
+        if self._gone or self._worker.stopped:
             return True
         if self._pidfd is None:  # no pidfd: the pool's word, or the pid's absence
             if not self._worker.alive:

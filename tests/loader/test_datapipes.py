@@ -6,7 +6,9 @@ and ``shuffle`` switches the pipe's shufflers, seeded alike in every reader at e
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 import torch.utils.data
 
 import aioloader
+from tests.support.torchrun import ROOT, torchrun
 
 datapipes = pytest.importorskip("torch.utils.data.datapipes")
 
@@ -103,3 +106,105 @@ def test_a_sampler_is_still_refused_for_an_iterable_pipe() -> None:
     for loader in (torch.utils.data.DataLoader, aioloader.DataLoader):
         with pytest.raises(ValueError, match="expected unspecified sampler option"):
             loader(sharded(3), sampler=sampler)
+
+
+def test_ranks_share_rank_0s_seed_so_their_shares_are_every_sample_once(tmp_path: Path) -> None:
+    """Two ranks under torchrun, their default generators seeded apart: torch broadcasts rank
+    0's pipe seed; ours drew each rank's own, and 8 of 24 samples came twice, 8 never."""
+    output = torchrun(2, ROOT / "tests/support/ddp_datapipe_job.py", cwd=tmp_path, timeout=90)
+    ranks = [json.loads(line) for line in output.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in ranks) == [0, 1], output
+    for name in ("torch-0", "torch-2", "aio-0", "aio-2"):
+        union = sorted(x for r in ranks for x in r["seen"][name])
+        assert union == list(range(24)), (name, union)
+
+
+def test_distributed_true_is_refused_for_a_pipe_that_its_sharding_filter_splits() -> None:
+    """``distributed=True`` split each rank's share again: each rank kept 1/world_size²."""
+    with pytest.raises(ValueError, match="leave distributed unset"):
+        aioloader.DataLoader(sharded(8), distributed=True, rank=0, world_size=2)
+
+
+def test_seed_derives_each_epochs_pipe_seed_without_drawing() -> None:
+    def epochs(**options: Any) -> list[list[int]]:
+        dl = aioloader.DataLoader(shuffled(30), shuffle=True, num_workers=2, **options)
+        return [values(dl) for _ in range(2)]
+
+    state = torch.get_rng_state()
+    one = epochs(seed=3)
+    assert torch.equal(torch.get_rng_state(), state)  # seed=: torch's generator untouched
+    torch.manual_seed(99)  # whatever the generator says
+    assert epochs(seed=3) == one and one[0] != one[1]
+    assert sorted(one[1]) == list(range(30))
+
+
+class Skipping(torch.utils.data.IterDataPipe[int]):  # type: ignore[misc]
+    """A pipe that resumes: it skips the samples a saved state says were read."""
+
+    def __init__(self, source: Any) -> None:
+        self.source, self.read, self.skip = source, 0, 0
+
+    def __iter__(self) -> Any:
+        self.read = 0
+        for i, x in enumerate(self.source):
+            if i >= self.skip:
+                self.read = i + 1
+                yield x
+        self.skip = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"read": self.read}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["read"]
+
+
+def resumable(n: int) -> Any:
+    return Skipping(datapipes.iter.IterableWrapper(range(n)).shuffle(buffer_size=n))
+
+
+def test_a_shuffled_pipe_resumes_with_seed_and_is_refused_without() -> None:
+    first = aioloader.DataLoader(resumable(20), batch_size=4, shuffle=True, seed=5)
+    it = iter(first)
+    taken = [int(x) for _ in range(2) for x in next(it)]
+    state = first.state_dict()
+    del it
+    again = aioloader.DataLoader(resumable(20), batch_size=4, shuffle=True, seed=5)
+    again.load_state_dict(state)
+    rest = [int(x) for batch in again for x in batch]
+    assert sorted(taken + rest) == list(range(20))  # the same shuffle, every sample once
+
+    drawn = aioloader.DataLoader(resumable(20), batch_size=4, shuffle=True)
+    it = iter(drawn)
+    next(it)
+    with pytest.raises(TypeError, match="pass seed="):
+        drawn.state_dict()
+    del it
+
+
+def test_epochs_after_the_first_shuffle_as_torchs_with_workers() -> None:
+    """torch's multiprocessing iterator draws once more as its workers start (a seed they
+    never get); without that draw, ours went on from another state of the generator: only
+    the first epoch came in torch's order."""
+
+    def epochs(loader_class: Any, persistent: bool) -> list[list[int]]:
+        dl = loader_class(shuffled(24), shuffle=True, num_workers=2, persistent_workers=persistent)
+        torch.manual_seed(5)  # once, after the loader is built
+        try:
+            return [values(dl) for _ in range(3)]
+        finally:
+            del dl
+
+    for persistent in (False, True):
+        theirs = epochs(torch.utils.data.DataLoader, persistent)
+        assert epochs(aioloader.DataLoader, persistent) == theirs, persistent
+
+
+def test_shuffle_leaves_a_map_pipe_alone_as_torchs() -> None:
+    """torch sets the shufflers of an iterable pipe only; ours asked a map pipe too, and torch
+    warned that it added a shuffler to it."""
+    pipe = datapipes.map.SequenceWrapper(list(range(6)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = aioloader.DataLoader(pipe, batch_size=None, shuffle=True, seed=1)
+    assert sorted(int(x) for x in loader) == list(range(6))

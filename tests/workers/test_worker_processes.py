@@ -6,7 +6,10 @@ Lightning's teardown). Real processes; every wait bounded."""
 from __future__ import annotations
 
 import gc
+import os
+import select
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -143,3 +146,31 @@ def test_iterator_stays_none_without_persistent_workers_and_leaves_with_alone() 
         assert len(list(it)) == 2 and workers[0].is_alive()
     workers[0].join(JOIN_S)
     assert not workers[0].is_alive()
+
+
+def test_a_handle_first_asked_after_its_worker_died_unnoticed_is_ended() -> None:
+    """A persistent worker killed between epochs, and reaped by the fork server: its pid is
+    free for another process. Its handle, made after, is ended: no signal goes to the pid."""
+    dl = aioloader.DataLoader(wd.WhoReads(8), batch_size=4, num_workers=1, persistent_workers=True)
+    try:
+        it = iter(dl)
+        (pid,) = {int(p) for batch in it for p in batch["pid"]}
+        watch = os.pidfd_open(pid)
+        os.kill(pid, signal.SIGKILL)
+        select.select([watch], [], [], JOIN_S)  # ended: now reaped by its fork server
+        os.close(watch)
+        for _ in range(100):  # bounded: the fork server reaps it at once
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
+        (handle,) = it._workers
+        assert handle.pid == pid and not handle.is_alive() and handle.exitcode is None
+        started = time.monotonic()
+        handle.join()  # no wait: it ended (the loader has not reaped it: no exit code)
+        handle.kill()  # a no-op, never a signal to whatever has the pid now
+        assert time.monotonic() - started < 1.0
+        assert sorted(int(i) for batch in dl for i in batch["index"]) == list(range(8))
+    finally:
+        dl.close()
