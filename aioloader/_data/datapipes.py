@@ -72,12 +72,20 @@ def draws_seeds(dataset: object, seed: int | None) -> bool:
 
 
 def has_random_pipes(dataset: object) -> bool:
-    """Whether an iterable pipe's graph has a pipe that draws from its seed (a shuffler, a
-    sampler: one with ``set_seed``, torch's test for the pipes it seeds)."""
+    """Whether an iterable pipe's graph has a pipe that draws from its seed: one with
+    ``set_seed`` (torch's test for the pipes it seeds), unless it is a shuffler switched off
+    (``shuffle=False``)."""
     if not isinstance(dataset, _ITERABLE):
         return False
     pipes = graph_settings.get_all_graph_pipes(traverse_dps(dataset))  # type: ignore[arg-type]
-    return any(inspect.ismethod(getattr(pipe, "set_seed", None)) for pipe in pipes)
+    return any(_draws(pipe) for pipe in pipes)
+
+
+def _draws(pipe: object) -> bool:
+    if not inspect.ismethod(getattr(pipe, "set_seed", None)):
+        return False
+    shuffler = inspect.ismethod(getattr(pipe, "set_shuffle", None))
+    return not shuffler or getattr(pipe, "_enabled", True) is not False
 
 
 def draw_seed(dataset: object, seed: int | None, generator: torch.Generator | None) -> int | None:

@@ -324,9 +324,10 @@ def check_arguments(a: Arguments, *, stacklevel: int = 3) -> Checked:
         raise ValueError("sampler is mutually exclusive with distributed")
     if a.distributed and is_datapipe(a.dataset) and not kind.is_map:
         raise ValueError(  # it would keep 1/world_size of each rank's share
-            "distributed=True splits a stream among the ranks, and a DataPipe's sharding_filter "
-            f"splits {type(a.dataset).__qualname__} among torch.distributed's ranks already, as "
-            "torch's DataLoader does: leave distributed unset"
+            f"distributed=True would split the stream of {type(a.dataset).__qualname__} again "
+            "after its sharding_filter, which splits a DataPipe among torch.distributed's ranks "
+            "as torch's DataLoader does (without torch.distributed, every rank reads the whole "
+            "pipe, as with torch's): leave distributed unset"
         )
     target = resolve_device(a.device)
     on_host = target is None or target.type != "cuda"

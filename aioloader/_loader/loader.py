@@ -278,7 +278,7 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
 
     @property
     def base_seed(self) -> int:
-        """``seed``, or the base seed drawn at construction as torch draws one."""
+        """``seed``, or the base seed drawn at construction (torch draws one per iterator)."""
         return self._plan.base_seed
 
     def _replan(self, name: str, value: object) -> None:

@@ -208,3 +208,15 @@ def test_shuffle_leaves_a_map_pipe_alone_as_torchs() -> None:
         warnings.simplefilter("error")
         loader = aioloader.DataLoader(pipe, batch_size=None, shuffle=True, seed=1)
     assert sorted(int(x) for x in loader) == list(range(6))
+
+
+def test_a_pipe_whose_shuffler_is_switched_off_resumes_without_seed() -> None:
+    """Its shuffler draws nothing: the refusal was for any pipe with a ``set_seed``."""
+    first = aioloader.DataLoader(resumable(20), batch_size=4, shuffle=False)
+    it = iter(first)
+    taken = [int(x) for _ in range(2) for x in next(it)]
+    state = first.state_dict()
+    del it
+    again = aioloader.DataLoader(resumable(20), batch_size=4, shuffle=False)
+    again.load_state_dict(state)
+    assert taken + [int(x) for batch in again for x in batch] == list(range(20))
