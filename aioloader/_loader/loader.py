@@ -278,7 +278,8 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
 
     @property
     def base_seed(self) -> int:
-        """``seed``, or the base seed drawn at construction (torch draws one per iterator)."""
+        """``seed``, or a random one (from the OS: building the loader draws nothing from
+        torch's generators, as building torch's does not)."""
         return self._plan.base_seed
 
     def _replan(self, name: str, value: object) -> None:

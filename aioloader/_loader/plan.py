@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import secrets
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ class LoaderPlan:
         start_method: The worker processes' start method.
         ray: Where the workers run when they are Ray actors, else None.
         rank, world_size: This rank's share (0 of 1 unless ``distributed``).
-        base_seed: ``seed``, or one drawn as torch draws its base seed.
+        base_seed: ``seed``, or a random one (from the OS, not torch's generators).
         config: The epoch's sizes and functions.
     """
 
@@ -300,10 +301,9 @@ def plan_loader(
         rank, world_size = earlier.rank, earlier.world_size
     else:
         rank, world_size = resolve_rank(a.rank, a.world_size) if a.distributed else (0, 1)
-    if earlier is not None:
-        base_seed = earlier.base_seed
-    else:  # drawn as torch draws its base seed: torch.manual_seed makes it repeatable
-        base_seed = a.seed if a.seed is not None else draw_seed(a.generator)
+    base_seed = earlier.base_seed if earlier is not None else a.seed
+    if base_seed is None:  # the OS's: building torch's loader draws from no generator either
+        base_seed = secrets.randbits(63)
     if earlier is not None and (rank, world_size) == (earlier.rank, earlier.world_size):
         sampler, batch_sampler = earlier.sampler, earlier.batch_sampler
     else:

@@ -187,17 +187,24 @@ def test_epochs_after_the_first_shuffle_as_torchs_with_workers() -> None:
     never get); without that draw, ours went on from another state of the generator: only
     the first epoch came in torch's order."""
 
-    def epochs(loader_class: Any, persistent: bool) -> list[list[int]]:
-        dl = loader_class(shuffled(24), shuffle=True, num_workers=2, persistent_workers=persistent)
-        torch.manual_seed(5)  # once, after the loader is built
+    def epochs(loader_class: Any, workers: int, persistent: bool, after: bool) -> list[list[int]]:
+        if not after:
+            torch.manual_seed(5)  # once, before the loader is built (building draws nothing)
+        dl = loader_class(
+            shuffled(24), shuffle=True, num_workers=workers, persistent_workers=persistent
+        )
+        if after:
+            torch.manual_seed(5)  # once, after the loader is built
         try:
             return [values(dl) for _ in range(3)]
         finally:
             del dl
 
-    for persistent in (False, True):
-        theirs = epochs(torch.utils.data.DataLoader, persistent)
-        assert epochs(aioloader.DataLoader, persistent) == theirs, persistent
+    for workers, persistent in ((0, False), (2, False), (2, True)):
+        for after in (False, True):
+            theirs = epochs(torch.utils.data.DataLoader, workers, persistent, after)
+            ours = epochs(aioloader.DataLoader, workers, persistent, after)
+            assert ours == theirs, (workers, persistent, after)
 
 
 def test_shuffle_leaves_a_map_pipe_alone_as_torchs() -> None:

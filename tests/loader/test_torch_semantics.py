@@ -354,3 +354,19 @@ def test_a_split_streams_length_is_each_ranks_padded_share() -> None:
             Iterable(10), batch_size=1, distributed=True, rank=rank, world_size=4
         )
         assert len(dl) == len(list(dl)) == 3
+
+
+@pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shuffle": True, "num_workers": 2}])
+def test_building_a_loader_draws_from_no_generator_as_torchs(options: dict[str, Any]) -> None:
+    """A script seeds torch, builds its loader, then its model: with the import swapped, the
+    model's initial weights are torch's. Building ours drew its base seed from torch's
+    default generator (or ``generator=``), so everything drawn after came out different."""
+    weights = []
+    for loader_class in (torch.utils.data.DataLoader, aioloader.DataLoader):
+        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(1)
+        before = generator.get_state()
+        loader_class(list(range(8)), generator=generator, **options)
+        assert torch.equal(generator.get_state(), before), loader_class
+        weights.append(torch.nn.Linear(4, 4).weight.detach())
+    assert torch.equal(*weights)
