@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import functools
 import queue
+import threading
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -133,6 +134,27 @@ class PlainIterator(Generic[T_Batch]):
 
     def __len__(self) -> int:
         return len(self._loader)
+
+    @property
+    def _pin_memory_thread(self) -> threading.Thread:
+        """The thread that pins batches, as torch's multiprocessing iterator keeps it (torch's
+        tests join it once the iterator is dropped): the session's event-loop thread, which
+        runs the device stage; it ends as the epoch's session closes.
+
+        Raises:
+            AttributeError: No batch is pinned here, or no worker process makes them (torch's
+                iterator has no pin thread then: ``pin_memory`` off or no accelerator, or
+                ``num_workers=0``).
+        """
+        if self._scope is None or self._scope.device is None or not self._has_processes():
+            raise AttributeError(
+                "'PlainIterator' object has no attribute '_pin_memory_thread': this loader "
+                "pins no batches made by worker processes"
+            )
+        return self._session.thread
+
+    def _has_processes(self) -> bool:
+        return isinstance(self._scope.work if self._scope is not None else None, ProcessWorkers)
 
     def __next__(self) -> T_Batch:
         """The next batch, on the host or (with a device stage) safe on this thread's stream.

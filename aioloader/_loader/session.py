@@ -203,6 +203,11 @@ class Session:
         _hook_exit()
         _open.add(self)
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The loop's thread (it ends as the session closes)."""
+        return self._thread
+
     def _stop_loop(self) -> None:
         self.portal.call(self.portal.stop, True)  # cancel what is left (an iterator's pump)
         self._thread.join()

@@ -407,3 +407,28 @@ def test_registering_in_place_copies_at_pinned_speed_and_a_refusal_leaves_no_err
     thread.start()
     thread.join(30)
     assert found == [True, 8]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_pin_memory_thread_ends_once_the_iterator_is_dropped(persistent: bool) -> None:
+    """torch's ``test_partial_workers`` on a GPU: it joins the iterator's ``_pin_memory_thread``
+    and its ``_workers`` after dropping the iterator part-way."""
+    from tests.support import worker_datasets as wd
+
+    it = iter(
+        aioloader.DataLoader(
+            wd.WhoReads(64), batch_size=2, num_workers=4, pin_memory=True,
+            persistent_workers=persistent,
+        )
+    )  # fmt: skip
+    workers, pin_thread = it._workers, it._pin_memory_thread
+    for i, _ in enumerate(it):
+        if i == 10:
+            break
+    assert pin_thread.is_alive()
+    del it
+    pin_thread.join(10)
+    assert not pin_thread.is_alive()
+    for w in workers:
+        w.join(10)
+        assert not w.is_alive()

@@ -174,3 +174,16 @@ def test_a_handle_first_asked_after_its_worker_died_unnoticed_is_ended() -> None
         assert sorted(int(i) for batch in dl for i in batch["index"]) == list(range(8))
     finally:
         dl.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")  # no accelerator: both warn
+def test_no_pin_memory_thread_where_torchs_iterator_has_none() -> None:
+    """torch's multiprocessing iterator has a pin thread only where it pins (an accelerator);
+    without one, neither has the attribute (on a GPU: ``test_device_cuda.py``)."""
+    if torch.cuda.is_available():
+        pytest.skip("pins here: test_device_cuda.py checks the thread")
+    for loader_class in (torch.utils.data.DataLoader, aioloader.DataLoader):
+        loader = loader_class(wd.WhoReads(8), batch_size=4, num_workers=1, pin_memory=True)
+        it = iter(loader)
+        assert not hasattr(it, "_pin_memory_thread"), loader_class
+        assert len(list(it)) == 2
