@@ -2,7 +2,7 @@
 pipe's shufflers, each epoch seeds them all alike, and each reader (a worker, or the main process
 without workers) keeps its share of a ``sharding_filter``.
 
-Owns: :func:`is_datapipe`, :func:`set_shuffle`, the epochs' seeds (:func:`draw_seed`,
+Owns: :func:`is_datapipe`, :func:`set_shuffle`, the epochs' seeds (:func:`draw_pipe_seed`,
 :func:`epoch_pipe_seed`), :func:`seed_pipe`, :func:`shard_here` and :func:`shard_in_worker`.
 Never: iterates a pipe.
 
@@ -30,12 +30,11 @@ import torch.utils.data
 import torch.utils.data.graph_settings as graph_settings
 from torch.utils.data.graph import traverse_dps
 
-from .seeds import derive_seed
+from .seeds import derive_seed, draw_seed
 from .sharding import resolve_rank
 
 __all__ = [
-    "draw_seed",
-    "draw_unused",
+    "draw_pipe_seed",
     "draws_seeds",
     "epoch_pipe_seed",
     "has_random_pipes",
@@ -88,25 +87,22 @@ def _draws(pipe: object) -> bool:
     return not shuffler or getattr(pipe, "_enabled", True) is not False
 
 
-def draw_seed(dataset: object, seed: int | None, generator: torch.Generator | None) -> int | None:
-    """At an epoch's ``iter()``: its pipe seed drawn as torch's iterator draws it, from
-    ``generator``, else torch's default generator (so ``torch.manual_seed`` before an epoch
-    repeats it), and where torch.distributed runs, rank 0's, as torch broadcasts it: every
-    rank's sharding filter divides the same shuffled stream. None where nothing is drawn
-    (:func:`draws_seeds`)."""
+def draw_pipe_seed(
+    dataset: object, seed: int | None, generator: torch.Generator | None
+) -> int | None:
+    """At an epoch's ``iter()``: its pipe seed drawn as torch's iterator draws it
+    (:func:`~aioloader._data.seeds.draw_seed`: from ``generator``, else torch's default
+    generator, so ``torch.manual_seed`` before an epoch repeats it), and where torch.distributed
+    runs, rank 0's, as torch broadcasts it: every rank's sharding filter divides the same
+    shuffled stream. None where nothing is drawn (:func:`draws_seeds`)."""
     if not draws_seeds(dataset, seed):
         return None
-    shared = torch.empty((), dtype=torch.int64).random_(generator=generator)
+    drawn = draw_seed(generator)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shared = torch.tensor(drawn, dtype=torch.int64)
         dist.broadcast(shared, src=0, group=_gloo())
-    return int(shared.item())
-
-
-def draw_unused(generator: torch.Generator | None) -> None:
-    """The draw torch's multiprocessing iterator makes once its workers are started (its
-    ``_reset``, whose seed they never get): made where it makes it, so the epochs after go on
-    from the same state of the generator as torch's, and shuffle as torch's do."""
-    torch.empty((), dtype=torch.int64).random_(generator=generator)
+        drawn = int(shared.item())
+    return drawn
 
 
 def epoch_pipe_seed(
@@ -120,12 +116,12 @@ def epoch_pipe_seed(
     dataset than an iterable pipe): derived from the loader's ``seed=`` and the epoch (the same
     on every rank, and again on resuming), else ``drawn`` where it was drawn already (a plain
     ``for`` draws it before its scope draws the workers' base seed, torch's order), else drawn
-    now (:func:`draw_seed`)."""
+    now (:func:`draw_pipe_seed`)."""
     if not isinstance(dataset, _ITERABLE):
         return None
     if seed is not None:
         return derive_seed(seed, epoch)
-    return drawn if drawn is not None else draw_seed(dataset, seed, generator)
+    return drawn if drawn is not None else draw_pipe_seed(dataset, seed, generator)
 
 
 _gloo_group: tuple[object, Any] | None = None  # (the world it was made in, its gloo group)

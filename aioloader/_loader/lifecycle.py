@@ -18,7 +18,6 @@ import anyio
 from .._base.exceptions import LoaderStateError
 from .._base.recorders import Recorders
 from .._workers.offload import ThreadOffload
-from .._workers.processes import ProcessWorkers
 from .._workers.procview import WorkerProcess
 from .plan import LoaderPlan
 from .scope import LoaderState, Scope
@@ -70,9 +69,8 @@ class PersistentIterator:
     @property
     def _workers(self) -> list[WorkerProcess]:
         scope = self._loader._scope
-        if self._session.closed or scope is None or not isinstance(scope.work, ProcessWorkers):
-            return []
-        return scope.work.processes()
+        pool = scope.process_pool() if scope is not None and not self._session.closed else None
+        return [] if pool is None else pool.processes()
 
     def _shutdown_workers(self) -> None:
         """Stop the persistent workers (no-op once they are stopped); the next epoch starts

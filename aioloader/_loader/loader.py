@@ -25,9 +25,10 @@ from .._base.recorders import Recorders
 from .._base.retry import RetryPolicy
 from .._base.stats import LoaderStatistics
 from .._base.verdict import verdict
-from .._data.datapipes import draw_seed, draw_unused
+from .._data.datapipes import draw_pipe_seed
 from .._data.epochs import claim_epochs
 from .._data.order import owner_epoch
+from .._data.seeds import draw_seed
 from .._data.source import InWorkers, dataset_length
 from .._workers.rayspec import RayWorkers
 from .arguments import Arguments, non_negative_int
@@ -425,11 +426,11 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
             return PlainIterator(self, self._session, owned=False)
         self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
         a = self._plan.arguments  # a DataPipe's epoch seed first, as torch's iterator draws it
-        self._state.pipe_seed = draw_seed(self._plan.dataset, a.seed, a.generator)
+        self._state.pipe_seed = draw_pipe_seed(self._plan.dataset, a.seed, a.generator)
         persistent = self.persistent_workers
         session = Session(self, persistent=persistent, one_epoch=not persistent)
         if self._state.pipe_seed is not None and self.num_workers:
-            draw_unused(a.generator)  # and its multiprocessing iterator's last draw
+            draw_seed(a.generator)  # and the one torch's multiprocessing iterator never uses
         if session.persistent:
             self._session = session
             return PlainIterator(self, session, owned=False)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._base.exceptions import LoaderStateError
 from .._device.stage import hand_out
-from .._workers.processes import ProcessWorkers
 from .session import Session, SessionLoader, close_from_anywhere
 
 if TYPE_CHECKING:
@@ -123,13 +122,13 @@ class PlainIterator(Generic[T_Batch]):
                 Ray workers), as torch's single-process iterator has no ``_workers``.
         """
         if self._processes is None:
-            work = self._scope.work if self._scope is not None else None
-            if not isinstance(work, ProcessWorkers):
+            pool = self._scope.process_pool() if self._scope is not None else None
+            if pool is None:
                 raise AttributeError(
                     "'PlainIterator' object has no attribute '_workers': this loader has no "
                     "worker processes"
                 )
-            self._processes = work.processes()
+            self._processes = pool.processes()
         return self._processes
 
     def __len__(self) -> int:
@@ -146,15 +145,13 @@ class PlainIterator(Generic[T_Batch]):
                 iterator has no pin thread then: ``pin_memory`` off or no accelerator, or
                 ``num_workers=0``).
         """
-        if self._scope is None or self._scope.device is None or not self._has_processes():
+        scope = self._scope
+        if scope is None or scope.device is None or scope.process_pool() is None:
             raise AttributeError(
                 "'PlainIterator' object has no attribute '_pin_memory_thread': this loader "
                 "pins no batches made by worker processes"
             )
         return self._session.thread
-
-    def _has_processes(self) -> bool:
-        return isinstance(self._scope.work if self._scope is not None else None, ProcessWorkers)
 
     def __next__(self) -> T_Batch:
         """The next batch, on the host or (with a device stage) safe on this thread's stream.

@@ -144,6 +144,11 @@ class Scope:
         self.current: Running | None = None
         self.pace = Pace()  # how long the dataset's awaited reads take, epoch after epoch
 
+    def process_pool(self) -> ProcessWorkers | None:
+        """The scope's worker processes (torch's ``_workers`` are views of them), or None where
+        its workers are none, threads or Ray actors."""
+        return self.work if isinstance(self.work, ProcessWorkers) else None
+
     def offload(self) -> ThreadOffload:
         if self.io is None:
             self.io = ThreadOffload(
