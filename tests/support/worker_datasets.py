@@ -648,3 +648,21 @@ class HoldsGenerators(torch.utils.data.Dataset[dict[str, Any]]):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return {"index": index, "drawn": int(self.rng.integers(100)) + self.random.randrange(9)}
+
+
+class HangsAt(WhoReads):
+    """As :class:`WhoReads`, but the worker that reads sample ``at`` writes its worker id to the
+    FIFO ``signal`` and then hangs there (a minute): a test knows which worker is mid-job."""
+
+    def __init__(self, n: int, at: int, signal: str) -> None:
+        super().__init__(n)
+        self.at = at
+        self.signal = signal
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index == self.at:
+            info = torch.utils.data.get_worker_info()
+            with open(self.signal, "w") as fifo:
+                fifo.write(f"{-1 if info is None else info.id}\n")
+            time.sleep(60.0)
+        return super().__getitem__(index)
