@@ -62,9 +62,10 @@ class PipelineConfig:
         its slowest sample must not idle the fetches, so the next ones start meanwhile), plus
         one per call the workers take at once (``depth`` each), plus one so the next batch
         starts while one is handed out. Where the workers read the dataset there is no fetch
-        stage: per worker, its calls (``depth``, through its lane) plus one batch sent behind
-        them (``depth=1``: two, as torch's ``prefetch_factor=2``), plus one."""
+        stage: per worker, two batches (torch's ``prefetch_factor=2``: one running, the next
+        sent behind it, or queued in its lane where a worker takes one call at once) or
+        ``depth``, plus one."""
         if in_workers:
-            return (depth + 1) * workers + 1
+            return max(depth, 2) * workers + 1
         fetching = math.ceil(self.max_inflight / self.per_batch)
         return 2 * fetching + workers * depth + 1

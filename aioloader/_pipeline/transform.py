@@ -60,9 +60,10 @@ class TransformStage:
     ) -> None:
         """Batch ``k`` of the epoch to worker ``k % n``, as torch deals a dataset's batches (a
         worker's copy may keep state, e.g. what ``worker_init_fn`` seeded, and torch's users
-        rely on which worker read which batch). One batch queued and ``work.depth`` running per
-        worker (a lane's tasks take its batches in turn and send each as they take it, so a
-        worker gets them in the epoch's order)."""
+        rely on which worker read which batch). ``work.depth`` batches sent to each worker at
+        once (a process runs one while the next waits in its pipe) and one queued in its lane:
+        a lane's tasks take its batches in turn and send each as they take it, so a worker
+        gets them in the epoch's order."""
         n = work.concurrency
         with one_item_lanes(Batch, n) as lanes:
             async with ready, done, work.reserved() as run_on, anyio.create_task_group() as tg:

@@ -1,9 +1,10 @@
 """A pool of worker processes, driven from the event loop without threads or polling.
 
-Owns: starting workers, handing one job at a time to an idle worker (or, for a worker's own
-stream, to that worker) over its pipe, awaiting the reply by the pipe's readability, noticing a
-dead worker through its pipe's EOF and its process sentinel (so a crash surfaces in
-milliseconds, named), and stopping them.
+Owns: starting workers, handing a job to an idle worker (or, for a worker's own stream or a
+batch dealt to it, to that worker: there, two at once, the second waiting in its pipe while the
+first runs: ``queued.py``) over its pipe, awaiting the replies in turn by the pipe's
+readability, noticing a dead worker through its pipe's EOF and its process sentinel (so a crash
+surfaces in milliseconds, named), and stopping them.
 
 Start-up: by default (forkserver) every worker is a fork of the fork server (tens of
 milliseconds), started once per process the fastest safe way (``serverstart.py``); spawn imports
@@ -22,11 +23,9 @@ replaced on next use. Never: runs user code in the main process, or leaves a chi
 from __future__ import annotations
 
 import contextlib
-import errno
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.util
-import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -36,12 +35,13 @@ import anyio
 from .._base.exceptions import WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
 from . import fdpass
-from .byvalue import dumps_job
-from .children import blocking, exits, hang_up, remove_left_segments
-from .descriptors import JobNotTaken, out_of_descriptors, too_many_open_files
+from .children import exits, hang_up, remove_left_segments
+from .descriptors import JobNotTaken
+from .incoming import crashed, mark_dead, read_reply
 from .ledger import LEDGER
-from .pack import pack_tensors
+from .outgoing import Job, pickle_job
 from .procview import WorkerProcess
+from .queued import Turn, Unstarted, may_queue
 from .serverstart import died_starting_note, note_server
 from .slots import Slots
 from .starting import Starts, Worker
@@ -55,6 +55,7 @@ R = TypeVar("R")
 
 CANCEL_GRACE = 5.0  # seconds a cancelled job may still run before its worker is terminated
 _STOP_GRACE = 5.0  # seconds a worker may take to exit after its pipe closes
+_POSTS = 3  # times a job is sent: again where its worker died before it reached or began it
 
 
 class ProcessWorkers:
@@ -89,7 +90,9 @@ class ProcessWorkers:
         self.concurrency = workers
         self.blocks = blocks
         self.per_worker = True  # each worker a process with its own copy (``_pool.WorkerPool``)
-        self.inlines, self.depth = False, 1  # a round trip to a worker process, one at a time
+        # A lane's next job waits in its worker's pipe (queued.py): two jobs at once, as torch's
+        # prefetch_factor=2 has two indices sent to each worker
+        self.inlines, self.depth = False, 2
         self._ctx = multiprocessing.get_context(context) if isinstance(context, str) else context
         self._stats = stats
         self._starts = Starts(
@@ -98,11 +101,12 @@ class ProcessWorkers:
         )  # fmt: skip
         self._main_has = self._starts.main_has
         self._slots: Slots[Worker] = Slots(workers)  # the worker in each slot, the idle ones
+        self._order: list[anyio.Lock] = []  # a slot's jobs, sent in turn (made as it starts)
 
     # -- life ------------------------------------------------------------------------------------
 
     async def _ready(self, worker: Worker) -> None:
-        ok, value = await self._reply(worker)
+        ok, value = await read_reply(worker, self._stats)
         if not ok:
             raise value  # worker_init_fn failed, with the worker's traceback in a note
         worker.pid = value
@@ -115,6 +119,7 @@ class ProcessWorkers:
             Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
         """
         started = time.perf_counter()
+        self._order = [anyio.Lock() for _ in range(self.concurrency)]
         self._slots.now = await self._starts.together(range(self.concurrency))
         try:
             async with anyio.create_task_group() as tg:
@@ -194,68 +199,6 @@ class ProcessWorkers:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    async def _reply(self, worker: Worker) -> tuple[bool, Any]:
-        """Await the worker's next message; a dead worker raises :class:`WorkerCrashed`."""
-        await anyio.wait_readable(worker.conn.fileno())
-        blocking(worker.conn)
-        try:
-            data = worker.conn.recv_bytes()
-        except (EOFError, OSError):
-            await self._mark_dead(worker)
-            raise self._crashed(worker) from None
-        self._stats.bytes_received += len(data)
-        try:  # the tensors' descriptors follow the message (fdpass.py)
-            fds = fdpass.descriptors(worker.conn, fdpass.count(data))
-        except (EOFError, OSError) as exc:
-            if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
-                raise too_many_open_files() from exc
-            await self._mark_dead(worker)
-            raise self._crashed(worker) from None
-        try:
-            reply: tuple[bool, Any] = fdpass.loads(data, fds)
-        except Exception as exc:
-            if out_of_descriptors():
-                raise too_many_open_files() from exc
-            # What a reply hands over through the worker's resource sharer (a connection or a
-            # socket in it; not a tensor: fdpass.py) is taken as the reply is unpickled: a
-            # worker killed since it sent the reply refuses (or hangs up) there. (Another
-            # error, such as a missing file a value's reduction opens, is raised at once: a
-            # live worker would hold it up a second.)
-            if isinstance(exc, (ConnectionError, EOFError)) and await self._died(worker):
-                raise self._crashed(worker) from exc
-            raise
-        return reply
-
-    async def _died(self, worker: Worker) -> bool:
-        """Whether the worker has exited, or does within a second (then it is marked dead)."""
-        with anyio.CancelScope(shield=True):
-            if not await exits(worker.process, within=1.0):
-                return False
-        worker.alive = False
-        worker.reap()
-        return True
-
-    async def _mark_dead(self, worker: Worker) -> None:
-        """Its pipe broke: the process is dead or dying. Wait (briefly) until it can be reaped."""
-        worker.alive = False
-        if worker.stopped:
-            return
-        with anyio.CancelScope(shield=True):
-            if await exits(worker.process, within=1.0):
-                worker.reap()
-
-    def _crashed(self, worker: Worker) -> WorkerCrashed:
-        try:
-            code = worker.process.exitcode
-            pid = worker.pid or worker.process.pid or 0
-        except ValueError:  # stopped and closed already
-            code, pid = None, worker.pid
-        self._stats.crashes += 1
-        if code is not None and code < 0:
-            name = signal.Signals(-code).name
-            return WorkerCrashed(worker.id, pid, exitcode=code, signal=name)
-        return WorkerCrashed(worker.id, pid, exitcode=code, signal=None)
-
     async def run(self, fn: Callable[..., R], *args: Any, seed: int | None = None) -> R:
         """Run ``fn(*args)`` in an idle worker (seeded with ``seed`` first) and return its result.
 
@@ -290,105 +233,149 @@ class ProcessWorkers:
         *,
         replace: bool = True,
     ) -> R:
-        if not worker.alive:
-            if not replace:
-                raise self._crashed(worker)
-            worker = await self._replace(worker)
-        try:
-            freed = self._send(worker, (fn, args, seed))
-        except _Gone:  # it died while idle: the job never reached it
-            await self._mark_dead(worker)
-            if not replace:
-                raise self._crashed(worker) from None
-            worker = await self._replace(worker)
-            freed = self._send(worker, (fn, args, seed))  # anew: it has no value sent before
-        self._stats.jobs += 1
-        try:
-            ok, value = await self._reply(worker)
-        except anyio.get_cancelled_exc_class():
-            await self._drain_cancelled(worker)
-            raise
-        if not ok and isinstance(value, JobNotTaken):  # its blocks go with the next job
-            LEDGER.requeue(worker.pid, freed or [])
-        if not ok:
+        job = (fn, args, seed)
+        for _ in range(_POSTS):
+            worker, freed, turn = await self._post(worker, job, replace=replace)
+            self._stats.jobs += 1
             try:
-                raise value
-            finally:  # no reference cycle through this frame
-                del value
-        return value  # type: ignore[no-any-return]
+                ok, value = await self._answer(worker, turn)
+            except Unstarted:  # queued behind a job its worker died in: never started
+                continue
+            if not ok and isinstance(value, JobNotTaken):  # its blocks go with the next job
+                LEDGER.requeue(worker.pid, freed or [])
+            if not ok:
+                try:
+                    raise value
+                finally:  # no reference cycle through this frame
+                    del value
+            return value  # type: ignore[no-any-return]
+        raise crashed(worker, self._stats)
 
-    def _send(
-        self, worker: Worker, job: tuple[Callable[..., Any], tuple[Any, ...], Any]
-    ) -> list[Any] | None:
-        """Pickle ``job`` for ``worker`` (the blocks it may reuse, the values sent by value that
-        it has already) and send it; returns the blocks it carried (None: no blocks).
+    async def _post(
+        self, worker: Worker, job: Job, *, replace: bool
+    ) -> tuple[Worker, list[Any] | None, Turn]:
+        """Send ``job`` to ``worker`` behind the jobs it has (queued.py), or to its replacement
+        where it is dead; returns the worker it went to, the blocks it carried (None: no
+        blocks) and its turn. A slot's jobs are sent in the order they are posted (a lane's
+        batches in the epoch's order).
 
         Raises:
-            _Gone: The worker is gone (it died while idle): the job never reached it.
+            WorkerCrashed: The worker is dead and ``replace`` is False; or see :meth:`_send`.
+            Exception: Pickling the job failed.
+
+        Cancellation: the job is not sent (or, sent, is the caller's to answer).
+        """
+        order = self._order[worker.id]
+        try:  # free: no trip round the event loop (anyio's acquire always makes one)
+            order.acquire_nowait()
+        except anyio.WouldBlock:
+            await order.acquire()
+        try:
+            for _ in range(_POSTS):
+                if not worker.alive:
+                    if not replace:
+                        raise crashed(worker, self._stats)
+                    now = self._slots.now[worker.id]  # replaced for a job posted before
+                    worker = now if now is not worker and now.alive else await self._replace(now)
+                sent = await self._send(worker, job)
+                if sent is not None:
+                    return worker, *sent
+            raise crashed(worker, self._stats)
+        finally:
+            order.release()
+
+    async def _answer(self, worker: Worker, turn: Turn) -> tuple[bool, Any]:
+        """The worker's reply to the job of ``turn``, read after the replies to the jobs sent
+        to it before.
+
+        Raises:
+            Unstarted: The worker died before it answered a job sent before this one.
+            WorkerCrashed: The worker died during the job.
+
+        Cancellation: see the module's policy.
+        """
+        answered = False
+        try:
+            await turn.come()
+            if not worker.alive:  # since its last reply: this job may have run
+                raise crashed(worker, self._stats)
+            try:
+                return await read_reply(worker, self._stats)
+            finally:
+                answered = worker.alive  # read (a crash marks it dead)
+        except anyio.get_cancelled_exc_class():
+            answered = await self._drain_cancelled(worker, turn)
+            raise
+        finally:
+            turn.done(answered=answered)
+
+    async def _send(self, worker: Worker, job: Job) -> tuple[list[Any] | None, Turn] | None:
+        """Pickle ``job`` for ``worker`` and send it: at once, or where it may not wait in a
+        busy worker's pipe (queued.py), once the worker has answered. Returns the blocks it
+        carried (None: no blocks) and its turn; None where the worker was found dead (the job
+        never reached it).
+
+        Raises:
             WorkerCrashed: The job went, not all of its tensors' descriptors (the kernel
                 refused more in flight, or the worker died): the worker is killed, to be
                 replaced; the cause is :class:`fdpass.Unsent`.
             Exception: Pickling the job failed (the worker is left as it is).
+
+        Cancellation: while it waits for a busy worker; the job is not sent.
         """
-        fn, args, seed = job
-        # Its tensors in one block of its own (pack.py): not each moved to shared memory where
-        # it is, which a dataset's cached sample (or the whole tensor a row of it is a view
-        # of) would then stay, with a descriptor open
-        args = pack_tensors(args, at_least=1, most=None, aliased=True)
-        freed = LEDGER.freed(worker.pid) if self.blocks else None  # None: no blocks
-        sending: set[int] = set()
+        out = pickle_job(worker, job, blocks=self.blocks, main_has=self._main_has)
+        last = worker.last if worker.last is not None and worker.last.waiting else None
+        if last is not None and not may_queue(len(out.message), len(out.passing.fds)):
+            try:
+                await last.read.wait()
+            finally:
+                if not worker.alive or not last.read.is_set():  # it never went
+                    out.drop()
+            if not worker.alive:
+                return None
+            last = None
         try:
-            whole = (fn, args, seed, freed)
-            message, passing = dumps_job(whole, worker.has, sending, self._main_has)
-        except BaseException as exc:
-            LEDGER.requeue(worker.pid, freed or [])  # they go with the next job
-            if isinstance(exc, Exception):  # pickle's own words vary by version (3.13's)
-                exc.add_note(
-                    f"aioloader: raised as the job was pickled for worker {worker.id} "
-                    f"(pid {worker.pid}): what it carries must pickle (a lambda, a lock or an "
-                    "open file in a sample does not)"
-                )
-            raise
-        blocking(worker.conn)
-        # The message is a view of a BytesIO, released as it is sent (or not): not when a
-        # traceback is collected (a frame that views it, left in a cycle, crashed 3.12.1's
-        # gc: gh-111049). The refusal's own frames (send_bytes') view it too: it is dropped as
-        # its handler ends, not kept as the context of what is raised. The tensors' descriptors
-        # go with it; refused, they are closed here (the worker never had them).
-        size = len(message)
-        try:
-            fdpass.send(worker.conn, message, passing)
+            self._stats.bytes_sent += out.send()
         except fdpass.Unsent as exc:
             # It has the job, not all of its tensors, and waits for them (or died): it cannot
             # go on. Stopped, it is replaced on its next use.
             worker.process.kill()
             worker.process.join(1.0)
             worker.alive = False
-            crashed = self._crashed(worker)
-            crashed.add_note(
+            lost = crashed(worker, self._stats)
+            lost.add_note(
                 f"aioloader: stopped by the loader: the job's tensors could not all be sent to "
                 f"it ({exc})"
             )
-            raise crashed from exc
-        except OSError:
-            refused = True
-        else:
-            refused = False
-            self._stats.bytes_sent += size
-        if refused:
-            raise _Gone
-        worker.has |= sending
-        return freed
+            raise lost from exc
+        except OSError:  # it died while idle: the job never reached it
+            await mark_dead(worker)
+            return None
+        worker.last = turn = Turn(last)
+        return out.freed, turn
 
-    async def _drain_cancelled(self, worker: Worker) -> None:
+    async def _drain_cancelled(self, worker: Worker, turn: Turn) -> bool:
+        """A cancelled job's reply, read (shielded) and dropped; returns whether it was read.
+        A worker still busy after ``CANCEL_GRACE`` is stopped: it would run on unseen."""
         if not worker.alive:
-            return
+            return False
+        read: bool | None = None
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(CANCEL_GRACE), contextlib.suppress(WorkerCrashed):
-                await self._reply(worker)
-                return
-            await self._stop(worker, grace=0.0)  # still busy: don't let it run on unseen
+            with anyio.move_on_after(CANCEL_GRACE):
+                read = await self._dropped(worker, turn)
+            if read is None:
+                await self._stop(worker, grace=0.0)
+        return bool(read)
 
-
-class _Gone(Exception):
-    """A worker's pipe refused a job: the worker died while idle."""
+    async def _dropped(self, worker: Worker, turn: Turn) -> bool:
+        """Read the reply of ``turn``'s job and drop it; returns whether there was one."""
+        try:
+            await turn.come()
+            if worker.alive:
+                await read_reply(worker, self._stats)
+                return True
+        except (Unstarted, WorkerCrashed):
+            pass
+        except Exception:  # the reply, dropped with its job
+            return True
+        return False

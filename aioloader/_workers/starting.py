@@ -32,6 +32,7 @@ from .children import hold_signals
 from .descriptors import out_of_descriptors
 from .environ import ParentEnviron, environ_now
 from .mainmodule import workers_main
+from .queued import Turn
 from .serverstart import prepare_forkserver
 from .startonce import OnceStart, StartArguments
 from .template import Template, TemplateWorker, remember_refusal, template_why_not
@@ -55,6 +56,7 @@ class Worker:
     unsent: fdpass.Passing | None = None  # its start's descriptors for its pipe (hand_over)
     exitcode: int | None = None  # once reaped (:meth:`reap`), for ``WorkerProcess`` views
     reaped: threading.Event = field(default_factory=threading.Event)
+    last: Turn | None = None  # the last job sent to it (queued.py)
 
     def reap(self) -> None:
         """Record the exit code of its process, which has ended and been joined."""

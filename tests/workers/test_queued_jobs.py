@@ -1,0 +1,138 @@
+"""A worker process's next job waits in its pipe while it runs the one before (queued.py), so it
+never waits for the main process's event loop between jobs; replies are read in the order the
+jobs were sent, a large job is not queued, and a job queued behind one its worker died in goes
+to the replacement. Real processes; the event loop is held (``time.sleep`` in it) to show what
+reached a worker without it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from aioloader import WorkerCrashed
+from aioloader._base.recorders import WorkerRecorder
+from aioloader._workers.queued import QUEUE_MOST
+from tests.support.helpers import bare_pool
+
+HOLD_S = 1.0  # the event loop held: long past the first job's 0.3 s
+
+
+def stamped(sleep_s: float, payload: bytes = b"") -> tuple[int, float, float, int]:
+    """In the worker: its pid, when the job began and ended (the system's monotonic clock),
+    the bytes it was sent."""
+    began = time.monotonic()
+    time.sleep(sleep_s)
+    return os.getpid(), began, time.monotonic(), len(payload)
+
+
+def killed(delay_s: float) -> None:
+    time.sleep(delay_s)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def big_reply(sleep_s: float, size: int) -> bytes:
+    time.sleep(sleep_s)
+    return b"r" * size
+
+
+async def two_jobs(first: tuple[Any, ...], second: tuple[Any, ...]) -> tuple[Any, Any, float]:
+    """``first`` then ``second`` on worker 0 of a one-worker pool, both posted before the
+    event loop is held for ``HOLD_S``; their results (or exceptions) and when the hold ended."""
+    pool = bare_pool(1)
+    await pool.start()
+    results: dict[int, Any] = {}
+    try:
+        with anyio.fail_after(30):
+            async with pool.reserved() as run_on, anyio.create_task_group() as tg:
+
+                async def job(k: int, fn: Any, *args: Any) -> None:
+                    try:
+                        results[k] = await run_on(0, fn, *args)
+                    except WorkerCrashed as exc:
+                        results[k] = exc
+
+                tg.start_soon(job, 0, *first)
+                tg.start_soon(job, 1, *second)
+                await anyio.wait_all_tasks_blocked()  # both sent, or the second waiting
+                time.sleep(HOLD_S)  # noqa: ASYNC251  (held: the loop sends and reads nothing)
+                held_until = time.monotonic()
+    finally:
+        await pool.aclose()
+    return results[0], results[1], held_until
+
+
+async def test_the_next_job_runs_while_the_event_loop_is_held() -> None:
+    a, b, held_until = await two_jobs((stamped, 0.3), (stamped, 0.0, b"x" * 100))
+    assert a[0] == b[0] and b[3] == 100
+    assert a[2] <= b[1] < held_until  # after the first, in the worker, with no loop to send it
+
+
+async def test_a_large_job_is_sent_once_the_worker_has_answered() -> None:
+    """Queued, a job over QUEUE_MOST could fill the pipe and block the loop sending it."""
+    size = 4 * QUEUE_MOST
+    a, b, held_until = await two_jobs((stamped, 0.3), (stamped, 0.0, b"x" * size))
+    assert b[3] == size
+    assert b[1] > held_until > a[2]  # sent once the loop read the first job's reply
+
+
+@pytest.mark.timeout(30)
+async def test_a_large_job_behind_a_large_reply_is_no_deadlock() -> None:
+    """Were the second job sent while the worker is busy, the loop, blocked sending it, would
+    never read the first reply, nor the worker, blocked sending that reply, the job."""
+    reply, b, _ = await two_jobs((big_reply, 0.3, 8 << 20), (stamped, 0.0, b"x" * (8 << 20)))
+    assert len(reply) == 8 << 20 and b[3] == 8 << 20
+
+
+async def test_a_job_queued_behind_a_crash_goes_to_the_replacement() -> None:
+    """The worker died in the first job, which fails naming it; the second never began there,
+    so it runs in the one replacement, not as a second crash."""
+    stats = WorkerRecorder()
+    pool = bare_pool(1, stats=stats)
+    await pool.start()
+    [first] = pool.processes()
+    results: list[Any] = [None, None]
+    try:
+        with anyio.fail_after(30):
+            async with pool.reserved() as run_on, anyio.create_task_group() as tg:
+
+                async def job(k: int, fn: Any, *args: Any) -> None:
+                    try:
+                        results[k] = await run_on(0, fn, *args)
+                    except WorkerCrashed as exc:
+                        results[k] = exc
+
+                tg.start_soon(job, 0, killed, 0.2)
+                tg.start_soon(job, 1, stamped, 0.0)
+    finally:
+        await pool.aclose()
+    crash, (pid, *_) = results
+    assert isinstance(crash, WorkerCrashed) and crash.pid == first.pid  # type: ignore[attr-defined]
+    assert pid != first.pid
+    assert (stats.crashes, stats.restarts) == (1, 1)
+
+
+@pytest.mark.parametrize("first_s", [0.0, 0.5])
+async def test_cancelled_jobs_are_drained_and_the_worker_kept(first_s: float) -> None:
+    """Both jobs cancelled, sent: their replies are read (in turn) and dropped, and the worker
+    goes on with the next job, the same process."""
+    pool = bare_pool(1)
+    await pool.start()
+    [worker] = pool.processes()
+    try:
+        async with pool.reserved() as run_on:
+            with anyio.move_on_after(5):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run_on, 0, stamped, first_s)
+                    tg.start_soon(run_on, 0, stamped, 0.0)
+                    await anyio.wait_all_tasks_blocked()
+                    tg.cancel_scope.cancel()
+            with anyio.fail_after(10):
+                pid, *_ = await run_on(0, stamped, 0.0)
+    finally:
+        await pool.aclose()
+    assert pid == worker.pid
