@@ -34,7 +34,11 @@ async def read_reply(worker: Worker, stats: WorkerRecorder) -> tuple[bool, Any]:
 
     Cancellation: while it awaits the message; nothing is read then.
     """
-    await anyio.wait_readable(worker.conn.fileno())
+    try:
+        fd = worker.conn.fileno()
+    except OSError:  # closed: stopped by the pool
+        raise crashed(worker, stats) from None
+    await anyio.wait_readable(fd)
     blocking(worker.conn)
     try:
         data = worker.conn.recv_bytes()

@@ -157,6 +157,17 @@ class ProcessWorkers:
     async def _stop(self, worker: Worker, *, grace: float) -> None:
         if worker.stopped:
             return
+        if worker.stopping is not None:  # under way: done when that call is
+            with anyio.CancelScope(shield=True):
+                await worker.stopping.wait()
+            return
+        worker.stopping = anyio.Event()
+        try:
+            await self._stop_now(worker, grace)
+        finally:
+            worker.stopping.set()
+
+    async def _stop_now(self, worker: Worker, grace: float) -> None:
         worker.alive = False
         hang_up(worker.conn)  # EOF: the worker's loop ends
         process = worker.process
@@ -234,9 +245,9 @@ class ProcessWorkers:
         replace: bool = True,
     ) -> R:
         job = (fn, args, seed)
+        self._stats.jobs += 1
         for _ in range(_POSTS):
             worker, freed, turn = await self._post(worker, job, replace=replace)
-            self._stats.jobs += 1
             try:
                 ok, value = await self._answer(worker, turn)
             except Unstarted:  # queued behind a job its worker died in: never started
@@ -276,6 +287,10 @@ class ProcessWorkers:
                     if not replace:
                         raise crashed(worker, self._stats)
                     now = self._slots.now[worker.id]  # replaced for a job posted before
+                    if now.last is not None and now.last.waiting:
+                        # It died in a job sent before: that job's reader (on the pipe, not
+                        # closed under it) names the crash before it is replaced
+                        await now.last.read.wait()
                     worker = now if now is not worker and now.alive else await self._replace(now)
                 sent = await self._send(worker, job)
                 if sent is not None:
@@ -357,25 +372,28 @@ class ProcessWorkers:
     async def _drain_cancelled(self, worker: Worker, turn: Turn) -> bool:
         """A cancelled job's reply, read (shielded) and dropped; returns whether it was read.
         A worker still busy after ``CANCEL_GRACE`` is stopped: it would run on unseen."""
-        if not worker.alive:
-            return False
-        read: bool | None = None
+        read = False
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(CANCEL_GRACE):
-                read = await self._dropped(worker, turn)
-            if read is None:
+            # The jobs before it are their readers' (each with its own grace): its grace
+            # starts with its turn, and the pipe is only closed by the job whose turn it is
+            try:
+                await turn.come()
+            except Unstarted:
+                return False
+            if not worker.alive:
+                return False
+            with anyio.move_on_after(CANCEL_GRACE) as grace:
+                read = await self._dropped(worker)
+            if grace.cancelled_caught:  # still busy: don't let it run on unseen
                 await self._stop(worker, grace=0.0)
-        return bool(read)
+        return read
 
-    async def _dropped(self, worker: Worker, turn: Turn) -> bool:
-        """Read the reply of ``turn``'s job and drop it; returns whether there was one."""
+    async def _dropped(self, worker: Worker) -> bool:
+        """Read the worker's next reply and drop it; returns whether there was one."""
         try:
-            await turn.come()
-            if worker.alive:
-                await read_reply(worker, self._stats)
-                return True
-        except (Unstarted, WorkerCrashed):
-            pass
+            await read_reply(worker, self._stats)
+        except WorkerCrashed:
+            return False
         except Exception:  # the reply, dropped with its job
-            return True
-        return False
+            pass
+        return True

@@ -57,6 +57,7 @@ class Worker:
     exitcode: int | None = None  # once reaped (:meth:`reap`), for ``WorkerProcess`` views
     reaped: threading.Event = field(default_factory=threading.Event)
     last: Turn | None = None  # the last job sent to it (queued.py)
+    stopping: anyio.Event | None = None  # set once it is stopped
 
     def reap(self) -> None:
         """Record the exit code of its process, which has ended and been joined."""

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
+import aioloader._workers.processes as processes
 from aioloader import WorkerCrashed
 from aioloader._base.recorders import WorkerRecorder
 from aioloader._workers.queued import QUEUE_MOST
@@ -113,7 +114,96 @@ async def test_a_job_queued_behind_a_crash_goes_to_the_replacement() -> None:
     crash, (pid, *_) = results
     assert isinstance(crash, WorkerCrashed) and crash.pid == first.pid  # type: ignore[attr-defined]
     assert pid != first.pid
+    assert (stats.crashes, stats.restarts, stats.jobs) == (1, 1, 2)
+
+
+async def test_a_job_posted_after_its_worker_died_leaves_the_crash_to_the_job_it_died_in() -> None:
+    """The worker died in the first job; the second, posted before the first's reader woke,
+    finds it dead. The first job's reader names the crash (the pipe is not closed under it by
+    the replacement, which read a closed pipe's OSError), the second runs in the replacement."""
+    stats = WorkerRecorder()
+    pool = bare_pool(1, stats=stats)
+    await pool.start()
+    [first] = pool.processes()
+    results: list[Any] = [None, None]
+    try:
+        with anyio.fail_after(30):
+            async with pool.reserved() as run_on, anyio.create_task_group() as tg:
+
+                async def job(k: int, fn: Any, *args: Any) -> None:
+                    try:
+                        results[k] = await run_on(0, fn, *args)
+                    except Exception as exc:
+                        results[k] = exc
+
+                tg.start_soon(job, 0, killed, 0.1)
+                await anyio.wait_all_tasks_blocked()  # sent; its reader waits on the pipe
+                time.sleep(0.6)  # noqa: ASYNC251  (held: the worker dies meanwhile)
+                tg.start_soon(job, 1, stamped, 0.0)  # runs before the reader wakes
+    finally:
+        await pool.aclose()
+    crash, (pid, *_) = results
+    assert isinstance(crash, WorkerCrashed) and crash.pid == first.pid, repr(crash)  # type: ignore[attr-defined]
+    assert pid != first.pid
     assert (stats.crashes, stats.restarts) == (1, 1)
+
+
+@pytest.fixture
+def grace_1s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(processes, "CANCEL_GRACE", 1.0)
+
+
+@pytest.mark.usefixtures("grace_1s")
+async def test_two_cancelled_jobs_stop_a_worker_busy_past_the_grace_once() -> None:
+    """Each cancelled job's grace starts with its turn: the first's runs out, and it alone
+    stops the worker (two stops at once raised anyio's BusyResourceError); the next job goes
+    to a new worker."""
+    stats = WorkerRecorder()
+    pool = bare_pool(1, stats=stats)
+    await pool.start()
+    [first] = pool.processes()
+    try:
+        async with pool.reserved() as run_on:
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run_on, 0, stamped, 4.0)
+                    tg.start_soon(run_on, 0, stamped, 0.0)
+                    await anyio.wait_all_tasks_blocked()
+                    tg.cancel_scope.cancel()
+            with anyio.fail_after(15):
+                pid, *_ = await run_on(0, stamped, 0.0)
+    finally:
+        await pool.aclose()
+    assert pid != first.pid and stats.restarts == 1
+
+
+@pytest.mark.usefixtures("grace_1s")
+async def test_a_job_cancelled_alone_leaves_the_job_before_it_its_reply() -> None:
+    """The queued job's caller gives up while the job before it runs on past the grace: it
+    waits its turn, reads its own reply and drops it; the first job's caller gets its own."""
+    pool = bare_pool(1)
+    await pool.start()
+    [worker] = pool.processes()
+    first: list[Any] = []
+    try:
+        async with pool.reserved() as run_on:
+            with anyio.fail_after(15):
+                async with anyio.create_task_group() as tg:
+
+                    async def gives_up() -> None:
+                        with anyio.move_on_after(0.2):
+                            await run_on(0, stamped, 0.0)
+
+                    async def waits() -> None:
+                        first.append(await run_on(0, stamped, 2.0))
+
+                    tg.start_soon(waits)
+                    await anyio.wait_all_tasks_blocked()
+                    tg.start_soon(gives_up)
+                pid, *_ = await run_on(0, stamped, 0.0)
+    finally:
+        await pool.aclose()
+    assert [r[0] for r in first] == [worker.pid] and pid == worker.pid
 
 
 @pytest.mark.parametrize("first_s", [0.0, 0.5])
