@@ -26,7 +26,8 @@ Job = tuple[Callable[..., Any], tuple[Any, ...], Any]  # (fn, args, seed)
 @dataclass(eq=False, slots=True)
 class Outgoing:
     """``worker``'s job, pickled: ``freed`` the blocks it tells the worker it may reuse (None:
-    no blocks), ``sending`` the tokens of the values it carries whole."""
+    no blocks), ``sending`` the tokens of the values it carries whole (the worker has them
+    once it has run the job: a job sent before that carries them too)."""
 
     worker: Worker
     message: memoryview
@@ -51,7 +52,6 @@ class Outgoing:
         # go with it; refused, they are closed here (the worker never had them).
         size = len(self.message)
         fdpass.send(worker.conn, self.message, self.passing)
-        worker.has |= self.sending
         return size
 
     def drop(self) -> None:

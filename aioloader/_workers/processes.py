@@ -39,7 +39,7 @@ from .children import exits, hang_up, remove_left_segments
 from .descriptors import JobNotTaken
 from .incoming import crashed, mark_dead, read_reply
 from .ledger import LEDGER
-from .outgoing import Job, pickle_job
+from .outgoing import Job, Outgoing, pickle_job
 from .procview import WorkerProcess
 from .queued import Turn, Unstarted, may_queue
 from .serverstart import died_starting_note, note_server
@@ -247,13 +247,15 @@ class ProcessWorkers:
         job = (fn, args, seed)
         self._stats.jobs += 1
         for _ in range(_POSTS):
-            worker, freed, turn = await self._post(worker, job, replace=replace)
+            worker, out, turn = await self._post(worker, job, replace=replace)
             try:
                 ok, value = await self._answer(worker, turn)
             except Unstarted:  # queued behind a job its worker died in: never started
                 continue
-            if not ok and isinstance(value, JobNotTaken):  # its blocks go with the next job
-                LEDGER.requeue(worker.pid, freed or [])
+            if ok:  # it has the values sent whole (not where it refused or failed the job)
+                worker.has |= out.sending
+            elif isinstance(value, JobNotTaken):  # its blocks go with the next job
+                LEDGER.requeue(worker.pid, out.freed or [])
             if not ok:
                 try:
                     raise value
@@ -264,11 +266,10 @@ class ProcessWorkers:
 
     async def _post(
         self, worker: Worker, job: Job, *, replace: bool
-    ) -> tuple[Worker, list[Any] | None, Turn]:
+    ) -> tuple[Worker, Outgoing, Turn]:
         """Send ``job`` to ``worker`` behind the jobs it has (queued.py), or to its replacement
-        where it is dead; returns the worker it went to, the blocks it carried (None: no
-        blocks) and its turn. A slot's jobs are sent in the order they are posted (a lane's
-        batches in the epoch's order).
+        where it is dead; returns the worker it went to, the job as sent and its turn. A slot's
+        jobs are sent in the order they are posted (a lane's batches in the epoch's order).
 
         Raises:
             WorkerCrashed: The worker is dead and ``replace`` is False; or see :meth:`_send`.
@@ -324,11 +325,10 @@ class ProcessWorkers:
         finally:
             turn.done(answered=answered)
 
-    async def _send(self, worker: Worker, job: Job) -> tuple[list[Any] | None, Turn] | None:
+    async def _send(self, worker: Worker, job: Job) -> tuple[Outgoing, Turn] | None:
         """Pickle ``job`` for ``worker`` and send it: at once, or where it may not wait in a
-        busy worker's pipe (queued.py), once the worker has answered. Returns the blocks it
-        carried (None: no blocks) and its turn; None where the worker was found dead (the job
-        never reached it).
+        busy worker's pipe (queued.py), once the worker has answered. Returns the job as sent
+        and its turn; None where the worker was found dead (the job never reached it).
 
         Raises:
             WorkerCrashed: The job went, not all of its tensors' descriptors (the kernel
@@ -341,13 +341,12 @@ class ProcessWorkers:
         out = pickle_job(worker, job, blocks=self.blocks, main_has=self._main_has)
         last = worker.last if worker.last is not None and worker.last.waiting else None
         if last is not None and not may_queue(len(out.message), len(out.passing.fds)):
-            try:
-                await last.read.wait()
-            finally:
-                if not worker.alive or not last.read.is_set():  # it never went
-                    out.drop()
+            out.drop()
+            await last.read.wait()
             if not worker.alive:
                 return None
+            # Anew: what the worker has now goes by token (a value the job before carried whole)
+            out = pickle_job(worker, job, blocks=self.blocks, main_has=self._main_has)
             last = None
         try:
             self._stats.bytes_sent += out.send()
@@ -367,7 +366,7 @@ class ProcessWorkers:
             await mark_dead(worker)
             return None
         worker.last = turn = Turn(last)
-        return out.freed, turn
+        return out, turn
 
     async def _drain_cancelled(self, worker: Worker, turn: Turn) -> bool:
         """A cancelled job's reply, read (shielded) and dropped; returns whether it was read.
