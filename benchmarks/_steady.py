@@ -22,15 +22,22 @@ def self_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def steady(loader: Iterable[Any], epochs: int, samples_in: Callable[[Any], int]) -> dict[str, Any]:
-    """``epochs`` epochs of ``loader`` (closed after, if it can be): the rate and the CPU ms
-    per batch, medians of epochs 2 on."""
+def steady(
+    loader: Iterable[Any],
+    epochs: int,
+    samples_in: Callable[[Any], int],
+    step: Callable[[Any], object] | None = None,
+) -> dict[str, Any]:
+    """``epochs`` epochs of ``loader`` (closed after, if it can be), ``step`` called on each
+    batch: the rate and the CPU ms per batch, medians of epochs 2 on."""
     rates, cpu_ms = [], []
     for _ in range(epochs):
         start, cpu, samples, batches = time.perf_counter(), self_cpu_s(), 0, 0
         for batch in loader:
             samples += samples_in(batch)
             batches += 1
+            if step is not None:
+                step(batch)
         rates.append(samples / (time.perf_counter() - start))
         cpu_ms.append((self_cpu_s() - cpu) / batches * 1e3)
     if hasattr(loader, "close"):
