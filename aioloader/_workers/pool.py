@@ -26,9 +26,9 @@ class WorkerPool(Protocol):
             thread (a pool of one thread with ``inline_below``): any task may call it directly,
             without a stage of tasks queueing work for it.
         depth: Calls a worker takes at once through ``reserved``'s ``run_on`` (its lane of a
-            dataset read in the workers), run one after the other in it: 1 for processes and
-            threads; more where a call's round trip would idle the worker between jobs (a Ray
-            actor: the next job is already there when one ends). ``run`` gives one call to an
+            dataset read in the workers), run one after the other in it: 1 for threads; 2
+            where a call's round trip would idle the worker between jobs (a process: the next
+            job waits in its pipe; a Ray actor: behind its call). ``run`` gives one call to an
             idle worker, whatever the depth.
     """
 
