@@ -291,11 +291,17 @@ class LoaderStatistics:
                     lines.append(size + f"unpickled once, by a template (pid {w.template_pid})")
                 else:
                     lines.append(size + f"unpickled by each worker ({w.template_why})")
+        two = ""
+        if self.workers is not None and self.workers.processes:
+            two = (
+                "; transform with workers that read the dataset: two jobs a worker at once, "
+                "the second sent behind the first, its latency counting that wait"
+            )
         lines.append(
             "  (busy: the share of the stage's slots' time its work took; in flight and queued: "
             "the most at once / the limit, - for none; no room: time it waited for the next "
             "stage; no work: time it waited for the stage before; fetched bytes held at most "
-            f"{self.max_bytes_held:,})"
+            f"{self.max_bytes_held:,}{two})"
         )
         return "\n".join(lines)
 
