@@ -130,6 +130,8 @@ class StartArgs:
 def _receive(token: int, blob: bytes) -> Any:
     global _by_value_here
     _by_value_here = True
+    if token in _received:  # sent again (a job sent before the one that carried it was run):
+        return _received[token]  # the worker keeps its own, with whatever state it has built
     value = _received[token] = pickle.loads(blob)
     return value
 

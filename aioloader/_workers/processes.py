@@ -155,17 +155,17 @@ class ProcessWorkers:
         return fresh
 
     async def _stop(self, worker: Worker, *, grace: float) -> None:
-        if worker.stopped:
-            return
-        if worker.stopping is not None:  # under way: done when that call is
-            with anyio.CancelScope(shield=True):
-                await worker.stopping.wait()
-            return
-        worker.stopping = anyio.Event()
-        try:
-            await self._stop_now(worker, grace)
-        finally:
-            worker.stopping.set()
+        while not worker.stopped:
+            if worker.stopping is not None:  # under way: wait, then stop it if that call did not
+                with anyio.CancelScope(shield=True):
+                    await worker.stopping.wait()
+                continue
+            worker.stopping = anyio.Event()
+            try:
+                await self._stop_now(worker, grace)
+            finally:
+                stopping, worker.stopping = worker.stopping, None
+                stopping.set()
 
     async def _stop_now(self, worker: Worker, grace: float) -> None:
         worker.alive = False

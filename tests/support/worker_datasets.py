@@ -666,3 +666,15 @@ class HangsAt(WhoReads):
                 fifo.write(f"{-1 if info is None else info.id}\n")
             time.sleep(60.0)
         return super().__getitem__(index)
+
+
+class CountsItsCalls:
+    """A ``collate_fn`` object that keeps state in its worker: its calls so far (as a cache or
+    a generator of its own would), sent to the worker whole."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, batch: list[int]) -> tuple[int, int, int]:
+        self.calls += 1
+        return os.getpid(), id(self), self.calls

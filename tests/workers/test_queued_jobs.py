@@ -14,10 +14,12 @@ from typing import Any
 import anyio
 import pytest
 
+import aioloader
 import aioloader._workers.processes as processes
 from aioloader import WorkerCrashed
 from aioloader._base.recorders import WorkerRecorder
 from aioloader._workers.queued import QUEUE_MOST
+from tests.support import worker_datasets as wd
 from tests.support.helpers import bare_pool
 
 HOLD_S = 1.0  # the event loop held: long past the first job's 0.3 s
@@ -226,3 +228,38 @@ async def test_cancelled_jobs_are_drained_and_the_worker_kept(first_s: float) ->
     finally:
         await pool.aclose()
     assert pid == worker.pid
+
+
+def test_a_value_sent_whole_twice_is_the_worker_s_one_copy() -> None:
+    """The job queued behind the first carries a ``collate_fn`` object whole too (the worker
+    has it only once it has run the first): the worker keeps the copy it has, with its state,
+    as torch's worker keeps its one copy (a second copy restarted the count, and an object's
+    own generator drew the same numbers for the first two batches)."""
+    loader = aioloader.DataLoader(
+        list(range(6)), batch_size=1, num_workers=1, collate_fn=wd.CountsItsCalls()
+    )
+    got = list(loader)
+    assert [calls for _, _, calls in got] == [1, 2, 3, 4, 5, 6]
+    assert len({(pid, obj) for pid, obj, _ in got}) == 1
+
+
+async def test_a_stop_cancelled_part_way_is_done_by_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker slow to exit (stopped by SIGSTOP here), its stop cancelled (as a replacement's
+    is when the epoch ends): closing the pool still stops it and reaps it (the stop under way
+    had made every later one return at once, leaving the process running)."""
+    monkeypatch.setattr(processes, "_STOP_GRACE", 0.5)
+    pool = bare_pool(1)
+    await pool.start()
+    [view] = pool.processes()
+    worker = pool._slots.now[0]
+    os.kill(view.pid, signal.SIGSTOP)
+    try:
+        with anyio.move_on_after(0.2) as scope:
+            await pool._stop(worker, grace=0.0)
+        assert scope.cancelled_caught and not worker.stopped
+    finally:
+        with anyio.fail_after(20):
+            await pool.aclose()
+    assert worker.stopped and not view.is_alive() and view.exitcode == -signal.SIGKILL
