@@ -243,6 +243,16 @@ def test_a_value_sent_whole_twice_is_the_worker_s_one_copy() -> None:
     assert len({(pid, obj) for pid, obj, _ in got}) == 1
 
 
+def stopped_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is in the stopped state (``T``) within ``seconds``."""
+    for _ in range(int(seconds * 100)):  # bounded
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        time.sleep(0.01)
+    return False
+
+
 async def test_a_stop_cancelled_part_way_is_done_by_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -255,6 +265,9 @@ async def test_a_stop_cancelled_part_way_is_done_by_the_next(
     [view] = pool.processes()
     worker = pool._slots.now[0]
     os.kill(view.pid, signal.SIGSTOP)
+    # Stopped before its stop begins: a SIGTERM still pending beside the SIGSTOP is taken first
+    # (the lower number), and the worker would exit at once
+    assert stopped_within(view.pid, 5.0), "the worker did not stop on SIGSTOP"
     try:
         with anyio.move_on_after(0.2) as scope:
             await pool._stop(worker, grace=0.0)
