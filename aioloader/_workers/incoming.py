@@ -90,13 +90,16 @@ async def mark_dead(worker: Worker) -> None:
 
 
 def crashed(worker: Worker, stats: WorkerRecorder) -> WorkerCrashed:
-    """The error of ``worker``'s death (counted), naming its pid, exit code and signal."""
+    """The error of ``worker``'s death, naming its pid, exit code and signal; the death is
+    counted once, however many calls find it (a worker stream's job, then its close)."""
     try:
         code = worker.process.exitcode
         pid = worker.pid or worker.process.pid or 0
     except ValueError:  # stopped and closed already
         code, pid = None, worker.pid
-    stats.crashes += 1
+    if not worker.crash_counted:
+        worker.crash_counted = True
+        stats.crashes += 1
     if code is not None and code < 0:
         name = signal.Signals(-code).name
         return WorkerCrashed(worker.id, pid, exitcode=code, signal=name)

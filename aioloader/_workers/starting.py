@@ -58,6 +58,7 @@ class Worker:
     reaped: threading.Event = field(default_factory=threading.Event)
     last: Turn | None = None  # the last job sent to it (queued.py)
     stopping: anyio.Event | None = None  # set once it is stopped
+    crash_counted: bool = False  # its death is in the statistics' crashes (incoming.py)
 
     def reap(self) -> None:
         """Record the exit code of its process, which has ended and been joined."""

@@ -111,6 +111,29 @@ def test_a_worker_killed_through_its_handle_is_a_crash_with_its_exit_code(tmp_pa
     assert "exitcode=-9" in repr(victim)
 
 
+def test_a_worker_stream_whose_worker_dies_counts_one_crash() -> None:
+    """An iterable dataset's worker killed: one error, one crash in the statistics (closing
+    its stream found the same dead worker and counted it again)."""
+    dl = aioloader.DataLoader(wd.Ranges(0, 400), batch_size=4, num_workers=2)
+    it = iter(dl)
+    next(it)
+    victim = it._workers[1]
+    victim.kill()
+    victim.join(JOIN_S)
+    errors: list[BaseException] = []
+    for _ in range(200):  # bounded: 100 batches
+        try:
+            next(it)
+        except StopIteration:
+            break
+        except aioloader.WorkerCrashed as exc:
+            errors.append(exc)
+    stats = dl.statistics().workers
+    assert stats is not None
+    assert [e.pid for e in errors] == [victim.pid], errors  # type: ignore[attr-defined]
+    assert stats.crashes == 1, stats
+
+
 def test_a_dropped_loader_stops_its_persistent_workers_at_once(collector_off: None) -> None:
     """torch's persistent workers stop as the loader is dropped, refcounting alone; ours kept
     running until the collector's next pass (the end of an epoch left a reference cycle
