@@ -27,8 +27,8 @@ import anyio.abc
 import torch
 
 from .._base.exceptions import LoaderStateError, Overloaded
-from .._data.collate import default_collate
 from .._workers.serverstart import start_method_of
+from .alike import collate_alike
 from .dispatch import Dispatcher
 from .owner import Owner
 from .pending import BatchLimits, PendingQueue, bucket_of, cost_of
@@ -120,7 +120,9 @@ class DynamicBatcher:
         timeout: Default seconds a request may take from submission to its outcome (None: no
             limit); ``submit(..., timeout=...)`` overrides it.
         collate_fn: Turns the list of submitted items into the model's input (default
-            :func:`~aioloader.default_collate`).
+            :func:`~aioloader.default_collate`, for requests whose tensors, arrays and numbers
+            agree in dtype: a batch whose requests differ is split into parts that agree, as
+            one whose shapes do not stack, so that no request's dtype changes another's).
         split_fn: ``split_fn(output, n)`` returns the ``n`` per-request outputs (default: rows
             of a tensor along dimension 0; a list as is; mappings and tuples of those, split
             element-wise).
@@ -209,7 +211,7 @@ class DynamicBatcher:
         self.on_exit = on_exit
         self._work = BatchRunner(
             model_fn,
-            collate_fn or default_collate,
+            collate_fn or collate_alike,
             split_fn or default_split,
             collate_in_thread=collate_in_thread,
             num_workers=num_workers,
@@ -224,7 +226,6 @@ class DynamicBatcher:
         self._queue: PendingQueue[Request] = PendingQueue(max_queue, self.limits)
         self._rec = self._recorder()
         self._stack: contextlib.AsyncExitStack | None = None
-        self._cancel_scope: anyio.CancelScope | None = None
         self._dispatch: Dispatcher | None = None  # the runner tasks of the current (or last) scope
         self._owner: Owner | None = None  # the loop and task that opened the current scope
 
@@ -267,7 +268,7 @@ class DynamicBatcher:
             with anyio.CancelScope(shield=True):
                 await stack.aclose()
             raise
-        self._stack, self._cancel_scope, self._owner = stack, tg.cancel_scope, owner
+        self._stack, self._owner = stack, owner
         self._state = "open"
         return self
 
@@ -287,22 +288,22 @@ class DynamicBatcher:
         Cancellation: a drain that is cancelled turns into a cancel; the tasks, threads and
         processes are still waited for, and every admitted caller still gets an outcome.
         """
-        stack, scope, dispatch = self._stack, self._cancel_scope, self._dispatch
-        if self._state != "open" or stack is None or scope is None or dispatch is None:
+        stack, dispatch = self._stack, self._dispatch
+        if self._state != "open" or stack is None or dispatch is None:
             return
         if self._owner is not None:
             self._owner.check_exit()
         self._state = "closing"
         if self.on_exit == "cancel" or exc_type is not None:
             dispatch.cancel_waiting()
-            scope.cancel()
+            dispatch.stop()
         self._wake()  # a runner waiting for requests must see the closing
         try:
             await stack.aclose()  # the body's exception stays the caller's: not passed in
         finally:
             self._state = "closed"
             self._rec.stopped = self._clock()
-            self._stack = self._cancel_scope = None
+            self._stack = None
 
     def _recorder(self) -> BatcherRecorder:
         rec = BatcherRecorder(self._clock())

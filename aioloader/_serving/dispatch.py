@@ -67,6 +67,8 @@ class Dispatcher:
         self._clock = clock
         self._is_open = is_open
         self._waiter: asyncio.Future[bool] | None = None  # the collecting runner's wait
+        self._runners: set[anyio.CancelScope] = set()  # each runner task's own scope
+        self._stopped = False
 
     def wake(self) -> None:
         """Tell the runner collecting a batch to look again (a request arrived, a batch became
@@ -87,17 +89,34 @@ class Dispatcher:
             self._rec.cancelled += 1
             request.resolve(None, error)
 
+    def stop(self) -> None:
+        """Cancel the runner tasks (the scope closing with ``on_exit="cancel"``, or failing):
+        each in a cancel scope of its own, not through their task group's, whose host is the
+        task that closes the batcher. A task already being cancelled (aiohttp runs its
+        ``cleanup_ctx`` in the ``finally`` of its cancelled main task) closing it would see the
+        task group's cancellation taken for its own, and raised: found by review."""
+        self._stopped = True
+        for scope in self._runners:
+            scope.cancel()
+
     async def runner(self, cutting: anyio.Lock) -> None:
         """Collect a batch (one runner at a time, under ``cutting``), run it, repeat; return once
-        closing with nothing left. ``max_concurrent_batches`` runners bound the batches in
-        flight structurally, and a runner only collects while it is free, so requests that
-        arrive while every runner is busy join the next batch."""
-        while True:
-            async with cutting:
-                requests = await self._next_batch()
-            if requests is None:
-                return
-            await self._run(requests)
+        closing with nothing left, or stopped (:meth:`stop`). ``max_concurrent_batches``
+        runners bound the batches in flight structurally, and a runner only collects while it
+        is free, so requests that arrive while every runner is busy join the next batch."""
+        with anyio.CancelScope() as scope:
+            if self._stopped:  # stopped before this task began
+                scope.cancel()
+            self._runners.add(scope)
+            try:
+                while True:
+                    async with cutting:
+                        requests = await self._next_batch()
+                    if requests is None:
+                        return
+                    await self._run(requests)
+            finally:
+                self._runners.discard(scope)
 
     async def _next_batch(self) -> list[Request] | None:
         """Wait until the policy cuts a batch and take it; None once closing with none left.
@@ -127,7 +146,7 @@ class Dispatcher:
                     request.state = GONE
                     self._rec.expired += 1
                     request.resolve(None, TimeoutError("request expired in the queue"))
-                if requests:
+                if requests := self._callers_left(requests):
                     return requests
                 continue
             if closing:
@@ -147,6 +166,23 @@ class Dispatcher:
                     fired = decision.wake_at
                 else:
                     rearms, again = rearms + 1, rearm
+
+    def _callers_left(self, requests: list[Request]) -> list[Request]:
+        """``requests`` but those whose caller was cancelled since it last ran (its future is
+        cancelled as the task is; ``submit`` withdraws it only once the task runs again, which
+        may be after this turn's cut): withdrawn here, counted once, never run."""
+        if not any(request.future.cancelled() for request in requests):
+            return requests
+        left = []
+        for request in requests:
+            if request.future.cancelled():
+                request.state = GONE
+                self._rec.cancelled += 1
+                if request.timer is not None:
+                    request.timer.cancel()
+            else:
+                left.append(request)
+        return left
 
     async def _wait(self, delay: float | None) -> bool:
         """Wait for :meth:`wake`, or ``delay`` seconds (None: no limit); True if the delay ran
@@ -215,14 +251,15 @@ class Dispatcher:
                 "aioloader: DynamicBatcher: a batch of %d requests would not collate (%s: %s); "
                 "it is split in halves down to the requests that collate together, a model "
                 "call each part. If inputs differ in shape, pad them in collate_fn or batch "
-                "by shape with bucket_fn=lambda x: tuple(x.shape); statistics().split counts "
-                "the splits",
+                "by shape with bucket_fn=lambda x: tuple(x.shape) (in dtype: convert them as "
+                "they are submitted, or bucket by dtype too); statistics().split counts the "
+                "splits",
                 size, type(error).__name__, error,
             )  # fmt: skip
 
     def _settle(self, request: Request, value: Any, error: BaseException | None) -> None:
-        if request.state != RUNNING:  # its caller left: the result is dropped
-            return
+        if request.state != RUNNING or request.future.cancelled():
+            return  # its caller left (or, cancelled, is leaving: it counts that): dropped
         request.state = DONE
         self._rec.served(self._clock() - request.enqueued_at, ok=error is None)
         request.resolve(value, error)

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from .._base.exceptions import LoaderTimeout, WorkerCrashed, annotate, as_failure
 from .._base.inline import (
     INLINE_BELOW_S,
@@ -266,9 +268,9 @@ class BatchRunner:
         if self.async_model or self._threads is None:
             output = self.model_fn(hand_out(batch))
         elif self._place is not None:
-            output = await self._place.call(self._threads, self.model_fn, batch)
+            output = await self._place.call(self._threads, self.model_fn, batch, loop_modes())
         else:
-            output = await self._threads.run(_call_ready, self.model_fn, batch)
+            output = await self._threads.run(_call_ready, self.model_fn, batch, loop_modes())
         if inspect.isawaitable(output):  # an async model, or a plain function returning one
             output = await output
         return output
@@ -284,8 +286,26 @@ def _who(n: int, whole: int | None) -> str:
     return f"every caller of this part of {n} gets it (the batch of {whole} would not collate)"
 
 
-def _call_ready(model_fn: Callable[[Any], Any], batch: Any) -> Any:
-    return model_fn(hand_out(batch))
+Modes = tuple[bool, bool] | None
+"""torch's grad and inference modes to call a model under: ``(grad, inference)``; None: a
+thread's own (grad on, inference off)."""
+
+
+def loop_modes() -> Modes:
+    """The grad and inference modes of this thread (the event loop's), where a call on the
+    batcher's thread must take them: torch keeps them per thread, and a server that turns
+    grad off once at start-up (``torch.set_grad_enabled(False)``) got outputs that required
+    grad from the calls that ran on the thread, not from those inline (found by review)."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    return None if grad and not inference else (grad, inference)
+
+
+def _call_ready(model_fn: Callable[[Any], Any], batch: Any, modes: Modes = None) -> Any:
+    if modes is None:
+        return model_fn(hand_out(batch))
+    grad, inference = modes
+    with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
+        return model_fn(hand_out(batch))
 
 
 class _ModelPlace:
@@ -318,8 +338,14 @@ class _ModelPlace:
             slow_probe_every=SLOW_PROBE_EVERY,
         )
 
-    async def call(self, threads: ThreadOffload, model_fn: Callable[[Any], Any], batch: Any) -> Any:
-        """``model_fn`` on ``batch``, here or on ``threads``.
+    async def call(
+        self,
+        threads: ThreadOffload,
+        model_fn: Callable[[Any], Any],
+        batch: Any,
+        modes: Modes = None,
+    ) -> Any:
+        """``model_fn`` on ``batch``, here or on ``threads`` (under ``modes``, this thread's).
 
         Raises:
             Exception: What ``model_fn`` raised.
@@ -331,9 +357,9 @@ class _ModelPlace:
         estimate = placement.recent.seconds
         where = placement.where()
         if where == "threads":
-            return await threads.run(_call_ready, model_fn, batch)
+            return await threads.run(_call_ready, model_fn, batch, modes)
         if estimate is None or (where == "alone" and estimate >= TRY_INLINE_BELOW_S):
-            output, took = await threads.run(_clocked, clock, model_fn, batch)
+            output, took = await threads.run(_clocked, clock, model_fn, batch, modes)
             placement.alone_took(took)
             return output
         started = clock()
@@ -347,9 +373,11 @@ class _ModelPlace:
                 placement.alone_took(took)
 
 
-def _clocked(clock: Callable[[], float], model_fn: Callable[[Any], Any], batch: Any) -> Any:
+def _clocked(
+    clock: Callable[[], float], model_fn: Callable[[Any], Any], batch: Any, modes: Modes
+) -> Any:
     started = clock()
-    output = _call_ready(model_fn, batch)
+    output = _call_ready(model_fn, batch, modes)
     return output, clock() - started
 
 

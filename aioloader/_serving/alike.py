@@ -1,0 +1,81 @@
+"""The dynamic batcher's default collation: torch's ``default_collate``, for requests whose
+tensors, arrays and numbers are of one dtype.
+
+Owns: :func:`collate_alike`. Never: decides what happens to a batch it refuses (the runner
+splits it, ``_serving/runner.py``), or checks what a user's ``collate_fn`` is given.
+
+Why: ``default_collate`` promotes what it stacks (a float64 request among float32 ones made the
+whole batch float64, and every caller got a result computed in float64, or the model's dtype
+error), and a plain number's batch takes its dtype from whichever request came first (``[1,
+2.5]`` stacks as float32, ``[2.5, 1]`` as float64). A request should get what it would get
+alone, and a bad one fail alone (found by review): refused here, the batch is split into
+parts whose requests agree, as for shapes that do not stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._data.collate import default_collate
+
+__all__ = ["collate_alike"]
+
+_NUMBERS = (bool, int, float, complex)
+
+
+def collate_alike(items: Sequence[Any]) -> Any:
+    """``default_collate(items)``, once every item's leaves agree in dtype with the first's.
+
+    Raises:
+        TypeError: Two items differ in the dtype of a tensor or array (or the type of a plain
+            number) at the same place, named.
+        Exception: What ``default_collate`` raises.
+    """
+    first = items[0]
+    for position in range(1, len(items)):
+        why = _differs(first, items[position], "")
+        if why is not None:
+            raise TypeError(
+                f"requests 0 and {position} of the batch differ in dtype at {why} (a batch's "
+                "requests must agree, as the model gets them stacked)"
+            )
+    return default_collate(items)
+
+
+def _differs(a: Any, b: Any, at: str) -> str | None:
+    """Where ``a`` and ``b`` first differ in a leaf's dtype, as ``at`` names the place: the
+    place and the two dtypes, or None."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return None if a.dtype == b.dtype else f"{at or 'the input'} ({a.dtype}, {b.dtype})"
+    if isinstance(a, np.ndarray | np.generic) and isinstance(b, np.ndarray | np.generic):
+        same = a.dtype == b.dtype
+        return None if same else f"{at or 'the input'} (numpy {a.dtype}, {b.dtype})"
+    if isinstance(a, _NUMBERS) and isinstance(b, _NUMBERS):
+        same = type(a) is type(b)
+        return None if same else f"{at or 'the input'} ({type(a).__name__}, {type(b).__name__})"
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for key in a:
+            if key in b and (why := _differs(a[key], b[key], f"{at}[{key!r}]")) is not None:
+                return why
+        return None
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        for f in dataclasses.fields(a):
+            why = _differs(getattr(a, f.name), getattr(b, f.name), f"{at}.{f.name}")
+            if why is not None:
+                return why
+        return None
+    if (
+        isinstance(a, Sequence)
+        and isinstance(b, Sequence)
+        and not isinstance(a, str | bytes)
+        and len(a) == len(b)
+    ):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if (why := _differs(x, y, f"{at}[{i}]")) is not None:
+                return why
+    return None
