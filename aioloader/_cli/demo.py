@@ -72,6 +72,11 @@ def decode(raw: bytes) -> tuple[torch.Tensor, int]:
             f"--url holds an object of {len(raw)} bytes, not a demo sample (one label byte, "
             f"then a 3x16x16 uint8 image: {_SAMPLE_BYTES} bytes)"
         )
+    if raw[0] >= _CLASSES:
+        raise UsageError(
+            f"--url holds an object whose label byte is {raw[0]}, not a demo sample's (a "
+            f"class from 0 to {_CLASSES - 1})"
+        )
     image = torch.frombuffer(bytearray(raw[1:]), dtype=torch.uint8).reshape(_SHAPE)
     return image.float().div_(255.0), raw[0]
 

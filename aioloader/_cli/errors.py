@@ -22,6 +22,8 @@ class UsageError(Exception):
 
 
 _URL = re.compile(r"\b[A-Z]+ (https?://\S+)")
+# A missing bucket: S3's error code, Azure's, and GCS's message (which has no code)
+_NO_BUCKET = re.compile(r"NoSuchBucket|ContainerNotFound|(bucket|container) does not exist")
 
 
 def _endpoint(text: str) -> str:
@@ -61,8 +63,13 @@ def explain(exc: BaseException) -> str | None:
             f"cannot reach {_endpoint(text)}: is the server up, and is the endpoint "
             "(AWS_ENDPOINT_URL) right?"
         )
-    if "NoSuchBucket" in text or "does not exist" in text:
+    if _NO_BUCKET.search(text):
         return f"the bucket does not exist: {text.splitlines()[0][:200]}"
+    if type(exc).__name__ == "NotFoundError" and type(exc).__module__.startswith("obstore"):
+        # An object listed, then gone (S3's NoSuchKey also says "does not exist": it was
+        # taken for a missing bucket, found by review): the note names it
+        notes = [n for n in getattr(exc, "__notes__", ()) if n.startswith("aioloader: no ")]
+        return notes[0].removeprefix("aioloader: ") if notes else text.splitlines()[0][:300]
     if isinstance(exc, ValueError) and text.startswith("no objects under"):
         return f"{text}: check the prefix (and --url's trailing slash)"
     if isinstance(exc, (PermissionError, FileNotFoundError)):

@@ -9,14 +9,14 @@ goes on from. Never: retries (a stream is not retried by the loader; the map-sty
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from .._base.checks import check_int
 from .._data.epochs import OpensEpochs
 from .._fanin.lanes import interleaved
-from ._objects import redact_store_url, store_error, store_from_url
+from ._objects import redact_store_url, store_error, store_from_url, wanted
+from ._patterns import check_key_filters
 
 __all__ = ["ObjectStream", "object_stream"]
 
@@ -52,9 +52,9 @@ def object_stream(
             by the loader, so wrap flaky stores with a map-style :func:`objects` instead.
     """
     check_int("concurrency", concurrency, minimum=1)
+    suffixes, glob = check_key_filters(suffix, glob)
     if store is None:
         store = store_from_url(url, config, client_options)
-    suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix or ())
     return ObjectStream(store, url, suffixes, glob, concurrency)
 
 
@@ -112,11 +112,6 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
     def __repr__(self) -> str:
         return f"ObjectStream({self._url!r}, concurrency={self.concurrency})"
 
-    def _wanted(self, key: str) -> bool:
-        return (not self._suffixes or key.endswith(self._suffixes)) and (
-            self._glob is None or fnmatch.fnmatchcase(key, self._glob)
-        )
-
     def epoch_items(
         self, epoch: int, state: dict[str, Any] | None
     ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[tuple[str, bytes]]]:
@@ -157,29 +152,38 @@ class ObjectStream(OpensEpochs[tuple[str, bytes]]):
             finally:
                 self._running = None
 
-    def _name(self, key: str) -> str:
-        return f"{self._url.rstrip('/')}/{key}"
+    def _name(self, entry: tuple[str, int]) -> str:
+        return f"{self._url.rstrip('/')}/{entry[0]}"
 
-    async def _listing(self, after: str | None = None) -> AsyncGenerator[str, None]:
+    async def _listing(self, after: str | None = None) -> AsyncGenerator[tuple[str, int], None]:
+        """The epoch's ``(key, size)`` that pass the filters, but the prefix's own folder
+        marker (``""``; ``_markers.py``)."""
         import obstore
 
         try:
             async for chunk in obstore.list(self._store, offset=after, chunk_size=1000):
                 for meta in chunk:
-                    if self._wanted(meta["path"]):
-                        yield meta["path"]
+                    path = meta["path"]
+                    if path and wanted(path, self._suffixes, self._glob):
+                        yield path, meta["size"]
         except Exception as exc:
             error = store_error(exc, self._url)
             raise error from error.__cause__
 
-    async def _read(self, key: str) -> AsyncGenerator[tuple[str, bytes], None]:
+    async def _read(self, entry: tuple[str, int]) -> AsyncGenerator[tuple[str, bytes], None]:
+        """``(key, bytes)`` of a listed entry; nothing for a folder marker (a zero-byte entry
+        that is not there: its key had a ``/`` the listing dropped, ``_markers.py``)."""
         import obstore
+        import obstore.exceptions as obs_exc
 
+        key, size = entry
         try:
             result = await obstore.get_async(self._store, key)
             data = bytes(await result.bytes_async())
         except Exception as exc:
-            error = store_error(exc, self._name(key))
+            if size == 0 and isinstance(exc, FileNotFoundError | obs_exc.NotFoundError):
+                return
+            error = store_error(exc, self._name(entry))
             raise error from error.__cause__
         yield key, data
 

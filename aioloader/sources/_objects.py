@@ -24,6 +24,8 @@ from .._base.exceptions import TransientError
 from .._data.dataset import AsyncDataset
 from ._gate import ByteGate, holding
 from ._keyed import Keyed, keyed
+from ._markers import folder_markers
+from ._patterns import check_key_filters
 
 __all__ = ["ObjectDataset", "TransientStoreError", "objects"]
 
@@ -172,6 +174,9 @@ def store_error(exc: Exception, where: str) -> Exception:
     if isinstance(exc, FileNotFoundError | obs_exc.NotFoundError):
         exc.add_note(f"aioloader: no object {where}")
         return exc
+    if isinstance(exc, obs_exc.InvalidPathError):  # a listing met a key it cannot hold
+        listing_failed(exc, where)
+        return exc
     if type(exc) in (obs_exc.GenericError, obs_exc.BaseError):
         cause = transient_cause(str(exc))
         if cause is not None:
@@ -180,6 +185,21 @@ def store_error(exc: Exception, where: str) -> Exception:
             return error
     exc.add_note(f"aioloader: while reading {where}")
     return exc
+
+
+def listing_failed(exc: Exception, where: str) -> None:
+    """Note on ``exc`` that listing ``where`` (a redacted URL) failed, and why where it is a
+    key obstore cannot take (the whole listing fails with it)."""
+    import obstore.exceptions as obs_exc
+
+    if isinstance(exc, obs_exc.InvalidPathError):
+        exc.add_note(
+            f"aioloader: while listing {where}: a key under it is not a path obstore takes (an "
+            "empty segment, as in 'logs//run.txt', or a '.' or '..' segment), and the whole "
+            "listing fails with it: list a narrower prefix that leaves it out, or rename it"
+        )
+    else:
+        exc.add_note(f"aioloader: while listing {where}")
 
 
 def transient_cause(text: str) -> str | None:
@@ -203,6 +223,34 @@ def transient_cause(text: str) -> str | None:
     if http_kind is not None and http_kind[1] in _TRANSIENT_HTTP_KINDS:
         return ": ".join([http_kind[1], *io_kinds[:1]])
     return io_kinds[0] if io_kinds else None
+
+
+def wanted(key: str, suffixes: tuple[str, ...], glob: str | None) -> bool:
+    """Whether ``key`` passes the ``suffix`` (any of ``suffixes``; none: every key) and
+    ``glob`` filters of :func:`objects` and :func:`~aioloader.sources.object_stream`."""
+    return (not suffixes or key.endswith(suffixes)) and (
+        glob is None or fnmatch.fnmatchcase(key, glob)
+    )
+
+
+def missing(store: Any, path: str, url: str) -> bool:
+    """Whether no object is at ``path`` under ``url`` (a zero-byte listed entry: a folder
+    marker, whose key had a ``/`` that the listing dropped, is not there; ``_markers.py``).
+
+    Raises:
+        Exception: The store's error asking for it, other than its absence.
+    """
+    import obstore
+    import obstore.exceptions as obs_exc
+
+    try:
+        obstore.head(store, path)
+    except (FileNotFoundError, obs_exc.NotFoundError):
+        return True
+    except Exception as exc:
+        error = store_error(exc, f"{redact_store_url(url).rstrip('/')}/{path}")
+        raise error from error.__cause__
+    return False
 
 
 def store_from_url(
@@ -291,18 +339,28 @@ def objects(
     """
     import obstore
 
+    suffixes, glob = check_key_filters(suffix, glob)
     if max_bytes_in_flight is not None:
         ByteGate(max_bytes_in_flight)  # a bad bound fails before the listing
     if store is None:
         store = store_from_url(url, config, client_options)
-    suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix or ())
-    listed = sorted(
-        (meta["path"], meta["size"])
-        for chunk in obstore.list(store, chunk_size=1000)
-        for meta in chunk
-        if (not suffixes or meta["path"].endswith(suffixes))
-        and (glob is None or fnmatch.fnmatchcase(meta["path"], glob))
-    )
+    try:
+        everything = sorted(
+            (meta["path"], meta["size"])
+            for chunk in obstore.list(store, chunk_size=1000)
+            for meta in chunk
+        )
+    except Exception as exc:  # listed once, as the dataset is made: not retried
+        listing_failed(exc, redact_store_url(url))
+        raise
+    markers, unsure = folder_markers(everything)
+    asked = (path for path in unsure if wanted(path, suffixes, glob))
+    markers.update(path for path in asked if missing(store, path, url))
+    listed = [
+        (path, size)
+        for path, size in everything
+        if path not in markers and wanted(path, suffixes, glob)
+    ]
     if not listed:
         raise ValueError(
             f"no objects under {redact_store_url(url)!r} match suffix={suffix!r} glob={glob!r}"

@@ -1,9 +1,11 @@
-"""The ``pattern`` and ``suffix`` arguments of :func:`aioloader.sources.files`, checked and
-normalised before a folder is listed.
+"""The ``pattern`` and ``suffix`` arguments of :func:`aioloader.sources.files`, and the
+``suffix`` and ``glob`` of :func:`aioloader.sources.objects` and ``object_stream``, checked
+and normalised before anything is listed.
 
 Owns: :func:`check_pattern` (a glob relative to the folder: not empty, not absolute, no
-``..``) and :func:`check_suffix` (one suffix or several, each with its dot, lower-cased).
-Never: touches the file system.
+``..``), :func:`check_suffix` (one suffix or several, each with its dot, lower-cased) and
+:func:`check_key_filters` (an object store's: as given, matched case-sensitively).
+Never: touches the file system or a store.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 
-__all__ = ["check_pattern", "check_suffix"]
+__all__ = ["check_key_filters", "check_pattern", "check_suffix"]
 
 
 def check_pattern(pattern: str) -> str:
@@ -41,14 +43,50 @@ def check_suffix(suffix: str | Sequence[str] | None) -> tuple[str, ...]:
     """
     if suffix is None:
         return ()
-    items = [suffix] if isinstance(suffix, str) else suffix
     out: list[str] = []
-    for s in items:
-        if not isinstance(s, str):
-            raise TypeError(f"suffix must be a str or a sequence of str, got {suffix!r}")
+    for s in _suffixes(suffix):
         if not s or s == ".":
             raise ValueError(f"suffix must not be empty, got {suffix!r}")
         out.append((s if s.startswith(".") else "." + s).lower())
-    if not out:
-        raise ValueError("suffix must name at least one suffix (None keeps every name)")
     return tuple(out)
+
+
+def check_key_filters(
+    suffix: str | Sequence[str] | None, glob: str | None
+) -> tuple[tuple[str, ...], str | None]:
+    """An object store's ``suffix`` (the suffixes a key may end with, as given: ``()`` keeps
+    every key) and ``glob``, checked.
+
+    Raises:
+        TypeError: ``suffix`` is not a str or a sequence of str, or ``glob`` not a str.
+        ValueError: A suffix is empty, or the sequence is; ``glob`` is empty.
+    """
+    if glob is not None and not isinstance(glob, str):
+        raise TypeError(f"glob must be a str (a shell pattern) or None, got {glob!r}")
+    if glob == "":
+        raise ValueError("glob must not be empty (None keeps every key)")
+    if suffix is None:
+        return (), glob
+    suffixes = _suffixes(suffix)
+    if "" in suffixes:
+        raise ValueError(f"suffix must not be empty, got {suffix!r}")
+    return suffixes, glob
+
+
+def _suffixes(suffix: str | Sequence[str]) -> tuple[str, ...]:
+    """``suffix`` as a non-empty tuple of str.
+
+    Raises:
+        TypeError: It is not a str or a sequence of str (bytes are not).
+        ValueError: The sequence is empty.
+    """
+    items: object = (suffix,) if isinstance(suffix, str) else suffix
+    if (
+        not isinstance(items, Sequence)
+        or isinstance(items, bytes | bytearray)
+        or not all(isinstance(s, str) for s in items)
+    ):
+        raise TypeError(f"suffix must be a str or a sequence of str, got {suffix!r}")
+    if not items:
+        raise ValueError("suffix must name at least one suffix (None keeps every name)")
+    return tuple(items)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from aioloader._cli.command import main
-from aioloader._cli.errors import explain
+from aioloader._cli.errors import UsageError, explain
 
 ROOT = Path(__file__).parents[2]
 
@@ -206,3 +206,12 @@ def test_ctrl_c_and_sigterm_stop_the_demo_cleanly(
     assert rest.splitlines()[-1] == f"aioloader demo: {word}", rest
     assert "Traceback" not in rest
     assert not Path(folder.group(0)).exists()
+
+
+def test_a_sample_whose_label_is_no_demo_class_is_a_usage_error() -> None:
+    # A label byte of 9 reached the loss as "Target 9 is out of bounds", with a traceback
+    from aioloader._cli.demo import decode
+
+    with pytest.raises(UsageError, match="label byte is 9, not a demo sample's"):
+        decode(bytes([9]) + bytes(3 * 16 * 16))
+    assert decode(bytes([3]) + bytes(3 * 16 * 16))[1] == 3
