@@ -9,6 +9,7 @@ with their loader. Never: says what a scope owns (``scope.py`` does), or begins 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -80,7 +81,7 @@ class PersistentIterator:
 
 
 # What runs, not what a loader is: a copy of the loader has its own (``__getstate__``).
-_RUNNING = ("_state", "_session", "_plain", "_stopped_at")
+_RUNNING = ("_state", "_session", "_plain", "_stopped_at", "_iterating")
 
 
 class ScopeLifecycle:
@@ -247,6 +248,7 @@ class ScopeLifecycle:
         original's workers failed to reach an unpickled copy's)."""
         vars(self).update(state)
         vars(self).update(_session=None, _plain=None, _stopped_at=0.0, _copied=True)
+        vars(self).update(_iterating=threading.Lock())
         self._state = LoaderState(self._new_recorders())
 
     def __copy__(self) -> Any:

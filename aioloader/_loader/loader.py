@@ -229,6 +229,7 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
         self._resume: EpochState | None = None  # loaded, for the next epoch to go on from
         self._stopped_at: float | None = 0.0
         self._plain: weakref.ref[PlainIterator[T_Batch]] | None = None  # owns a plain-for scope
+        self._iterating = threading.Lock()  # iter() in two threads at once: one after the other
 
     # torch's guard runs after its own __init__, not run here; the settings guard (at the
     # caller's line: no frame of this one's own).
@@ -412,31 +413,32 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
             LoaderStateError: The loader's ``async with`` scope is open on this thread (the
                 loop would block the event loop that runs the pipeline).
         """
-        owner = self._plain() if self._plain is not None else None
-        if owner is not None and self._session is None:
-            owner.supersede()  # torch starts a new epoch; ours ends the earlier iterator's first
-        if self._scope is not None and self._session is None:
-            if self._scope.thread == threading.get_ident():
-                raise LoaderStateError(
-                    "a plain `for` inside `async with loader:` would block the event loop; "
-                    "use `async for`"
-                )
-            raise LoaderStateError("the loader's scope is open in another thread")
-        if self._session is not None:
-            return PlainIterator(self, self._session, owned=False)
-        self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
-        a = self._plan.arguments  # a DataPipe's epoch seed first, as torch's iterator draws it
-        self._state.pipe_seed = draw_pipe_seed(self._plan.dataset, a.seed, a.generator)
-        persistent = self.persistent_workers
-        session = Session(self, persistent=persistent, one_epoch=not persistent)
-        if self._state.pipe_seed is not None and self.num_workers:
-            draw_seed(a.generator)  # and the one torch's multiprocessing iterator never uses
-        if session.persistent:
-            self._session = session
-            return PlainIterator(self, session, owned=False)
-        iterator: PlainIterator[T_Batch] = PlainIterator(self, session, owned=True)
-        self._plain = weakref.ref(iterator)
-        return iterator
+        with self._iterating:  # one thread ends the earlier iterator and begins this one
+            owner = self._plain() if self._plain is not None else None
+            if owner is not None and self._session is None:
+                owner.supersede()  # torch starts a new epoch; ours ends the earlier one's first
+            if self._scope is not None and self._session is None:
+                if self._scope.thread == threading.get_ident():
+                    raise LoaderStateError(
+                        "a plain `for` inside `async with loader:` would block the event "
+                        "loop; use `async for`"
+                    )
+                raise LoaderStateError("the loader's scope is open in another thread")
+            if self._session is not None:
+                return PlainIterator(self, self._session, owned=False)
+            self._refresh_plan()  # here, not on the loop's thread (Ray's join_cluster)
+            a = self._plan.arguments  # a DataPipe's epoch seed first, as torch's iterator has it
+            self._state.pipe_seed = draw_pipe_seed(self._plan.dataset, a.seed, a.generator)
+            persistent = self.persistent_workers
+            session = Session(self, persistent=persistent, one_epoch=not persistent)
+            if self._state.pipe_seed is not None and self.num_workers:
+                draw_seed(a.generator)  # and the one torch's multiprocessing iterator never uses
+            if session.persistent:
+                self._session = session
+                return PlainIterator(self, session, owned=False)
+            iterator: PlainIterator[T_Batch] = PlainIterator(self, session, owned=True)
+            self._plain = weakref.ref(iterator)
+            return iterator
 
     def __repr__(self) -> str:
         return (

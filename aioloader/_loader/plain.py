@@ -86,6 +86,7 @@ class PlainIterator(Generic[T_Batch]):
         self._owned = owned
         self._loader = loader  # as torch's iterator: the loader lives as long as it
         self._done = False
+        self._closing = threading.Lock()  # close() here and from a later iter()'s thread
         # Batches come from a pump task on the loop over a plain queue, up to `ahead` of the
         # requests (see _receive): far cheaper than a portal call per batch.
         self._replies: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
@@ -195,8 +196,9 @@ class PlainIterator(Generic[T_Batch]):
         except BaseException as exc:
             if not isinstance(exc, Exception) or self._session.closed:
                 self.close()  # KeyboardInterrupt and the like: the epoch stops here
-            # Stopped meanwhile by a later iter() on another thread: said as on this one.
-            superseded = self._superseded and isinstance(exc, concurrent.futures.CancelledError)
+            # Stopped meanwhile by a later iter() on another thread: said as on this one,
+            # whatever the closing left this call with (a cancelled call, a closed portal).
+            superseded = self._superseded
             error = self._stopped() if superseded else exc
         else:
             if got.warning is not None:  # given here, where torch gives it: in the consumer
@@ -283,10 +285,12 @@ class PlainIterator(Generic[T_Batch]):
         )
 
     def close(self) -> None:
-        """Stop the epoch (and the session, when this iterator owns it). Idempotent."""
-        if self._done:
-            return
-        self._done = True
+        """Stop the epoch (and the session, when this iterator owns it). Idempotent, and safe
+        from two threads at once (this iterator's, and a later ``iter(loader)``'s)."""
+        with self._closing:
+            if self._done:
+                return
+            self._done = True
         session = self._session
         try:
             if self._pump is not None:

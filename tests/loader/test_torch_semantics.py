@@ -134,6 +134,35 @@ def test_a_second_iter_starts_a_new_epoch_and_the_first_says_it_ended() -> None:
         [b for b, _ in zip(dl, dl, strict=False)]
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_two_threads_iterating_one_loader_end_one_epoch_cleanly(workers: int) -> None:
+    """A training thread and an evaluation thread each ``for`` over the same loader (found by
+    review: both began an epoch on the loader's scope at once, and one got anyio's
+    ``ClosedResourceError`` or hung, the loop thread dying with an ``ExceptionGroup``). The
+    later one reads its epoch whole; the earlier one says it ended, as on one thread."""
+    dl = aioloader.DataLoader(MAP, batch_size=4, num_workers=workers)
+    start = threading.Barrier(2)
+    got: dict[int, Any] = {}
+
+    def read(k: int) -> None:
+        start.wait()
+        try:
+            got[k] = [b.tolist() for b in dl]
+        except Exception as exc:
+            got[k] = exc
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), got
+    whole = [list(range(k, k + 4)) for k in range(0, 20, 4)]
+    assert whole in got.values(), got
+    errors = [e for e in got.values() if isinstance(e, Exception)]
+    assert len(errors) <= 1 and all(isinstance(e, aioloader.LoaderStateError) for e in errors)
+
+
 def test_a_first_iterator_that_had_every_batch_stops_as_torchs() -> None:
     """A framework that iterates by ``len(loader)`` (Lightning) never sees the end: its next
     epoch's ``iter()`` comes first. Nothing of the first was left, and it stops quietly."""
