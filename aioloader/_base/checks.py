@@ -13,7 +13,11 @@ sources. Never: checks an argument's combination with others (``_loader/argument
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Callable
+
+import torch
 
 __all__ = ["check_bool", "check_int", "check_picklable", "check_seconds", "check_seed"]
 
@@ -38,6 +42,19 @@ def check_int(name: str, value: object, *, minimum: int) -> int:
         raise TypeError(f"{name} must be a {kind}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be a {kind}, got {value!r}")
+    return value
+
+
+def as_int(value: object, *, bools: bool) -> object:
+    """``value`` as an int where it is an integer of another type (a NumPy integer, a 0-d
+    integer tensor; ``bools``: a bool too), as torch's loader compares and ranges its counts;
+    anything else as it is, for the checks to name."""
+    if type(value) is int or (isinstance(value, bool) and not bools):
+        return value
+    if isinstance(value, numbers.Integral):  # bool, NumPy's integers
+        return operator.index(value)
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
+        return operator.index(value)
     return value
 
 

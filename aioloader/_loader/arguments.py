@@ -18,7 +18,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._base.checks import check_bool, check_int, check_picklable, check_seconds, check_seed
+from .._base.checks import (
+    as_int,
+    check_bool,
+    check_int,
+    check_picklable,
+    check_seconds,
+    check_seed,
+)
 from .._base.retry import RetryPolicy
 from .._data.datapipes import is_datapipe
 from .._data.source import Kind, classify
@@ -228,6 +235,12 @@ class Arguments:
     device: object = None
     device_transform: Callable[[Any], Any] | None = None
     progress: bool = False
+
+    def __post_init__(self) -> None:
+        # torch takes any integral count, as it compares and ranges it (found by review:
+        # a NumPy integer from a config array was refused): held as an int, for one type.
+        object.__setattr__(self, "num_workers", as_int(self.num_workers, bools=True))
+        object.__setattr__(self, "prefetch_factor", as_int(self.prefetch_factor, bools=False))
 
 
 def check_arguments(a: Arguments, *, stacklevel: int = 3) -> Checked:

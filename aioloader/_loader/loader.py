@@ -41,7 +41,7 @@ from .scope import LoaderState, Scope
 from .session import Session
 from .settings import Setting
 from .state_dict import Resumable
-from .torchnames import TorchNames
+from .torchnames import TorchNames, torch_batches, torch_sampler
 
 __all__ = ["DataLoader"]
 
@@ -242,9 +242,9 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
 
     dataset: Setting[Any] = Setting()
     batch_size: Setting[int | None] = Setting(resolved=True)
-    # (torch's annotations are narrower: a stream has no sampler, a batch may be a tuple)
-    sampler: Setting[Iterable[int] | None] = Setting(resolved=True)  # type: ignore[assignment]
-    batch_sampler: Setting[Iterable[Sequence[int]] | None] = Setting(resolved=True)  # type: ignore[assignment]
+    # (where the plan has none, torch's: a stream's is endless; see torchnames.py)
+    sampler: Setting[Iterable[int]] = Setting(resolved=True, shown=torch_sampler)
+    batch_sampler: Setting[Any] = Setting(resolved=True, shown=torch_batches)
     num_workers: Setting[int] = Setting()
     collate_fn: Setting[Callable[[Any], Any]] = Setting(resolved=True)
     pin_memory: Setting[bool] = Setting()
@@ -308,10 +308,8 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
             TypeError: The dataset is iterable and has no length.
         """
         self._refresh_plan(raising=False)
-        if self.batch_sampler is not None:
-            return len(self.batch_sampler)  # type: ignore[arg-type]  # torch's: may raise TypeError
-        if self.sampler is not None:
-            return len(self.sampler)  # type: ignore[arg-type]
+        if (order := self._plan.order) is not None:  # (a stream's, torch's, has no length)
+            return len(order)  # type: ignore[arg-type]  # torch's: may raise TypeError
         n = dataset_length(self.dataset)  # read now: a dataset whose length changes is followed
         if n is None:
             raise TypeError(f"object of type {type(self.dataset).__qualname__!r} has no len()")

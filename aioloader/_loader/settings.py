@@ -8,7 +8,8 @@ plan itself (``plan.py`` does, through the loader's ``_replan``).
 
 from __future__ import annotations
 
-from typing import Generic, Protocol, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from .plan import LoaderPlan
 
@@ -28,12 +29,16 @@ class Planned(Protocol):
 
 class Setting(Generic[T]):
     """A loader attribute that is a view of its plan: the argument as given, or (``resolved``)
-    as the plan resolved it. Setting it re-plans (see :meth:`LoaderPlan.replaced`)."""
+    as the plan resolved it; where that is None, what ``shown(loader)`` gives, if given (the
+    sampler torch's loader would have). Setting it re-plans (see :meth:`LoaderPlan.replaced`)."""
 
-    __slots__ = ("name", "resolved")
+    __slots__ = ("name", "resolved", "shown")
 
-    def __init__(self, *, resolved: bool = False) -> None:
+    def __init__(
+        self, *, resolved: bool = False, shown: Callable[[Any], object] | None = None
+    ) -> None:
         self.resolved = resolved
+        self.shown = shown
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -47,7 +52,10 @@ class Setting(Generic[T]):
         if loader is None:
             return self
         plan = loader._plan
-        return getattr(plan if self.resolved else plan.arguments, self.name)  # type: ignore[no-any-return]
+        value = getattr(plan if self.resolved else plan.arguments, self.name)
+        if value is None and self.shown is not None:
+            value = self.shown(loader)
+        return value  # type: ignore[no-any-return]
 
     def __set__(self, loader: Planned, value: T) -> None:
         loader._replan(self.name, value)

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import anyio
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._base.recorders import StageRecorder
@@ -25,7 +26,7 @@ def nbytes_of(sample: Any) -> int:
     counts 0."""
     if isinstance(sample, (bytes, bytearray)):
         return len(sample)
-    nbytes = getattr(sample, "nbytes", None)  # memoryviews, numpy arrays, torch tensors
+    nbytes = _nbytes_attr(sample)  # memoryviews, numpy arrays, torch tensors
     if isinstance(nbytes, int):
         return nbytes
     if isinstance(sample, str):
@@ -55,15 +56,37 @@ def nbytes_of_all(samples: list[Any]) -> int:
         return nbytes_of_all([v for s in samples for v in s.values()])
     if kind is list or kind is tuple:
         return nbytes_of_all([v for s in samples for v in s])
-    if isinstance(getattr(samples[0], "nbytes", None), int):
+    if isinstance(_nbytes_attr(samples[0]), int):
         try:
             total = sum(map(_NBYTES, samples))
-        except (AttributeError, TypeError):  # an nbytes that is not an int after all
+        except (AttributeError, TypeError, RuntimeError):  # not an int after all; sparse
             pass
         else:
             if isinstance(total, int):
                 return total
     return sum(map(nbytes_of, samples))
+
+
+def _nbytes_attr(sample: Any) -> object:
+    """``sample.nbytes``, None without one; a sparse tensor's (torch defines none for it: the
+    attribute raises) is its index and value tensors' (found by review: a sparse sample failed
+    its batch as it was counted)."""
+    try:
+        return getattr(sample, "nbytes", None)
+    except RuntimeError:
+        if not isinstance(sample, torch.Tensor):
+            raise
+    layout = sample.layout
+    parts: tuple[torch.Tensor, ...]
+    if layout == torch.sparse_coo:
+        parts = (sample._indices(), sample._values())
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (sample.crow_indices(), sample.col_indices(), sample.values())
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (sample.ccol_indices(), sample.row_indices(), sample.values())
+    else:
+        return 0
+    return sum(part.nbytes for part in parts)
 
 
 _NBYTES = operator.attrgetter("nbytes")

@@ -1,0 +1,103 @@
+"""torch's ``DataLoader`` and ours on what a review found different, running torch's and our
+loader on the same scripts: sparse samples, integral counts of other types than int, and the
+sampler and batch sampler torch shows where ours had none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+
+import aioloader
+
+LOADERS = [torch.utils.data.DataLoader, aioloader.DataLoader]
+
+
+class Sparse(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (torch.eye(3) * (index + 1)).to_sparse()
+
+
+def stacked(batch: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(batch)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"batch_size": None}, {"batch_size": 2, "collate_fn": stacked}],
+    ids=["unbatched", "collate_fn"],
+)
+def test_sparse_samples_come_as_torchs(kwargs: dict[str, Any]) -> None:
+    # counting a sparse sample's bytes raised: torch defines no nbytes for it
+    got = [[b.to_dense() for b in cls(Sparse(), **kwargs)] for cls in LOADERS]
+    assert len(got[0]) == len(got[1]) and all(map(torch.equal, *got))
+    assert next(iter(aioloader.DataLoader(Sparse(), **kwargs))).layout == torch.sparse_coo
+
+
+def test_a_coo_sample_is_counted_by_its_indices_and_values() -> None:
+    from aioloader._pipeline.flow import nbytes_of
+
+    coo = torch.eye(4).to_sparse()  # 2x4 int64 indices, 4 float32 values
+    assert nbytes_of(coo) == nbytes_of([coo]) == 2 * 4 * 8 + 4 * 4
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        {"num_workers": np.int64(2)},
+        {"num_workers": np.int64(0)},
+        {"num_workers": True},
+        {"num_workers": torch.tensor(1)},
+        {"num_workers": 1, "prefetch_factor": np.int32(4)},
+    ],
+    ids=["np-int64", "np-zero", "bool", "tensor", "prefetch-np"],
+)
+def test_integral_counts_of_other_types_are_taken_as_torchs(counts: dict[str, Any]) -> None:
+    # a NumPy integer from a config array was refused: "num_workers option should be
+    # non-negative", even for np.int64(0)
+    got = [[b.tolist() for b in cls(list(range(6)), batch_size=2, **counts)] for cls in LOADERS]
+    assert got[0] == got[1] == [[0, 1], [2, 3], [4, 5]]
+    assert type(aioloader.DataLoader([1], **counts).num_workers) is int
+
+
+def test_counts_that_are_not_integral_are_still_refused() -> None:
+    for bad in (2.0, np.float64(2), torch.tensor(2.0), "2"):
+        with pytest.raises(ValueError, match="num_workers option should be non-negative"):
+            aioloader.DataLoader([1], num_workers=bad)
+
+
+class Stream(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter(range(5))
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs"),
+    [
+        (lambda: list(range(5)), {"batch_sampler": [[0, 1], [2, 3, 4]]}),
+        (Stream, {"batch_size": 2}),
+        (Stream, {"batch_size": None}),
+        (lambda: list(range(5)), {"batch_size": 2, "shuffle": True}),
+    ],
+    ids=["batch_sampler", "stream", "stream-unbatched", "shuffled"],
+)
+def test_the_sampler_and_batch_sampler_are_torchs(make: Any, kwargs: dict[str, Any]) -> None:
+    # ours had None where torch has a SequentialSampler (a batch_sampler given) or its endless
+    # sampler (a stream): `len(loader.sampler)` failed
+    theirs, ours = (cls(make(), **kwargs) for cls in LOADERS)
+    for name in ("sampler", "batch_sampler"):
+        assert type(getattr(ours, name)).__name__ == type(getattr(theirs, name)).__name__, name
+        assert getattr(ours, name) is getattr(ours, name)  # the same object each time
+    if isinstance(ours.sampler, torch.utils.data.SequentialSampler):
+        assert len(ours.sampler) == len(theirs.sampler) == 5
+    if kwargs.get("batch_size") == 2 and isinstance(make(), Stream):
+        assert ours.batch_sampler.sampler is ours.sampler
+        with pytest.raises(TypeError):
+            len(ours)  # a stream without a length, as torch's
+        assert [b.tolist() for b in ours] == [[0, 1], [2, 3], [4]]
