@@ -11,7 +11,7 @@ event loop, no I/O, no threads.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from typing import Any
 
 import torch
@@ -70,8 +70,10 @@ def map_order(
             )
         elif shuffle:  # the dataset itself: its length is read each epoch, as torch's
             sampler = RandomSampler(dataset, seed=seed, generator=generator)
-        else:
+        elif isinstance(dataset, Sized):
             sampler = SequentialSampler(dataset)
+        else:  # torch's: its length asked for as it is used (a sampler given would not ask)
+            sampler = torch.utils.data.SequentialSampler(dataset)
     if batch_size is None:
         return sampler, None
     return sampler, torch.utils.data.BatchSampler(sampler, batch_size, drop_last)

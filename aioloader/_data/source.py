@@ -65,12 +65,16 @@ def classify(dataset: object) -> Kind:
         pass  # a sequence, but never meant as a dataset
     elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
         return Kind.BLOCKING_MAP
+    elif isinstance(dataset, torch.utils.data.Dataset):
+        # Without __len__, as torch's loader takes one: a sampler (or batch sampler) gives
+        # its indices, keys of any kind (found by review: it was refused)
+        return Kind.BLOCKING_MAP
     elif isinstance(dataset, Iterable):
         return Kind.BLOCKING_STREAM
     raise TypeError(
         "dataset must be an aioloader.AsyncDataset, an async iterable (an "
         "aioloader.AsyncIterableDataset, an object with __aiter__ or an async generator "
-        "function), a torch.utils.data.Dataset with __len__, a torch IterableDataset, or a "
+        "function), a torch.utils.data.Dataset, a torch IterableDataset, or a "
         f"sequence; got {type(dataset).__qualname__}"
     )
 

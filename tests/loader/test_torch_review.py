@@ -101,3 +101,82 @@ def test_the_sampler_and_batch_sampler_are_torchs(make: Any, kwargs: dict[str, A
         with pytest.raises(TypeError):
             len(ours)  # a stream without a length, as torch's
         assert [b.tolist() for b in ours] == [[0, 1], [2, 3], [4]]
+
+
+class Box:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def collate_boxes(batch: list[Box], *, collate_fn_map: Any = None) -> list[int]:
+    return [box.value for box in batch]
+
+
+def strings_as_tuple(batch: list[str], *, collate_fn_map: Any = None) -> tuple[str, ...]:
+    return tuple(batch)
+
+
+@pytest.fixture
+def registered() -> Any:
+    """A type registered in torch's ``default_collate_fn_map`` and its ``str`` rule replaced,
+    as torch documents extending ``default_collate``; the map restored after."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    saved = dict(default_collate_fn_map)
+    default_collate_fn_map[Box] = collate_boxes
+    default_collate_fn_map[str] = strings_as_tuple
+    try:
+        yield
+    finally:
+        default_collate_fn_map.clear()
+        default_collate_fn_map.update(saved)
+
+
+def test_types_registered_in_torchs_collate_map_are_collated_as_torchs(registered: Any) -> None:
+    # a registered type raised "cannot collate"; a replaced str rule was not used
+    samples = [{"box": Box(i), "name": f"n{i}", "x": torch.tensor([i])} for i in range(4)]
+    theirs, ours = ([b for b in cls(samples, batch_size=2)] for cls in LOADERS)
+    assert [b["box"] for b in ours] == [b["box"] for b in theirs] == [[0, 1], [2, 3]]
+    assert [b["name"] for b in ours] == [b["name"] for b in theirs] == [("n0", "n1"), ("n2", "n3")]
+    assert all(torch.equal(a["x"], b["x"]) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_without_registrations_the_default_collate_is_ours() -> None:
+    from aioloader._data.collate import _extended
+
+    assert not _extended()
+    with pytest.raises(TypeError, match=r"sample\['box'\]: cannot collate"):
+        aioloader.default_collate([{"box": Box(0)}, {"box": Box(1)}])
+
+
+class ByKey(torch.utils.data.Dataset[float]):
+    """A map-style dataset without ``__len__``: its keys come from a sampler."""
+
+    def __getitem__(self, key: Any) -> float:
+        return {"a": 1.0, "b": 2.0, "c": 3.0}[key] if isinstance(key, str) else float(key)
+
+
+def outcome(call: Any) -> Any:
+    try:
+        return call()
+    except Exception as exc:
+        return type(exc), str(exc)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"sampler": ["a", "c"], "batch_size": 2},
+        {"sampler": range(5), "batch_size": 2, "num_workers": 2},
+        {"batch_sampler": [[0, 1], [2]]},
+        {},
+    ],
+    ids=["keys", "workers", "batch_sampler", "no-sampler"],
+)
+def test_a_dataset_without_len_is_read_as_torchs(kwargs: dict[str, Any]) -> None:
+    # it was refused as the loader was built; without a sampler, torch's error comes as its
+    # length is asked for
+    theirs, ours = (cls(ByKey(), **kwargs) for cls in LOADERS)
+    assert outcome(lambda: len(ours)) == outcome(lambda: len(theirs))
+    read = [outcome(lambda dl=dl: [b.tolist() for b in dl]) for dl in (theirs, ours)]  # type: ignore[misc]
+    assert read[0] == read[1]
