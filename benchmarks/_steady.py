@@ -70,13 +70,14 @@ def rounds(
 def table(
     results: dict[str, list[dict[str, Any]]],
     extra: tuple[str, Callable[[list[dict[str, Any]]], str]] | None = None,
+    peer: Callable[[str], str] = lambda config: "torch",
 ) -> None:
-    """Each config's median rate and CPU per batch, and their ratios to the ``torch`` row's;
-    ``extra``: a column's header and what it shows of a config's rows."""
-    base = results.get("torch")
-    head = f"{'config':<15} {'samples/s':>10} {'x torch':>8} {'CPU ms/batch':>13} {'x torch':>8}"
+    """Each config's median rate and CPU per batch, and their ratios to its ``peer`` row's
+    (default ``torch``); ``extra``: a column's header and what it shows of a config's rows."""
+    head = f"{'config':<15} {'samples/s':>10} {'x peer':>8} {'CPU ms/batch':>13} {'x peer':>8}"
     print(f"\n{head}{'' if extra is None else f' {extra[0]:>8}'}")
     for config, rows in results.items():
+        base = results.get(peer(config))
         rate = statistics.median(r["rate"] for r in rows)
         cpu = statistics.median(r["cpu_ms"] for r in rows)
         ratios = ("", "")

@@ -12,7 +12,11 @@ GIL, has read the reply, it waits that long. Each configuration runs in a fresh 
 rounds interleaved:
 
 * ``torch``: ``torch.utils.data.DataLoader``, persistent workers;
-* ``aio-swapped``: the same code with ``aioloader.DataLoader``.
+* ``aio-swapped``: the same code with ``aioloader.DataLoader``;
+* ``torch-files``: torch's loader over the same JPEGs written to a folder, a torch ``Dataset``
+  that opens and reads file ``i`` in ``__getitem__`` (issue 25's ``ImageFolder``);
+* ``aio-files``: ``aioloader.sources.files(folder, suffix=".jpg", with_keys=True)`` with the
+  decode as its ``transform`` (the workers read the files: only indices cross the pipe).
 
 Reported: the steady rate and the main process's CPU per batch (medians of epochs 2 on), and
 the ratios to torch's.
@@ -26,12 +30,13 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
 from _steady import rounds, steady, table
 
-CONFIGS = ("torch", "aio-swapped")
+CONFIGS = ("torch", "aio-swapped", "torch-files", "aio-files")
 
 
 def busy(ms: float) -> None:
@@ -43,17 +48,34 @@ def busy(ms: float) -> None:
 
 def child(config: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
+    from _jpeg_folder import FolderJpegs, decode_keyed, write_jpeg_folder
 
     import aioloader
     from aioloader._bench.cpu_data import DropinJpegDataset, make_jpeg
 
     torch.set_num_threads(1)
-    dataset = DropinJpegDataset([make_jpeg(k)[0] for k in range(128)], args.images)
-    make = torch.utils.data.DataLoader if config == "torch" else aioloader.DataLoader
-    loader = make(
-        dataset, batch_size=args.batch_size, num_workers=args.workers, persistent_workers=True
-    )
-    return steady(loader, args.epochs, lambda batch: len(batch[0]), lambda _: busy(args.step_ms))
+    common: dict[str, Any] = {
+        "batch_size": args.batch_size,
+        "num_workers": args.workers,
+        "persistent_workers": True,
+    }
+    with tempfile.TemporaryDirectory(prefix="busy-loop-") as root:
+        loader: Any
+        if config == "aio-files":
+            write_jpeg_folder(root, args.images)
+            source = aioloader.sources.files(root, suffix=".jpg", with_keys=True)
+            loader = aioloader.DataLoader(source, transform=decode_keyed, **common)
+        elif config == "torch-files":
+            loader = torch.utils.data.DataLoader(
+                FolderJpegs(write_jpeg_folder(root, args.images)), **common
+            )
+        else:
+            dataset = DropinJpegDataset([make_jpeg(k)[0] for k in range(128)], args.images)
+            make = torch.utils.data.DataLoader if config == "torch" else aioloader.DataLoader
+            loader = make(dataset, **common)
+        return steady(
+            loader, args.epochs, lambda batch: len(batch[0]), lambda _: busy(args.step_ms)
+        )
 
 
 def main() -> int:
@@ -64,6 +86,7 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, default=2.0)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", nargs="+", choices=CONFIGS, default=CONFIGS, help="configs")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -82,7 +105,8 @@ def main() -> int:
             "--step-ms", str(args.step_ms), "--epochs", str(args.epochs),
         ]  # fmt: skip
 
-    table(rounds(CONFIGS, args.rounds, command))
+    peer = {"aio-swapped": "torch", "aio-files": "torch-files"}
+    table(rounds(args.only, args.rounds, command), peer=lambda config: peer.get(config, "torch"))
     return 0
 
 

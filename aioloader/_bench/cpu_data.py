@@ -207,15 +207,18 @@ class DropinJpegDataset(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
         return self.items
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        payload = self.payloads[index % len(self.payloads)]
-        with Image.open(io.BytesIO(payload)) as image:
-            rgb = image.convert("RGB")
-        box = random_resized_crop_box(*rgb.size)
-        crop = rgb.resize((JPEG_CROP, JPEG_CROP), Image.Resampling.BILINEAR, box=box)
-        if random.random() < 0.5:
-            crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        chw = torch.from_numpy(np.array(crop)).permute(2, 0, 1).contiguous()
-        return chw, index
+        return jpeg_crop(self.payloads[index % len(self.payloads)]), index
+
+
+def jpeg_crop(payload: bytes) -> torch.Tensor:
+    """dropin-jpeg's sample: ``payload`` decoded, cropped, flipped (see the dataset)."""
+    with Image.open(io.BytesIO(payload)) as image:
+        rgb = image.convert("RGB")
+    box = random_resized_crop_box(*rgb.size)
+    crop = rgb.resize((JPEG_CROP, JPEG_CROP), Image.Resampling.BILINEAR, box=box)
+    if random.random() < 0.5:
+        crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.array(crop)).permute(2, 0, 1).contiguous()
 
 
 # -- the data, made at start-up ----------------------------------------------------------------
