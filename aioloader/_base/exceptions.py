@@ -14,7 +14,8 @@ Hierarchy::
           ├── LoaderTimeout           (also TimeoutError, RuntimeError) no batch within `timeout`
           ├── WorkerCrashed           (also RuntimeError) a worker process died mid-job
           ├── RemoteError             (also RuntimeError) a worker's exception that could not be
-                                      pickled (torch raises RuntimeError for one it cannot rebuild)
+          │    │                      pickled (torch raises RuntimeError for one it cannot rebuild)
+          │    └── StopInWorker       a worker's StopIteration (a plain ``for`` ends there)
           ├── Overloaded              (also RuntimeError) a batcher's queue is full: request refused
           └── StrayCancellation       (also RuntimeError) user code raised CancelledError while
                                       nothing cancelled the loader or batcher
@@ -132,6 +133,25 @@ class RemoteError(AioLoaderError, RuntimeError):
     """Stands for an exception raised in a worker process that could not be pickled back: its
     message is the original type's qualified name and message, and its notes carry the
     original's notes and the worker's traceback."""
+
+
+class StopInWorker(RemoteError):
+    """A dataset's ``__getitem__`` (or a transform) raised ``StopIteration`` in a worker
+    process: raised on as it is, a coroutine would make it PEP 479's bare RuntimeError. A
+    plain ``for`` ends there, as torch's loop does (its worker passes the StopIteration back
+    and its iterator raises it); ``async for`` raises this (``__cause__``: the original)."""
+
+
+def worker_error(value: BaseException) -> BaseException:
+    """What to raise for a worker's failed job: its exception, but a ``StopIteration`` as a
+    :class:`StopInWorker` raised from it (found by review: "coroutine raised StopIteration")."""
+    if not isinstance(value, StopIteration):
+        return value
+    error = StopInWorker(f"StopIteration raised in a worker process: {value}")
+    for note in getattr(value, "__notes__", ()):
+        error.add_note(note)
+    error.__cause__ = value
+    return error
 
 
 class Overloaded(AioLoaderError, RuntimeError):

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from .._base.exceptions import LoaderStateError
+from .._base.exceptions import LoaderStateError, StopInWorker
 from .._device.stage import hand_out
 from .session import Session, SessionLoader, close_from_anywhere
 
@@ -181,8 +181,8 @@ class PlainIterator(Generic[T_Batch]):
                 if not ok:
                     raise got
             self._epoch.took(got)  # this thread is the consumer: it has it now
-            if got.error is not None:
-                raise got.error
+            if got.error is not None:  # (a dataset's StopIteration ends the loop, as torch's)
+                raise StopIteration if isinstance(got.error, StopInWorker) else got.error
         except StopAsyncIteration:
             # `got` is the end raised above, whose traceback holds this frame: a cycle that
             # would keep the iterator, and a dropped loader's persistent workers, until the

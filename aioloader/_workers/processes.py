@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from .._base.exceptions import WorkerCrashed, first_leaf
+from .._base.exceptions import WorkerCrashed, first_leaf, worker_error
 from .._base.recorders import WorkerRecorder
 from . import fdpass
 from .children import exits, hang_up, remove_left_segments
@@ -258,7 +258,7 @@ class ProcessWorkers:
                 LEDGER.requeue(worker.pid, out.freed or [])
             if not ok:
                 try:
-                    raise value
+                    raise worker_error(value)
                 finally:  # no reference cycle through this frame
                     del value
             return value  # type: ignore[no-any-return]

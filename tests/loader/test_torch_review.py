@@ -180,3 +180,33 @@ def test_a_dataset_without_len_is_read_as_torchs(kwargs: dict[str, Any]) -> None
     assert outcome(lambda: len(ours)) == outcome(lambda: len(theirs))
     read = [outcome(lambda dl=dl: [b.tolist() for b in dl]) for dl in (theirs, ours)]  # type: ignore[misc]
     assert read[0] == read[1]
+
+
+class StopsAt2(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        if index == 2:
+            raise StopIteration  # a way some datasets end an epoch early
+        return index
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_stop_iteration_in_getitem_ends_the_loop_as_torchs(workers: int) -> None:
+    # with workers it came as PEP 479's "coroutine raised StopIteration" RuntimeError
+    got = [[b.tolist() for b in cls(StopsAt2(), num_workers=workers)] for cls in LOADERS]
+    assert got[0] == got[1] == [[0], [1]]
+
+
+async def test_async_for_names_a_stop_iteration_in_a_worker() -> None:
+    from aioloader._base.exceptions import StopInWorker
+
+    loader = aioloader.DataLoader(StopsAt2(), num_workers=1)
+    seen: list[int] = []
+    with pytest.raises(StopInWorker) as info:
+        async with loader:
+            async for batch in loader:
+                seen.append(int(batch))
+    assert seen == [0, 1] and isinstance(info.value.__cause__, StopIteration)
+    assert isinstance(info.value, RuntimeError) and "sample 2" in "\n".join(info.value.__notes__)
