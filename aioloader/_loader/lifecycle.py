@@ -81,7 +81,7 @@ class PersistentIterator:
 
 
 # What runs, not what a loader is: a copy of the loader has its own (``__getstate__``).
-_RUNNING = ("_state", "_session", "_plain", "_stopped_at", "_iterating")
+_RUNNING = ("_state", "_session", "_plain", "_stopped_at", "_iterating", "_torch_order")
 
 
 class ScopeLifecycle:
