@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import aioloader
 from aioloader._serving.alike import collate_alike
@@ -170,3 +172,32 @@ async def test_closing_from_a_task_already_cancelled_returns(on_exit: str) -> No
     with pytest.raises(asyncio.CancelledError):
         await task
     assert log == ["after the batcher", "torn down"]
+
+
+LEAVES = st.sampled_from(
+    [torch.ones(1), torch.ones(1, dtype=torch.float64), np.ones(1, np.int32), np.int64(1), 1, 1.5]
+)
+SAMPLES = st.recursive(
+    LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.sampled_from("ab"), inner, max_size=2)
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(SAMPLES, SAMPLES)
+def test_the_quick_walk_sees_every_difference_the_named_one_finds(a: Any, b: Any) -> None:
+    from aioloader._serving.alike import _differs, _kinds
+
+    kinds_a: list[object] = []
+    kinds_b: list[object] = []
+    _kinds(a, kinds_a)
+    _kinds(b, kinds_b)
+    if _differs(a, b, "") is not None:
+        assert kinds_a != kinds_b
+    if kinds_a == kinds_b:
+        assert _differs(a, b, "") is None
