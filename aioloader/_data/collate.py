@@ -29,11 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.data
-from torch.utils.data._utils.collate import default_collate_fn_map as collate_fn_map
 
 from .._workers.pack import shared_storage
 from .._workers.worker import get_worker_info
+from . import collatemap
 
 __all__ = ["default_collate"]
 
@@ -104,25 +103,8 @@ def default_collate(batch: Sequence[Any]) -> Any:
             position have different shapes (the message names the path and both shapes).
         KeyError: If a mapping in a later sample lacks a key of the first sample's mapping.
     """
-    if _extended():  # torch's extension point: its rules, with the user's functions
-        return torch.utils.data.default_collate(list(batch))
+    collatemap.refresh()  # the user's functions in torch's map, if any
     return _collate(_as_batch(batch), _ROOT)
-
-
-_TORCH_COLLATE = "torch.utils.data._utils.collate"
-_TORCH_KEYS = frozenset({torch.Tensor, np.ndarray, (np.bool_, np.number, np.object_), float, int})
-_TORCH_KEYS |= {str, bytes}
-
-
-def _extended() -> bool:
-    """Whether torch's ``default_collate_fn_map`` holds a function of the user's (a type
-    registered, or one of torch's replaced): torch documents it as the way to extend
-    ``default_collate``, and its loader's ``collate_fn=None`` follows it (found by review: a
-    registered type could not be collated, a replaced ``str`` rule was not used)."""
-    for key, fn in collate_fn_map.items():
-        if key not in _TORCH_KEYS or getattr(fn, "__module__", None) != _TORCH_COLLATE:
-            return True
-    return False
 
 
 def _as_batch(batch: Any) -> Sequence[Any]:
@@ -144,6 +126,8 @@ def _as_batch(batch: Any) -> Sequence[Any]:
 def _collate(batch: Sequence[Any], path: str) -> Any:
     """Collate ``batch`` (non-empty), whose elements all sit at ``path`` in their samples."""
     elem = batch[0]
+    if collatemap.registered and (fn := collatemap.function_for(elem)) is not None:
+        return fn(batch, collate_fn_map=collatemap.collate_fn_map)
     if isinstance(elem, torch.Tensor):
         return _collate_tensors(batch, path)
     if isinstance(elem, np.ndarray):

@@ -205,6 +205,14 @@ class BatchRunner:
             if on_split is not None:
                 on_split(len(items), split.__cause__ or split)
             whole, half = whole or len(items), len(items) // 2
+            groups = getattr(split.__cause__, "groups", None)  # alike.MixedDtypes: its parts
+            if isinstance(groups, list) and len(groups) > 1:
+                outcomes: list[Outcome] = [(False, None)] * len(items)
+                for group in groups:
+                    part = await self.run_each([items[i] for i in group], seq, whole, on_split)
+                    for position, outcome in zip(group, part, strict=True):
+                        outcomes[position] = outcome
+                return outcomes
             first = await self.run_each(items[:half], seq, whole, on_split)
             return first + await self.run_each(items[half:], seq, whole, on_split)
         except Exception as exc:

@@ -14,6 +14,7 @@ event loop, and workers get bytes, never clients.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fnmatch
 import os
 import re
@@ -311,6 +312,11 @@ def objects(
     """A map-style dataset of the objects under ``url`` (``s3://bucket/prefix/``, ``gs://``,
     ``az://``, ``file:///``, ``memory://``), listed once, now.
 
+    Folder markers (zero-byte keys ending with ``/``, which the listing gives without it) are
+    left out: the prefix's own, and one with keys under it. Without ``suffix`` or ``glob``, a
+    zero-byte key with none under it is asked for (32 requests at once) and left out if it is
+    not there; with a filter, one the filter keeps is a file.
+
     Args:
         url: The store and prefix. Credentials, region and endpoint come from ``config`` or the
             usual environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...).
@@ -354,8 +360,13 @@ def objects(
         listing_failed(exc, redact_store_url(url))
         raise
     markers, unsure = folder_markers(everything)
-    asked = (path for path in unsure if wanted(path, suffixes, glob))
-    markers.update(path for path in asked if missing(store, path, url))
+    # A filter picks files: a zero-byte one it keeps is a file (empty labels, _SUCCESS), not
+    # asked for; without one, each is asked for, 32 at once (found by review: 2,000 empty
+    # label files cost 2,000 requests one after another)
+    if not suffixes and glob is None and unsure:
+        with concurrent.futures.ThreadPoolExecutor(min(32, len(unsure))) as pool:
+            gone = pool.map(lambda path: missing(store, path, url), unsure)
+            markers.update(path for path, absent in zip(unsure, gone, strict=True) if absent)
     listed = [
         (path, size)
         for path, size in everything

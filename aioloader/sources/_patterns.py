@@ -11,7 +11,7 @@ Never: touches the file system or a store.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import PurePosixPath
 
 __all__ = ["check_key_filters", "check_pattern", "check_suffix"]
@@ -73,20 +73,21 @@ def check_key_filters(
     return suffixes, glob
 
 
-def _suffixes(suffix: str | Sequence[str]) -> tuple[str, ...]:
-    """``suffix`` as a non-empty tuple of str.
+def _suffixes(suffix: str | Iterable[str]) -> tuple[str, ...]:
+    """``suffix`` as a non-empty tuple of str (a set's in its iteration order: any matches).
 
     Raises:
-        TypeError: It is not a str or a sequence of str (bytes are not).
-        ValueError: The sequence is empty.
+        TypeError: It is not a str or an iterable of str (bytes are not).
+        ValueError: The iterable is empty.
     """
-    items: object = (suffix,) if isinstance(suffix, str) else suffix
-    if (
-        not isinstance(items, Sequence)
-        or isinstance(items, bytes | bytearray)
-        or not all(isinstance(s, str) for s in items)
-    ):
+    if isinstance(suffix, str):
+        return (suffix,)
+    given: object = suffix
+    if not isinstance(given, Iterable) or isinstance(given, bytes | bytearray):
+        raise TypeError(f"suffix must be a str or a sequence of str, got {suffix!r}")
+    items = tuple(given)
+    if not all(isinstance(s, str) for s in items):
         raise TypeError(f"suffix must be a str or a sequence of str, got {suffix!r}")
     if not items:
         raise ValueError("suffix must name at least one suffix (None keeps every name)")
-    return tuple(items)
+    return items

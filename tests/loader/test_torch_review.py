@@ -4,6 +4,7 @@ sampler and batch sampler torch shows where ours had none."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -142,11 +143,26 @@ def test_types_registered_in_torchs_collate_map_are_collated_as_torchs(registere
 
 
 def test_without_registrations_the_default_collate_is_ours() -> None:
-    from aioloader._data.collate import _extended
+    from aioloader._data import collatemap
 
-    assert not _extended()
+    collatemap.refresh()
+    assert collatemap.registered == {}
     with pytest.raises(TypeError, match=r"sample\['box'\]: cannot collate"):
         aioloader.default_collate([{"box": Box(0)}, {"box": Box(1)}])
+
+
+@dataclasses.dataclass
+class Point:
+    x: torch.Tensor
+    box: Box
+
+
+def test_a_registration_keeps_our_dataclass_collation(registered: Any) -> None:
+    # the first fix handed every batch to torch's collate once anything was registered, and
+    # torch refuses dataclasses (our documented extension)
+    batch = aioloader.default_collate([Point(torch.tensor([i]), Box(i)) for i in range(3)])
+    assert isinstance(batch, Point) and batch.box == [0, 1, 2]
+    assert torch.equal(batch.x, torch.tensor([[0], [1], [2]]))
 
 
 class ByKey(torch.utils.data.Dataset[float]):

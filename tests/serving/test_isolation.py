@@ -201,3 +201,24 @@ def test_the_quick_walk_sees_every_difference_the_named_one_finds(a: Any, b: Any
         assert kinds_a != kinds_b
     if kinds_a == kinds_b:
         assert _differs(a, b, "") is None
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+async def test_interleaved_dtypes_run_as_one_part_each(workers: int) -> None:
+    # split in halves, alternating float32 and float64 requests ran one model call each
+    calls: list[torch.dtype] = []
+
+    def model(batch: torch.Tensor) -> torch.Tensor:
+        calls.append(batch.dtype)
+        return scaled(batch)
+
+    dtypes = [torch.float32, torch.float64] * 8
+    items: list[Any] = [torch.randn(4, dtype=dtype) for dtype in dtypes]
+    batcher = aioloader.DynamicBatcher(
+        model, max_batch_size=16, max_delay=60.0, num_workers=workers
+    )
+    async with batcher:
+        got = await gather_outcomes(batcher, items)
+    assert sorted(calls, key=str) == [torch.float32, torch.float64]
+    for item, out in zip(items, got, strict=True):
+        assert out.dtype == item.dtype and torch.equal(out, scaled(item[None])[0])

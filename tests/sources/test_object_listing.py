@@ -50,6 +50,12 @@ async def test_objects_leave_folder_markers_out_and_keep_an_empty_object(
 ) -> None:
     ds = aioloader.sources.objects(markers_bucket["url"], with_keys=True, **options(markers_bucket))
     assert sorted(ds.source.keys) == sorted(SAMPLES)
+    # with a filter, a zero-byte key it keeps is a file, not asked for (a marker's name rarely
+    # ends with a file's suffix; empty label files are common)
+    filtered = aioloader.sources.objects(
+        markers_bucket["url"], suffix=".bin", **options(markers_bucket)
+    )
+    assert sorted(filtered.keys) == sorted(SAMPLES)
     async with aioloader.DataLoader(ds, batch_size=3, collate_fn=list) as loader:
         got = dict([item async for batch in loader for item in batch])
     assert sorted(got) == sorted(SAMPLES) and got["zero.bin"] == b"" and got["sub/a.bin"] == b"abc"
@@ -117,6 +123,14 @@ def test_suffix_and_glob_are_checked_before_anything_is_listed(
 def test_files_suffix_of_the_wrong_type_is_named(tmp_path: Any) -> None:
     with pytest.raises(TypeError, match="suffix must be a str or a sequence of str, got 5"):
         aioloader.sources.files(tmp_path, suffix=5)  # type: ignore[arg-type]
+
+
+def test_a_set_of_suffixes_is_taken_as_before(tmp_path: Any) -> None:
+    # the first check took a Sequence only, and refused the set that worked before
+    for name in ("a.jpg", "b.png", "c.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert len(aioloader.sources.files(tmp_path, suffix={".jpg", ".png"})) == 2
+    assert len(aioloader.sources.objects(f"file://{tmp_path}/", suffix=frozenset({".txt"}))) == 1
 
 
 async def test_a_missing_object_is_not_said_to_be_a_missing_bucket(
