@@ -136,8 +136,9 @@ class RemoteError(AioLoaderError, RuntimeError):
 
 
 class StopInWorker(RemoteError):
-    """A dataset's ``__getitem__`` (or a transform) raised ``StopIteration`` in a worker
-    process: raised on as it is, a coroutine would make it PEP 479's bare RuntimeError. A
+    """A dataset's ``__getitem__`` raised ``StopIteration`` where the loader reads it (a worker
+    process, a thread): raised on as it is, a coroutine would make it PEP 479's bare
+    RuntimeError. A
     plain ``for`` ends there, as torch's loop does (its worker passes the StopIteration back
     and its iterator raises it); ``async for`` raises this (``__cause__``: the original)."""
 
@@ -147,7 +148,7 @@ def worker_error(value: BaseException) -> BaseException:
     :class:`StopInWorker` raised from it (found by review: "coroutine raised StopIteration")."""
     if not isinstance(value, StopIteration):
         return value
-    error = StopInWorker(f"StopIteration raised in a worker process: {value}")
+    error = StopInWorker(f"the dataset raised StopIteration: {value}")
     for note in getattr(value, "__notes__", ()):
         error.add_note(note)
     error.__cause__ = value

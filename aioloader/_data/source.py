@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.utils.data
 
-from .._base.exceptions import annotate
+from .._base.exceptions import annotate, worker_error
 from .._workers.offload import ThreadOffload
 from .dataset import AsyncDataset, AsyncIterableDataset
 from .streams import AsyncStream, BlockingStream, StreamSource
@@ -185,6 +185,8 @@ class _BlockingMap(MapSource):
     def _read(self, index: int) -> Any:
         try:
             return self._dataset[index]
+        except StopIteration as stop:  # (a coroutine would make it PEP 479's RuntimeError)
+            raise annotate(worker_error(stop), "fetch", index=index) from stop
         except Exception as exc:
             annotate(exc, "fetch", index=index)
             raise
@@ -195,6 +197,8 @@ class _BlockingMap(MapSource):
             dataset, index = self._dataset, None
             try:  # one try for the slice: a sample costs what its read costs
                 return [dataset[(index := i)] for i in indices]
+            except StopIteration as stop:  # ends a plain `for`, as torch's (see _read)
+                raise annotate(worker_error(stop), "fetch", index=index) from stop
             except Exception as exc:
                 annotate(exc, "fetch", index=index)
                 raise
