@@ -282,8 +282,7 @@ class EpochIterator(Generic[T_Batch]):
             got = self._after(await demand.anext(), now)
             if got is not None:
                 return got
-        running = self._running
-        if running is None or running.closed:
+        if (running := self._running) is None or running.closed:
             raise StopAsyncIteration  # stopped meanwhile (by a newer epoch, or the scope)
         recv = running.recv if running.recv is not None else await self._start_stages()
         stats = self._state.stats.consumer
@@ -306,6 +305,8 @@ class EpochIterator(Generic[T_Batch]):
                     item = await recv.receive()
         except anyio.EndOfStream:
             pass
+        except anyio.ClosedResourceError:  # closed by a newer epoch (another thread's iter())
+            raise StopAsyncIteration from None
         except TimeoutError:
             raise LoaderTimeout(f"DataLoader timed out after {timeout} seconds") from None
         finally:

@@ -33,6 +33,7 @@ from .descriptors import out_of_descriptors
 from .environ import ParentEnviron, environ_now
 from .mainmodule import workers_main
 from .queued import Turn
+from .rankinfo import main_rank
 from .serverstart import prepare_forkserver
 from .startonce import OnceStart, StartArguments
 from .template import Template, TemplateWorker, remember_refusal, template_why_not
@@ -199,6 +200,7 @@ class Starts:
                     template.start_args if template else _unreceived(start),
                     torch.multiprocessing.get_sharing_strategy(),  # type: ignore[no-untyped-call]
                     held,
+                    main_rank(),
                 ),
                 name=f"aioloader-worker-{worker_id}",
                 daemon=True,  # a last resort only: the pool stops every worker deterministically

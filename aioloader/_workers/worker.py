@@ -42,6 +42,7 @@ from .environ import ParentEnviron
 from .fdpass import Passing
 from .hangup import quiet_once_main_is_gone
 from .pack import pack_tensors
+from .rankinfo import stand_in
 from .result import JobResult
 from .startonce import Unreceived
 
@@ -239,6 +240,7 @@ def worker_main(
     start: tuple[Callable[[int], object] | None, Any] | Unreceived,
     sharing_strategy: str | None = None,
     forked: frozenset[int] | None = None,
+    ranked: tuple[int, int] | None = None,
 ) -> None:
     """Run in a worker process: set up, then serve jobs until the main process closes the pipe.
 
@@ -259,6 +261,8 @@ def worker_main(
     it by closing the pipe), so an interrupted script prints one traceback, not one per worker.
     ``forked``: the worker is a fork of the main process, which blocked these signals as it
     forked; the worker drops the main process's handlers, then unblocks them.
+    ``ranked``: the main process's ``(rank, world_size)`` where it has a process group, which
+    ``torch.distributed`` answers with here (``rankinfo.py``).
     """
     if forked is not None:
         _drop_inherited_signal_handlers()
@@ -270,6 +274,8 @@ def worker_main(
     quiet_once_main_is_gone()
     if sharing_strategy is not None:
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)  # type: ignore[no-untyped-call]
+    if ranked is not None:
+        stand_in(*ranked)
     try:
         # A pickle of them for every worker starting now, or this worker's own (unpickled)
         given = _received(start, worker_id, conn) if isinstance(start, Unreceived) else start

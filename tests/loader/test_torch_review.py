@@ -5,6 +5,7 @@ sampler and batch sampler torch shows where ours had none."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 import torch.utils.data
 
 import aioloader
+from tests.support.torchrun import ROOT, torchrun
 
 LOADERS = [torch.utils.data.DataLoader, aioloader.DataLoader]
 
@@ -231,3 +233,17 @@ async def test_async_for_names_a_stop_iteration_in_a_worker() -> None:
                 seen.append(int(batch))
     assert seen == [0, 1] and "raised StopIteration" in str(info.value)
     assert isinstance(info.value, RuntimeError) and "sample 2" in "\n".join(info.value.__notes__)
+
+
+def test_workers_know_the_rank_of_the_training_processs_group(tmp_path: Any) -> None:
+    """Under torchrun, an ``IterableDataset`` that shards by ``dist.get_rank()`` in a worker
+    (webdataset's ``split_by_node``) read everything on every rank, and a ``worker_init_fn``
+    that seeds by rank failed: our workers are forks of a server made before the group was
+    (``_workers/rankinfo.py``). ``RANK`` is taken out of the job's environment, as Lightning's
+    launcher sets none."""
+    output = torchrun(2, ROOT / "tests/support/ddp_rank_job.py", cwd=tmp_path, timeout=120)
+    rows = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert sorted(row["rank"] for row in rows) == [0, 1], output
+    for row in rows:
+        mine = list(range(row["rank"], 8, 2))
+        assert row["ours"] == row["torch"] == [mine[:2], mine[2:]], row

@@ -163,6 +163,34 @@ def test_two_threads_iterating_one_loader_end_one_epoch_cleanly(workers: int) ->
     assert len(errors) <= 1 and all(isinstance(e, aioloader.LoaderStateError) for e in errors)
 
 
+def test_threads_iterating_one_loader_with_persistent_workers_stop_as_on_one_thread() -> None:
+    """With persistent workers a later ``iter()`` ends the earlier one's epoch quietly, as on
+    one thread (torch's persistent iterator is reset; torch hangs here). From three threads,
+    a ``next()`` waiting as another thread began its epoch got anyio's
+    ``ClosedResourceError`` (found by review)."""
+    dl = aioloader.DataLoader(MAP, batch_size=2, num_workers=2, persistent_workers=True)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        for _ in range(5):  # bounded: 5 epochs of at most 10 batches
+            try:
+                for _ in dl:
+                    pass
+            except Exception as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        dl.close()
+    assert errors == []
+
+
 def test_a_first_iterator_that_had_every_batch_stops_as_torchs() -> None:
     """A framework that iterates by ``len(loader)`` (Lightning) never sees the end: its next
     epoch's ``iter()`` comes first. Nothing of the first was left, and it stops quietly."""
