@@ -103,16 +103,17 @@ class RandomSampler(torch_data.RandomSampler):
         length: The dataset length, or the dataset itself (its length is read each epoch).
         replacement: Draw indices with replacement (torch's meaning).
         num_samples: Indices an epoch yields; None for the dataset's length.
-        generator: Used once, to draw the base seed when ``seed`` is None, as the first
-            order is drawn (or ``seed`` first read), as torch's draws its order at iteration.
-            If both are None, the base seed is drawn from torch's default generator then, so
-            ``torch.manual_seed`` called before the first epoch makes runs repeatable.
+        generator: Without ``seed``, each order is drawn from it, as torch's
+            ``RandomSampler`` draws (the loader saves its state as an epoch begins, and a
+            resume sets it back). If both are None, the base seed is drawn from torch's
+            default generator at the first order, so ``torch.manual_seed`` called before the
+            first epoch makes runs repeatable.
         seed: The base seed. If given, ``generator`` is ignored.
 
-    The ``generator`` attribute keeps torch's meaning: it reads None until one is assigned,
-    and once one is (as accelerate does, keeping every rank's generator in step), each later
-    iteration draws its order from it, as torch's ``RandomSampler`` does, and the seed and
-    epoch no longer decide it.
+    The ``generator`` attribute keeps torch's meaning: the generator given (without a seed)
+    or assigned, else None; once one is assigned (as accelerate does to a sampler without
+    one, keeping every rank's in step), each later iteration draws its order from it, and the
+    seed and epoch no longer decide it.
 
     Raises:
         TypeError: If ``length`` or ``seed`` is not an int, ``generator`` is not a
@@ -152,7 +153,10 @@ class RandomSampler(torch_data.RandomSampler):
         self.data_source = _data_source(self._length)
         self.replacement = replacement
         self._num_samples = num_samples
-        self._drawn_from: torch.Generator | None = None
+        # A generator given, without a seed, draws each order as torch's does (its state at
+        # an epoch's start replays it), and reads back: accelerate, which gives a sampler that
+        # has none a generator of its own, keeps the user's (found by review)
+        self._drawn_from: torch.Generator | None = generator if seed is None else None
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -170,8 +174,9 @@ class RandomSampler(torch_data.RandomSampler):
     def seed(self) -> int:
         """The base seed that, with the epoch, determines the order (drawn at its first use
         when none was given)."""
-        if self._seed is None:
-            self._seed = draw_seed(self._seed_from)
+        if self._seed is None:  # (none drawn from a generator its orders are drawn from)
+            drawing = self._drawn_from is not None and self._drawn_from is self._seed_from
+            self._seed = 0 if drawing else draw_seed(self._seed_from)
         return self._seed
 
     @property

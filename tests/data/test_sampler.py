@@ -158,11 +158,13 @@ def test_random_generator_respected(gen_seed: int) -> None:
     assert c.seed == a.seed
 
 
-def test_random_generator_draw_advances() -> None:
-    generator = torch.Generator().manual_seed(1)
-    assert (
-        RandomSampler(10, generator=generator).seed != RandomSampler(10, generator=generator).seed
-    )
+def test_a_generator_given_draws_each_order_as_torchs() -> None:
+    # (it used to draw a base seed only; accelerate then replaced the generator, which read
+    # None, with its own)
+    ours = RandomSampler(10, generator=torch.Generator().manual_seed(1))
+    theirs = torch.utils.data.RandomSampler(range(10), generator=torch.Generator().manual_seed(1))
+    assert [list(ours) for _ in range(3)] == [list(theirs) for _ in range(3)]
+    assert ours.generator is not None and ours.seed == 0  # no seed drawn: it decides nothing
 
 
 def test_random_seed_wins_over_generator() -> None:

@@ -9,6 +9,7 @@ checks them in combination, where a rule of one argument meets another's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
 import warnings
@@ -275,8 +276,8 @@ def made_with_seed_7(make: Callable[[], Any], warned: list[str]) -> tuple[str, A
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
         made = outcome(make, warned)
-        if made[0] == "ok" and own_shuffle(made[1]):
-            assert isinstance(made[1].sampler.seed, int)
+        if made[0] == "ok" and own_shuffle(made[1]) and made[1].sampler.generator is None:
+            assert isinstance(made[1].sampler.seed, int)  # (given a generator, none drawn)
     return made
 
 
@@ -296,9 +297,11 @@ def test_every_combination_of_arguments_behaves_as_torchs(
     made_ours = made_with_seed_7(
         lambda: aioloader.DataLoader(dataset(), **kwargs, **stateful()), warned_ours
     )
-    if made_ours[0] == "ok" and made_torch[0] == "ok" and own_shuffle(made_ours[1]):
+    drawn = made_ours[0] == "ok" and own_shuffle(made_ours[1]) and made_ours[1].sampler.generator
+    if made_ours[0] == "ok" and made_torch[0] == "ok" and own_shuffle(made_ours[1]) and not drawn:
         # Our shuffled order is ours (a seed per epoch, so that it resumes), not torch's:
-        # torch's loader replays it, as our sampler gives it for each epoch.
+        # torch's loader replays it, as our sampler gives it for each epoch. (Given a
+        # generator, ours draws as torch's, from it.)
         orders = []
         for epoch in range(2):
             sampler = aioloader.RandomSampler(
@@ -314,7 +317,9 @@ def test_every_combination_of_arguments_behaves_as_torchs(
         return
     event(f"iterated, num_workers={kwargs.get('num_workers', 0)}")
     theirs, ours = made_torch[1], made_ours[1]
-    with ours:
+    # One scope for both epochs (ours: torch has none), but where the order is drawn from the
+    # generator: torch draws its workers' seed from it at each iterator, ours at each scope
+    with contextlib.nullcontext() if drawn else ours:
         assert_same_outcome(
             outcome(lambda: len(ours), warned_ours),
             outcome(lambda: len(theirs), warned_torch),

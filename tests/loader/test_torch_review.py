@@ -247,3 +247,23 @@ def test_workers_know_the_rank_of_the_training_processs_group(tmp_path: Any) -> 
     for row in rows:
         mine = list(range(row["rank"], 8, 2))
         assert row["ours"] == row["torch"] == [mine[:2], mine[2:]], row
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_generator_given_draws_the_order_as_torchs_and_reads_back(workers: int) -> None:
+    # the sampler's generator read None, so accelerate gave it one of its own, seeded from
+    # the global generator, and the user's `generator=` no longer decided the order
+    theirs, ours = (
+        cls(
+            list(range(20)),
+            batch_size=4,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(3),
+        )
+        for cls in LOADERS
+    )
+    assert ours.sampler.generator is ours.generator
+    for _ in range(2):  # each epoch drawn from it, as torch's: the same batches
+        assert [b.tolist() for b in ours] == [b.tolist() for b in theirs]
+    assert aioloader.DataLoader([0, 1], shuffle=True, seed=5).sampler.generator is None
