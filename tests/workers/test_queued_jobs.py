@@ -43,11 +43,18 @@ def big_reply(sleep_s: float, size: int) -> bytes:
     return b"r" * size
 
 
-async def two_jobs(first: tuple[Any, ...], second: tuple[Any, ...]) -> tuple[Any, Any, float]:
-    """``first`` then ``second`` on worker 0 of a one-worker pool, both posted before the
-    event loop is held for ``HOLD_S``; their results (or exceptions) and when the hold ended."""
-    pool = bare_pool(1)
-    await pool.start()
+async def on_worker_0(
+    pool: processes.ProcessWorkers,
+    first: tuple[Any, ...],
+    second: tuple[Any, ...],
+    *,
+    hold_s: float = 0.0,
+    between: bool = False,
+) -> tuple[Any, Any, float]:
+    """``first`` then ``second`` (a function and its arguments) on worker 0 of ``pool``
+    (started; closed here), the event loop held ``hold_s`` (it sends and reads nothing) once
+    both are posted, or, ``between``, once the first is sent and before the second is posted;
+    their results (or exceptions) and when the hold ended."""
     results: dict[int, Any] = {}
     try:
         with anyio.fail_after(30):
@@ -56,17 +63,28 @@ async def two_jobs(first: tuple[Any, ...], second: tuple[Any, ...]) -> tuple[Any
                 async def job(k: int, fn: Any, *args: Any) -> None:
                     try:
                         results[k] = await run_on(0, fn, *args)
-                    except WorkerCrashed as exc:
+                    except Exception as exc:
                         results[k] = exc
 
                 tg.start_soon(job, 0, *first)
-                tg.start_soon(job, 1, *second)
-                await anyio.wait_all_tasks_blocked()  # both sent, or the second waiting
-                time.sleep(HOLD_S)  # noqa: ASYNC251  (held: the loop sends and reads nothing)
+                if not between:
+                    tg.start_soon(job, 1, *second)
+                await anyio.wait_all_tasks_blocked()  # sent, or waiting to be
+                time.sleep(hold_s)  # noqa: ASYNC251  (held: the loop sends and reads nothing)
                 held_until = time.monotonic()
+                if between:
+                    tg.start_soon(job, 1, *second)  # runs before the first's reader wakes
     finally:
         await pool.aclose()
     return results[0], results[1], held_until
+
+
+async def two_jobs(first: tuple[Any, ...], second: tuple[Any, ...]) -> tuple[Any, Any, float]:
+    """``first`` then ``second`` on worker 0 of a one-worker pool, both posted before the
+    event loop is held for ``HOLD_S``; their results (or exceptions) and when the hold ended."""
+    pool = bare_pool(1)
+    await pool.start()
+    return await on_worker_0(pool, first, second, hold_s=HOLD_S)
 
 
 async def test_the_next_job_runs_while_the_event_loop_is_held() -> None:
@@ -98,22 +116,8 @@ async def test_a_job_queued_behind_a_crash_goes_to_the_replacement() -> None:
     pool = bare_pool(1, stats=stats)
     await pool.start()
     [first] = pool.processes()
-    results: list[Any] = [None, None]
-    try:
-        with anyio.fail_after(30):
-            async with pool.reserved() as run_on, anyio.create_task_group() as tg:
-
-                async def job(k: int, fn: Any, *args: Any) -> None:
-                    try:
-                        results[k] = await run_on(0, fn, *args)
-                    except WorkerCrashed as exc:
-                        results[k] = exc
-
-                tg.start_soon(job, 0, killed, 0.2)
-                tg.start_soon(job, 1, stamped, 0.0)
-    finally:
-        await pool.aclose()
-    crash, (pid, *_) = results
+    results = await on_worker_0(pool, (killed, 0.2), (stamped, 0.0))
+    crash, (pid, *_), _ = results
     assert isinstance(crash, WorkerCrashed) and crash.pid == first.pid  # type: ignore[attr-defined]
     assert pid != first.pid
     assert (stats.crashes, stats.restarts, stats.jobs) == (1, 1, 2)
@@ -127,24 +131,9 @@ async def test_a_job_posted_after_its_worker_died_leaves_the_crash_to_the_job_it
     pool = bare_pool(1, stats=stats)
     await pool.start()
     [first] = pool.processes()
-    results: list[Any] = [None, None]
-    try:
-        with anyio.fail_after(30):
-            async with pool.reserved() as run_on, anyio.create_task_group() as tg:
-
-                async def job(k: int, fn: Any, *args: Any) -> None:
-                    try:
-                        results[k] = await run_on(0, fn, *args)
-                    except Exception as exc:
-                        results[k] = exc
-
-                tg.start_soon(job, 0, killed, 0.1)
-                await anyio.wait_all_tasks_blocked()  # sent; its reader waits on the pipe
-                time.sleep(0.6)  # noqa: ASYNC251  (held: the worker dies meanwhile)
-                tg.start_soon(job, 1, stamped, 0.0)  # runs before the reader wakes
-    finally:
-        await pool.aclose()
-    crash, (pid, *_) = results
+    # the first sent (its reader waits on the pipe) and the loop held while the worker dies
+    results = await on_worker_0(pool, (killed, 0.1), (stamped, 0.0), hold_s=0.6, between=True)
+    crash, (pid, *_), _ = results
     assert isinstance(crash, WorkerCrashed) and crash.pid == first.pid, repr(crash)  # type: ignore[attr-defined]
     assert pid != first.pid
     assert (stats.crashes, stats.restarts) == (1, 1)
