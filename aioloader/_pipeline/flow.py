@@ -68,25 +68,15 @@ def nbytes_of_all(samples: list[Any]) -> int:
 
 
 def _nbytes_attr(sample: Any) -> object:
-    """``sample.nbytes``, None without one; a sparse tensor's (torch defines none for it: the
-    attribute raises) is its index and value tensors' (found by review: a sparse sample failed
-    its batch as it was counted)."""
+    """``sample.nbytes``, None without one; a sparse COO tensor's (torch defines none for it:
+    the attribute raises) is its indices' and values' (found by review: a sparse sample failed
+    its batch as it was counted; the compressed layouts have their own)."""
     try:
         return getattr(sample, "nbytes", None)
     except RuntimeError:
-        if not isinstance(sample, torch.Tensor):
+        if not isinstance(sample, torch.Tensor) or sample.layout != torch.sparse_coo:
             raise
-    layout = sample.layout
-    parts: tuple[torch.Tensor, ...]
-    if layout == torch.sparse_coo:
-        parts = (sample._indices(), sample._values())
-    elif layout in (torch.sparse_csr, torch.sparse_bsr):
-        parts = (sample.crow_indices(), sample.col_indices(), sample.values())
-    elif layout in (torch.sparse_csc, torch.sparse_bsc):
-        parts = (sample.ccol_indices(), sample.row_indices(), sample.values())
-    else:
-        return 0
-    return sum(part.nbytes for part in parts)
+    return int(sample._indices().nbytes + sample._values().nbytes)
 
 
 _NBYTES = operator.attrgetter("nbytes")
