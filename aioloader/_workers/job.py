@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate, raised_of_its_own, worker_error
+from .._base.exceptions import annotate, raised_of_its_own
 from .._base.retry import RetryPolicy
 from .._base.stateful import StatefulPass
 from .result import Failure, JobResult
@@ -122,8 +122,6 @@ def _retrying(
     while True:
         try:
             return call(), failures
-        except StopIteration as stop:  # a dataset ending the epoch, as torch's loop takes it
-            raise worker_error(stop) from stop  # (on a thread, a coroutine's RuntimeError)
         except Exception as exc:
             failures += 1
             if retry is None or not retry.should_retry(exc, failures):
