@@ -118,7 +118,6 @@ def test_no_private_name_is_imported_from_outside_its_folder() -> None:
 LONG_FILES = {
     "aioloader/_loader/loader.py": "torch's DataLoader surface: signature, docstring, attributes",
     "aioloader/_serving/batcher.py": "DynamicBatcher's surface: arguments, their docs, its scope",
-    "aioloader/_loader/arguments.py": "torch's DataLoader arguments, checked in torch's order",
     # aioloader bench's workloads, moved whole from their scripts (each a workload's data, its
     # configurations, their checks and its own tables): the next candidates for splitting.
     "aioloader/_bench/cpu.py": "a workload: CPU-heavy transforms and the drop-in Dataset (main)",

@@ -37,7 +37,7 @@ import inspect
 import os
 import signal as _signal
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "AioLoaderError",
@@ -135,24 +135,45 @@ class RemoteError(AioLoaderError, RuntimeError):
     original's notes and the worker's traceback."""
 
 
+_E = TypeVar("_E", bound=BaseException)
+
+
 class StopInWorker(RemoteError):
-    """A dataset's ``__getitem__`` raised ``StopIteration`` where the loader reads it (a worker
-    process, a thread): raised on as it is, a coroutine would make it PEP 479's bare
-    RuntimeError. A
-    plain ``for`` ends there, as torch's loop does (its worker passes the StopIteration back
-    and its iterator raises it); ``async for`` raises this (``__cause__``: the original)."""
+    """A dataset's ``__getitem__``, a ``transform`` or a ``collate_fn`` raised
+    ``StopIteration`` where the loader calls it (a worker process, a thread, or inline):
+    raised on as it is, a coroutine would make it PEP 479's bare RuntimeError, naming neither
+    the stage nor the sample. A plain ``for`` ends there, as torch's loop does (its worker
+    passes the StopIteration back and its iterator raises it); ``async for`` raises this
+    (``__cause__``: the original)."""
 
 
-def worker_error(value: BaseException) -> BaseException:
-    """What to raise for a worker's failed job: its exception, but a ``StopIteration`` as a
-    :class:`StopInWorker` raised from it (found by review: "coroutine raised StopIteration")."""
+def worker_error(value: _E, what: str = "the dataset") -> _E | StopInWorker:
+    """What to raise for a failure of user code named by ``what``: ``value`` itself, but a
+    ``StopIteration`` as a :class:`StopInWorker` raised from it (found by review: "coroutine
+    raised StopIteration"). Its notes, and where they say it failed, go with it."""
     if not isinstance(value, StopIteration):
         return value
-    error = StopInWorker(f"the dataset raised StopIteration: {value}")
-    for note in getattr(value, "__notes__", ()):
-        error.add_note(note)
+    error = StopInWorker(f"{what} raised StopIteration: {value}")
+    error.__dict__.update({k: v for k, v in vars(value).items() if k in (_WHERE, "__notes__")})
     error.__cause__ = value
     return error
+
+
+def not_an_end(error: BaseException) -> BaseException:
+    """``error``, a batch's failure, as the consumer raises it: a ``StopAsyncIteration`` that
+    user code raised (an async ``get`` that called ``anext()`` on a spent iterator) becomes a
+    ``RuntimeError`` raised from it, as PEP 525 turns one an async generator raises: raised as
+    it is, it would end the consumer's ``async for`` there, the rest of the epoch silently lost
+    (found by review). Its notes go with it."""
+    if not isinstance(error, StopAsyncIteration):
+        return error
+    turned = RuntimeError(
+        f"user code raised StopAsyncIteration, which is no batch's failure but an iterator's "
+        f"end (the note names the stage and the sample): {error}"
+    )
+    turned.__dict__.update(vars(error))
+    turned.__cause__ = error
+    return turned
 
 
 class Overloaded(AioLoaderError, RuntimeError):

@@ -194,7 +194,9 @@ class LoaderStatistics:
         consumer: What the iterating code saw.
         skipped_samples: Ids of samples skipped under ``max_failures`` (the first 1,000).
         bytes_held: Bytes of fetched samples in unfinished batches now.
-        max_bytes_held: The most ever held (bounded by ``max_inflight_bytes`` when set).
+        max_bytes_held: The most ever held. ``max_inflight_bytes`` is a soft bound: new
+            fetches wait while it is exceeded, so this may pass it by what the fetches then
+            running bring.
         made_on_demand: Batches made in the consumer's own calls for them (``num_workers=0``,
             a fast dataset: see ``_pipeline/demand.py``), none of them ahead of it.
         workers: The worker processes' counters (None with thread workers).

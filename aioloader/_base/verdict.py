@@ -86,8 +86,9 @@ def verdict(
                 "tar_shards' shards_in_flight) or make each sample cheaper to produce"
             )
         return (
-            f"{head}; fetches ran at their max_inflight={stage.limit} cap ({min(fetch, 1):.0%} "
-            f"busy) with {stage.latency.p50 * 1e3:.1f} ms median latency: raise max_inflight"
+            f"{head}; fetches ran at their cap of {stage.limit} samples at once "
+            f"({min(fetch, 1):.0%} busy) with {stage.latency.p50 * 1e3:.1f} ms median latency: "
+            "raise max_inflight"
         )
     if device >= SATURATED and not to_device:
         return (

@@ -8,9 +8,9 @@ anything else the loader keeps.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import multiprocessing
 import multiprocessing.context
-import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -32,6 +32,12 @@ from .._data.source import Kind, classify
 from .._device.accelerator import resolve_device
 from .._workers.rayspec import RayWorkers, ray_spec_of
 from .._workers.serverstart import start_method_of
+from .noeffect import (
+    STREAM_OPTIONS_WITHOUT_EFFECT,
+    warn_for_stream,
+    warn_if_more_workers_than_cpus,
+    warn_in_workers,
+)
 
 __all__ = [
     "ASYNC_FETCH_OPTIONS",
@@ -56,6 +62,13 @@ def non_negative_int(name: str, value: object) -> int:
 def callable_or_none(name: str, value: object) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"{name} must be callable or None, got {type(value).__qualname__}")
+    call = getattr(value, "__call__", None)  # noqa: B004 (an instance's async __call__ too)
+    if value is not None and any(map(inspect.iscoroutinefunction, (value, call))):
+        raise TypeError(  # each sample would have been a coroutine never awaited (found by review)
+            f"{name} is an async function: the loader calls it as a plain function (on a "
+            "thread, in a worker process or inline), where nothing would await it; give a "
+            "plain function, and do the awaiting in the dataset's async get() (an AsyncDataset)"
+        )
 
 
 class Checked(NamedTuple):
@@ -252,7 +265,8 @@ def check_arguments(a: Arguments, *, stacklevel: int = 3) -> Checked:
 
     Warns (``UserWarning``, at ``stacklevel``): ``pin_memory_device`` (deprecated, as torch
     says); more worker processes than CPUs; an option of
-    the fetches in this process given for a blocking dataset read in worker processes.
+    the fetches in this process given for a blocking dataset read in worker processes;
+    ``sample_timeout`` or ``retry`` given for a stream.
 
     Raises:
         TypeError: An argument has the wrong type; the message names it.
@@ -348,6 +362,8 @@ def check_arguments(a: Arguments, *, stacklevel: int = 3) -> Checked:
     # and names the one that cannot be sent at all (byvalue.py); worker_init_fn goes with the
     # dataset as each worker starts.
     if in_workers and ray is not None:
+        from ray import cloudpickle  # Ray's jobs go by it: lambdas and the script's own too
+
         for name, fn in (
             ("transform", a.transform),
             ("collate_fn", a.collate_fn),
@@ -355,12 +371,15 @@ def check_arguments(a: Arguments, *, stacklevel: int = 3) -> Checked:
             # Without a CUDA device it runs where collation runs: in the workers.
             ("device_transform", a.device_transform if on_host else None),
         ):
-            # Ray's jobs go by cloudpickle: lambdas and the script's own functions too
-            check_picklable(name, fn, dumps=_cloudpickle_dumps(), to="Ray workers")
+            check_picklable(name, fn, dumps=cloudpickle.dumps, to="Ray workers")
     if ray is None:  # Ray's actors run on the cluster's CPUs, not this machine's
-        _warn_if_more_workers_than_cpus(num_workers, stacklevel + 1)
-    if kind.is_blocking and in_workers:
-        _warn_of_options_without_effect(a, kind, stacklevel + 1, ray is not None)
+        warn_if_more_workers_than_cpus(num_workers, stacklevel + 1)
+    in_own_workers = kind.is_blocking and in_workers
+    if in_own_workers:
+        warn_in_workers(fetch_options_given(a), kind, num_workers, stacklevel + 1, ray is not None)
+    if not kind.is_map:  # (the warning above names sample_timeout for workers' streams)
+        names = ("retry",) if in_own_workers else STREAM_OPTIONS_WITHOUT_EFFECT
+        warn_for_stream(fetch_options_given(a, names), kind, stacklevel + 1)
     return Checked(kind, batch_size, prefetch, start_method, target, ray)
 
 
@@ -375,38 +394,3 @@ def fetch_options_given(a: Arguments, names: tuple[str, ...] = _FETCH_OPTIONS) -
     """The fetch options among ``names`` given other than their defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(Arguments)}
     return {n: getattr(a, n) for n in names if getattr(a, n) != defaults[n]}
-
-
-def _warn_of_options_without_effect(a: Arguments, kind: Kind, stacklevel: int, ray: bool) -> None:
-    where = "Ray workers" if ray else "worker processes"
-    for name, value in fetch_options_given(a).items():
-        warnings.warn(
-            f"{name}={value!r} has no effect here: a blocking {kind.value} dataset with "
-            f"num_workers={a.num_workers} is read in the {where}, each reading its "
-            f"batch itself (it applies to async datasets and sources, and to "
-            "worker_mode='thread')",
-            UserWarning,
-            stacklevel=stacklevel,
-        )
-
-
-def _cloudpickle_dumps() -> Callable[[object], bytes]:
-    from ray import cloudpickle
-
-    dumps: Callable[[object], bytes] = cloudpickle.dumps
-    return dumps
-
-
-def _warn_if_more_workers_than_cpus(num_workers: int, stacklevel: int) -> None:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not on Linux
-        cpus = os.cpu_count() or 0
-    if cpus and num_workers > cpus:
-        warnings.warn(
-            f"This DataLoader will create {num_workers} worker processes in total, more than "
-            f"the {cpus} CPUs this process may run on: excessive worker creation might get "
-            "DataLoader running slow or even freeze; lower num_workers if it does",
-            UserWarning,
-            stacklevel=stacklevel,  # the caller of DataLoader(...)
-        )

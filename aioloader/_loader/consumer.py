@@ -19,7 +19,7 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals
+from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals, not_an_end
 from .._base.inline import ROUND_EVERY_S
 from .._data.datapipes import epoch_pipe_seed
 from .._data.order import epoch_takers, owner_epoch
@@ -375,7 +375,7 @@ class EpochIterator(Generic[T_Batch]):
             # Its traceback keeps the frames it passed: those of ours that finished keep no
             # locals, so no cycle holds this iterator until the garbage collector runs.
             forget_locals(item.error)
-            return Received(None, None, item.marks, item.error)
+            return Received(None, None, item.marks, not_an_end(item.error))
         batch, size, marks = item
         if isinstance(batch, Staged):
             batch.release()  # taken: no longer ahead of the consumer

@@ -128,7 +128,8 @@ class DataLoader(ScopeLifecycle, Resumable, TorchNames, torch.utils.data.DataLoa
         sample_timeout: Seconds one fetch attempt may take (None: no limit); a timeout is
             retried when the policy retries ``TimeoutError``.
         max_failures: Failed samples an epoch may skip (counted, logged and reported in
-            :meth:`statistics`) before the next failure ends the epoch. 0: the first ends it.
+            :meth:`statistics`); a failure past them is raised in its batch's turn, and the
+            epoch goes on with the next batch, as without a budget. 0: none is skipped.
         distributed: Shard the data across ranks: a ``DistributedSampler`` for map-style
             datasets; for a stream, rank ``r`` takes samples ``r, r + W, ...`` (every rank
             reads the stream) and the last round is padded with samples from the stream's

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._base.exceptions import annotate, raised_of_its_own
+from .._base.exceptions import annotate, raised_of_its_own, worker_error
 from .._base.retry import RetryPolicy
 from .._base.stateful import StatefulPass
 from .result import Failure, JobResult
@@ -52,8 +52,8 @@ def _transform_all(
     for position, sample in zip(positions, samples, strict=True):
         try:
             transformed.append(transform(sample))
-        except Exception as exc:
-            failures.append((position, "transform", exc))
+        except Exception as exc:  # (a StopIteration would be a coroutine's RuntimeError)
+            failures.append((position, "transform", worker_error(exc, "the transform")))
         except asyncio.CancelledError as exc:  # a plain call's own: this sample's failure
             failures.append((position, "transform", raised_of_its_own(exc, "the transform")))
     return transformed, failures
@@ -106,9 +106,19 @@ def collate_only(
     unbatched: bool,
     finish: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """Collate already transformed samples and apply ``finish`` to the batch."""
-    batch = collate(transformed[0] if unbatched else transformed)
-    return batch if finish is None else finish(batch)
+    """Collate already transformed samples and apply ``finish`` to the batch.
+
+    Raises:
+        Exception: What ``collate`` or ``finish`` raised; a ``StopIteration`` as
+            :class:`~aioloader._base.exceptions.StopInWorker` (a coroutine would make it PEP
+            479's bare RuntimeError).
+    """
+    try:
+        batch = collate(transformed[0] if unbatched else transformed)
+        return batch if finish is None else finish(batch)
+    except StopIteration as stop:
+        what = "collate_fn" if finish is None else "collate_fn or device_transform"
+        raise worker_error(stop, what) from stop
 
 
 # -- a blocking dataset that lives in the worker --------------------------------------------------
@@ -186,10 +196,13 @@ def run_indices(
         try:
             sample, tries = _retrying(functools.partial(dataset.__getitem__, index), retry, rng)
         except Exception as exc:
-            annotate(exc, "fetch", index=index)
-            if not isolate:
+            error = worker_error(exc)
+            annotate(error, "fetch", index=index)
+            if not isolate and error is exc:
                 raise
-            failures.append((position, "fetch", exc))
+            if not isolate:
+                raise error from exc  # a StopInWorker
+            failures.append((position, "fetch", error))
             continue
         retries += tries
         read.append(sample)

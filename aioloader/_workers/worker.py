@@ -22,7 +22,6 @@ import os
 import random
 import signal
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -33,8 +32,7 @@ import torch
 import torch.multiprocessing  # registers torch's shared-memory reductions
 import torch.utils.data
 
-from .._base.exceptions import RemoteError
-from . import fdpass
+from . import failnote, fdpass
 from .blocks import OutputBlocks
 from .byvalue import dumps_reply, forget_received
 from .descriptors import job_out_of_files
@@ -124,63 +122,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _picklable(exc: Exception) -> Exception:
-    try:
-        message, passing = dumps_reply(exc)
-        fdpass.loads(message, passing.handed())
-    except Exception:
-        stand_in = RemoteError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
-        for note in getattr(exc, "__notes__", ()):
-            stand_in.add_note(note)
-        return stand_in
-    return exc
-
-
 def with_worker_note(exc: BaseException) -> Exception:
     """``exc`` (or a stand-in, for a non-Exception or one that does not pickle) with a note
-    naming this worker and carrying its traceback."""
-    if not isinstance(exc, Exception):
-        # SystemExit, KeyboardInterrupt, GeneratorExit from user code: in the main process they
-        # would read as its own exit or cancellation. The job failed; say so as an Exception.
-        stand_in = RemoteError(
-            f"{type(exc).__qualname__} raised in a worker{': ' + str(exc) if str(exc) else ''}"
-        )
-        stand_in.__cause__ = None
-        exc = _attach_traceback(stand_in, exc)
-    where = _where or f"pid {os.getpid()}"
-    exc.add_note(f"aioloader: raised in {where}; the worker's traceback:\n{_stack(exc)}")
-    return _picklable(exc)
-
-
-def _stack(exc: BaseException) -> str:
-    """``exc``'s traceback (its chain too) without its closing line and notes: the main
-    process prints those with the exception itself, and they would read twice."""
-    formatted = traceback.TracebackException.from_exception(exc)
-    lines = list(formatted.format())
-    tail = list(formatted.format_exception_only())
-    if lines[-len(tail) :] == tail:
-        lines = lines[: -len(tail)]
-    return "".join(lines).rstrip()
-
-
-def _attach_traceback(stand_in: Exception, original: BaseException) -> Exception:
-    tb = "".join(traceback.format_exception(type(original), original, original.__traceback__))
-    stand_in.add_note(f"aioloader: the original, in the worker:\n{tb.rstrip()}")
-    return stand_in
+    naming this worker and carrying its traceback (``failnote.py``)."""
+    return failnote.noted(exc, _where or f"pid {os.getpid()}")
 
 
 def _prepare_failures(result: Any) -> Any:
-    """Exceptions inside a job's result (per-sample failures, a failed batch's error) must
-    survive pickling. Any other result (a user's batch, say) is left as it is."""
-    if not isinstance(result, JobResult):
-        return result
-    if result.failures:
-        result.failures = [
-            (pos, stage, with_worker_note(exc)) for pos, stage, exc in result.failures
-        ]
-    if result.error is not None:
-        result.error = with_worker_note(result.error)
-    return result
+    return failnote.prepare_failures(result, _where or f"pid {os.getpid()}")
 
 
 def name_this_process(name: str) -> None:

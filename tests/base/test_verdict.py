@@ -49,7 +49,7 @@ async def run(loader: DataLoader[object]) -> aioloader.LoaderStatistics:
 
 async def test_a_fetch_bound_run_says_raise_max_inflight() -> None:
     stats = await run(DataLoader(Slow(), batch_size=8, max_inflight=4))
-    assert "fetches ran at their max_inflight=4 cap" in stats.verdict, stats
+    assert "fetches ran at their cap of 4 samples at once" in stats.verdict, stats
     assert "raise max_inflight" in stats.verdict
     assert stats.verdict in repr(stats)
 

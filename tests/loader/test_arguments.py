@@ -7,6 +7,7 @@ message names the argument.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -355,6 +356,67 @@ def test_an_option_without_effect_in_worker_processes_warns_naming_it(
         threads = {"num_workers": 1, "worker_mode": "thread", name: value}
         aioloader.DataLoader(_MapData(), **threads)  # type: ignore[arg-type]
         aioloader.DataLoader(_MapData(), num_workers=1)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "workers"),
+    [(_AsyncStream(), 0), (_async_gen, 0), (_TorchStream(), 0), (_TorchStream(), 1)],
+    ids=["async-iterable", "async-generator-function", "iterable", "iterable-in-workers"],
+)
+@pytest.mark.parametrize(
+    ("name", "value"), [("sample_timeout", 0.5), ("retry", aioloader.RetryPolicy(attempts=3))]
+)
+def test_a_stream_given_sample_timeout_or_retry_warns_naming_it(
+    dataset: object, workers: int, name: str, value: object
+) -> None:
+    """A stream is read one item at a time from its iterator, which cannot be asked again for
+    an item it failed to give: both options were taken and silently did nothing (found by
+    review). For an ``IterableDataset`` in worker processes, ``sample_timeout`` is named by the
+    workers' warning."""
+    if workers and name == "sample_timeout":
+        match = "read in the worker processes"
+    else:
+        match = f"^{name} has no effect here: an .*iterable dataset is read one item"
+    with pytest.warns(UserWarning, match=match) as caught:
+        aioloader.DataLoader(dataset, num_workers=workers, **{name: value})  # type: ignore[call-overload]
+    assert len(caught) == 1 and caught[0].filename == __file__
+    with warnings.catch_warnings():  # where they apply, and at their defaults, nothing is said
+        warnings.simplefilter("error")
+        aioloader.DataLoader(_async_map(), **{name: value})  # type: ignore[arg-type]
+        aioloader.DataLoader(dataset, num_workers=workers)  # type: ignore[call-overload]
+
+
+def _async_map() -> aioloader.AsyncDataset[int]:
+    class Map(aioloader.AsyncDataset[int]):
+        def __len__(self) -> int:
+            return N
+
+        async def get(self, index: int) -> int:
+            return index
+
+    return Map()
+
+
+async def _async_transform(x: int) -> int:
+    return x
+
+
+class _AsyncCall:
+    async def __call__(self, x: Any) -> Any:
+        return x
+
+
+@pytest.mark.parametrize("name", ["transform", "collate_fn", "worker_init_fn", "device_transform"])
+@pytest.mark.parametrize(
+    "fn",
+    [_async_transform, _AsyncCall(), functools.partial(_async_transform)],
+    ids=["function", "instance", "partial"],
+)
+def test_an_async_function_where_a_plain_one_is_called_is_refused(name: str, fn: Any) -> None:
+    """It was taken, and each batch held coroutine objects never awaited (or failed to
+    collate one), with a RuntimeWarning each (found by review)."""
+    with pytest.raises(TypeError, match=f"^{name} is an async function: .* give a plain"):
+        aioloader.DataLoader(_MapData(), **{name: fn})
 
 
 def test_each_argument_is_declared_once_and_the_rest_agrees() -> None:
