@@ -20,8 +20,10 @@ from .._base.checks import check_bool, check_int
 from .seeds import derive_seed
 
 __all__ = [
+    "SplitsByRank",
     "StreamShare",
     "epoch_parts",
+    "refuse_second_split",
     "resolve_rank",
     "shard",
     "shard_length",
@@ -138,6 +140,41 @@ def shard_stream_position(position: int, rank: int, world_size: int) -> bool:
     return position % world_size == rank
 
 
+def refuse_second_split(world_size: int | None, distributed: bool, name: str) -> None:
+    """Refuse a loader's ``distributed=True`` for a stream that gives each rank its own parts
+    (``world_size`` not 1; None: torch.distributed's, at each epoch): the loader would keep
+    1/world_size of each rank's share, without a word (found by review).
+
+    Raises:
+        ValueError: ``distributed`` is set and the stream splits by rank itself.
+    """
+    if distributed and world_size != 1:
+        raise ValueError(
+            f"distributed=True would split {name} a second time: it already gives each rank "
+            "its own parts (by the rank and world_size given to it, else torch.distributed's), "
+            "and the loader would keep 1/world_size of that share; leave distributed unset (or "
+            f"give {name} world_size=1, every rank reading every part, for the loader to split "
+            "its samples)"
+        )
+
+
+class SplitsByRank:
+    """A stream that gives each rank its own parts (``_world_size``: the one given to it, None
+    for torch.distributed's): the loader asks it which of its options it cannot work with."""
+
+    _world_size: int | None = None
+
+    def check_loader_options(
+        self, *, batch_size: int | None, in_order: bool, distributed: bool
+    ) -> None:
+        """Called by the loader as it is built.
+
+        Raises:
+            ValueError: ``distributed=True`` (see :func:`refuse_second_split`).
+        """
+        refuse_second_split(self._world_size, distributed, type(self).__name__)
+
+
 def epoch_parts(
     parts: Sequence[T_Part],
     epoch: int,
@@ -157,12 +194,19 @@ def epoch_parts(
     Raises:
         TypeError, ValueError: ``epoch`` is not an int >= 0, or a bad rank or world size (see
             :func:`resolve_rank`).
+        ValueError: Fewer parts than ranks (but some): no rank would get one.
     """
     epoch = check_int("epoch", epoch, minimum=0)
     rank, world = resolve_rank(rank, world_size)
     order = list(parts)
     if shuffle:
         random.Random(derive_seed(seed, epoch)).shuffle(order)
+    if 0 < len(order) < world:  # every rank's epoch would be empty, and nothing would say
+        raise ValueError(
+            f"{len(order)} parts (shards, files) cannot be shared among {world} ranks: each "
+            "rank reads whole parts, as many as every other rank, so each needs one at least "
+            f"(give {world} parts or more, or run fewer ranks)"
+        )
     usable = len(order) - len(order) % world
     return order[rank:usable:world]
 

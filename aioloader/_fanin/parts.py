@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from .._base.checks import check_bool, check_int, check_seed
 from .._data.epochs import OpensEpochs
 from .._data.seeds import derive_seed
-from .._data.sharding import epoch_parts, resolve_rank
+from .._data.sharding import SplitsByRank, epoch_parts, resolve_rank
 from .lanes import Cursor, ahead_for, interleaved, plan_digest
 
 __all__ = ["Interleaved", "interleave"]
@@ -70,8 +70,8 @@ def interleave(
         shuffle: Shuffle the part order and the rounds each epoch.
         seed: The seed of both shuffles.
         rank, world_size: This rank and the number of ranks, or None to detect them (from
-            ``torch.distributed``, else 0 of 1). Do not also pass ``distributed=True`` to the
-            loader, which would split the stream a second time.
+            ``torch.distributed``, else 0 of 1). A loader given ``distributed=True`` refuses
+            it (a second split), unless ``world_size=1`` is given here.
 
     Raises:
         TypeError: ``parts`` is not a sequence, a part is neither an async iterable nor
@@ -97,7 +97,7 @@ def interleave(
     )
 
 
-class Interleaved(OpensEpochs[T]):
+class Interleaved(SplitsByRank, OpensEpochs[T]):
     """Parts of one stream read several at once; see :func:`interleave`."""
 
     #: :meth:`state_dict` builds a new object each call: the loader need not copy it.

@@ -21,7 +21,7 @@ from .._base.retry import RetryPolicy
 from .._data.epochs import OpensEpochs
 from .._data.restream import Piece, split_pieces
 from .._data.seeds import derive_seed
-from .._data.sharding import epoch_parts, resolve_rank
+from .._data.sharding import SplitsByRank, epoch_parts, resolve_rank
 from .._fanin.lanes import ahead_for, plan_digest
 from ._tarfmt import CorruptShardError
 from ._tarread import ShardReading, _display, _sample_bytes, shard_names
@@ -35,7 +35,7 @@ __all__ = ["CorruptShardError", "TarShards", "tar_shards"]
 _DEFAULT_RETRY = RetryPolicy(attempts=5)
 
 
-class TarShards(OpensEpochs[dict[str, Any]]):
+class TarShards(SplitsByRank, OpensEpochs[dict[str, Any]]):
     """Streams the samples of WebDataset-style tar shards, several shards read at once.
 
     Shards are named by local paths, ``file://`` URLs, ``http(s)://`` URLs, or object-store
@@ -121,8 +121,8 @@ class TarShards(OpensEpochs[dict[str, Any]]):
     shards is not a multiple of ``world_size``, the last ``len(shards) % world_size`` shards of the
     epoch's order are dropped, so every rank reads the same number of shards (equal shard counts,
     not equal sample counts: shards of different sizes still give ranks different numbers of
-    samples). Do not also pass ``distributed=True`` to the loader, which would split the stream
-    a second time.
+    samples). A loader given ``distributed=True`` refuses it, as it would split the stream a
+    second time (unless ``world_size=1`` is given here: every rank reads every shard).
 
     Stateful sequence models: :meth:`per_slot` gives a dataset where position ``i`` of every
     batch continues stream ``i``.

@@ -146,9 +146,10 @@ class ShardReading:
             )
 
         def located(shard: str, start: int = 0) -> AsyncGenerator[Spanned, None]:
-            fields = None
+            named = _named(shard)  # a sample's: messages show a query was there (_display)
+            fields: dict[str, Any] = {"__url__": named, "__shard__": named}
             if self._store is None and _scheme(shard) in _LOCAL:  # as webdataset names it
-                fields = {"__local_path__": urlsplit(shard).path if _scheme(shard) else shard}
+                fields["__local_path__"] = urlsplit(shard).path if _scheme(shard) else shard
             chunks = self._chunks(reader(shard), start)
             return read_located(_display(shard), chunks, fields, start=start)
 
@@ -233,6 +234,15 @@ def _scheme(shard: str) -> str:
     not a scheme)."""
     head, sep, _ = shard.partition("://")
     return head.lower() if sep and head.isalnum() and len(head) > 1 else ""
+
+
+def _named(shard: str) -> str:
+    """``shard`` as a sample's ``__url__`` names it: a URL without its query string, fragment
+    or user info (as ``urls().key()`` names a URL: ``?<redacted>`` would end its basename)."""
+    if _scheme(shard) in _LOCAL:
+        return shard
+    parts = urlsplit(_display(shard))
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
 
 
 def _display(shard: str) -> str:

@@ -249,6 +249,14 @@ async def test_interleave_splits_parts_by_rank() -> None:
     assert per_rank == [["a0", "c0", "a1", "c1"], ["b0", "d0", "b1", "d1"]]  # e is dropped
 
 
+async def test_interleave_refuses_fewer_parts_than_ranks_and_a_second_split() -> None:
+    parts = [counting_part(name, 2) for name in "abc"]
+    with pytest.raises(ValueError, match=r"3 parts .* among 4 ranks"):
+        [x async for x in aioloader.interleave(parts, rank=3, world_size=4)]
+    with pytest.raises(ValueError, match="would split Interleaved a second time"):
+        aioloader.DataLoader(aioloader.interleave(parts), distributed=True)
+
+
 async def test_interleave_names_the_failing_part() -> None:
     async def broken() -> AsyncIterator[str]:
         yield "x0"

@@ -64,6 +64,15 @@ async def test_http_shards_stream_the_same_samples(
     assert {s["__shard__"] for s in got} == set(urls)
 
 
+async def test_a_sample_s_url_is_its_shard_s_without_the_query_string(
+    tmp_path: Path, fault_server: FaultServer
+) -> None:
+    # It kept "?<redacted>", so a basename of it ended that way.
+    url = serve_shards(fault_server, make_shards(tmp_path, n_shards=1, n_samples=3))[0]
+    got = await collect(tar_shards([url + "?X-Amz-Signature=secret#part"]))
+    assert len(got) == 3 and {s["__url__"] for s in got} == {s["__shard__"] for s in got} == {url}
+
+
 async def test_broken_transfers_resume_at_the_byte_they_stopped(
     tmp_path: Path, fault_server: FaultServer
 ) -> None:

@@ -208,6 +208,25 @@ async def test_uneven_shards_drop_the_tail(tmp_path: Path) -> None:
         assert len(set(chosen)) == 4 and set(chosen) < names
 
 
+async def test_fewer_shards_than_ranks_is_an_error_not_an_empty_epoch(tmp_path: Path) -> None:
+    # Every rank's epoch was empty, without a word: a DDP job training on nothing.
+    paths = make_shards(tmp_path, n_shards=3, n_samples=2)
+    for rank in range(4):
+        with pytest.raises(ValueError, match=r"3 parts .* among 4 ranks"):
+            await collect(tar_shards(paths, rank=rank, world_size=4))
+
+
+def test_a_loader_given_distributed_refuses_shards_already_split_by_rank(tmp_path: Path) -> None:
+    # Under torchrun the loader kept half of each rank's shards, without a word.
+    paths = make_shards(tmp_path, n_shards=4, n_samples=2)
+    with pytest.raises(ValueError, match="would split TarShards a second time"):
+        aioloader.DataLoader(tar_shards(paths), distributed=True)
+    with pytest.raises(ValueError, match="would split TarShards a second time"):
+        aioloader.DataLoader(tar_shards(paths, rank=0, world_size=2), distributed=True)
+    # Every rank reading every shard: the loader's split is the only one.
+    aioloader.DataLoader(tar_shards(paths, world_size=1), distributed=True)
+
+
 @pytest.mark.parametrize("name", ["../evil.txt", "/abs.txt", "a/../../b.txt"])
 async def test_escaping_names_are_rejected(tmp_path: Path, name: str) -> None:
     path = make_shard(tmp_path / "evil.tar", [("ok.txt", b"fine"), (name, b"bad")])
