@@ -10,6 +10,7 @@ Never: refers to the loader, builds samplers, runs stages or owns pools (``scope
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import warnings
 from collections.abc import Iterator
@@ -17,7 +18,6 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import LoaderStateError, LoaderTimeout, forget_locals, not_an_end
 from .._base.inline import ROUND_EVERY_S
@@ -29,6 +29,7 @@ from .._data.streams import begin_here
 from .._device.stage import Staged, hand_out
 from .._pipeline.demand import HANDED_OVER, OnDemand
 from .._pipeline.epoch import Epoch
+from .._pipeline.handoff import HandoffReceive, handoff
 from .._pipeline.items import Raised, Received
 from .._workers.offload import ThreadOffload
 from .checkpoint import EpochState, Progress, fresh_state
@@ -176,7 +177,7 @@ class EpochIterator(Generic[T_Batch]):
         patient = own_thread and reads[0].can_inline and work.can_inline
         return patient or (reads[0].may_call_now and work.may_call_now)
 
-    async def _start_stages(self) -> MemoryObjectReceiveStream[Any]:
+    async def _start_stages(self) -> HandoffReceive[Any]:
         """Start the epoch's stages (on the batches left, when some were made on demand)."""
         scope, plan, state, running = self._scope, self._plan, self._state, self._running
         if scope is not state.scope or scope.task_group is None:
@@ -195,7 +196,7 @@ class EpochIterator(Generic[T_Batch]):
         buffer = config.prefetch - self._held_elsewhere  # the rest waits beyond the stream
         if scope.device is not None:
             await scope.device.let_go()  # the last epoch's blocks go back with the first jobs
-        send, recv = anyio.create_memory_object_stream[Any](buffer)
+        send, recv = handoff(buffer)
         epoch = Epoch(
             self._number,
             config,
@@ -212,8 +213,8 @@ class EpochIterator(Generic[T_Batch]):
             skips_left=skips_left,
             pipe_seed=self._pipe_seed,
         )
-        running.run_stages(epoch, recv)
-        await scope.task_group.start(epoch.run, send, name=f"aioloader-epoch-{self._number}")
+        name = f"aioloader-epoch-{self._number}"
+        await running.run_stages(scope.task_group, epoch, send, recv, name)
         return recv
 
     async def __anext__(self) -> T_Batch:
@@ -292,17 +293,13 @@ class EpochIterator(Generic[T_Batch]):
         timeout = self._plan.arguments.timeout
         item: Any = None
         try:
-            # A cancellation point still (a cancelled caller gets no batch), but a batch that is
-            # ready is taken without a trip round the event loop.
+            # A cancellation point still, but a ready batch costs no trip round the loop.
             await anyio.lowlevel.checkpoint_if_cancelled()
             try:
                 item = recv.receive_nowait()
-            except anyio.WouldBlock:
-                if timeout > 0:
-                    with anyio.fail_after(timeout):
-                        item = await recv.receive()
-                else:  # no cancel scope to make and leave per batch
-                    item = await recv.receive()
+            except anyio.WouldBlock:  # (without a timeout, no cancel scope made per batch)
+                with anyio.fail_after(timeout) if timeout > 0 else contextlib.nullcontext():
+                    item = await recv.receive()  # cancelled, it loses nothing (handoff.py)
         except anyio.EndOfStream:
             pass
         except anyio.ClosedResourceError:  # closed by a newer epoch (another thread's iter())

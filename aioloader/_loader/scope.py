@@ -10,6 +10,7 @@ builds samplers (``_loader/loader.py``), hands out batches (``consumer.py``), or
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import threading
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._data.datapipes import is_datapipe, shard_in_worker
 from .._data.seeds import derive_seed
@@ -26,6 +26,7 @@ from .._data.source import InWorkers
 from .._device.stage import DeviceStage
 from .._pipeline.epoch import Epoch
 from .._pipeline.fetch import Pace
+from .._pipeline.handoff import HandoffReceive, HandoffSend
 from .._workers.blocks import REUSED_FROM
 from .._workers.offload import ThreadOffload
 from .._workers.pool import WorkerPool
@@ -187,13 +188,42 @@ class Running:
 
     def __init__(self, shown: EpochProgress) -> None:
         self.epoch: Epoch | None = None
-        self.recv: MemoryObjectReceiveStream[Any] | None = None
+        self.recv: HandoffReceive[Any] | None = None
         self.shown = shown
         self.closed = False
 
-    def run_stages(self, epoch: Epoch, recv: MemoryObjectReceiveStream[Any]) -> None:
+    async def run_stages(
+        self,
+        group: anyio.abc.TaskGroup,
+        epoch: Epoch,
+        out: HandoffSend[Any],
+        recv: HandoffReceive[Any],
+        name: str,
+    ) -> None:
+        """Run ``epoch``'s stages in ``group``, their output read from ``recv``: started
+        whatever befalls the caller meanwhile (they start at once).
+
+        A caller cancelled in anyio's ``start()`` had them cancelled before they ran, and its
+        next call read their closed output as the epoch's end (found by review: asyncio's own
+        cancellation, as ``asyncio.timeout`` around ``anext()`` sends it, reaches through an
+        anyio shield).
+
+        Raises:
+            Exception: The start failed (the scope closing meanwhile).
+        Cancellation: the stages are started first, then the ``CancelledError`` goes on.
+        """
         self.epoch = epoch
         self.recv = recv
+        starting = asyncio.ensure_future(group.start(epoch.run, out, name=name))
+        cancelled: asyncio.CancelledError | None = None
+        while not starting.done():
+            try:
+                await asyncio.shield(starting)
+            except asyncio.CancelledError as exc:  # ours, or the start's (then done)
+                cancelled = exc
+        starting.result()
+        if cancelled is not None:
+            raise cancelled
 
     def close_stream(self) -> None:
         self.closed = True

@@ -56,6 +56,7 @@ from .._workers.pool import WorkerPool
 from .config import PipelineConfig
 from .fetch import Attempts, FailureBudget, Pace
 from .flow import ByteBudget, blocked, get, put
+from .handoff import HandoffSend
 from .items import Batch, Done
 from .output import OutputStage
 from .reads import Reads
@@ -168,7 +169,7 @@ class Epoch(TransformStage, OutputStage):
 
     async def run(
         self,
-        out: MemoryObjectSendStream[Any],
+        out: HandoffSend[Any],
         *,
         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -195,7 +196,7 @@ class Epoch(TransformStage, OutputStage):
             self.stats.bytes_held = 0
             self.finished.set()
 
-    async def _stages(self, out: MemoryObjectSendStream[Any]) -> None:
+    async def _stages(self, out: HandoffSend[Any]) -> None:
         window = self.window
         ready_send, ready_recv = anyio.create_memory_object_stream[Batch](window)
         done_send, done_recv = anyio.create_memory_object_stream[Done](window)

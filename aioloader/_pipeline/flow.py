@@ -16,6 +16,7 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._base.recorders import StageRecorder
+from .handoff import HandoffSend
 
 __all__ = ["ByteBudget", "blocked", "get", "nbytes_of", "nbytes_of_all", "put"]
 
@@ -128,7 +129,9 @@ class blocked:  # used like a function: `with blocked(rec, "put"):`
             self._rec.blocked_get_s += dt
 
 
-async def put(stream: MemoryObjectSendStream[Any], item: Any, rec: StageRecorder) -> None:
+async def put(
+    stream: MemoryObjectSendStream[Any] | HandoffSend[Any], item: Any, rec: StageRecorder
+) -> None:
     """Send, counting time spent blocked by a full stream (backpressure) against ``rec``."""
     try:
         stream.send_nowait(item)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._base.exceptions import annotate
 from .._base.recorders import Recorders
@@ -23,6 +23,7 @@ from .._data.resume import Mark, Taken
 from .._device.stage import DeviceStage, Staged
 from .config import PipelineConfig
 from .flow import ByteBudget, blocked, get, put
+from .handoff import HandoffSend
 from .items import Done, Raised
 from .reorder import ReorderBuffer
 
@@ -46,9 +47,7 @@ class OutputStage:
     _open_batches: int
     _empty_ahead: list[Mark]
 
-    async def _emit(
-        self, done: MemoryObjectReceiveStream[Done], out: MemoryObjectSendStream[Any]
-    ) -> None:
+    async def _emit(self, done: MemoryObjectReceiveStream[Done], out: HandoffSend[Any]) -> None:
         taken = self.taken
         reorder: ReorderBuffer[Done] = ReorderBuffer(taken.through if taken else 0)
         for seq in sorted(taken.beyond) if taken else ():
