@@ -194,12 +194,14 @@ class PlainIterator(Generic[T_Batch]):
             self.close()
             raise self._stopped() from None  # (ended by a later iter() on another thread?)
         except BaseException as exc:
-            if not isinstance(exc, Exception) or self._session.closed:
+            closed = self._session.closed  # the loader's scope ended: this epoch with it
+            if not isinstance(exc, Exception) or closed:
                 self.close()  # KeyboardInterrupt and the like: the epoch stops here
-            # Stopped meanwhile by a later iter() on another thread: said as on this one,
-            # whatever the closing left this call with (a cancelled call, a closed portal).
-            superseded = self._superseded
-            error = self._stopped() if superseded else exc
+            # Stopped meanwhile, by a later iter() on another thread or by the scope's end:
+            # said as on this one, whatever the closing left this call with (a cancelled call,
+            # a closed portal or loop: "Event loop is closed" came out, found by review).
+            ended = self._superseded or (closed and isinstance(exc, Exception))
+            error = self._stopped() if ended else exc
         else:
             if got.warning is not None:  # given here, where torch gives it: in the consumer
                 warnings.warn(got.warning, UserWarning, stacklevel=2)

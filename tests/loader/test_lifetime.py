@@ -240,3 +240,31 @@ def test_a_plain_for_holds_no_more_ready_batches_than_prefetch() -> None:
         time.sleep(0.3)  # the pipeline fills everything it may
         assert Counted.reads <= 1 + window + 2
         assert [first.item(), *(b.item() for b in it)] == list(range(64))
+
+
+@pytest.mark.parametrize(
+    "ending",
+    ["with-block", "close", "lightning"],
+    ids=["scope-left", "loader.close", "_shutdown_workers"],
+)
+def test_next_on_an_iterator_whose_scope_ended_stops_as_torchs(ending: str) -> None:
+    # It raised the loop thread's "Event loop is closed" (or "This portal is not running")
+    # once, then StopIteration; torch's persistent iterator stops after _shutdown_workers().
+    loader = aioloader.DataLoader(
+        list(range(64)), batch_size=8, num_workers=1, persistent_workers=ending != "with-block"
+    )
+    if ending == "with-block":
+        with loader:
+            it = iter(loader)
+            next(it)
+    else:
+        it = iter(loader)
+        next(it)
+        if ending == "close":
+            loader.close()
+        else:
+            loader._iterator._shutdown_workers()  # Lightning's teardown
+            loader._iterator = None
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(it)
