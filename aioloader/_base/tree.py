@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ def map_pinnable(fn: Callable[[Any], Any], data: Any) -> Any:
     ``fn(value)``, walked as :func:`map_instances` walks: a tensor, or any other object with a
     ``pin_memory`` attribute (a custom batch type, a ``PackedSequence``; a container too),
     asked of the object as torch asks it."""
-    return _map(fn, data, torch.Tensor, _has_pin_memory)
+    return _map(fn, data, torch.Tensor, _has_pin_memory, set())
 
 
 def _has_pin_memory(value: Any) -> bool:
@@ -83,80 +83,127 @@ def map_instances(fn: Callable[[Any], Any], data: Any, leaf: type) -> Any:
     rebuilt, with its own type, only when something inside it changed, so a structure without
     tensors (or one that ``fn`` returns unchanged) comes back as the very same object.
 
-    Rebuilding: a mutable mapping or sequence is shallow-copied and updated (its type may carry
-    state, such as a ``defaultdict``'s factory), an immutable one is built from a dict or list
-    (a plain ``dict``, ``list`` or ``tuple`` when its type cannot be); a named tuple from its
-    fields; a dataclass is shallow-copied and its changed fields set without calling
-    ``__init__`` (so ``__post_init__`` does not run twice, and frozen ones work).
+    Rebuilding: a ``dict`` or ``list`` subclass, or a type with a ``__copy__`` of its own
+    (``UserDict``), is shallow-copied and updated (its type may carry state, such as a
+    ``defaultdict``'s factory); any other mapping or sequence type is deep-copied with its
+    items' places given the new items (only its own parts copied: a shallow copy of it would
+    share the storage of its items with the original, and the update would write into that),
+    else built from a dict or list, else a plain ``dict``, ``list`` or ``tuple``; a named tuple
+    from its fields; a dataclass is shallow-copied and its changed fields set without calling
+    ``__init__`` (so ``__post_init__`` does not run twice, and frozen ones work). A mutable
+    container met again inside itself is left as it is there (a cycle is walked once).
 
     Raises:
         Exception: Whatever ``fn`` raises.
     """
-    return _map(fn, data, leaf, None)
+    return _map(fn, data, leaf, None, set())
 
 
 def _map(
-    fn: Callable[[Any], Any], data: Any, leaf: type, also: Callable[[Any], bool] | None
+    fn: Callable[[Any], Any],
+    data: Any,
+    leaf: type,
+    also: Callable[[Any], bool] | None,
+    open_: set[int],
 ) -> Any:
     """:func:`map_instances`, where ``also`` (when given) makes a leaf of what it holds true of
-    as well: one ``isinstance`` a value for a type's walk, as before there was a second test."""
+    as well: one ``isinstance`` a value for a type's walk, as before there was a second test.
+    ``open_``: the ids of the mutable containers being walked, each left as it is where it is
+    met again inside itself (a batch that holds itself recursed without end: found by review;
+    a cycle closes only through a mutable container)."""
     kind = type(data)
     if kind in _ATOMS:  # the common cases first, without the checks below (a leaf is no atom)
         return data
-    if kind is list or kind is tuple:
-        items = [_map(fn, item, leaf, also) for item in data]
+    if kind is tuple:
+        items = [_map(fn, item, leaf, also, open_) for item in data]
         if all(new is old for new, old in zip(items, data, strict=True)):
             return data
-        return items if kind is list else tuple(items)
+        return tuple(items)
     if isinstance(data, leaf) or (also is not None and also(data)):
         return fn(data)
     if isinstance(data, str | bytes | bytearray | memoryview):
         return data
-    if isinstance(data, Mapping):
-        values = {key: _map(fn, value, leaf, also) for key, value in data.items()}
-        if all(values[key] is value for key, value in data.items()):
-            return data
-        return _rebuild_mapping(data, values)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        items = [_map(fn, item, leaf, also) for item in data]
-        if all(new is old for new, old in zip(items, data, strict=True)):
-            return data
-        return type(data)(*items)
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        changed: dict[str, Any] = {}
-        for field in dataclasses.fields(data):
-            old = getattr(data, field.name, _MISSING)
-            if old is _MISSING:  # an init=False field never set
-                continue
-            new = _map(fn, old, leaf, also)
-            if new is not old:
-                changed[field.name] = new
-        if not changed:
-            return data
-        clone = copy.copy(data)
-        for name, value in changed.items():
-            object.__setattr__(clone, name, value)
-        return clone
-    if isinstance(data, Sequence):
-        items = [_map(fn, item, leaf, also) for item in data]
-        if all(new is old for new, old in zip(items, data, strict=True)):
-            return data
-        return _rebuild_sequence(data, items)
-    return data
+    if isinstance(data, tuple) and not hasattr(data, "_fields"):  # a tuple type of its own
+        return _map_items(fn, data, leaf, also, open_)
+    key = id(data)
+    if key in open_:
+        return data
+    open_.add(key)
+    if type(data) is list:
+        items = [_map(fn, item, leaf, also, open_) for item in data]
+        mapped: Any = (
+            data if all(new is old for new, old in zip(items, data, strict=True)) else items
+        )
+    elif isinstance(data, Mapping):
+        values = {k: _map(fn, value, leaf, also, open_) for k, value in data.items()}
+        unchanged = all(values[k] is value for k, value in data.items())
+        mapped = data if unchanged else _rebuild_mapping(data, values)
+    elif isinstance(data, tuple):  # a named tuple
+        items = [_map(fn, item, leaf, also, open_) for item in data]
+        unchanged = all(new is old for new, old in zip(items, data, strict=True))
+        mapped = data if unchanged else type(data)(*items)
+    elif dataclasses.is_dataclass(data) and not isinstance(data, type):
+        mapped = _map_dataclass(fn, data, leaf, also, open_)
+    elif isinstance(data, Sequence):
+        mapped = _map_items(fn, data, leaf, also, open_)
+    else:
+        mapped = data
+    open_.discard(key)
+    return mapped
+
+
+def _map_dataclass(
+    fn: Callable[[Any], Any],
+    data: Any,
+    leaf: type,
+    also: Callable[[Any], bool] | None,
+    open_: set[int],
+) -> Any:
+    changed: dict[str, Any] = {}
+    for field in dataclasses.fields(data):
+        old = getattr(data, field.name, _MISSING)
+        if old is _MISSING:  # an init=False field never set
+            continue
+        new = _map(fn, old, leaf, also, open_)
+        if new is not old:
+            changed[field.name] = new
+    if not changed:
+        return data
+    clone = copy.copy(data)
+    for name, value in changed.items():
+        object.__setattr__(clone, name, value)
+    return clone
+
+
+def _map_items(
+    fn: Callable[[Any], Any],
+    data: Sequence[Any],
+    leaf: type,
+    also: Callable[[Any], bool] | None,
+    open_: set[int],
+) -> Any:
+    items = [_map(fn, item, leaf, also, open_) for item in data]
+    if all(new is old for new, old in zip(items, data, strict=True)):
+        return data
+    return _rebuild_sequence(data, items)
 
 
 def _rebuild_mapping(data: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
     if type(data) is dict:
         return values
+    if not _copies_itself(data):
+        rebuilt = _copied_around(data, values.values())
+        if rebuilt is not None and all(rebuilt[k] is v for k, v in values.items()):
+            return rebuilt  # type: ignore[no-any-return]
     try:
-        if isinstance(data, MutableMapping):
+        if isinstance(data, MutableMapping) and _copies_itself(data):
             clone = copy.copy(data)
             clone.update(values)
             return clone
-        rebuilt: Mapping[Any, Any] = type(data)(values)  # type: ignore[call-arg]  # tried
+        made: Mapping[Any, Any] = type(data)(values)  # type: ignore[call-arg]  # tried
     except TypeError:
         return values
-    return rebuilt
+    return made
 
 
 def _rebuild_sequence(data: Sequence[Any], items: list[Any]) -> Sequence[Any]:
@@ -164,16 +211,47 @@ def _rebuild_sequence(data: Sequence[Any], items: list[Any]) -> Sequence[Any]:
         return items
     if type(data) is tuple:
         return tuple(items)
+    if not _copies_itself(data):
+        rebuilt = _copied_around(data, items)
+        if rebuilt is not None and all(a is b for a, b in zip(rebuilt, items, strict=True)):
+            return rebuilt  # type: ignore[no-any-return]
     try:
-        if isinstance(data, MutableSequence):
+        if isinstance(data, MutableSequence) and _copies_itself(data):
             clone = copy.copy(data)
             for i, item in enumerate(items):
                 clone[i] = item
             return clone
-        rebuilt: Sequence[Any] = type(data)(items)  # type: ignore[call-arg]  # tried
+        made: Sequence[Any] = type(data)(items)  # type: ignore[call-arg]  # tried
     except TypeError:
         return tuple(items) if isinstance(data, tuple) else items
-    return rebuilt
+    if len(made) != len(items) or any(a is not b for a, b in zip(made, items, strict=False)):
+        return tuple(items) if isinstance(data, tuple) else items  # built otherwise: Vec(*items)
+    return made
+
+
+def _copies_itself(data: object) -> bool:
+    """Whether a shallow copy of ``data`` has storage of its own: a ``dict`` or ``list``
+    subclass (its items are the object's), or a type with a ``__copy__`` of its own
+    (``UserDict`` and ``UserList`` copy theirs). Another type's copy shares the dict or list
+    that holds its items with the original."""
+    return isinstance(data, dict | list) or hasattr(type(data), "__copy__")
+
+
+def _copied_around(data: object, children: Iterable[Any]) -> Any:
+    """A copy of ``data`` (a container of a type of the user's) of its own type and storage,
+    whose items are the new ``children``: ``copy.deepcopy`` with the original items' places
+    given the new ones, so that only the container's own parts are copied. A shallow copy and
+    an update wrote the new items into the original's own storage: a worker's in-place
+    transform then changed the dataset's cached sample, and a type built otherwise (``Vec(*items)``)
+    or read-only came back as a plain dict, list or tuple (found by review). None where it
+    does not deep-copy."""
+    old = list(data.values()) if isinstance(data, Mapping) else list(data)  # type: ignore[call-overload]
+    memo: dict[int, Any] = {id(o): n for o, n in zip(old, children, strict=True)}
+    memo[id(memo)] = [old]  # deepcopy's own keep-alive entry: the originals live meanwhile
+    try:
+        return copy.deepcopy(data, memo)
+    except Exception:
+        return None
 
 
 def tensors_in(data: Any, *, as_pinned: bool = False) -> list[torch.Tensor]:

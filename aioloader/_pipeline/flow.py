@@ -21,10 +21,15 @@ from .handoff import HandoffSend
 __all__ = ["ByteBudget", "blocked", "get", "nbytes_of", "nbytes_of_all", "put"]
 
 
-def nbytes_of(sample: Any) -> int:
+# Levels of nested containers counted: a sample or batch that holds itself (a graph with its
+# parents' links) recursed without end (found by review); the bound is a soft one.
+_DEEPEST = 64
+
+
+def nbytes_of(sample: Any, depth: int = 0) -> int:
     """Bytes held by a fetched sample, for the ``max_inflight_bytes`` bound: buffers, arrays and
-    tensors count their data; strings their length; containers their members; anything else
-    counts 0."""
+    tensors count their data; strings their length; containers their members (down to
+    :data:`_DEEPEST` levels); anything else counts 0."""
     if isinstance(sample, (bytes, bytearray)):
         return len(sample)
     nbytes = _nbytes_attr(sample)  # memoryviews, numpy arrays, torch tensors
@@ -33,30 +38,30 @@ def nbytes_of(sample: Any) -> int:
     if isinstance(sample, str):
         return len(sample)
     if isinstance(sample, dict):
-        return nbytes_of_all(list(sample.values()))
+        return nbytes_of_all(list(sample.values()), depth + 1)
     if isinstance(sample, (list, tuple)):
-        return nbytes_of_all(list(sample))
+        return nbytes_of_all(list(sample), depth + 1)
     return 0
 
 
-def nbytes_of_all(samples: list[Any]) -> int:
+def nbytes_of_all(samples: list[Any], depth: int = 0) -> int:
     """``sum(map(nbytes_of, samples))``, with no Python call per sample when the samples are
     all of one kind: numbers (0 each), ``bytes`` or ``str`` (their lengths), arrays or tensors
     (an ``nbytes`` each), or dicts, lists and tuples, whose members are counted together."""
-    if not samples:
+    if not samples or depth > _DEEPEST:
         return 0
     kinds = set(map(type, samples))
     if len(kinds) != 1:
-        return sum(map(nbytes_of, samples))
+        return sum(nbytes_of(sample, depth) for sample in samples)
     (kind,) = kinds
     if kind in _NO_BYTES:
         return 0
     if kind in _LENGTH:
         return sum(map(len, samples))
     if kind is dict:
-        return nbytes_of_all([v for s in samples for v in s.values()])
+        return nbytes_of_all([v for s in samples for v in s.values()], depth + 1)
     if kind is list or kind is tuple:
-        return nbytes_of_all([v for s in samples for v in s])
+        return nbytes_of_all([v for s in samples for v in s], depth + 1)
     if isinstance(_nbytes_attr(samples[0]), int):
         try:
             total = sum(map(_NBYTES, samples))
@@ -65,7 +70,7 @@ def nbytes_of_all(samples: list[Any]) -> int:
         else:
             if isinstance(total, int):
                 return total
-    return sum(map(nbytes_of, samples))
+    return sum(nbytes_of(sample, depth) for sample in samples)
 
 
 def _nbytes_attr(sample: Any) -> object:
