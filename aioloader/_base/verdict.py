@@ -88,7 +88,7 @@ def verdict(
         return (
             f"{head}; fetches ran at their cap of {stage.limit} samples at once "
             f"({min(fetch, 1):.0%} busy) with {stage.latency.p50 * 1e3:.1f} ms median latency: "
-            "raise max_inflight"
+            "raise max_inflight (or the dataset's own bound: a source's connections)"
         )
     if device >= SATURATED and not to_device:
         return (

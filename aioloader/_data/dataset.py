@@ -71,6 +71,15 @@ class AsyncDataset(ABC, Generic[T_Sample]):
         Raises: nothing (a hint that cannot be taken is dropped; the read reports the error).
         """
 
+    def concurrency(self) -> int | None:
+        """The most items this dataset reads at once (a connection pool's size), or None (the
+        default): no bound of its own. The loader runs no more fetches at once than this (nor
+        than ``max_inflight``), so that none waits inside the dataset for its turn, where the
+        loader's ``sample_timeout`` would count the wait (found by review: ``urls(...,
+        connections=4)`` read by 64 fetches timed out on a healthy server).
+        """
+        return None
+
     def for_workers(self) -> object | None:
         """A blocking map-style dataset with the same items, that a worker process can read on
         its own (picklable, ``__len__`` and ``__getitem__``, optionally ``__getitems__``), or

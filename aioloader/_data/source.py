@@ -29,6 +29,7 @@ __all__ = [
     "MapSource",
     "classify",
     "open_source",
+    "reads_at_once",
 ]
 
 
@@ -262,3 +263,10 @@ def open_source(
     if kind is Kind.ASYNC_STREAM:
         return AsyncStream(dataset)
     return BlockingStream(dataset, offload, per_batch)  # type: ignore[arg-type]  # an Iterable
+
+
+def reads_at_once(dataset: object) -> int | None:
+    """An async dataset's own bound on the items it reads at once (see
+    :meth:`~aioloader.AsyncDataset.concurrency`), at least 1; None for another dataset or none."""
+    bound = dataset.concurrency() if isinstance(dataset, AsyncDataset) else None
+    return None if bound is None else max(1, bound)

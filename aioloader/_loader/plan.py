@@ -28,7 +28,7 @@ from .._data.order import PLAIN_BATCHERS, map_order
 from .._data.sampler import DistributedSampler, RandomSampler
 from .._data.seeds import draw_seed
 from .._data.sharding import resolve_rank
-from .._data.source import InWorkers, Kind, MapSource, open_source
+from .._data.source import InWorkers, Kind, MapSource, open_source, reads_at_once
 from .._data.streams import StreamSource
 from .._device.plan import DevicePlan, device_plan
 from .._pipeline.config import PipelineConfig
@@ -350,7 +350,7 @@ def plan_loader(
         # hops for fast local reads, yet every thread busy when items are slow).
         fetch_chunk=-(-a.max_inflight // io_threads) if kind.is_blocking else None,
         drop_last=a.drop_last,
-        max_inflight=a.max_inflight,
+        max_inflight=min(a.max_inflight, reads_at_once(a.dataset) or a.max_inflight),
         prefetch=prefetch,
         in_order=a.in_order,
         transform=send("transform", a.transform),

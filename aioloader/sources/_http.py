@@ -252,6 +252,10 @@ class UrlDataset(AsyncDataset[bytes]):
 
     # -- items ---------------------------------------------------------------------------------
 
+    def concurrency(self) -> int:
+        """``connections``: a fetch beyond them would wait for one (its timeouts running)."""
+        return self.connections
+
     async def get(self, index: int) -> bytes:
         """The body of ``urls[index]``, read whole; redirects are followed.
 

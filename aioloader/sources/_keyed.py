@@ -64,6 +64,9 @@ class Keyed(AsyncDataset[tuple[str, T]], Generic[T]):
             return None
         return KeyedReader(reader)
 
+    def concurrency(self) -> int | None:
+        return self.source.concurrency()
+
     async def get(self, index: int) -> tuple[str, T]:
         """``(key, item)`` of item ``index``.
 

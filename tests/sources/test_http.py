@@ -85,6 +85,22 @@ async def test_whole_epoch_through_transient_faults_and_retries_match(
     assert sum(fault_server.requests.values()) == n + fault_server.total_faults
 
 
+async def test_fetches_wait_for_no_connection_so_sample_timeout_times_the_request(
+    fault_server: FaultServer,
+) -> None:
+    # 64 fetches on 4 connections: those queued in the pool timed out on a healthy server,
+    # were retried, and the epoch failed after 3 attempts.
+    fault_server.plan.latency = 0.2
+    ds = aioloader.sources.urls([fault_server.url(i) for i in range(24)], connections=4)
+    loader = aioloader.DataLoader(
+        ds, batch_size=8, collate_fn=len, sample_timeout=0.6, retry=aioloader.RetryPolicy(3)
+    )
+    async with loader:
+        assert [n async for n in loader] == [8, 8, 8]
+    assert sum(fault_server.requests.values()) == 24 and fault_server.max_active <= 4
+    assert loader.statistics().stage("fetch").limit == 4
+
+
 async def test_retries_run_out_on_a_path_that_always_503s(fault_server: FaultServer) -> None:
     fault_server.plan.always(fault_server.path(7), Fault.S503)
     ds = aioloader.sources.urls([fault_server.url(i) for i in range(12)])
