@@ -8,6 +8,7 @@ function given does).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, MutableSequence, Sequence
@@ -193,12 +194,14 @@ def _rebuild_mapping(data: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping
         return values
     if not _copies_itself(data):
         rebuilt = _copied_around(data, values.values())
-        if rebuilt is not None and all(rebuilt[k] is v for k, v in values.items()):
-            return rebuilt  # type: ignore[no-any-return]
+        with contextlib.suppress(Exception):
+            if rebuilt is not None and all(rebuilt[k] is v for k, v in values.items()):
+                return rebuilt  # type: ignore[no-any-return]
     try:
         if isinstance(data, MutableMapping) and _copies_itself(data):
             clone = copy.copy(data)
-            clone.update(values)
+            for key, value in values.items():  # (a Counter's update() adds: found by review)
+                clone[key] = value
             return clone
         made: Mapping[Any, Any] = type(data)(values)  # type: ignore[call-arg]  # tried
     except TypeError:
@@ -245,13 +248,36 @@ def _copied_around(data: object, children: Iterable[Any]) -> Any:
     transform then changed the dataset's cached sample, and a type built otherwise (``Vec(*items)``)
     or read-only came back as a plain dict, list or tuple (found by review). None where it
     does not deep-copy."""
-    old = list(data.values()) if isinstance(data, Mapping) else list(data)  # type: ignore[call-overload]
-    memo: dict[int, Any] = {id(o): n for o, n in zip(old, children, strict=True)}
-    memo[id(memo)] = [old]  # deepcopy's own keep-alive entry: the originals live meanwhile
     try:
+        old = list(data.values()) if isinstance(data, Mapping) else list(data)  # type: ignore[call-overload]
+        memo: dict[int, Any] = {id(o): n for o, n in zip(old, children, strict=True)}
+        memo[id(memo)] = [old]  # deepcopy's own keep-alive entry: the originals live meanwhile
+        for value in _attributes(data):  # what is not its items' storage is kept, not copied
+            if id(value) not in memo and not _holds_any(value, memo):  # (a vocabulary: 1 s)
+                memo[id(value)] = value
         return copy.deepcopy(data, memo)
-    except Exception:
+    except Exception:  # (a mapping whose keys repeat gives more values than keys, too)
         return None
+
+
+def _attributes(data: object) -> list[Any]:
+    """The values of ``data``'s own attributes (its ``__dict__`` and slots)."""
+    values = list(getattr(data, "__dict__", {}).values())
+    for klass in type(data).__mro__:
+        for name in getattr(klass, "__slots__", ()):
+            if isinstance(name, str) and hasattr(data, name):
+                values.append(getattr(data, name))
+    return values
+
+
+def _holds_any(value: object, memo: dict[int, Any]) -> bool:
+    """Whether ``value`` is a dict, list or tuple holding one of the items in ``memo``: the
+    storage of a container's items, which its copy must have a copy of."""
+    if isinstance(value, dict):
+        return any(id(v) in memo for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(id(v) in memo for v in value)
+    return False
 
 
 def tensors_in(data: Any, *, as_pinned: bool = False) -> list[torch.Tensor]:

@@ -214,7 +214,7 @@ class EpochIterator(Generic[T_Batch]):
             pipe_seed=self._pipe_seed,
         )
         name = f"aioloader-epoch-{self._number}"
-        await running.run_stages(scope.task_group, epoch, send, recv, name)
+        running.run_stages(scope.task_group, epoch, send, recv, name)
         return recv
 
     async def __anext__(self) -> T_Batch:

@@ -10,7 +10,6 @@ builds samplers (``_loader/loader.py``), hands out batches (``consumer.py``), or
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import threading
@@ -130,6 +129,7 @@ class Scope:
                 stats=state.stats.workers,
                 dataset=dataset,
                 blocks=blocks,
+                start_timeout=plan.arguments.timeout,
             )
         else:
             self.work = ThreadOffload(
@@ -192,7 +192,7 @@ class Running:
         self.shown = shown
         self.closed = False
 
-    async def run_stages(
+    def run_stages(
         self,
         group: anyio.abc.TaskGroup,
         epoch: Epoch,
@@ -200,30 +200,20 @@ class Running:
         recv: HandoffReceive[Any],
         name: str,
     ) -> None:
-        """Run ``epoch``'s stages in ``group``, their output read from ``recv``: started
-        whatever befalls the caller meanwhile (they start at once).
-
-        A caller cancelled in anyio's ``start()`` had them cancelled before they ran, and its
-        next call read their closed output as the epoch's end (found by review: asyncio's own
+        """Run ``epoch``'s stages in ``group``, their output read from ``recv``: started with
+        nothing to await, so that nothing befalling the caller meanwhile cancels them (a caller
+        cancelled in anyio's ``start()`` had them cancelled before they ran, and its next call
+        read their closed output as the epoch's end: found by review; asyncio's own
         cancellation, as ``asyncio.timeout`` around ``anext()`` sends it, reaches through an
-        anyio shield).
-
-        Raises:
-            Exception: The start failed (the scope closing meanwhile).
-        Cancellation: the stages are started first, then the ``CancelledError`` goes on.
+        anyio shield). A scope closing meanwhile runs none: the stream is closed, so the next
+        receive ends the epoch.
         """
-        self.epoch = epoch
-        self.recv = recv
-        starting = asyncio.ensure_future(group.start(epoch.run, out, name=name))
-        cancelled: asyncio.CancelledError | None = None
-        while not starting.done():
-            try:
-                await asyncio.shield(starting)
-            except asyncio.CancelledError as exc:  # ours, or the start's (then done)
-                cancelled = exc
-        starting.result()
-        if cancelled is not None:
-            raise cancelled
+        self.epoch, self.recv = epoch, recv
+        try:
+            group.start_soon(epoch.run, out, name=name)
+        except RuntimeError:  # the group is no longer active: the scope is closing
+            epoch.finished.set()
+            self.close_stream()
 
     def close_stream(self) -> None:
         self.closed = True
@@ -242,9 +232,10 @@ class Running:
         self.close_stream()
         epoch = self.epoch
         if epoch is not None and not epoch.finished.is_set():
-            epoch.cancel_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await epoch.finished.wait()
+            epoch.cancel_scope.cancel()  # one not yet begun ends as it begins
+            if epoch.began:  # (one whose group was cancelled first never will)
+                with anyio.CancelScope(shield=True):
+                    await epoch.finished.wait()
 
 
 def _few_batches_each(plan: LoaderPlan) -> bool:

@@ -138,6 +138,7 @@ class Epoch(TransformStage, OutputStage):
         self._on_device = anyio.Semaphore(device.depth if device is not None else 1)
         self.error: BaseException | None = None
         self.finished = anyio.Event()
+        self.began = False  # its task has run (a task cancelled before it runs never does)
         self.cancel_scope = anyio.CancelScope()
         batched = isinstance(source, MapSource) and source.batched
         self._chunk = config.chunk(batched)
@@ -181,6 +182,7 @@ class Epoch(TransformStage, OutputStage):
         Cancellation: every stage is cancelled and waited for; running transform calls finish
         first (see ``_workers/offload.py``); nothing is left running.
         """
+        self.began = True
         try:
             task_status.started()  # inside the try: from here on, `out` is closed whatever happens
             with self.cancel_scope:

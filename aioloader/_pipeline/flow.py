@@ -7,6 +7,7 @@ byte size of a sample. Never: decides what is sent, or holds data itself.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 from typing import Any
@@ -21,15 +22,11 @@ from .handoff import HandoffSend
 __all__ = ["ByteBudget", "blocked", "get", "nbytes_of", "nbytes_of_all", "put"]
 
 
-# Levels of nested containers counted: a sample or batch that holds itself (a graph with its
-# parents' links) recursed without end (found by review); the bound is a soft one.
-_DEEPEST = 64
-
-
-def nbytes_of(sample: Any, depth: int = 0) -> int:
+def nbytes_of(sample: Any, seen: set[int] | None = None) -> int:
     """Bytes held by a fetched sample, for the ``max_inflight_bytes`` bound: buffers, arrays and
-    tensors count their data; strings their length; containers their members (down to
-    :data:`_DEEPEST` levels); anything else counts 0."""
+    tensors count their data; strings their length; containers their members, each container
+    once (``seen``: the ids of those counted: a sample that holds itself recursed without end,
+    found by review); anything else counts 0."""
     if isinstance(sample, (bytes, bytearray)):
         return len(sample)
     nbytes = _nbytes_attr(sample)  # memoryviews, numpy arrays, torch tensors
@@ -37,31 +34,40 @@ def nbytes_of(sample: Any, depth: int = 0) -> int:
         return nbytes
     if isinstance(sample, str):
         return len(sample)
-    if isinstance(sample, dict):
-        return nbytes_of_all(list(sample.values()), depth + 1)
-    if isinstance(sample, (list, tuple)):
-        return nbytes_of_all(list(sample), depth + 1)
+    if isinstance(sample, dict | list | tuple):  # (subclasses too)
+        seen = set() if seen is None else seen
+        if id(sample) in seen:
+            return 0
+        seen.add(id(sample))
+        members = list(sample.values()) if isinstance(sample, dict) else list(sample)
+        return nbytes_of_all(members, seen)
     return 0
 
 
-def nbytes_of_all(samples: list[Any], depth: int = 0) -> int:
+def nbytes_of_all(samples: list[Any], seen: set[int] | None = None) -> int:
     """``sum(map(nbytes_of, samples))``, with no Python call per sample when the samples are
     all of one kind: numbers (0 each), ``bytes`` or ``str`` (their lengths), arrays or tensors
-    (an ``nbytes`` each), or dicts, lists and tuples, whose members are counted together."""
-    if not samples or depth > _DEEPEST:
+    (an ``nbytes`` each), or dicts, lists and tuples, whose members are counted together (each
+    container once: ``seen``)."""
+    if not samples:
         return 0
     kinds = set(map(type, samples))
     if len(kinds) != 1:
-        return sum(nbytes_of(sample, depth) for sample in samples)
+        return sum(map(nbytes_of, samples, itertools.repeat(set() if seen is None else seen)))
     (kind,) = kinds
     if kind in _NO_BYTES:
         return 0
     if kind in _LENGTH:
         return sum(map(len, samples))
-    if kind is dict:
-        return nbytes_of_all([v for s in samples for v in s.values()], depth + 1)
-    if kind is list or kind is tuple:
-        return nbytes_of_all([v for s in samples for v in s], depth + 1)
+    if kind is dict or kind is list or kind is tuple:
+        if seen is None:  # the top: each sample counts, the same object twice too
+            seen, fresh = set(map(id, samples)), samples
+        else:  # a container met again (a sample that holds itself) counts once
+            fresh = [s for s in samples if id(s) not in seen]
+            seen.update(map(id, fresh))
+        if kind is dict:
+            return nbytes_of_all([v for s in fresh for v in s.values()], seen)
+        return nbytes_of_all([v for s in fresh for v in s], seen)
     if isinstance(_nbytes_attr(samples[0]), int):
         try:
             total = sum(map(_NBYTES, samples))
@@ -70,7 +76,7 @@ def nbytes_of_all(samples: list[Any], depth: int = 0) -> int:
         else:
             if isinstance(total, int):
                 return total
-    return sum(nbytes_of(sample, depth) for sample in samples)
+    return sum(map(nbytes_of, samples, itertools.repeat(set() if seen is None else seen)))
 
 
 def _nbytes_attr(sample: Any) -> object:

@@ -9,19 +9,58 @@ worker, or stops one (``processes.py`` does).
 from __future__ import annotations
 
 import errno
+import math
 import signal
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
-from .._base.exceptions import WorkerCrashed
+from .._base.exceptions import LoaderTimeout, WorkerCrashed, first_leaf
 from .._base.recorders import WorkerRecorder
 from . import fdpass
 from .children import blocking, exits
 from .descriptors import out_of_descriptors, too_many_open_files
 from .starting import Worker
 
-__all__ = ["crashed", "died", "mark_dead", "read_reply"]
+__all__ = ["crashed", "died", "mark_dead", "read_reply", "ready"]
+
+
+async def ready(
+    workers: Sequence[Worker],
+    stats: WorkerRecorder,
+    timeout: float = 0.0,  # noqa: ASYNC109 (the error of its timeout names those not ready)
+) -> None:
+    """Wait until each of ``workers``, just started, has said it is ready (its pid, once
+    ``worker_init_fn`` ran), within ``timeout`` seconds (0: no limit).
+
+    Raises:
+        LoaderTimeout: Some had not within ``timeout``: named (a hanging ``worker_init_fn``
+            held the first batch for ever, where torch's ``timeout`` fires: found by review).
+        WorkerCrashed: One died first.
+        Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
+    """
+    waiting = {worker.id for worker in workers}
+
+    async def one(worker: Worker) -> None:
+        ok, value = await read_reply(worker, stats)
+        if not ok:
+            raise value
+        worker.pid = value
+        waiting.discard(worker.id)
+
+    try:
+        with anyio.fail_after(timeout or math.inf):
+            async with anyio.create_task_group() as tg:
+                for worker in workers:
+                    tg.start_soon(one, worker)
+    except TimeoutError:
+        raise LoaderTimeout(
+            f"DataLoader timed out after {timeout} seconds: worker(s) {sorted(waiting)} had not "
+            "finished starting (worker_init_fn)"
+        ) from None
+    except Exception as group:
+        raise first_leaf(group) from None
 
 
 async def read_reply(worker: Worker, stats: WorkerRecorder) -> tuple[bool, Any]:

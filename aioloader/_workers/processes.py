@@ -37,7 +37,7 @@ from .._base.recorders import WorkerRecorder
 from . import fdpass
 from .children import exits, hang_up, remove_left_segments
 from .descriptors import JobNotTaken
-from .incoming import crashed, mark_dead, read_reply
+from .incoming import crashed, mark_dead, read_reply, ready
 from .ledger import LEDGER
 from .outgoing import Job, Outgoing, pickle_job
 from .procview import WorkerProcess
@@ -73,6 +73,9 @@ class ProcessWorkers:
             worker starts), or None.
         blocks: Results come back in blocks each worker reuses (``blocks.py``: for a device
             stage that copies out of them), not in a new shared-memory segment each.
+        start_timeout: Seconds the started workers may take to run ``worker_init_fn`` (the
+            loader's ``timeout``, as torch's first batch waits for its workers' start); 0: no
+            limit.
     """
 
     def __init__(
@@ -86,8 +89,10 @@ class ProcessWorkers:
         stats: WorkerRecorder,
         dataset: object = None,
         blocks: bool = False,
+        start_timeout: float = 0.0,
     ) -> None:
         self.concurrency = workers
+        self.start_timeout = start_timeout
         self.blocks = blocks
         self.per_worker = True  # each worker a process with its own copy (``_pool.WorkerPool``)
         # A lane's next job waits in its worker's pipe (queued.py): two jobs at once, as torch's
@@ -105,26 +110,21 @@ class ProcessWorkers:
 
     # -- life ------------------------------------------------------------------------------------
 
-    async def _ready(self, worker: Worker) -> None:
-        ok, value = await read_reply(worker, self._stats)
-        if not ok:
-            raise value  # worker_init_fn failed, with the worker's traceback in a note
-        worker.pid = value
-
     async def start(self) -> None:
         """Start every worker and wait until each has run ``worker_init_fn``.
 
         Raises:
             WorkerCrashed: A worker died while starting.
+            LoaderTimeout: Not every worker had run ``worker_init_fn`` within
+                ``start_timeout`` (a hanging one held the first batch for ever: found by
+                review; torch's times out).
             Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
         """
         started = time.perf_counter()
         self._order = [anyio.Lock() for _ in range(self.concurrency)]
         self._slots.now = await self._starts.together(range(self.concurrency))
         try:
-            async with anyio.create_task_group() as tg:
-                for worker in self._slots.now:
-                    tg.start_soon(self._ready, worker)
+            await ready(self._slots.now, self._stats, self.start_timeout)
         except Exception as group:
             error = first_leaf(group)
             if isinstance(error, WorkerCrashed):
@@ -145,7 +145,7 @@ class ProcessWorkers:
         await self._stop(worker, grace=0.0)
         [fresh] = await self._starts.together([worker.id])
         try:
-            await self._ready(fresh)
+            await ready([fresh], self._stats)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._stop(fresh, grace=0.0)
@@ -199,8 +199,9 @@ class ProcessWorkers:
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for worker in self._slots.now:
-                    if not worker.stopped:
-                        tg.start_soon(lambda w: self._stop(w, grace=_STOP_GRACE), worker)
+                    if not worker.stopped:  # (one not yet ready, its pid unsaid, has no job)
+                        grace = _STOP_GRACE if worker.pid else 0.0
+                        tg.start_soon(lambda w, g: self._stop(w, grace=g), worker, grace)
         self._slots.close()
 
     def processes(self) -> list[WorkerProcess]:

@@ -3,6 +3,7 @@ leaving the scope in any way leaves no task, thread or file descriptor behind an
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -268,3 +269,22 @@ def test_next_on_an_iterator_whose_scope_ended_stops_as_torchs(ending: str) -> N
     for _ in range(2):
         with pytest.raises(StopIteration):
             next(it)
+
+
+async def test_an_iteration_begun_as_the_scope_closes_ends_and_closes() -> None:
+    # Its stages' start came a loop turn after the group went inactive: the consumer got
+    # anyio's "task group is not active", and its aclose() never returned.
+    loader = aioloader.DataLoader(Counting(32), batch_size=4)
+    held: dict[str, Any] = {}
+
+    async def consume() -> int:
+        it = held["it"] = aiter(loader)
+        return len([b async for b in it])
+
+    async with loader:
+        task = asyncio.ensure_future(consume())
+    assert await task == 0
+    with anyio.fail_after(5):
+        await held["it"].aclose()
+    async with loader:  # the loader is whole
+        assert flat([b async for b in loader]) == list(range(32))

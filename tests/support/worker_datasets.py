@@ -678,3 +678,9 @@ class CountsItsCalls:
     def __call__(self, batch: list[int]) -> tuple[int, int, int]:
         self.calls += 1
         return os.getpid(), id(self), self.calls
+
+
+def worker_1_hangs(worker_id: int) -> None:
+    """A ``worker_init_fn`` that hangs in worker 1 (a lock, a stuck mount)."""
+    if worker_id == 1:
+        time.sleep(60)

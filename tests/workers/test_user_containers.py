@@ -176,3 +176,65 @@ def test_the_walk_rebuilds_a_type_of_the_user_s_around_the_new_values_only() -> 
     assert type(moved) is Sample and moved["image"].tolist() == [1.0, 1.0]
     assert sample["image"].tolist() == [0.0, 0.0]  # the original's own dict untouched
     assert moved["meta"] is sample["meta"]  # what did not change is shared, not copied
+
+
+def twice_linked(samples: list[torch.Tensor]) -> list[dict[str, Any]]:
+    nodes: list[dict[str, Any]] = []
+    nodes += [{"x": torch.stack(samples), "graph": nodes}, {"x": torch.ones(2), "graph": nodes}]
+    return nodes
+
+
+def test_a_batch_linked_to_itself_twice_is_counted_once_each() -> None:
+    # A depth bound on the count made it grow as 3 ** (depth / 2): the loader hung.
+    from aioloader._pipeline.flow import nbytes_of
+
+    nodes = twice_linked([torch.zeros(4)])
+    assert nbytes_of(nodes) == 4 * 4 + 2 * 4
+    loader = aioloader.DataLoader(Rows(), batch_size=2, collate_fn=twice_linked)
+    assert [b[0]["x"][:, 0].tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def counter(samples: list[torch.Tensor]) -> Any:
+    from collections import Counter
+
+    return Counter(a=torch.stack(samples), b=torch.ones(2))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_counter_batch_is_not_added_to_itself(workers: int) -> None:
+    # Rebuilt with update(), which a Counter adds with: every tensor doubled
+    theirs = [
+        dict(b)
+        for b in tud.DataLoader(Rows(), batch_size=2, num_workers=workers, collate_fn=counter)
+    ]
+    ours = [
+        dict(b)
+        for b in aioloader.DataLoader(Rows(), batch_size=2, num_workers=workers, collate_fn=counter)
+    ]
+    assert [{k: v.tolist() for k, v in b.items()} for b in ours] == [
+        {k: v.tolist() for k, v in b.items()} for b in theirs
+    ]
+
+
+class Vocabulary(Mapping[str, torch.Tensor]):
+    """Read-only, with a large attribute beside its items."""
+
+    def __init__(self, vocab: dict[str, int], **items: torch.Tensor) -> None:
+        self.vocab = vocab
+        self._d = items
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def test_a_rebuilt_container_shares_what_is_not_its_items_storage() -> None:
+    # Its vocabulary was deep-copied at every rebuild (1 s for 200k entries)
+    vocab = {str(i): i for i in range(1000)}
+    moved = map_tensors(lambda t: t + 1, Vocabulary(vocab, x=torch.zeros(1)))
+    assert type(moved) is Vocabulary and moved.vocab is vocab and moved["x"].tolist() == [1.0]

@@ -221,3 +221,14 @@ def test_no_pin_memory_thread_where_torchs_iterator_has_none() -> None:
         it = iter(loader)
         assert not hasattr(it, "_pin_memory_thread"), loader_class
         assert len(list(it)) == 2
+
+
+def test_timeout_covers_a_worker_init_fn_that_hangs_as_torchs_does() -> None:
+    # It held the first batch for as long as it hung; torch's raised after `timeout`.
+    loader = aioloader.DataLoader(
+        list(range(8)), batch_size=2, num_workers=2, worker_init_fn=wd.worker_1_hangs, timeout=1
+    )
+    began = time.monotonic()
+    with pytest.raises(aioloader.LoaderTimeout, match=r"after 1 seconds: worker\(s\) \[1\]"):
+        list(loader)
+    assert time.monotonic() - began < 4  # the hanging worker is not given a grace to finish
