@@ -196,7 +196,7 @@ class PlainIterator(Generic[T_Batch]):
         except BaseException as exc:
             closed = self._session.closed  # the loader's scope ended: this epoch with it
             if not isinstance(exc, Exception) or closed:
-                self.close()  # KeyboardInterrupt and the like: the epoch stops here
+                self._close_now(hurry=not isinstance(exc, Exception))
             # Stopped meanwhile, by a later iter() on another thread or by the scope's end:
             # said as on this one, whatever the closing left this call with (a cancelled call,
             # a closed portal or loop: "Event loop is closed" came out, found by review).
@@ -302,6 +302,18 @@ class PlainIterator(Generic[T_Batch]):
         finally:
             if self._owned:
                 session.close()
+
+    def _close_now(self, *, hurry: bool) -> None:
+        """:meth:`close`; with ``hurry`` (a KeyboardInterrupt: Ctrl-C waited 5 s, and a second
+        was lost, found by review), the worker processes' cancelled jobs are given no grace."""
+        pool = self._scope.process_pool() if hurry and self._scope is not None else None
+        if pool is not None:
+            pool.hurried = True
+        try:
+            self.close()
+        finally:
+            if pool is not None:
+                pool.hurried = False
 
     def __del__(self) -> None:
         if getattr(self, "_done", True):

@@ -29,6 +29,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from .._base.exceptions import LoaderStateError
+from .._workers.children import EXITING
 from .._workers.serverstart import prepare_forkserver
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ _hooked = False
 
 
 def _close_all_at_exit() -> None:
+    EXITING.set()
     for session in list(_open):
         with contextlib.suppress(Exception):
             session.close()

@@ -13,14 +13,18 @@ import multiprocessing.process
 import os
 import signal
 import socket
+import threading
 from multiprocessing.connection import Connection
 
 import anyio
 import torch.multiprocessing
 
-__all__ = ["blocking", "exits", "hang_up", "hold_signals", "remove_left_segments"]
+__all__ = ["EXITING", "blocking", "exits", "hang_up", "hold_signals", "remove_left_segments"]
 
 _SHM = "/dev/shm"
+#: Set as the interpreter exits: no worker is reused, so a cancelled job's is stopped at once
+#: (its reply would be read by no one, and the exit waited 5 s for it: found by review).
+EXITING = threading.Event()
 
 
 def hold_signals() -> frozenset[int]:

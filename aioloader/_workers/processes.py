@@ -35,7 +35,7 @@ import anyio
 from .._base.exceptions import WorkerCrashed, first_leaf, worker_error
 from .._base.recorders import WorkerRecorder
 from . import fdpass
-from .children import exits, hang_up, remove_left_segments
+from .children import EXITING, exits, hang_up, remove_left_segments
 from .descriptors import JobNotTaken
 from .incoming import crashed, mark_dead, read_reply, ready
 from .ledger import LEDGER
@@ -91,8 +91,8 @@ class ProcessWorkers:
         blocks: bool = False,
         start_timeout: float = 0.0,
     ) -> None:
-        self.concurrency = workers
-        self.start_timeout = start_timeout
+        self.concurrency, self.start_timeout = workers, start_timeout
+        self.hurried = False  # stopping for good (a KeyboardInterrupt): cancelled jobs get no grace
         self.blocks = blocks
         self.per_worker = True  # each worker a process with its own copy (``_pool.WorkerPool``)
         # A lane's next job waits in its worker's pipe (queued.py): two jobs at once, as torch's
@@ -382,7 +382,8 @@ class ProcessWorkers:
                 return False
             if not worker.alive:
                 return False
-            with anyio.move_on_after(CANCEL_GRACE) as grace:
+            hurry = self.hurried or EXITING.is_set()  # (Ctrl-C or an exit waited 5 s: review)
+            with anyio.move_on_after(0.0 if hurry else CANCEL_GRACE) as grace:
                 read = await self._dropped(worker)
             if grace.cancelled_caught:  # still busy: don't let it run on unseen
                 await self._stop(worker, grace=0.0)

@@ -232,3 +232,28 @@ def test_timeout_covers_a_worker_init_fn_that_hangs_as_torchs_does() -> None:
     with pytest.raises(aioloader.LoaderTimeout, match=r"after 1 seconds: worker\(s\) \[1\]"):
         list(loader)
     assert time.monotonic() - began < 4  # the hanging worker is not given a grace to finish
+
+
+def test_ctrl_c_in_a_plain_for_stops_a_busy_worker_at_once() -> None:
+    # Its job was given the 5 s grace a cancelled job gets where its worker may be reused;
+    # torch's loop stops at once (and a second Ctrl-C was lost meanwhile).
+    import threading
+
+    from tests.support.helpers import TorchMap
+
+    loader = aioloader.DataLoader(TorchMap(4, delay=10.0), batch_size=1, num_workers=1)
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
+    began = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in loader:
+                pass
+    finally:
+        timer.cancel()
+    assert time.monotonic() - began < 4
+    assert [
+        b.tolist() for b in aioloader.DataLoader(list(range(4)), batch_size=2, num_workers=1)
+    ] == [[0, 1], [2, 3]]
