@@ -15,8 +15,11 @@ from typing import Any
 
 import pytest
 import webdataset as wds
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from aioloader.sources import CorruptShardError, tar_shards
+from aioloader.sources._braces import expand_braces
 from tests.sources.test_tar import collect
 
 
@@ -122,3 +125,39 @@ async def test_a_corrupt_compressed_shard_is_named(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptShardError, match=r"bad\.tar\.gz"):
         await collect(tar_shards([path]))
+
+
+# -- shard lists, as webdataset expands them (braceexpand, and "::" between patterns) ---------
+
+_words = st.text(alphabet="abc09", min_size=1, max_size=3)
+
+
+@st.composite
+def _ranges(draw: st.DrawFn) -> str:
+    first, last = draw(st.integers(0, 30)), draw(st.integers(0, 30))
+    width = draw(st.sampled_from([0, 2, 3]))
+    step = draw(st.one_of(st.none(), st.integers(1, 4)))
+    text = f"{first:0{width}d}..{last:0{width}d}" + ("" if step is None else f"..{step}")
+    return "{" + text + "}"
+
+
+_pieces = st.one_of(
+    st.text(alphabet="ab/_-.", max_size=4),
+    st.sampled_from(["\\{", "\\}"]),  # literal braces
+    _ranges(),
+    st.lists(_words, min_size=2, max_size=3).map(lambda ws: "{" + ",".join(ws) + "}"),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    patterns=st.lists(
+        st.lists(_pieces, min_size=1, max_size=4).map("".join), min_size=1, max_size=3
+    )
+)
+def test_a_shard_pattern_names_what_webdataset_expands_it_to(patterns: list[str]) -> None:
+    # "a-{0..1}.tar::b-{0..1}.tar" (OpenCLIP's lists) was one name, a step range an error,
+    # and an escaped brace expanded
+    pattern = "::".join(patterns)
+    assume(all(patterns) and "::" not in "".join(patterns))
+    assert expand_braces(pattern) == wds.shardlists.expand_urls(pattern)
