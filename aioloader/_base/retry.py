@@ -13,6 +13,8 @@ from .exceptions import TransientError
 
 __all__ = ["RetryPolicy"]
 
+_MOST_ASKED = 60.0  # seconds: the longest a failure's own retry_after is waited
+
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
@@ -21,6 +23,8 @@ class RetryPolicy:
     The delay before attempt ``k + 1`` (after the ``k``-th failure) is drawn uniformly from
     ``[0, min(max_backoff, initial_backoff * multiplier ** (k - 1))]`` when ``jitter`` is on (full
     jitter, so a burst of failures does not retry in lockstep), or is that bound exactly when off.
+    A failure that says how long to wait (a ``retry_after`` attribute in seconds: an HTTP
+    error's ``Retry-After``, on a 429 or a 503) waits at least that long, up to a minute.
 
     Args:
         attempts: Attempts in all, the first included (1 means no retry).
@@ -61,6 +65,16 @@ class RetryPolicy:
     def should_retry(self, exc: BaseException, failures: int) -> bool:
         """Whether to try again after the ``failures``-th failed attempt ended with ``exc``."""
         return failures < self.attempts and isinstance(exc, self.retry_on)
+
+    def delay(self, exc: BaseException, failures: int, rng: random.Random) -> float:
+        """Seconds to wait after the ``failures``-th failure, ``exc``: :meth:`backoff`, or
+        what ``exc`` asks (its ``retry_after``) where longer, up to a minute (found by review:
+        a throttling server's 429s used up every attempt within its ``Retry-After``)."""
+        wait = self.backoff(failures, rng)
+        asked = getattr(exc, "retry_after", None)
+        if isinstance(asked, int | float) and not isinstance(asked, bool) and asked > wait:
+            return float(min(asked, _MOST_ASKED))
+        return wait
 
     def backoff(self, failures: int, rng: random.Random) -> float:
         """Seconds to wait after the ``failures``-th failure (``failures >= 1``)."""

@@ -145,7 +145,7 @@ class Attempts:
                 raise self.failed(error, key, seq)
             self._rec.retries += 1
             logger.debug("aioloader: retrying %r after %r", key, error)
-            await anyio.sleep(retry.backoff(failures, self._rng))
+            await anyio.sleep(retry.delay(error, failures, self._rng))
 
     async def _call(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """One attempt under the per-sample timeout (no cancel scope when there is none).

@@ -138,7 +138,7 @@ def _retrying(
                 if failures > 1:
                     exc.add_note(f"aioloader: gave up after {failures} attempts")
                 raise
-            time.sleep(retry.backoff(failures, rng))
+            time.sleep(retry.delay(exc, failures, rng))
 
 
 def run_indices(

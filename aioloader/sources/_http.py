@@ -353,7 +353,7 @@ class UrlDataset(AsyncDataset[bytes]):
                 error, cause = client_error(exc, raw, where, self.timeout), exc
             else:
                 if not 200 <= status < 300:
-                    raise status_error(status, reason, raw, where)
+                    raise status_error(status, reason, raw, where, resp_headers.get("Retry-After"))
                 encoding = resp_headers.get("Content-Encoding", "identity").lower()
                 if expected is not None and encoding == "identity" and len(data) != expected:
                     raise HTTPConnectionError(

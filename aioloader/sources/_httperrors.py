@@ -15,6 +15,8 @@ show them.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import re
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -107,12 +109,18 @@ class HTTPStatusError(AioLoaderError):
     Attributes:
         status: The HTTP status.
         url: The URL asked for, redacted (no user info, query string or fragment).
+        retry_after: Seconds the server asked to wait before asking again (its
+            ``Retry-After``, as seconds or a date), or None; a :class:`~aioloader.RetryPolicy`
+            waits at least that long.
     """
 
-    def __init__(self, message: str, *, status: int, url: str) -> None:
+    def __init__(
+        self, message: str, *, status: int, url: str, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.url = url
+        self.retry_after = retry_after
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
@@ -199,15 +207,36 @@ def client_error(exc: BaseException, raw: str, where: str, timeout: float) -> Ex
     return HTTPConnectionError(f"connection failed for {where}: {_describe(exc, raw)}", url=url)
 
 
-def status_error(status: int, reason: str | None, raw: str, where: str) -> HTTPStatusError:
+def status_error(
+    status: int, reason: str | None, raw: str, where: str, retry_after: str | None = None
+) -> HTTPStatusError:
     """The error for a non-2xx answer: :class:`TransientHTTPError` for the statuses worth
-    retrying, :class:`HTTPStatusError` otherwise. A reason phrase that echoes a secret of ``raw``
-    is left out."""
+    retrying, :class:`HTTPStatusError` otherwise, with the seconds its ``Retry-After`` header
+    asks for. A reason phrase that echoes a secret of ``raw`` is left out."""
     kind = TransientHTTPError if status in TRANSIENT_STATUSES else HTTPStatusError
     if reason and (any(s in reason for s in _secrets_of(raw)) or _names_secret_url(reason)):
         reason = None  # a server that echoes the URL in its reason phrase
     text = f"HTTP {status} {reason or ''}".rstrip()
-    return kind(f"{text} from {where}", status=status, url=redact_url(raw))
+    error = kind(f"{text} from {where}", status=status, url=redact_url(raw))
+    error.retry_after = _seconds_after(retry_after)
+    return error
+
+
+def _seconds_after(header: str | None) -> float | None:
+    """A ``Retry-After`` value in seconds from now: delta-seconds or an HTTP-date (RFC 9110);
+    None for none or one that does not parse."""
+    if not header:
+        return None
+    header = header.strip()
+    if header.isdigit():
+        return float(header)
+    try:
+        when = email.utils.parsedate_to_datetime(header)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
 
 
 def _describe(exc: BaseException, raw_url: str) -> str:

@@ -132,7 +132,9 @@ class HTTPReader:
     def _check(self, resp: aiohttp.ClientResponse, offset: int) -> int:
         """How many leading bytes of this answer to skip; raise for an answer that is no use."""
         if not 200 <= resp.status < 300:
-            raise status_error(resp.status, resp.reason, self._raw, self.name)
+            raise status_error(
+                resp.status, resp.reason, self._raw, self.name, resp.headers.get("Retry-After")
+            )
         etag = resp.headers.get("ETag")
         if offset == 0:
             self._etag = etag
@@ -271,7 +273,7 @@ async def resumable(
                 raise
             if on_retry is not None:
                 on_retry()
-            await anyio.sleep(retry.backoff(failures, rng))
+            await anyio.sleep(retry.delay(exc, failures, rng))
         else:
             return
 

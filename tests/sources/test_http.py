@@ -6,9 +6,12 @@ session's lifetime."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gc
 import logging
 import pickle
+import random
+import time
 import traceback
 import warnings
 from typing import Any
@@ -99,6 +102,37 @@ async def test_fetches_wait_for_no_connection_so_sample_timeout_times_the_reques
         assert [n async for n in loader] == [8, 8, 8]
     assert sum(fault_server.requests.values()) == 24 and fault_server.max_active <= 4
     assert loader.statistics().stage("fetch").limit == 4
+
+
+async def test_a_throttling_server_s_retry_after_is_waited(fault_server: FaultServer) -> None:
+    # Its 429s used up every attempt within its Retry-After (0.05, 0.08, 0.17 s).
+    fault_server.plan.retry_after = "1"
+    fault_server.plan.once(fault_server.path(0), Fault.S429)
+    ds = aioloader.sources.urls([fault_server.url(0)])
+    loader = aioloader.DataLoader(ds, batch_size=None, retry=aioloader.RetryPolicy(attempts=2))
+    began = time.monotonic()
+    async with loader:
+        assert [len(item) async for item in loader] == [len(body(0))]
+    assert time.monotonic() - began >= 1.0 and fault_server.requests[fault_server.path(0)] == 2
+
+
+def test_retry_after_is_read_as_seconds_or_a_date() -> None:
+    from email.utils import format_datetime
+
+    from aioloader.sources._httperrors import status_error
+
+    later = format_datetime(datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=30))
+    asked = [
+        status_error(429, None, "http://h/x", "x", header).retry_after
+        for header in ("7", later, "soon", None)
+    ]
+    assert asked[0] == 7.0 and asked[1] is not None and 25 < asked[1] <= 30
+    assert asked[2:] == [None, None]
+    policy = aioloader.RetryPolicy(max_backoff=0.1)
+    rng = random.Random(0)
+    error = status_error(503, None, "http://h/x", "x", "600")
+    assert policy.delay(error, 1, rng) == 60.0  # asked for, up to a minute
+    assert policy.delay(ValueError(), 1, rng) <= 0.1
 
 
 async def test_retries_run_out_on_a_path_that_always_503s(fault_server: FaultServer) -> None:

@@ -60,7 +60,7 @@ class Fault(enum.StrEnum):
     S403 = "403"  #: 403 Forbidden
     S404 = "404"  #: 404 Not Found
     S412 = "412"  #: 412 Precondition Failed
-    S429 = "429"  #: 429 Too Many Requests (with ``Retry-After: 0``)
+    S429 = "429"  #: 429 Too Many Requests (with ``Retry-After``: ``FaultPlan.retry_after``)
     S500 = "500"  #: 500 Internal Server Error
     S503 = "503"  #: 503 Service Unavailable
     RESET = "reset"  #: the connection is aborted before any byte of the response
@@ -86,6 +86,7 @@ class FaultPlan:
         ignore_range: Answer ``Range`` requests with 200 and the whole body.
         ignore_if_range: Honour ``Range`` even when ``If-Range`` names another ETag.
         no_etag: Send no ``ETag`` (and so no validator a client could send back).
+        retry_after: The ``Retry-After`` of a 429 (seconds, or an HTTP-date).
     """
 
     p: float = 0.0
@@ -96,6 +97,7 @@ class FaultPlan:
     ignore_range: bool = False
     ignore_if_range: bool = False
     no_etag: bool = False
+    retry_after: str = "0"
     _queued: dict[str, deque[Fault]] = field(default_factory=dict)
     _always: dict[str, Fault] = field(default_factory=dict)
 
@@ -234,7 +236,8 @@ class FaultServer:
         self, request: web.Request, fault: Fault, handler: Handler
     ) -> web.StreamResponse:
         if fault is Fault.S429:
-            return web.Response(status=429, text="slow down", headers={"Retry-After": "0"})
+            headers = {"Retry-After": self.plan.retry_after}
+            return web.Response(status=429, text="slow down", headers=headers)
         if fault.value.isdigit():
             return web.Response(status=int(fault), text=f"injected {fault}")
         if fault is Fault.STALL:
