@@ -16,6 +16,7 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
 # A brace written ``\{`` or ``\}`` is a literal one (braceexpand's rule, which webdataset uses)
 _ESCAPED = {"\\{": "\ue000", "\\}": "\ue001"}
 _MAX_NAMES = 10_000_000
+_LIST = re.compile(r"::(?![^\[]*\])")  # "::" between patterns, not in an IPv6 host: [::1]
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -33,8 +34,8 @@ def expand_braces(pattern: str) -> list[str]:
             list, or the pattern names more than ten million shards; the message quotes the
             pattern.
     """
-    if "::" in pattern:
-        return [name for part in pattern.split("::") for name in expand_braces(part)]
+    if "::" in pattern and len(parts := _LIST.split(pattern)) > 1:
+        return [name for part in parts for name in expand_braces(part)]
     given = pattern
     for escaped, held in _ESCAPED.items():
         pattern = pattern.replace(escaped, held)

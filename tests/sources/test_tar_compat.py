@@ -161,3 +161,12 @@ def test_a_shard_pattern_names_what_webdataset_expands_it_to(patterns: list[str]
     pattern = "::".join(patterns)
     assume(all(patterns) and "::" not in "".join(patterns))
     assert expand_braces(pattern) == wds.shardlists.expand_urls(pattern)
+
+
+def test_an_ipv6_host_is_not_a_list_of_patterns() -> None:
+    # webdataset splits "http://[::1]/x.tar" in three: its "::" is the host's
+    assert expand_braces("http://[::1]:8000/a-{0..1}.tar::http://[fe80::2]/b.tar") == [
+        "http://[::1]:8000/a-0.tar",
+        "http://[::1]:8000/a-1.tar",
+        "http://[fe80::2]/b.tar",
+    ]
