@@ -305,7 +305,10 @@ class PlainIterator(Generic[T_Batch]):
 
     def _close_now(self, *, hurry: bool) -> None:
         """:meth:`close`; with ``hurry`` (a KeyboardInterrupt: Ctrl-C waited 5 s, and a second
-        was lost, found by review), the worker processes' cancelled jobs are given no grace."""
+        was lost, found by review), the worker processes' cancelled jobs are given no grace
+        where the workers end with this iterator (persistent ones are kept: a caught Ctrl-C
+        must not restart them, nor run ``worker_init_fn`` again)."""
+        hurry = hurry and self._owned and self._scope is not None
         pool = self._scope.process_pool() if hurry and self._scope is not None else None
         if pool is not None:
             pool.hurried = True

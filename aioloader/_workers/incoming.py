@@ -32,15 +32,18 @@ async def ready(
     timeout: float = 0.0,  # noqa: ASYNC109 (the error of its timeout names those not ready)
 ) -> None:
     """Wait until each of ``workers``, just started, has said it is ready (its pid, once
-    ``worker_init_fn`` ran), within ``timeout`` seconds (0: no limit).
+    ``worker_init_fn`` ran), each within ``timeout`` seconds (0: no limit) of the start or of
+    the one before it, as torch's ``timeout`` gives each batch its own wait.
 
     Raises:
-        LoaderTimeout: Some had not within ``timeout``: named (a hanging ``worker_init_fn``
-            held the first batch for ever, where torch's ``timeout`` fires: found by review).
+        LoaderTimeout: None said so for ``timeout`` seconds: those not ready are named (a
+            hanging ``worker_init_fn`` held the first batch for ever, where torch's ``timeout``
+            fires: found by review).
         WorkerCrashed: One died first.
         Exception: ``worker_init_fn`` raised (original type, worker traceback in a note).
     """
     waiting = {worker.id for worker in workers}
+    deadline = anyio.CancelScope(deadline=anyio.current_time() + (timeout or math.inf))
 
     async def one(worker: Worker) -> None:
         ok, value = await read_reply(worker, stats)
@@ -48,12 +51,15 @@ async def ready(
             raise value
         worker.pid = value
         waiting.discard(worker.id)
+        deadline.deadline = anyio.current_time() + (timeout or math.inf)  # progress: a new wait
 
     try:
-        with anyio.fail_after(timeout or math.inf):
+        with deadline:
             async with anyio.create_task_group() as tg:
                 for worker in workers:
                     tg.start_soon(one, worker)
+        if deadline.cancelled_caught:
+            raise TimeoutError
     except TimeoutError:
         raise LoaderTimeout(
             f"DataLoader timed out after {timeout} seconds: worker(s) {sorted(waiting)} had not "

@@ -228,7 +228,7 @@ def _seconds_after(header: str | None) -> float | None:
     if not header:
         return None
     header = header.strip()
-    if header.isdigit():
+    if header.isascii() and header.isdigit():  # ("²".isdigit(): found by review)
         return float(header)
     try:
         when = email.utils.parsedate_to_datetime(header)

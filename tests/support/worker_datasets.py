@@ -684,3 +684,9 @@ def worker_1_hangs(worker_id: int) -> None:
     """A ``worker_init_fn`` that hangs in worker 1 (a lock, a stuck mount)."""
     if worker_id == 1:
         time.sleep(60)
+
+
+def staggered_start(worker_id: int) -> None:
+    """Worker ``i``'s ``worker_init_fn`` takes ``1.8 * (i + 1)`` seconds: each within a 3 s
+    ``timeout`` of the one before, both of them not."""
+    time.sleep(1.8 * (worker_id + 1))

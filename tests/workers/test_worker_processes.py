@@ -257,3 +257,39 @@ def test_ctrl_c_in_a_plain_for_stops_a_busy_worker_at_once() -> None:
     assert [
         b.tolist() for b in aioloader.DataLoader(list(range(4)), batch_size=2, num_workers=1)
     ] == [[0, 1], [2, 3]]
+
+
+def test_timeout_gives_each_worker_s_start_its_own_wait_as_torch_each_batch() -> None:
+    # One deadline for both starts failed where torch's loop (each batch within `timeout`
+    # of the one before) goes through.
+    loader = aioloader.DataLoader(
+        list(range(4)), batch_size=2, num_workers=2, worker_init_fn=wd.staggered_start, timeout=3
+    )
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+
+def test_a_caught_ctrl_c_keeps_persistent_workers() -> None:
+    # The hurried close killed them (their replies were waiting), and worker_init_fn ran again.
+    import threading
+
+    from tests.support.helpers import TorchMap
+
+    loader = aioloader.DataLoader(
+        TorchMap(4, delay=0.5), batch_size=1, num_workers=1, persistent_workers=True
+    )
+    it = iter(loader)
+    pids = [w.pid for w in it._workers]
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+            next(it)
+    finally:
+        timer.cancel()
+    again = iter(loader)
+    assert [b.item() for b in again] == [0, 1, 2, 3]
+    assert [w.pid for w in again._workers] == pids
+    loader.close()
