@@ -234,26 +234,34 @@ def test_timeout_covers_a_worker_init_fn_that_hangs_as_torchs_does() -> None:
     assert time.monotonic() - began < 4  # the hanging worker is not given a grace to finish
 
 
+class _CtrlCWhileWaiting:
+    """Stands for a plain iterator's queue of replies: its ``get`` (the caller waiting for a
+    batch) is interrupted after ``after`` seconds, as Ctrl-C interrupts that wait, whatever the
+    machine's load (a real SIGINT's timing made the test flaky under CI's load)."""
+
+    def __init__(self, replies: Any, after: float) -> None:
+        self.replies, self.after = replies, after
+
+    def put(self, item: Any) -> None:
+        self.replies.put(item)
+
+    def get(self) -> Any:
+        time.sleep(self.after)
+        raise KeyboardInterrupt
+
+
 def test_ctrl_c_in_a_plain_for_stops_a_busy_worker_at_once() -> None:
     # Its job was given the 5 s grace a cancelled job gets where its worker may be reused;
     # torch's loop stops at once (and a second Ctrl-C was lost meanwhile).
-    import threading
-
     from tests.support.helpers import TorchMap
 
     loader = aioloader.DataLoader(TorchMap(4, delay=10.0), batch_size=1, num_workers=1)
-    main = threading.main_thread().ident
-    assert main is not None
-    timer = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
+    it = iter(loader)
+    it._replies = _CtrlCWhileWaiting(it._replies, after=1.0)  # type: ignore[attr-defined]
     began = time.monotonic()
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            for _ in loader:
-                pass
-    finally:
-        timer.cancel()
-    assert time.monotonic() - began < 4
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert time.monotonic() - began < 4  # 1 s of waiting, then no grace
     assert [
         b.tolist() for b in aioloader.DataLoader(list(range(4)), batch_size=2, num_workers=1)
     ] == [[0, 1], [2, 3]]
@@ -270,26 +278,19 @@ def test_timeout_gives_each_worker_s_start_its_own_wait_as_torch_each_batch() ->
 
 def test_a_caught_ctrl_c_keeps_persistent_workers() -> None:
     # The hurried close killed them (their replies were waiting), and worker_init_fn ran again.
-    import threading
-
     from tests.support.helpers import TorchMap
 
     loader = aioloader.DataLoader(
         TorchMap(4, delay=0.5), batch_size=1, num_workers=1, persistent_workers=True
     )
-    it = iter(loader)
-    pids = [w.pid for w in it._workers]
-    main = threading.main_thread().ident
-    assert main is not None
-    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
     try:
+        it = iter(loader)
+        pids = [w.pid for w in it._workers]
+        it._replies = _CtrlCWhileWaiting(it._replies, after=0.2)  # type: ignore[attr-defined]
         with pytest.raises(KeyboardInterrupt):
             next(it)
-            next(it)
+        again = iter(loader)
+        assert [b.item() for b in again] == [0, 1, 2, 3]
+        assert [w.pid for w in again._workers] == pids
     finally:
-        timer.cancel()
-    again = iter(loader)
-    assert [b.item() for b in again] == [0, 1, 2, 3]
-    assert [w.pid for w in again._workers] == pids
-    loader.close()
+        loader.close()
