@@ -192,13 +192,14 @@ def _map_items(
 def _rebuild_mapping(data: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
     if type(data) is dict:
         return values
-    if not _copies_itself(data):
+    copies_itself = _copies_itself(data)
+    if not copies_itself:
         rebuilt = _copied_around(data, values.values())
         with contextlib.suppress(Exception):
             if rebuilt is not None and all(rebuilt[k] is v for k, v in values.items()):
                 return rebuilt  # type: ignore[no-any-return]
     try:
-        if isinstance(data, MutableMapping) and _copies_itself(data):
+        if copies_itself and isinstance(data, MutableMapping):
             clone = copy.copy(data)
             for key, value in values.items():  # (a Counter's update() adds: found by review)
                 clone[key] = value
@@ -214,21 +215,24 @@ def _rebuild_sequence(data: Sequence[Any], items: list[Any]) -> Sequence[Any]:
         return items
     if type(data) is tuple:
         return tuple(items)
-    if not _copies_itself(data):
+    copies_itself = _copies_itself(data)
+    if not copies_itself:
         rebuilt = _copied_around(data, items)
-        if rebuilt is not None and all(a is b for a, b in zip(rebuilt, items, strict=True)):
-            return rebuilt  # type: ignore[no-any-return]
+        with contextlib.suppress(Exception):  # (one that reads back otherwise: not it)
+            if rebuilt is not None and all(a is b for a, b in zip(rebuilt, items, strict=True)):
+                return rebuilt  # type: ignore[no-any-return]
+    plain = tuple(items) if isinstance(data, tuple) else items
     try:
-        if isinstance(data, MutableSequence) and _copies_itself(data):
+        if copies_itself and isinstance(data, MutableSequence):
             clone = copy.copy(data)
             for i, item in enumerate(items):
                 clone[i] = item
             return clone
         made: Sequence[Any] = type(data)(items)  # type: ignore[call-arg]  # tried
     except TypeError:
-        return tuple(items) if isinstance(data, tuple) else items
+        return plain
     if len(made) != len(items) or any(a is not b for a, b in zip(made, items, strict=False)):
-        return tuple(items) if isinstance(data, tuple) else items  # built otherwise: Vec(*items)
+        return plain  # built otherwise: Vec(*items)
     return made
 
 

@@ -216,21 +216,12 @@ def test_a_counter_batch_is_not_added_to_itself(workers: int) -> None:
     ]
 
 
-class Vocabulary(Mapping[str, torch.Tensor]):
+class Vocabulary(Record):
     """Read-only, with a large attribute beside its items."""
 
     def __init__(self, vocab: dict[str, int], **items: torch.Tensor) -> None:
+        super().__init__(**items)
         self.vocab = vocab
-        self._d = items
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._d[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 def test_a_rebuilt_container_shares_what_is_not_its_items_storage() -> None:
